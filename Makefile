@@ -1,0 +1,35 @@
+# `make serve` and `make test` do all set-up on a fresh machine.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install serve test lint model clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned to the CPU build, so pip never resolves a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+model: install
+	$(VENV)/bin/lumen model path
+
+# Until the HTTP server lands, serve runs a short offline demo on the default model.
+serve: model
+	$(VENV)/bin/lumen generate --chat "What is the capital of France?" \
+		"Write one sentence about the sea."
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: model lint
+	$(VENV)/bin/pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Benchmarks that compare Lumen side by side with baselines, reported as ratios."""

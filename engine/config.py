@@ -1,0 +1,165 @@
+"""Engine configuration: frozen dataclasses whose fields are also the CLI defaults."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import envs
+
+GiB = 1 << 30
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the engine needs to know about the model, read from its config.json."""
+
+    path: str
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_path(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"{path} is not a model folder: it has no config.json")
+        cfg = json.loads(cfg_file.read_text())
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r} in {path}: "
+                f"Lumen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("sliding_window"):
+            raise ValueError(f"sliding-window attention (in {path}) is not supported")
+        num_heads = cfg["num_attention_heads"]
+        # transformers 5 moved rope_theta (and the scaling dict) into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope type {rope_type!r} in {path}")
+        return cls(
+            path=str(path),
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            eos_token_ids=_eos_token_ids(path, cfg),
+        )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def _eos_token_ids(path: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
+    gen_file = path / "generation_config.json"
+    eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.is_file() else None
+    if eos is None:
+        eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every engine option, declared once. Field defaults are the CLI defaults."""
+
+    model: str | None = field(
+        default=None, metadata={"help": "model folder or name (default: SmolLM2-135M-Instruct)"}
+    )
+    dtype: str = field(
+        default="auto", metadata={"help": "auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16"}
+    )
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context length (default: the model's)"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata={"help": "bytes for the KV cache (default: 4 GiB on CPU, 80%% of free on CUDA)"},
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"}
+    )
+    max_num_batched_tokens: int = field(
+        default=2048, metadata={"help": "token budget of one engine step"}
+    )
+    max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
+    scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs or priority"})
+    seed: int = field(default=0, metadata={"help": "seed for requests that set none"})
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(
+                f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}"
+            )
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+
+    @classmethod
+    def option_fields(cls) -> tuple[Any, ...]:
+        return fields(cls)
+
+    def resolve_device(self) -> torch.device:
+        choice = envs.LUMEN_DEVICE.get() or self.device
+        if choice == "auto":
+            choice = "cuda" if torch.cuda.is_available() else "cpu"
+        if choice == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device cuda was asked for but CUDA is not available")
+        return torch.device(choice)
+
+    def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            # bf16 is emulated (slow) on most CPUs.
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.dtype not in dtypes:
+            raise ValueError(
+                f"dtype must be auto or one of {', '.join(dtypes)}, not {self.dtype!r}"
+            )
+        return dtypes[self.dtype]
+
+    def resolve_kv_cache_bytes(self, device: torch.device) -> int:
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * 0.8)
+        return 4 * GiB

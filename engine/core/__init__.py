@@ -1,0 +1,1 @@
+"""The EngineCore: scheduler, KV cache manager and the step loop."""

@@ -1,0 +1,127 @@
+"""EngineCore: schedule -> execute -> update, one step at a time. Token ids in, token ids out."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine import __version__
+from engine.config import EngineConfig, ModelConfig
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import Scheduler
+from engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, StepRecord
+from engine.request import Request, RequestStatus
+from engine.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        model_config = ModelConfig.from_path(model_path)
+        device = config.resolve_device()
+        dtype = config.resolve_dtype(device)
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's context length "
+                f"{model_config.max_position_embeddings}"
+            )
+        runner = ModelRunner(
+            model_config, device, dtype, max_model_len, config.block_size, config.seed
+        )
+        runner.load_model()
+        num_blocks = config.resolve_kv_cache_bytes(device) // runner.block_bytes()
+        capacity = num_blocks * config.block_size
+        if capacity < max_model_len:
+            if config.max_model_len is not None or num_blocks < 1:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
+                    f"max_model_len {max_model_len}: raise kv_cache_memory_bytes or lower "
+                    "max_model_len"
+                )
+            logger.warning("max_model_len lowered to %d, what the KV cache holds", capacity)
+            max_model_len = capacity
+        runner.init_kv_cache(num_blocks)
+        self.runner = runner
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            policy=config.scheduling_policy,
+        )
+        self.info = EngineInfo(
+            model=model_path,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_blocks,
+            block_size=config.block_size,
+            dtype=str(dtype).removeprefix("torch."),
+            device=str(device),
+            version=__version__,
+        )
+        logger.info(
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            model_path,
+            device,
+            self.info.dtype,
+            num_blocks,
+            config.block_size,
+            max_model_len,
+        )
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        # The frontend validated the request; these checks keep a bad one from
+        # reaching the model if another client skips that.
+        n = len(request.prompt_token_ids)
+        if n == 0 or n > self.max_model_len:
+            raise ValueError(
+                f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"
+            )
+        self.scheduler.add_request(Request.from_wire(request, self.max_model_len))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_requests():
+            return EngineCoreOutputs()
+        t_schedule = time.time_ns()
+        sched = self.scheduler.schedule()
+        t_execute = time.time_ns()
+        runner_out = self.runner.execute_model(sched)
+        t_executed = time.time_ns()
+        outputs = self.scheduler.update_from_output(sched, runner_out)
+        kv = self.scheduler.kv_cache
+        step = StepRecord(
+            step_id=sched.step_id,
+            schedule_start_ns=t_schedule,
+            schedule_end_ns=t_execute,
+            execute_start_ns=t_execute,
+            execute_end_ns=t_executed,
+            output_ns=time.time_ns(),
+            num_running=len(self.scheduler.running),
+            num_waiting=self.scheduler.num_waiting,
+            num_scheduled_tokens=sched.num_scheduled_tokens,
+            num_prefill_tokens=sched.num_prefill_tokens,
+            num_decode_tokens=sched.num_decode_tokens,
+            num_preemptions=sched.num_preemptions,
+            num_kv_blocks_used=kv.pool.num_used_blocks,
+            num_kv_blocks_total=kv.num_blocks,
+            num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
+        )
+        return EngineCoreOutputs(outputs, step)
+
+    def reset_prefix_cache(self) -> int:
+        return self.scheduler.kv_cache.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.runner.release_kv_cache()
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,214 @@
+"""Scheduler: one token budget that catches every request up to its target, each step."""
+
+from __future__ import annotations
+
+import logging
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request_queue import FCFSQueue, PriorityQueue
+from engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.messages import EngineCoreOutput
+from engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Decides, each step, how many tokens every request computes.
+
+    The one rule: a request is given ``num_tokens - num_computed_tokens``
+    tokens (its prompt, the rest of a chunked prompt, or its last sampled
+    token), capped by the step's token budget, ``max_num_seqs`` and the free
+    KV blocks. Running requests go first; waiting ones are admitted with what
+    budget is left. When blocks run out, the lowest-priority running request
+    is preempted: its blocks are freed and it recomputes later.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        *,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+    ) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.waiting = PriorityQueue() if policy == "priority" else FCFSQueue()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._new_req_ids: set[str] = set()
+        self._finished_req_ids: list[str] = []
+        self._step_id = 0
+        self.num_preemptions_total = 0
+
+    # -- requests in and out -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        self._new_req_ids.add(request.request_id)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End requests from outside (abort); unknown or finished ids are ignored."""
+        done = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            done.append(request)
+        return done
+
+    def has_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- the step --------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step_id=self._step_id, finished_req_ids=self._finished_req_ids)
+        self._step_id += 1
+        self._finished_req_ids = []
+        budget = self.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self._pick_victim()
+                victim_idx = self.running.index(victim)
+                self._preempt(victim)
+                out.num_preemptions += 1
+                if victim is request:
+                    break
+                budget += scheduled.pop(victim.request_id, 0)
+                if victim_idx < i:
+                    i -= 1
+            else:
+                scheduled[request.request_id] = num_new
+                budget -= num_new
+                i += 1
+                continue
+            # The request itself was preempted; i now points at the next one.
+
+        # Admit waiting requests only in a step that preempted nothing, so a
+        # preempted request is not immediately overtaken.
+        while (
+            not out.num_preemptions
+            and len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+        ):
+            request = self.waiting.peek()
+            hits, num_hit = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit - request.num_computed_tokens, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens += num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            out.num_prefix_hit_tokens += num_hit
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+
+        self._fill_batch(out, scheduled)
+        self.num_preemptions_total += out.num_preemptions
+        return out
+
+    def update_from_output(
+        self, sched: SchedulerOutput, runner: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append samples, stop finished requests."""
+        for req_id, token_ids in zip(sched.req_ids, sched.token_ids):
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens += len(token_ids)
+        outputs = []
+        for req_id, token_id in zip(runner.req_ids, runner.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran: its output is dropped
+            finished = request.check_stop(token_id)
+            outputs.append(
+                EngineCoreOutput(
+                    req_id,
+                    [token_id],
+                    runner.logprobs.get(req_id),
+                    request.status.finish_reason,
+                    request.stop_reason,
+                    request.num_cached_tokens,
+                )
+            )
+            if finished:
+                self.running.remove(request)
+                self._free(request)
+        return outputs
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_ns))
+        return self.running[-1]
+
+    def _preempt(self, victim: Request) -> None:
+        self.running.remove(victim)
+        self.kv_cache.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.waiting.add_preempted(victim)
+
+    def _fill_batch(self, out: SchedulerOutput, scheduled: dict[str, int]) -> None:
+        for req_id, num_new in scheduled.items():
+            request = self.requests[req_id]
+            start = request.num_computed_tokens
+            if req_id in self._new_req_ids:
+                self._new_req_ids.discard(req_id)
+                out.new_requests.append(
+                    NewRequestData(
+                        req_id,
+                        request.prompt_token_ids,
+                        request.sampling_params,
+                        request.eos_token_ids,
+                    )
+                )
+            out.req_ids.append(req_id)
+            out.token_ids.append(request.all_token_ids[start : start + num_new])
+            out.num_computed_tokens.append(start)
+            out.block_tables.append(self.kv_cache.block_ids(req_id))
+            out.sample.append(start + num_new == request.num_tokens)
+            if start < request.num_prompt_tokens or num_new > 1:
+                out.num_prefill_tokens += num_new
+            else:
+                out.num_decode_tokens += num_new
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._new_req_ids:
+            self._new_req_ids.discard(request.request_id)
+        else:
+            self._finished_req_ids.append(request.request_id)

@@ -1,0 +1,149 @@
+"""LLM: the offline API, LLM(model).generate(prompts, params) and LLM.chat(messages)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from engine.client import InprocClient
+from engine.config import EngineConfig, ModelConfig
+from engine.model_files import resolve_model
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.processor import InputProcessor, PromptType, load_tokenizer
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    """Generate offline with the same engine the server uses.
+
+    ``LLM(model=None)`` loads the default model; every EngineConfig field is
+    a keyword argument (``max_num_seqs=...``, ``kv_cache_memory_bytes=...``).
+    """
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        self.config = EngineConfig(model=model, **options)
+        path = resolve_model(model)
+        model_config = ModelConfig.from_path(path)
+        self.tokenizer = load_tokenizer(str(path))
+        self.client = InprocClient(self.config, str(path))
+        self.processor = InputProcessor(
+            self.tokenizer,
+            self.client.info,
+            vocab_size=model_config.vocab_size,
+            eos_token_ids=model_config.eos_token_ids,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in the order given."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        tokenized = [self.processor.tokenize(p) for p in prompts]
+        return self._run(tokenized, sampling_params, priority, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, with the tokenizer's template."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        tokenized: list[tuple[str | None, list[int]]] = [
+            (
+                None,
+                self.processor.apply_chat_template(
+                    conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                ),
+            )
+            for conv in conversations
+        ]
+        return self._run(tokenized, sampling_params, None, use_tqdm)
+
+    def _run(
+        self,
+        tokenized: list[tuple[str | None, list[int]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        priority: Sequence[int] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params, len(tokenized))
+        priorities = list(priority) if priority is not None else [0] * len(tokenized)
+        if len(priorities) != len(tokenized):
+            raise ValueError("priority must have one entry per prompt")
+        # Validate everything before adding anything, so a bad prompt adds nothing.
+        for (_, ids), p in zip(tokenized, params):
+            self.processor.validate(ids, p)
+        order: dict[str, int] = {}
+        for i, ((text, ids), p, prio) in enumerate(zip(tokenized, params, priorities)):
+            request_id = self.processor.new_request_id()
+            order[request_id] = i
+            child_ids = self.output_processor.add_request(request_id, text, ids, p)
+            for index, child_id in enumerate(child_ids):
+                child_params = p if p.n == 1 else _child_params(p, index)
+                self.client.add_request(
+                    self.processor.make_request(child_id, ids, child_params, priority=prio)
+                )
+        results: list[RequestOutput | None] = [None] * len(tokenized)
+        bar = tqdm(total=len(tokenized), desc="generate", disable=not use_tqdm)
+        try:
+            while self.output_processor.has_unfinished():
+                outputs = self.client.get_output()
+                finished, to_abort = self.output_processor.process_outputs(outputs.outputs)
+                if to_abort:
+                    self.client.abort_requests(to_abort)
+                for result in finished:
+                    results[order[result.request_id]] = result
+                bar.update(len(finished))
+        except BaseException:
+            # Ctrl-C or a failure: leave no request behind in the engine.
+            for request_id in order:
+                self.client.abort_requests(self.output_processor.abort_request(request_id))
+            raise
+        finally:
+            bar.close()
+        return [r for r in results if r is not None]
+
+    def reset_prefix_cache(self) -> int:
+        return self.client.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+
+def _per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num
+    params = list(sampling_params)
+    if len(params) != num:
+        raise ValueError(f"got {len(params)} sampling_params for {num} prompts")
+    return params
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    # Parallel samples of one prompt: distinct seeds keep them distinct yet reproducible.
+    seed = None if params.seed is None else params.seed + index
+    return params.clone(n=1, seed=seed)

@@ -1,0 +1,168 @@
+"""OutputProcessor: the one loop over a step's outputs (detokenize, stop strings, logprobs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.messages import EngineCoreOutput, Logprobs
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class _Sequence:
+    """One generated sequence (one of a request's n)."""
+
+    index: int
+    parent: _Parent
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def completion(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class _Parent:
+    """The request as the caller sees it; its n sequences run as separate core requests."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[_Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    num_unfinished: int = 0
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.completion() for s in self.sequences],
+            finished=self.num_unfinished == 0,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+def child_request_id(index: int, request_id: str, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._sequences: dict[str, _Sequence] = {}
+        self._parents: dict[str, _Parent] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> list[str]:
+        """Register a request; returns the core request ids of its n sequences."""
+        if request_id in self._parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        parent = _Parent(request_id, prompt, prompt_token_ids, params, num_unfinished=params.n)
+        self._parents[request_id] = parent
+        child_ids = []
+        for i in range(params.n):
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+            seq = _Sequence(i, parent, detok, logprobs=[] if params.logprobs is not None else None)
+            parent.sequences.append(seq)
+            child_id = child_request_id(i, request_id, params.n)
+            self._sequences[child_id] = seq
+            child_ids.append(child_id)
+        return child_ids
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def process_outputs(
+        self, outputs: list[EngineCoreOutput]
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the requests that finished this step, and core ids stopped by stop strings
+        (the caller must abort those in the core)."""
+        finished: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for out in outputs:
+            seq = self._sequences.get(out.request_id)
+            if seq is None:
+                continue  # a late output of an aborted request
+            seq.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs is not None and seq.logprobs is not None:
+                self._add_logprobs(seq, out.new_logprobs)
+            stop_str = seq.detokenizer.update(out.new_token_ids)
+            parent = seq.parent
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if stop_str is not None:
+                if out.finish_reason is None:
+                    to_abort.append(out.request_id)
+                self._finish(out.request_id, "stop", stop_str, finished)
+            elif out.finish_reason is not None:
+                self._finish(out.request_id, str(out.finish_reason), out.stop_reason, finished)
+        return finished, to_abort
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns its core ids (the caller aborts them in the core)."""
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return []
+        ids = [child_request_id(s.index, request_id, parent.params.n) for s in parent.sequences]
+        for child_id in ids:
+            self._sequences.pop(child_id, None)
+        return ids
+
+    def _finish(
+        self,
+        child_id: str,
+        reason: str,
+        stop_reason: int | str | None,
+        finished: list[RequestOutput],
+    ) -> None:
+        seq = self._sequences.pop(child_id)
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        parent = seq.parent
+        parent.num_unfinished -= 1
+        if parent.num_unfinished == 0:
+            del self._parents[parent.request_id]
+            finished.append(parent.output())
+
+    def _add_logprobs(self, seq: _Sequence, lp: Logprobs) -> None:
+        assert seq.logprobs is not None
+        for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            entry = {}
+            for j, (tid, value) in enumerate(zip(ids, values)):
+                if tid in entry:
+                    continue  # the sampled token is also among the top-k
+                entry[tid] = Logprob(
+                    value,
+                    rank if j == 0 else j,
+                    self.tokenizer.decode([tid], skip_special_tokens=False),
+                )
+            seq.logprobs.append(entry)
+            seq.cumulative_logprob += values[0]

@@ -1,0 +1,127 @@
+"""Input processing: validate, apply the chat template, tokenize, give the request an id."""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.messages import EngineCoreRequest, EngineInfo
+from engine.sampling_params import SamplingParams
+
+# A prompt is a string, or a dict with "prompt_token_ids" (vLLM's TokensPrompt).
+PromptType = str | dict[str, Any]
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(f"{path} has no fast tokenizer (tokenizer.json), which Lumen needs")
+    return tokenizer
+
+
+class InputProcessor:
+    """Turns what a user sends into EngineCoreRequests, or a ValueError that says why not."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        info: EngineInfo,
+        *,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.info = info
+        self.vocab_size = vocab_size
+        eos = list(eos_token_ids)
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+            eos.append(tokenizer.eos_token_id)
+        self.eos_token_ids = eos
+        self._counter = itertools.count()
+        self._prefix = uuid.uuid4().hex[:8]
+
+    def new_request_id(self, kind: str = "cmpl") -> str:
+        # Unique per process run and never reused.
+        return f"{kind}-{self._prefix}{next(self._counter):08x}"
+
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return self.tokenize(prompt["prompt"])
+        raise ValueError(
+            "a prompt must be a string or a dict with prompt_token_ids, "
+            f"got {type(prompt).__name__}"
+        )
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list")
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ValueError("each message must be a dict with a role")
+            if not isinstance(m.get("content", ""), str):
+                raise ValueError("message content must be a string (this model takes text only)")
+        if chat_template is None and self.tokenizer.chat_template is None:
+            raise ValueError("the model's tokenizer has no chat template")
+        ids = self.tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+        )
+        return list(ids)
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_ns: int | None = None,
+    ) -> EngineCoreRequest:
+        self.validate(prompt_token_ids, params)
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+            arrival_ns=arrival_ns if arrival_ns is not None else time.time_ns(),
+            priority=priority,
+        )
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        max_len = self.info.max_model_len
+        if n > max_len:
+            raise ValueError(
+                f"the prompt is {n} tokens long, more than the maximum context length "
+                f"of {max_len} tokens"
+            )
+        for tid in prompt_token_ids:
+            if isinstance(tid, bool) or not isinstance(tid, int) or not 0 <= tid < self.vocab_size:
+                raise ValueError(
+                    f"token id {tid!r} is outside the vocabulary (0 to {self.vocab_size - 1})"
+                )
+        for tid in params.stop_token_ids:
+            if tid >= self.vocab_size:
+                raise ValueError(f"stop_token_ids: {tid} is outside the vocabulary")

@@ -1,0 +1,1 @@
+"""Workers: tensors, the paged KV cache, the model forward and sampling."""

@@ -1,0 +1,87 @@
+"""Paged attention in plain torch: write new K/V through a slot mapping, read by block table.
+
+KV cache layout, one pair of tensors per layer::
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    slot = block_id * block_size + offset
+
+A step's tokens are flattened: decode rows (one token each) first, batched
+into one SDPA call over their gathered blocks; then each prefill chunk,
+attending causally to its cached context plus itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # first row in the flat batch
+    end: int
+    num_computed: int  # tokens of this sequence already in the cache
+    block_table: torch.Tensor | None  # set only when num_computed > 0
+    mask: torch.Tensor | None  # [chunk, context] bool, only when num_computed > 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] long
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillChunk]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D] for the step's tokens. Returns [T, H, D]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    # Every token's K/V is written before any read, so a request can use
+    # blocks another request of the same step fills (a prefix-cache hit).
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    gqa = q.shape[1] != num_kv_heads
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        kd = _gather(k_cache, meta.decode_block_tables, nd)
+        vd = _gather(v_cache, meta.decode_block_tables, nd)
+        od = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+        )
+        out[:nd] = od.squeeze(2)
+    for p in meta.prefills:
+        qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        if p.num_computed == 0:
+            kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+        else:
+            assert p.block_table is not None and p.mask is not None
+            ctx = p.mask.shape[1]
+            kp = _gather(k_cache, p.block_table.unsqueeze(0), 1)[:, :, :ctx]
+            vp = _gather(v_cache, p.block_table.unsqueeze(0), 1)[:, :, :ctx]
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa
+            )
+        out[p.start : p.end] = op.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, batch: int) -> torch.Tensor:
+    """[B, max_blocks] block ids -> [B, KVH, max_blocks * block_size, D]."""
+    blocks = cache[block_tables]  # [B, max_blocks, block_size, KVH, D]
+    return blocks.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)

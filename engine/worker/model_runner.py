@@ -1,0 +1,192 @@
+"""ModelRunner: turns a SchedulerOutput into tensors, runs one forward, samples."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig
+from engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.worker.attention import AttentionMetadata, PrefillChunk
+from engine.worker.llama import LlamaForCausalLM, Rotary
+from engine.worker.sampler import Sampler, SamplingRow
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """Owns the weights and the KV cache tensors on one device; executes what it is told."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        block_size: int,
+        seed: int = 0,
+    ) -> None:
+        self.cfg = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.model: LlamaForCausalLM | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.rotary = Rotary(model_config, max_model_len, device)
+        self.sampler = Sampler(device, seed)
+        self.rows: dict[str, SamplingRow] = {}
+
+    def load_model(self) -> None:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(self.cfg)
+        model = model.to_empty(device=self.device).to(self.dtype)
+        model.load_weights(self.cfg.path)
+        self.model = model.eval()
+
+    def block_bytes(self) -> int:
+        return self.block_size * self.cfg.kv_bytes_per_token(self.dtype)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        # Zeroed: padded reads are masked, but a masked NaN would still poison P @ V.
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device),
+            )
+            for _ in range(self.cfg.num_layers)
+        ]
+
+    def release_kv_cache(self) -> None:
+        self.kv_caches = []
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for req_id in sched.finished_req_ids:
+            self.rows.pop(req_id, None)
+        for new in sched.new_requests:
+            self._add_request(new)
+        if not sched.req_ids:
+            return ModelRunnerOutput([], [])
+        inputs = self._prepare_inputs(sched)
+        assert self.model is not None
+        logits = self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.rotary,
+            self.kv_caches,
+            inputs.meta,
+            inputs.logits_indices,
+        )
+        rows = [self.rows[r] for r in inputs.sample_req_ids]
+        sampled, logprobs = self.sampler(logits, rows)
+        for row, token in zip(rows, sampled):
+            row.output_token_ids.append(token)
+        return ModelRunnerOutput(
+            inputs.sample_req_ids,
+            sampled,
+            {r: lp for r, lp in zip(inputs.sample_req_ids, logprobs) if lp is not None},
+        )
+
+    def _add_request(self, new: NewRequestData) -> None:
+        seed = new.sampling_params.seed
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed % (1 << 64))
+        self.rows[new.request_id] = SamplingRow(
+            new.sampling_params, generator, new.prompt_token_ids, [], new.eos_token_ids
+        )
+
+    def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
+        # Decode rows (a single token after a full prefix) go first, batched.
+        order = sorted(
+            range(len(sched.req_ids)),
+            key=lambda i: not (len(sched.token_ids[i]) == 1 and sched.num_computed_tokens[i] > 0),
+        )
+        token_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        logits_indices: list[int] = []
+        sample_req_ids: list[str] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        bs = self.block_size
+        for i in order:
+            ids, start, table = (
+                sched.token_ids[i],
+                sched.num_computed_tokens[i],
+                sched.block_tables[i],
+            )
+            n = len(ids)
+            pos = np.arange(start, start + n)
+            table_np = np.asarray(table, dtype=np.int64)
+            row0 = len(token_ids)
+            token_ids.extend(ids)
+            positions.append(pos)
+            slots.append(table_np[pos // bs] * bs + pos % bs)
+            if n == 1 and start > 0:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            elif start == 0:
+                prefills.append(PrefillChunk(row0, row0 + n, 0, None, None))
+            else:
+                prefills.append(self._chunk_with_context(row0, n, start, table))
+            if sched.sample[i]:
+                logits_indices.append(row0 + n - 1)
+                sample_req_ids.append(sched.req_ids[i])
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            num_decodes=len(decode_tables),
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        if decode_tables:
+            max_blocks = max(len(t) for t in decode_tables)
+            tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
+            for j, t in enumerate(decode_tables):
+                tables[j, : len(t)] = t
+            lens = torch.tensor(decode_lens, device=dev)
+            meta.decode_block_tables = torch.from_numpy(tables).to(dev)
+            meta.decode_mask = (
+                torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+            ).view(len(decode_tables), 1, 1, -1)
+        return _StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(np.concatenate(positions)).to(dev),
+            meta=meta,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            sample_req_ids=sample_req_ids,
+        )
+
+    def _chunk_with_context(self, row0: int, n: int, start: int, table: list[int]) -> PrefillChunk:
+        ctx = start + n
+        num_blocks = -(-ctx // self.block_size)
+        dev = self.device
+        q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
+        mask = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos
+        block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=dev)
+        return PrefillChunk(row0, row0 + n, start, block_table, mask)
+
+
+class _StepInputs:
+    __slots__ = ("input_ids", "logits_indices", "meta", "positions", "sample_req_ids")
+
+    def __init__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        sample_req_ids: list[str],
+    ) -> None:
+        self.input_ids = input_ids
+        self.positions = positions
+        self.meta = meta
+        self.logits_indices = logits_indices
+        self.sample_req_ids = sample_req_ids

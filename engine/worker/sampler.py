@@ -1,0 +1,144 @@
+"""Batched sampling: penalties, temperature, top-k / top-p / min-p, seeded draws, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.messages import Logprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs of one request this step."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # per-request, when the request set a seed
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: frozenset[int]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        # Requests without a seed share one generator, seeded per engine.
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    @torch.no_grad()
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], list[Logprobs | None]]:
+        """logits: [B, V] fp32, one row per entry of ``rows``."""
+        raw = logits
+        logits = self._apply_penalties(logits, rows)
+        greedy = [r.params.greedy for r in rows]
+        # The common all-greedy batch skips the sampling machinery.
+        sampled = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, rows, greedy)
+        sampled_ids = sampled.tolist()
+        return sampled_ids, self._logprobs(raw, rows, sampled)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        cloned = False
+        vocab = logits.shape[-1]
+        for i, row in enumerate(rows):
+            p = row.params
+            blocked = (
+                (row.eos_token_ids | frozenset(p.stop_token_ids))
+                if len(row.output_token_ids) < p.min_tokens
+                else None
+            )
+            if not p.has_penalties and not blocked:
+                continue
+            if not cloned:
+                logits, cloned = logits.clone(), True
+            if blocked:
+                logits[i, list(blocked)] = float("-inf")
+            if not p.has_penalties:
+                continue
+            out_ids = torch.tensor(row.output_token_ids, dtype=torch.long, device=self.device)
+            counts = torch.bincount(out_ids, minlength=vocab)[:vocab].to(logits.dtype)
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                prompt = torch.tensor(row.prompt_token_ids, dtype=torch.long, device=self.device)
+                seen[prompt] = True
+                row_logits = logits[i]
+                penalised = torch.where(
+                    row_logits > 0,
+                    row_logits / p.repetition_penalty,
+                    row_logits * p.repetition_penalty,
+                )
+                logits[i] = torch.where(seen, penalised, row_logits)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+        return logits
+
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]
+    ) -> torch.Tensor:
+        greedy_ids = logits.argmax(dim=-1)
+        temps = torch.tensor(
+            [1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
+            device=self.device,
+        )
+        logits = logits / temps.unsqueeze(1)
+        logits = _top_k_top_p_min_p(logits, rows)
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets
+        # each seeded request consume only its own generator.
+        noise = torch.empty_like(probs)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            noise[shared] = noise[shared].exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        random_ids = (probs / noise).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy, device=self.device), greedy_ids, random_ids)
+
+    def _logprobs(
+        self, raw: torch.Tensor, rows: list[SamplingRow], sampled: torch.Tensor
+    ) -> list[Logprobs | None]:
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        out: list[Logprobs | None] = [None] * len(rows)
+        if not wanted:
+            return out
+        logprobs = raw[wanted].log_softmax(dim=-1)
+        for j, i in enumerate(wanted):
+            k = rows[i].params.logprobs or 0
+            token = int(sampled[i])
+            lp = logprobs[j]
+            top = lp.topk(k) if k else None
+            token_lp = float(lp[token])
+            rank = int((lp > lp[token]).sum()) + 1
+            ids = [token] + (top.indices.tolist() if top is not None else [])
+            lps = [token_lp] + (top.values.tolist() if top is not None else [])
+            out[i] = Logprobs([ids], [lps], [rank])
+        return out
+
+
+def _top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    min_p = [r.params.min_p for r in rows]
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        k_t = torch.tensor(top_k, device=logits.device).clamp(max=vocab)
+        ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        drop = ranks >= k_t.unsqueeze(1)
+        if any(p < 1.0 for p in top_p):
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # Drop a token when the mass before it already reaches top_p.
+            before = probs.cumsum(dim=-1) - probs
+            drop |= before >= torch.tensor(top_p, device=logits.device).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    if any(p > 0.0 for p in min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(
+            min_p, device=logits.device
+        ).unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits

@@ -1,0 +1,1 @@
+"""Replay of recorded traffic through the real engine."""

@@ -1,0 +1,1 @@
+"""The HTTP frontend and the `lumen` command."""

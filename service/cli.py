@@ -1,0 +1,118 @@
+"""The `lumen` command, grouped by noun: model, generate, bench."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+import types
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from engine.config import EngineConfig
+
+
+def add_engine_options(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field; the dataclass is the only source of defaults."""
+    hints = get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ = _base_type(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        if typ is bool:
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
+        else:
+            group.add_argument(
+                flag, type=typ, default=f.default, help=help_text, metavar=f.name.upper()
+            )
+
+
+def engine_options(args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(EngineConfig)
+        if f.name not in skip and hasattr(args, f.name)
+    }
+
+
+def _base_type(hint: Any) -> type:
+    if get_origin(hint) in (Union, types.UnionType):
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    return hint
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lumen", description="Lumen LLM inference server")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    nouns = parser.add_subparsers(dest="noun", required=True)
+
+    model = nouns.add_parser("model", help="local model files")
+    model_verbs = model.add_subparsers(dest="verb", required=True)
+    path = model_verbs.add_parser("path", help="print a model's local folder (fetches the default)")
+    path.add_argument("model", nargs="?", default=None, help="model folder or name")
+    path.set_defaults(func=_model_path)
+
+    gen = nouns.add_parser("generate", help="generate offline from a prompt (a quick demo)")
+    gen.add_argument("prompt", nargs="+", help="prompt text (one or more)")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    add_engine_options(gen)
+    gen.set_defaults(func=_generate)
+
+    bench = nouns.add_parser("bench", help="benchmarks, side by side with baselines")
+    bench_verbs = bench.add_subparsers(dest="verb", required=True)
+    from bench import throughput
+
+    throughput.add_parser(bench_verbs)
+    return parser
+
+
+def _model_path(args: argparse.Namespace) -> int:
+    from engine.model_files import resolve_model
+
+    print(resolve_model(args.model, log=lambda m: print(m, file=sys.stderr)))
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(**engine_options(args))
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    if args.chat:
+        convs = [[{"role": "user", "content": p}] for p in args.prompt]
+        results = llm.chat(convs, params, use_tqdm=False)
+    else:
+        results = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, result in zip(args.prompt, results):
+        out = result.outputs[0]
+        print(f"> {prompt}\n{out.text}\n[{len(out.token_ids)} tokens, {out.finish_reason}]\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except ValueError as e:
+        # A user error: one line, no traceback.
+        print(f"lumen: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Boundary spans, OTLP export and the DuckDB trace store (not built yet)."""

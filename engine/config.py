@@ -110,6 +110,9 @@ class EngineConfig:
         default=None,
         metadata={"help": "bytes for the KV cache (default: 4 GiB on CPU, 80%% of free on CUDA)"},
     )
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "exact number of KV blocks (overrides the memory budget)"}
+    )
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"}
     )
@@ -130,6 +133,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be at least 1")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
 

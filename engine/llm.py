@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from engine.client import InprocClient
 from engine.config import EngineConfig, ModelConfig
+from engine.messages import StepRecord
 from engine.model_files import resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -17,6 +18,16 @@ from engine.processor import InputProcessor, PromptType, load_tokenizer
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+_METRICS = (
+    "num_steps",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "num_preemptions",
+    "num_prefix_hit_tokens",
+    "max_scheduled_tokens",
+    "max_kv_blocks_used",
+)
 
 
 class LLM:
@@ -39,6 +50,7 @@ class LLM:
             eos_token_ids=model_config.eos_token_ids,
         )
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
+        self._metrics = dict.fromkeys(_METRICS, 0)
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -108,6 +120,8 @@ class LLM:
         try:
             while self.output_processor.has_unfinished():
                 outputs = self.client.get_output()
+                if outputs.step is not None:
+                    self._record(outputs.step)
                 finished, to_abort = self.output_processor.process_outputs(outputs.outputs)
                 if to_abort:
                     self.client.abort_requests(to_abort)
@@ -122,6 +136,20 @@ class LLM:
         finally:
             bar.close()
         return [r for r in results if r is not None]
+
+    def get_metrics(self) -> dict[str, int]:
+        """Counters over every engine step this LLM ran (steps, tokens, preemptions, hits)."""
+        return dict(self._metrics)
+
+    def _record(self, step: StepRecord) -> None:
+        m = self._metrics
+        m["num_steps"] += 1
+        m["num_prefill_tokens"] += step.num_prefill_tokens
+        m["num_decode_tokens"] += step.num_decode_tokens
+        m["num_preemptions"] += step.num_preemptions
+        m["num_prefix_hit_tokens"] += step.num_prefix_hit_tokens
+        m["max_scheduled_tokens"] = max(m["max_scheduled_tokens"], step.num_scheduled_tokens)
+        m["max_kv_blocks_used"] = max(m["max_kv_blocks_used"], step.num_kv_blocks_used)
 
     def reset_prefix_cache(self) -> int:
         return self.client.reset_prefix_cache()

@@ -33,7 +33,13 @@ class EngineCore:
             model_config, device, dtype, max_model_len, config.block_size, config.seed
         )
         runner.load_model()
-        num_blocks = config.resolve_kv_cache_bytes(device) // runner.block_bytes()
+        num_blocks = config.num_kv_blocks
+        if num_blocks is None:
+            num_blocks = config.resolve_kv_cache_bytes(device) // runner.block_bytes()
+            if config.kv_cache_memory_bytes is None:
+                # A default budget need not exceed what max_num_seqs full sequences can use.
+                most = -(-config.max_num_seqs * max_model_len // config.block_size)
+                num_blocks = min(num_blocks, most)
         capacity = num_blocks * config.block_size
         if capacity < max_model_len:
             if config.max_model_len is not None or num_blocks < 1:

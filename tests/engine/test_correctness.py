@@ -1,0 +1,83 @@
+"""Greedy tokens match Hugging Face generate on the same weights, in every scheduling regime."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.helpers.models import hf_greedy
+
+MAX_TOKENS = 12
+NUM_PROMPTS = 16
+
+
+def _random_prompts(seed: int, shared_prefix: int = 0) -> list[list[int]]:
+    """16 prompts of lengths 1..~180; with shared_prefix, all start with the same tokens."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 49152) for _ in range(shared_prefix)]
+    lengths = [1, 2, 5, 9, 16, 17, 31, 33, 48, 64, 70, 97, 120, 128, 150, 181]
+    return [prefix + [rng.randrange(3, 49152) for _ in range(n)] for n in lengths]
+
+
+# name -> (engine options, prompts' shared prefix length)
+SETTINGS: dict[str, tuple[dict[str, Any], int]] = {
+    "default": ({}, 0),
+    "chunked_prefill": ({"max_num_batched_tokens": 24}, 0),
+    "prefix_cache": ({"max_num_batched_tokens": 512}, 40),
+    # 20 blocks of 16 tokens for 16 requests of up to ~200 tokens.
+    "preemption": ({"num_kv_blocks": 20, "max_model_len": 320}, 0),
+}
+
+
+def _check_setting(model_path: Path, name: str, references: dict[int, list[list[int]]]) -> None:
+    options, shared = SETTINGS[name]
+    prompts = _random_prompts(seed=shared, shared_prefix=shared)
+    if shared not in references:
+        references[shared] = hf_greedy(model_path, prompts, MAX_TOKENS)
+    expected = references[shared]
+    llm = LLM(str(model_path), **options)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        use_tqdm=False,
+    )
+    metrics = llm.get_metrics()
+    print(f"{name}: {metrics}")
+    for i, (out, ref) in enumerate(zip(outs, expected)):
+        assert out.outputs[0].token_ids == ref, f"prompt {i} (len {len(prompts[i])}) differs"
+    if name == "chunked_prefill":
+        assert metrics["max_scheduled_tokens"] <= 24 < max(len(p) for p in prompts)
+    if name == "prefix_cache":
+        assert metrics["num_prefix_hit_tokens"] > 0
+        assert sum(o.num_cached_tokens > 0 for o in outs) >= NUM_PROMPTS - 1
+    if name == "preemption":
+        assert metrics["num_preemptions"] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_references() -> dict[int, list[list[int]]]:
+    return {}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_tiny_llama_matches_hf(
+    setting: str, tiny_model_path: Path, tiny_references: dict[int, list[list[int]]]
+) -> None:
+    _check_setting(tiny_model_path, setting, tiny_references)
+
+
+@pytest.fixture(scope="module")
+def smol_references() -> dict[int, list[list[int]]]:
+    return {}
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_smollm2_matches_hf(
+    setting: str, default_model_path: Path, smol_references: dict[int, list[list[int]]]
+) -> None:
+    _check_setting(default_model_path, setting, smol_references)

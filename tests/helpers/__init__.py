@@ -1,0 +1,1 @@
+"""Helpers shared across the suite (factories, model fixtures' builders)."""

@@ -22,3 +22,11 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, default_model_path
     from tests.helpers.models import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_model_path: Path):
+    """One engine on the tiny model, shared by tests that only send requests."""
+    from engine import LLM
+
+    return LLM(str(tiny_model_path), num_kv_blocks=512)

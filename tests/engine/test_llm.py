@@ -1,0 +1,143 @@
+"""LLM.generate / LLM.chat behaviour: sampling, stops, finish reasons, bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+PROMPT = {"prompt_token_ids": [101, 2045, 77, 3000, 12, 999, 4242, 17]}
+OTHERS = [{"prompt_token_ids": [5 + i, 700 + 3 * i, 1234, 42 + i]} for i in range(5)]
+
+
+def _gen(llm: LLM, prompts, params: SamplingParams):
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+def _no_requests_left(llm: LLM) -> bool:
+    core = llm.client.core
+    return not core.scheduler.requests and core.scheduler.kv_cache.req_blocks == {}
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny_llm: LLM) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=16)
+    alone = _gen(tiny_llm, [PROMPT], params)[0].outputs[0].token_ids
+    batched = _gen(tiny_llm, [*OTHERS[:2], PROMPT, *OTHERS[2:]], params)[2].outputs[0].token_ids
+    other_seed = _gen(tiny_llm, [PROMPT], params.clone(seed=8))[0].outputs[0].token_ids
+    assert alone == batched
+    assert alone != other_seed
+
+
+def test_parallel_samples_are_distinct_and_indexed(tiny_llm: LLM) -> None:
+    params = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=8)
+    out = _gen(tiny_llm, [PROMPT], params)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+    again = _gen(tiny_llm, [PROMPT], params)[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+
+
+def test_greedy_logprobs_rank_the_sampled_token_first(tiny_llm: LLM) -> None:
+    out = _gen(tiny_llm, [PROMPT], SamplingParams(temperature=0, logprobs=3, max_tokens=6))[0]
+    comp = out.outputs[0]
+    assert comp.logprobs is not None and len(comp.logprobs) == 6
+    total = 0.0
+    for token_id, entry in zip(comp.token_ids, comp.logprobs):
+        assert token_id in entry and entry[token_id].rank == 1
+        assert len(entry) == 3  # the sampled token is also the top-1
+        assert entry[token_id].logprob == max(lp.logprob for lp in entry.values())
+        total += entry[token_id].logprob
+    assert comp.cumulative_logprob == pytest.approx(total)
+
+
+def test_max_tokens_finishes_with_length(tiny_llm: LLM) -> None:
+    comp = _gen(tiny_llm, [PROMPT], SamplingParams(temperature=0, max_tokens=5))[0].outputs[0]
+    assert len(comp.token_ids) == 5
+    assert comp.finish_reason == "length"
+
+
+def test_stop_string_cuts_text_and_frees_the_request(tiny_llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    ref = _gen(tiny_llm, [PROMPT], greedy)[0].outputs[0]
+    cut = len(ref.text) // 2
+    stop = ref.text[cut : cut + 3]
+    assert stop and stop not in ref.text[: cut + 2]
+    comp = _gen(tiny_llm, [PROMPT], greedy.clone(stop=[stop]))[0].outputs[0]
+    assert comp.text == ref.text[:cut]
+    assert (comp.finish_reason, comp.stop_reason) == ("stop", stop)
+    kept = _gen(tiny_llm, [PROMPT], greedy.clone(stop=[stop], include_stop_str_in_output=True))[
+        0
+    ].outputs[0]
+    assert kept.text == ref.text[: cut + 3]
+    assert _no_requests_left(tiny_llm)
+
+
+def test_stop_token_ids_and_min_tokens(tiny_llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    ref = _gen(tiny_llm, [PROMPT], greedy)[0].outputs[0].token_ids
+    stop_id = ref[3]
+    first = ref.index(stop_id)
+    comp = _gen(tiny_llm, [PROMPT], greedy.clone(stop_token_ids=[stop_id]))[0].outputs[0]
+    assert comp.token_ids == ref[: first + 1]
+    assert (comp.finish_reason, comp.stop_reason) == ("stop", stop_id)
+    held = _gen(tiny_llm, [PROMPT], greedy.clone(stop_token_ids=[stop_id], min_tokens=first + 3))
+    assert stop_id not in held[0].outputs[0].token_ids[: first + 3]
+
+
+def test_bad_input_is_rejected_and_the_engine_keeps_serving(tiny_llm: LLM) -> None:
+    max_len = tiny_llm.client.info.max_model_len
+    ok = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        _gen(tiny_llm, [PROMPT, {"prompt_token_ids": []}], ok)
+    with pytest.raises(ValueError, match=rf"{max_len + 1}.*{max_len}"):
+        _gen(tiny_llm, [{"prompt_token_ids": [5] * (max_len + 1)}], ok)
+    with pytest.raises(ValueError, match="vocabulary"):
+        _gen(tiny_llm, [{"prompt_token_ids": [5, 49152]}], ok)
+    with pytest.raises(ValueError, match="vocabulary"):
+        _gen(tiny_llm, [{"prompt_token_ids": [5, -1]}], ok)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("nan"))
+    with pytest.raises(ValueError, match="sampling_params"):
+        _gen(tiny_llm, [PROMPT, PROMPT], [ok])
+    assert _no_requests_left(tiny_llm)
+    out = _gen(tiny_llm, [PROMPT], ok)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_outputs_come_back_in_prompt_order(tiny_llm: LLM) -> None:
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (9, 1, 5, 3)]
+    outs = _gen(tiny_llm, OTHERS[:4], params)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [9, 1, 5, 3]
+    assert [o.prompt_token_ids for o in outs] == [p["prompt_token_ids"] for p in OTHERS[:4]]
+
+
+def test_priority_policy_runs_urgent_requests_first(tiny_model_path: Path) -> None:
+    llm = LLM(str(tiny_model_path), num_kv_blocks=64, max_num_seqs=1, scheduling_policy="priority")
+    seen: list[str] = []
+    original = llm.output_processor.process_outputs
+
+    def spy(outputs):
+        finished, to_abort = original(outputs)
+        seen.extend(r.prompt_token_ids[0] for r in finished)
+        return finished, to_abort
+
+    llm.output_processor.process_outputs = spy  # observe completion order only
+    prompts = [{"prompt_token_ids": [p, 7, 8]} for p in (30, 10, 20)]
+    llm.generate(prompts, SamplingParams(max_tokens=3), priority=[3, 1, 2], use_tqdm=False)
+    assert seen == [10, 20, 30]
+
+
+@pytest.mark.real_model
+def test_chat_knows_the_capital_of_france(default_model_path: Path) -> None:
+    llm = LLM(num_kv_blocks=256)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=32),
+        use_tqdm=False,
+    )
+    comp = out[0].outputs[0]
+    print(repr(comp.text))
+    assert "Paris" in comp.text
+    assert comp.finish_reason == "stop"

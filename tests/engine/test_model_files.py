@@ -1,0 +1,60 @@
+"""Model provisioning: the default model's folder, local folders, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config import ModelConfig
+from engine.model_files import resolve_model, served_name
+
+
+def test_default_model_is_a_converted_llama(default_model_path: Path) -> None:
+    cfg = ModelConfig.from_path(default_model_path)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads) == (30, 576, 9, 3)
+    assert cfg.tie_word_embeddings and cfg.max_position_embeddings == 8192
+    assert cfg.rope_theta == 100000.0  # read from transformers 5's rope_parameters
+    assert list(default_model_path.glob("*.safetensors"))
+    assert not list(default_model_path.glob("*.gguf"))
+    assert resolve_model(None) == default_model_path
+    assert served_name(None) == "SmolLM2-135M-Instruct"
+
+
+def test_local_folder_resolves(tiny_model_path: Path) -> None:
+    assert resolve_model(str(tiny_model_path)) == tiny_model_path.resolve()
+    assert served_name(str(tiny_model_path)) == tiny_model_path.name
+
+
+def test_missing_and_unsupported_models_raise_clearly(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not found"):
+        resolve_model(str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+        resolve_model(str(tmp_path))
+
+
+def _lumen(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "service.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_model_path_prints_the_folder(default_model_path: Path) -> None:
+    result = _lumen("model", "path")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(default_model_path)
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    for target in (str(tmp_path / "missing"), str(tmp_path)):
+        result = _lumen("model", "path", target)
+        assert result.returncode == 2
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("lumen: error:"), result.stderr
+        assert "Traceback" not in result.stderr

@@ -32,10 +32,10 @@ def test_local_folder_resolves(tiny_model_path: Path) -> None:
 def test_missing_and_unsupported_models_raise_clearly(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not found"):
         resolve_model(str(tmp_path / "nope"))
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         resolve_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel"):
         resolve_model(str(tmp_path))
 
 

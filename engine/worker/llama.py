@@ -43,13 +43,23 @@ class Rotary:
         self.cos = emb.cos().to(device)
         self.sin = emb.sin().to(device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, D]."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
+        """The step's cos/sin rows, gathered once and shared by every layer."""
+        return (
+            self.cos[positions].unsqueeze(1).to(dtype),
+            self.sin[positions].unsqueeze(1).to(dtype),
+        )
+
+
+RotaryTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def apply_rotary(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """x: [T, heads, D], rotated by each token's position (Hugging Face's rotate_half form)."""
+    cos, sin = tables
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
@@ -89,16 +99,15 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
-        positions: torch.Tensor,
-        rotary: Rotary,
+        rotary: RotaryTables,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = h.shape[0]
         x = self.input_layernorm(h)
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = rotary.apply(q.view(num_tokens, self.num_heads, self.head_dim), positions)
-        k = rotary.apply(k.view(num_tokens, self.num_kv_heads, self.head_dim), positions)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), rotary)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), rotary)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         h = h + self.o_proj(attn.reshape(num_tokens, -1))
@@ -131,8 +140,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Flat batch of tokens in; logits of the rows in ``logits_indices`` out."""
         h = self.embed_tokens(input_ids)
+        tables = rotary.lookup(positions, h.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, positions, rotary, kv_cache, meta)
+            h = layer(h, tables, kv_cache, meta)
         h = self.norm(h[logits_indices])
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()

@@ -62,6 +62,7 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and ids")
     p.add_argument("--hf-batch-size", type=int, default=16, help="HF generate static batch size")
     p.add_argument("--skip-hf", action="store_true", help="run Lumen only")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     add_engine_options(p, skip=ENGINE_SKIP)
     p.set_defaults(func=run)
@@ -134,6 +135,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-requests must be at least 1, got {args.num_requests}")
     if args.hf_batch_size < 1:
         raise ValueError(f"--hf-batch-size must be at least 1, got {args.hf_batch_size}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
     if args.json is not None and not Path(args.json).parent.is_dir():
         raise ValueError(f"--json: folder {Path(args.json).parent} does not exist")
 
@@ -142,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     from service.cli import engine_options
 
     _validate(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     from engine import LLM
     from engine.config import ModelConfig
     from engine.model_files import resolve_model
@@ -186,6 +191,9 @@ def run(args: argparse.Namespace) -> int:
     ratio = results[0].output_tok_s / results[1].output_tok_s if len(results) > 1 else None
     if ratio is not None:
         print(f"throughput ratio (Lumen / HF generate, output tok/s): {ratio:.2f}x")
+    bs = args.hf_batch_size
+    chunks = [work.output_lens[i : i + bs] for i in range(0, len(work.output_lens), bs)]
+    hf_generated = sum(len(c) * max(c) for c in chunks)  # what HF computes, wasted rows too
     if args.json is not None:
         doc = {
             "workload": {
@@ -201,7 +209,9 @@ def run(args: argparse.Namespace) -> int:
                 "order": "lumen first, freed before hf_generate",
             },
             "lumen": lumen.as_json(),
-            "hf_generate": results[1].as_json() if len(results) > 1 else None,
+            "hf_generate": {**results[1].as_json(), "generated_incl_padding": hf_generated}
+            if len(results) > 1
+            else None,
             "throughput_ratio": ratio,
             "machine": {
                 "cpu_count": os.cpu_count(),

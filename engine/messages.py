@@ -78,6 +78,7 @@ class StepRecord(msgspec.Struct, array_like=True, gc=False):
     num_preemptions: int
     num_kv_blocks_used: int
     num_kv_blocks_total: int
+    num_prefix_query_tokens: int
     num_prefix_hit_tokens: int
 
 

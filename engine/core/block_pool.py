@@ -92,6 +92,10 @@ class BlockPool:
         block.key = key
         self._cached[block_hash] = block
 
+    def uncache(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            self._evict(block)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash; blocks in use stay allocated. Returns how many were dropped."""
         num = len(self._cached)

@@ -120,6 +120,7 @@ class EngineCore:
             num_preemptions=sched.num_preemptions,
             num_kv_blocks_used=kv.pool.num_used_blocks,
             num_kv_blocks_total=kv.num_blocks,
+            num_prefix_query_tokens=sched.num_prefix_query_tokens,
             num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
         )
         return EngineCoreOutputs(outputs, step)

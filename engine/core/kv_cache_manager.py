@@ -38,9 +38,6 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
-        # Counters for metrics: queried and hit prompt tokens.
-        self.num_prefix_queries = 0
-        self.num_prefix_hits = 0
 
     @property
     def num_blocks(self) -> int:
@@ -70,8 +67,6 @@ class KVCacheManager:
                 break
             hits.append(block)
             parent = block_hash
-        self.num_prefix_queries += request.num_tokens
-        self.num_prefix_hits += len(hits) * bs
         return hits, len(hits) * bs
 
     def allocate_slots(
@@ -108,11 +103,21 @@ class KVCacheManager:
         return True
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks; tail blocks go first in the eviction order."""
+        """Release the request's blocks; tail blocks go first in the eviction order.
+
+        Blocks are indexed when slots are allocated, before the step computes
+        them. A request preempted after being scheduled in the same step never
+        computes those tokens, so a block it alone holds that is not fully
+        computed leaves the index here instead of becoming a false hit.
+        """
         blocks = self.req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
-        if blocks:
-            self.pool.free(blocks[::-1])
+        if not blocks:
+            return
+        for block in blocks[request.num_computed_tokens // self.block_size :]:
+            if block.ref_cnt == 1:
+                self.pool.uncache(block)
+        self.pool.free(blocks[::-1])
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

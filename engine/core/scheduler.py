@@ -117,17 +117,18 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             request = self.waiting.peek()
-            hits, num_hit = [], 0
-            if request.num_computed_tokens == 0:
-                hits, num_hit = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_hit - request.num_computed_tokens, budget)
+            # A waiting request has nothing computed (preemption resets it).
+            hits, num_hit = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv_cache.allocate_slots(request, num_new, hits):
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens += num_hit
+            request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+            if self.kv_cache.enable_caching:
+                out.num_prefix_query_tokens += request.num_tokens
             out.num_prefix_hit_tokens += num_hit
             self.running.append(request)
             scheduled[request.request_id] = num_new

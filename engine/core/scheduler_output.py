@@ -40,6 +40,8 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_preemptions: int = 0
+    # Prefix-cache lookups of requests admitted this step: tokens looked up, tokens hit.
+    num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
 
     @property

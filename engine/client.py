@@ -1,16 +1,36 @@
-"""EngineCore clients: the same core operations as a direct call or (later) over ZMQ."""
+"""EngineCore clients: the same core operations as a direct call or as ZMQ messages.
+
+Semantics every client keeps (tests/engine/test_clients.py runs one suite on all three):
+- ``add_request`` / ``abort_requests`` return at once; ``get_output`` returns
+  the next batch of outputs, or an empty batch at once when nothing is open;
+- after ``abort_requests`` no output of the aborted request is delivered,
+  even if the same id is added again right away;
+- a dead core raises ``EngineDeadError`` from every open and later call;
+- utilities come from the fixed ``UtilityMethod`` set.
+"""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Protocol
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo
+from engine.errors import EngineDeadError
+from engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    EngineStats,
+    FinishReason,
+    UtilityMethod,
+    UtilityRequest,
+)
 
 
 class EngineCoreClient(Protocol):
-    """What a frontend may ask of the core: ADD, ABORT, and pulling outputs."""
+    """The blocking client interface (InprocClient, SyncMPClient)."""
 
     info: EngineInfo
 
@@ -18,11 +38,54 @@ class EngineCoreClient(Protocol):
 
     def abort_requests(self, request_ids: list[str]) -> None: ...
 
-    def get_output(self) -> EngineCoreOutputs: ...
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs: ...
 
-    def reset_prefix_cache(self) -> int: ...
+    def call_utility(
+        self, method: UtilityMethod, path: str | None = None
+    ) -> int | EngineStats | None: ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self, drain_timeout: float = 0.0) -> None: ...
+
+
+class ClientState:
+    """Open request ids, and the abort filter that keeps late outputs from reaching anyone."""
+
+    def __init__(self) -> None:
+        self.open_ids: set[str] = set()
+        self._aborting: Counter[str] = Counter()
+        self.dead = False
+        self.closed = False
+
+    def added(self, request_id: str) -> None:
+        if self.closed:
+            raise EngineDeadError("the engine client is shut down")
+        self.open_ids.add(request_id)
+
+    def aborting(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._aborting[request_id] += 1
+            self.open_ids.discard(request_id)
+
+    def has_open(self) -> bool:
+        return bool(self.open_ids) or bool(self._aborting)
+
+    def filter(self, outs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """Drop outputs of aborted requests up to and including the core's ack of the abort."""
+        kept: list[EngineCoreOutput] = []
+        for out in outs.outputs:
+            rid = out.request_id
+            if self._aborting[rid]:
+                if out.finish_reason == FinishReason.ABORT and not out.new_token_ids:
+                    self._aborting[rid] -= 1
+                    if not self._aborting[rid]:
+                        del self._aborting[rid]
+                continue
+            self._aborting.pop(rid, None)
+            if out.finish_reason is not None:
+                self.open_ids.discard(rid)
+            kept.append(out)
+        outs.outputs = kept
+        return outs
 
 
 class InprocClient:
@@ -31,18 +94,49 @@ class InprocClient:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         self.core = EngineCore(config, model_path)
         self.info = self.core.info
+        self.state = ClientState()
+        self._pending: list[EngineCoreOutput] = []
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.core.add_request(request)
+        self.state.added(request.request_id)
+        try:
+            self.core.add_request(request)
+        except ValueError as e:
+            self._pending.append(
+                EngineCoreOutput(
+                    request.request_id, [], finish_reason=FinishReason.ERROR, error=str(e)
+                )
+            )
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.core.abort_requests(request_ids)
+        self.state.aborting(request_ids)
+        self._pending.extend(self.core.abort_requests(request_ids))
 
-    def get_output(self) -> EngineCoreOutputs:
-        return self.core.step()
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        outs = self.core.step()
+        if self._pending:
+            outs.outputs = self._pending + outs.outputs
+            self._pending = []
+        return self.state.filter(outs)
 
-    def reset_prefix_cache(self) -> int:
-        return self.core.reset_prefix_cache()
+    def call_utility(
+        self, method: UtilityMethod, path: str | None = None
+    ) -> int | EngineStats | None:
+        result = self.core.call_utility(UtilityRequest(0, method, path))
+        if result.error is not None:
+            raise ValueError(result.error)
+        return result.value
 
-    def shutdown(self) -> None:
-        self.core.shutdown()
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        if not self.state.closed:
+            self.state.closed = True
+            self.core.shutdown()
+
+
+def make_client(config: EngineConfig, model_path: str) -> EngineCoreClient:
+    """The blocking client LLM uses: in this process, or the core in its own (core_process)."""
+    if config.core_process:
+        from engine.mp_client import SyncMPClient
+
+        return SyncMPClient(config, model_path)
+    return InprocClient(config, model_path)

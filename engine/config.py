@@ -121,20 +121,37 @@ class EngineConfig:
     )
     max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs or priority"})
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "workers that shard each layer (a process per rank when > 1)"}
+    )
     seed: int = field(default=0, metadata={"help": "seed for requests that set none"})
+    core_process: bool = field(
+        default=False,
+        metadata={"help": "run the EngineCore in its own process (LLM; the server always does)"},
+    )
+    transport: str = field(
+        default="ipc", metadata={"help": "frontend <-> core sockets: ipc (private folder) or tcp"}
+    )
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(
                 f"scheduling_policy must be fcfs or priority, not {self.scheduling_policy!r}"
             )
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in (
+            "block_size",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "tensor_parallel_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be at least 1")
+        if self.transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be ipc or tcp, not {self.transport!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
 

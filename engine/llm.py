@@ -8,9 +8,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.client import InprocClient
+from engine.client import make_client
 from engine.config import EngineConfig, ModelConfig
-from engine.messages import StepRecord
+from engine.messages import EngineStats, StepRecord, UtilityMethod
 from engine.model_files import resolve_model
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
@@ -42,7 +42,7 @@ class LLM:
         path = resolve_model(model)
         model_config = ModelConfig.from_path(path)
         self.tokenizer = load_tokenizer(str(path))
-        self.client = InprocClient(self.config, str(path))
+        self.client = make_client(self.config, str(path))
         self.processor = InputProcessor(
             self.tokenizer,
             self.client.info,
@@ -152,10 +152,36 @@ class LLM:
         m["max_kv_blocks_used"] = max(m["max_kv_blocks_used"], step.num_kv_blocks_used)
 
     def reset_prefix_cache(self) -> int:
-        return self.client.reset_prefix_cache()
+        """Forget every cached prefix block; returns how many were dropped."""
+        return self.client.call_utility(UtilityMethod.RESET_PREFIX_CACHE)  # type: ignore[return-value]
+
+    def get_stats(self) -> EngineStats:
+        """Scheduler and KV cache state now."""
+        return self.client.call_utility(UtilityMethod.GET_STATS)  # type: ignore[return-value]
+
+    def sleep(self) -> None:
+        """Release the KV cache's memory until wake_up (no request may be running)."""
+        self.client.call_utility(UtilityMethod.SLEEP)
+
+    def wake_up(self) -> None:
+        self.client.call_utility(UtilityMethod.WAKE_UP)
+
+    def start_profile(self, path: str) -> None:
+        """Run the torch profiler on the workers until stop_profile; writes a Chrome trace."""
+        self.client.call_utility(UtilityMethod.START_PROFILE, path)
+
+    def stop_profile(self) -> None:
+        self.client.call_utility(UtilityMethod.STOP_PROFILE)
 
     def shutdown(self) -> None:
+        """Stop the engine (and its processes); the LLM cannot be used after."""
         self.client.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
 
 def _per_prompt(

@@ -26,6 +26,59 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class RequestType(bytes, enum.Enum):
+    """The first frame of every frontend -> core message."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+class OutputType(bytes, enum.Enum):
+    """The first frame of every core -> frontend message."""
+
+    READY = b"\x00"
+    OUTPUTS = b"\x01"
+
+
+class UtilityMethod(enum.IntEnum):
+    """The fixed set of utility calls; nothing on the wire names a method."""
+
+    RESET_PREFIX_CACHE = 0
+    GET_STATS = 1
+    SLEEP = 2
+    WAKE_UP = 3
+    START_PROFILE = 4
+    STOP_PROFILE = 5
+
+
+class UtilityRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    method: UtilityMethod
+    path: str | None = None  # START_PROFILE's trace file
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    """Scheduler and KV cache state, for the get_stats utility."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_total: int
+    num_kv_blocks_cached: int
+    num_preemptions: int
+    sleeping: bool
+    # Times the core's bounded output queue was full and its loop had to wait.
+    num_output_backpressure: int = 0
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    value: int | EngineStats | None = None
+    error: str | None = None
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     """The one message type that carries a new request into the core."""
 
@@ -52,6 +105,12 @@ class Logprobs(msgspec.Struct, array_like=True, gc=False):
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """New tokens of one request, and how it ended if it did.
+
+    An ABORT output with no tokens acknowledges an abort: every output the
+    core produced for that request before it comes earlier in the stream.
+    """
+
     request_id: str
     new_token_ids: list[int]
     new_logprobs: Logprobs | None = None
@@ -59,6 +118,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # The stop token id that ended the request, when one did.
     stop_reason: int | None = None
     num_cached_tokens: int = 0
+    # Why the core refused or failed this request (finish_reason ERROR).
+    error: str | None = None
 
 
 class StepRecord(msgspec.Struct, array_like=True, gc=False):
@@ -87,6 +148,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
     step: StepRecord | None = None
+    utility_result: UtilityResult | None = None
+    # Set when the core is failing for good: the client raises EngineDeadError.
+    engine_error: str | None = None
 
 
 class EngineInfo(msgspec.Struct, array_like=True):
@@ -99,3 +163,11 @@ class EngineInfo(msgspec.Struct, array_like=True):
     dtype: str
     device: str
     version: str
+
+
+class ReadyMessage(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The core's first message: what it is, or why it could not start."""
+
+    info: EngineInfo | None = None
+    error: str | None = None
+    error_type: str | None = None  # "ValueError" for a user error

@@ -46,6 +46,10 @@ class BlockPool:
         return len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
 

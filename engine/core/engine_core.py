@@ -11,9 +11,20 @@ from engine import __version__
 from engine.config import EngineConfig, ModelConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.messages import EngineCoreOutputs, EngineCoreRequest, EngineInfo, StepRecord
+from engine.executor import make_executor
+from engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineInfo,
+    EngineStats,
+    FinishReason,
+    StepRecord,
+    UtilityMethod,
+    UtilityRequest,
+    UtilityResult,
+)
 from engine.request import Request, RequestStatus
-from engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -29,13 +40,10 @@ class EngineCore:
                 f"max_model_len {max_model_len} exceeds the model's context length "
                 f"{model_config.max_position_embeddings}"
             )
-        runner = ModelRunner(
-            model_config, device, dtype, max_model_len, config.block_size, config.seed
-        )
-        runner.load_model()
+        executor = make_executor(config, model_config, device, dtype, max_model_len)
         num_blocks = config.num_kv_blocks
         if num_blocks is None:
-            num_blocks = config.resolve_kv_cache_bytes(device) // runner.block_bytes()
+            num_blocks = config.resolve_kv_cache_bytes(device) // executor.block_bytes()
             if config.kv_cache_memory_bytes is None:
                 # A default budget need not exceed what max_num_seqs full sequences can use.
                 most = -(-config.max_num_seqs * max_model_len // config.block_size)
@@ -50,8 +58,10 @@ class EngineCore:
                 )
             logger.warning("max_model_len lowered to %d, what the KV cache holds", capacity)
             max_model_len = capacity
-        runner.init_kv_cache(num_blocks)
-        self.runner = runner
+        executor.init_kv_cache(num_blocks)
+        self.executor = executor
+        self.num_blocks = num_blocks
+        self.sleeping = False
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(
             KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
@@ -80,6 +90,8 @@ class EngineCore:
         )
 
     def add_request(self, request: EngineCoreRequest) -> None:
+        if self.sleeping:
+            raise ValueError("the engine is asleep: wake it up first")
         # The frontend validated the request; these checks keep a bad one from
         # reaching the model if another client skips that.
         n = len(request.prompt_token_ids)
@@ -89,8 +101,10 @@ class EngineCore:
             )
         self.scheduler.add_request(Request.from_wire(request, self.max_model_len))
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        """Abort, and return one acknowledgement per id (known or not), in order."""
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in request_ids]
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests()
@@ -101,7 +115,7 @@ class EngineCore:
         t_schedule = time.time_ns()
         sched = self.scheduler.schedule()
         t_execute = time.time_ns()
-        runner_out = self.runner.execute_model(sched)
+        runner_out = self.executor.execute_model(sched)
         t_executed = time.time_ns()
         outputs = self.scheduler.update_from_output(sched, runner_out)
         kv = self.scheduler.kv_cache
@@ -125,10 +139,66 @@ class EngineCore:
         )
         return EngineCoreOutputs(outputs, step)
 
+    # -- utilities -------------------------------------------------------------
+
+    def call_utility(self, call: UtilityRequest) -> UtilityResult:
+        """Run one utility from the fixed set; a failure is returned, not raised."""
+        try:
+            value: int | EngineStats | None = None
+            if call.method == UtilityMethod.RESET_PREFIX_CACHE:
+                value = self.reset_prefix_cache()
+            elif call.method == UtilityMethod.GET_STATS:
+                value = self.get_stats()
+            elif call.method == UtilityMethod.SLEEP:
+                self.sleep()
+            elif call.method == UtilityMethod.WAKE_UP:
+                self.wake_up()
+            elif call.method == UtilityMethod.START_PROFILE:
+                if not call.path:
+                    raise ValueError("start_profile needs a file path")
+                self.start_profile(call.path)
+            elif call.method == UtilityMethod.STOP_PROFILE:
+                self.stop_profile()
+            return UtilityResult(call.call_id, value)
+        except (ValueError, RuntimeError) as e:
+            return UtilityResult(call.call_id, error=str(e))
+
     def reset_prefix_cache(self) -> int:
         return self.scheduler.kv_cache.reset_prefix_cache()
 
+    def get_stats(self) -> EngineStats:
+        sched, kv = self.scheduler, self.scheduler.kv_cache
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=sched.num_waiting,
+            num_kv_blocks_used=kv.pool.num_used_blocks,
+            num_kv_blocks_total=kv.num_blocks,
+            num_kv_blocks_cached=kv.pool.num_cached_blocks,
+            num_preemptions=sched.num_preemptions_total,
+            sleeping=self.sleeping,
+        )
+
+    def sleep(self) -> None:
+        """Release the KV cache memory; only while no request is in flight."""
+        if self.scheduler.has_requests():
+            raise ValueError("cannot sleep while requests are in flight")
+        if not self.sleeping:
+            self.scheduler.kv_cache.reset_prefix_cache()
+            self.executor.release_kv_cache()
+            if self.info.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+            self.sleeping = True
+
+    def wake_up(self) -> None:
+        if self.sleeping:
+            self.executor.init_kv_cache(self.num_blocks)
+            self.sleeping = False
+
+    def start_profile(self, path: str) -> None:
+        self.executor.start_profile(path)
+
+    def stop_profile(self) -> None:
+        self.executor.stop_profile()
+
     def shutdown(self) -> None:
-        self.runner.release_kv_cache()
-        if self.runner.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.executor.shutdown()

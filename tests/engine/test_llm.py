@@ -17,8 +17,8 @@ def _gen(llm: LLM, prompts, params: SamplingParams):
 
 
 def _no_requests_left(llm: LLM) -> bool:
-    core = llm.client.core
-    return not core.scheduler.requests and core.scheduler.kv_cache.req_blocks == {}
+    stats = llm.get_stats()
+    return (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0)
 
 
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny_llm: LLM) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
+from engine.messages import EngineCoreRequest
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -55,3 +57,11 @@ def make_scheduler(
         max_model_len=max_model_len,
         policy=policy,
     )
+
+
+def make_core_request(
+    request_id: str, prompt: list[int], max_tokens: int = 6, **params: object
+) -> EngineCoreRequest:
+    """A wire request as a frontend sends it: greedy, ignore_eos, eos id 2."""
+    sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+    return EngineCoreRequest(request_id, prompt, sampling, [2], time.time_ns())

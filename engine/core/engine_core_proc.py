@@ -1,0 +1,200 @@
+"""EngineCoreProc: the core's busy loop in its own process, fed and drained by I/O threads.
+
+Wire protocol (sockets in ``engine/ipc.py``): the frontend PUSHes
+``[RequestType, payload]`` frames to the core's input socket; the core PUSHes
+``[OutputType, payload]`` back. The first output is READY (EngineInfo, or the
+startup error); then one OUTPUTS message per step, plus abort
+acknowledgements and utility results. A SHUTDOWN message ends the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.ipc import make_socket
+from engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    OutputType,
+    ReadyMessage,
+    RequestType,
+    UtilityMethod,
+    UtilityRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+# Bounded queues between the I/O threads and the loop: a full input queue
+# pushes back through ZMQ's high-water mark to the client's send.
+INPUT_QUEUE_SIZE = 1024
+OUTPUT_QUEUE_SIZE = 64
+_PARENT_POLL_S = 0.2
+_WORKER_DIED = object()
+
+
+class EngineCoreProc:
+    def __init__(self, core: EngineCore, input_addr: str, out_sock: zmq.Socket) -> None:
+        self.core = core
+        self.input_addr = input_addr
+        self.out_sock = out_sock
+        self.inputs: queue.Queue[Any] = queue.Queue(INPUT_QUEUE_SIZE)
+        self.outputs: queue.Queue[EngineCoreOutputs | None] = queue.Queue(OUTPUT_QUEUE_SIZE)
+        self.num_output_backpressure = 0
+        self.running = True
+        self._pending: list[EngineCoreOutput] = []  # abort acks and refusals for the next send
+        self._decode_add = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self._decode_abort = msgspec.msgpack.Decoder(list[str])
+        self._decode_utility = msgspec.msgpack.Decoder(UtilityRequest)
+
+    def run(self) -> None:
+        threading.Thread(target=self._input_thread, name="core-input", daemon=True).start()
+        out_thread = threading.Thread(target=self._output_thread, name="core-output", daemon=True)
+        out_thread.start()
+        if self.core.executor.sentinels:
+            threading.Thread(target=self._watch_workers, name="core-workers", daemon=True).start()
+        try:
+            self._busy_loop()
+        finally:
+            self.outputs.put(None)
+            out_thread.join(timeout=5)
+
+    def _busy_loop(self) -> None:
+        core = self.core
+        while self.running:
+            if not core.has_work() and not self._pending:
+                self._handle(self.inputs.get())
+            while not self.inputs.empty():
+                self._handle(self.inputs.get_nowait())
+            if not self.running:
+                break
+            outs = core.step() if core.has_work() else EngineCoreOutputs()
+            if self._pending:
+                outs.outputs = self._pending + outs.outputs
+                self._pending = []
+            if outs.outputs or outs.step is not None:
+                self._send(outs)
+
+    def _handle(self, item: Any) -> None:
+        if item is _WORKER_DIED:
+            raise RuntimeError("a worker process died")
+        try:
+            self._dispatch(*item)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            # A malformed message (a buggy or hostile local process): refuse it, keep serving.
+            logger.warning("rejected a malformed %s message: %s", item[0].name, e)
+
+    def _dispatch(self, kind: RequestType, payload: memoryview) -> None:
+        if kind == RequestType.ADD:
+            request = self._decode_add.decode(payload)
+            try:
+                self.core.add_request(request)
+            except ValueError as e:
+                self._pending.append(
+                    EngineCoreOutput(
+                        request.request_id, [], finish_reason=FinishReason.ERROR, error=str(e)
+                    )
+                )
+        elif kind == RequestType.ABORT:
+            self._pending.extend(self.core.abort_requests(self._decode_abort.decode(payload)))
+        elif kind == RequestType.UTILITY:
+            call = self._decode_utility.decode(payload)
+            result = self.core.call_utility(call)
+            if call.method == UtilityMethod.GET_STATS and result.value is not None:
+                result.value.num_output_backpressure = self.num_output_backpressure
+            self._send(EngineCoreOutputs(outputs=self._pending, utility_result=result))
+            self._pending = []
+        elif kind == RequestType.SHUTDOWN:
+            self.running = False
+
+    def _send(self, outs: EngineCoreOutputs) -> None:
+        try:
+            self.outputs.put_nowait(outs)
+        except queue.Full:
+            self.num_output_backpressure += 1
+            self.outputs.put(outs)
+
+    def _input_thread(self) -> None:
+        sock = make_socket(zmq.Context.instance(), zmq.PULL, self.input_addr, bind=False)
+        parent = os.getppid()
+        while True:
+            if not sock.poll(int(_PARENT_POLL_S * 1000)):
+                if os.getppid() != parent:
+                    # The frontend is gone (even kill -9): nobody will ever read us.
+                    logger.error("frontend process died; engine core exiting")
+                    os._exit(1)
+                continue
+            frames = sock.recv_multipart(copy=False)
+            try:
+                kind = RequestType(bytes(frames[0].buffer))
+            except ValueError:
+                kind = None
+            if kind is None or len(frames) != 2:
+                logger.warning("rejected a message with %d frames of unknown shape", len(frames))
+                continue
+            self.inputs.put((kind, frames[1].buffer))
+
+    def _output_thread(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        buf = bytearray()
+        while (outs := self.outputs.get()) is not None:
+            encoder.encode_into(outs, buf)
+            self.out_sock.send_multipart((OutputType.OUTPUTS.value, buf), copy=False)
+            buf = bytearray()
+
+    def _watch_workers(self) -> None:
+        multiprocessing.connection.wait(self.core.executor.sentinels)
+        self.inputs.put(_WORKER_DIED)
+
+
+def run_engine_core(
+    config: EngineConfig, model_path: str, input_addr: str, output_addr: str
+) -> None:
+    """Entry point of the core process (spawned by an MP client)."""
+    # Ctrl-C reaches the whole process group; the frontend shuts us down in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    out_sock = make_socket(zmq.Context.instance(), zmq.PUSH, output_addr, bind=False)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        core = EngineCore(config, model_path)
+    except Exception as e:
+        if isinstance(e, ValueError):  # a user error: the frontend shows the one line
+            logger.error("engine core failed to start: %s", e)
+        else:
+            logger.exception("engine core failed to start")
+        ready = ReadyMessage(error=str(e), error_type=type(e).__name__)
+        out_sock.send_multipart((OutputType.READY.value, encoder.encode(ready)))
+        out_sock.close(linger=2000)
+        sys.exit(1)
+    out_sock.send_multipart((OutputType.READY.value, encoder.encode(ReadyMessage(info=core.info))))
+    proc = EngineCoreProc(core, input_addr, out_sock)
+    exit_code = 0
+    try:
+        proc.run()
+    except Exception as e:
+        logger.exception("engine core failed")
+        dead = EngineCoreOutputs(engine_error=f"{type(e).__name__}: {e}")
+        out_sock.send_multipart((OutputType.OUTPUTS.value, encoder.encode(dead)))
+        exit_code = 1
+    finally:
+        started = time.monotonic()
+        core.shutdown()
+        logger.info("engine core stopped (%.2fs to shut down)", time.monotonic() - started)
+        out_sock.close(linger=1000)
+    sys.exit(exit_code)

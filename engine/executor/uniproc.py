@@ -1,0 +1,55 @@
+"""UniProcExecutor: the one worker lives inside the EngineCore process."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.model_runner import ModelRunner
+from engine.worker.profiler import Profiler
+
+
+class UniProcExecutor:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+    ) -> None:
+        self.runner = ModelRunner(
+            model_config, device, dtype, max_model_len, config.block_size, config.seed
+        )
+        self.runner.load_model()
+        self.profiler = Profiler()
+
+    def block_bytes(self) -> int:
+        return self.runner.block_bytes()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+
+    def release_kv_cache(self) -> None:
+        self.runner.release_kv_cache()
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)
+
+    def start_profile(self, path: str) -> None:
+        self.profiler.start(path)
+
+    def stop_profile(self) -> None:
+        self.profiler.stop()
+
+    def check_health(self) -> None:
+        pass
+
+    @property
+    def sentinels(self) -> list[int]:
+        return []
+
+    def shutdown(self) -> None:
+        self.profiler.stop()
+        self.runner.release_kv_cache()

@@ -78,6 +78,12 @@ def make_workload(num_requests: int, seed: int, vocab_size: int, special: set[in
     return Workload(prompts, output_lens.tolist())
 
 
+def warmup_workload(seed: int, vocab_size: int, special: set[int]) -> Workload:
+    """Two short requests (16-token prompts, 4 output tokens) to warm a system up."""
+    warm = make_workload(2, seed + 1, vocab_size, special)
+    return Workload([p[:16] for p in warm.prompts], [4, 4])
+
+
 def run_lumen(llm: Any, work: Workload) -> float:
     from engine import SamplingParams
 
@@ -157,8 +163,7 @@ def run(args: argparse.Namespace) -> int:
     tok = llm.get_tokenizer()
     special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
     work = make_workload(args.num_requests, args.seed, vocab_size, special)
-    warm = make_workload(2, args.seed + 1, vocab_size, special)
-    warm = Workload([p[:16] for p in warm.prompts], [4, 4])
+    warm = warmup_workload(args.seed, vocab_size, special)
     device = llm.config.resolve_device()
     dtype = llm.config.resolve_dtype(device)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -68,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = nouns.add_parser("bench", help="benchmarks, side by side with baselines")
     bench_verbs = bench.add_subparsers(dest="verb", required=True)
-    from bench import throughput
+    from bench import mp_overhead, throughput
 
     throughput.add_parser(bench_verbs)
+    mp_overhead.add_parser(bench_verbs)
     return parser
 
 

@@ -99,14 +99,8 @@ class InprocClient:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.state.added(request.request_id)
-        try:
-            self.core.add_request(request)
-        except ValueError as e:
-            self._pending.append(
-                EngineCoreOutput(
-                    request.request_id, [], finish_reason=FinishReason.ERROR, error=str(e)
-                )
-            )
+        if (refused := self.core.add_request(request)) is not None:
+            self._pending.append(refused)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.state.aborting(request_ids)

@@ -89,17 +89,24 @@ class EngineCore:
             max_model_len,
         )
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        if self.sleeping:
-            raise ValueError("the engine is asleep: wake it up first")
-        # The frontend validated the request; these checks keep a bad one from
-        # reaching the model if another client skips that.
-        n = len(request.prompt_token_ids)
-        if n == 0 or n > self.max_model_len:
-            raise ValueError(
-                f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"
+    def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
+        """Queue a request; one the core cannot take comes back as an ERROR output."""
+        try:
+            if self.sleeping:
+                raise ValueError("the engine is asleep: wake it up first")
+            # The frontend validated the request; this check keeps a bad one from
+            # reaching the model if another client skips that.
+            n = len(request.prompt_token_ids)
+            if n == 0 or n > self.max_model_len:
+                raise ValueError(
+                    f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"
+                )
+            self.scheduler.add_request(Request.from_wire(request, self.max_model_len))
+        except ValueError as e:
+            return EngineCoreOutput(
+                request.request_id, [], finish_reason=FinishReason.ERROR, error=str(e)
             )
-        self.scheduler.add_request(Request.from_wire(request, self.max_model_len))
+        return None
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort, and return one acknowledgement per id (known or not), in order."""

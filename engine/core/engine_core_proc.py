@@ -29,7 +29,6 @@ from engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    FinishReason,
     OutputType,
     ReadyMessage,
     RequestType,
@@ -100,15 +99,9 @@ class EngineCoreProc:
 
     def _dispatch(self, kind: RequestType, payload: memoryview) -> None:
         if kind == RequestType.ADD:
-            request = self._decode_add.decode(payload)
-            try:
-                self.core.add_request(request)
-            except ValueError as e:
-                self._pending.append(
-                    EngineCoreOutput(
-                        request.request_id, [], finish_reason=FinishReason.ERROR, error=str(e)
-                    )
-                )
+            refused = self.core.add_request(self._decode_add.decode(payload))
+            if refused is not None:
+                self._pending.append(refused)
         elif kind == RequestType.ABORT:
             self._pending.extend(self.core.abort_requests(self._decode_abort.decode(payload)))
         elif kind == RequestType.UTILITY:

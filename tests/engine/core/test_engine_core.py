@@ -13,15 +13,15 @@ from tests.helpers.factories import make_core_request as req
 def test_abort_frees_blocks_and_a_reused_id_gets_only_new_outputs(tiny_model_path: Path) -> None:
     client = InprocClient(EngineConfig(num_kv_blocks=64), str(tiny_model_path))
     kv = client.core.scheduler.kv_cache
-    client.addreq(req("a", list(range(10, 50)), max_tokens=50))
-    client.addreq(req("b", list(range(60, 90)), max_tokens=6))
+    client.add_request(req("a", list(range(10, 50)), max_tokens=50))
+    client.add_request(req("b", list(range(60, 90)), max_tokens=6))
     for _ in range(3):
         client.get_output()
     assert kv.req_blocks.keys() == {"a", "b"}
     client.abort_requests(["a"])
     assert "a" not in kv.req_blocks
     # The same id again, with another prompt: it must see its own tokens only.
-    client.addreq(req("a", [7, 8, 9], max_tokens=2))
+    client.add_request(req("a", [7, 8, 9], max_tokens=2))
     tokens: dict[str, list[int]] = {"a": [], "b": []}
     finish: dict[str, FinishReason | None] = {}
     steps = []

@@ -2,10 +2,31 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-from engine.llm import LLM
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
-from engine.sampling_params import SamplingParams
+if TYPE_CHECKING:
+    from engine.llm import LLM
+    from engine.outputs import CompletionOutput, Logprob, RequestOutput
+    from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+
+_LAZY = {
+    "LLM": "engine.llm",
+    "CompletionOutput": "engine.outputs",
+    "Logprob": "engine.outputs",
+    "RequestOutput": "engine.outputs",
+    "SamplingParams": "engine.sampling_params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that worker and core processes, which import engine.*, do not
+    # pay for transformers (pulled in by LLM) at start-up.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -11,7 +11,7 @@ from engine import __version__
 from engine.config import EngineConfig, ModelConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.executor import make_executor
+from engine.executor import Executor, make_executor
 from engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -41,24 +41,12 @@ class EngineCore:
                 f"{model_config.max_position_embeddings}"
             )
         executor = make_executor(config, model_config, device, dtype, max_model_len)
-        num_blocks = config.num_kv_blocks
-        if num_blocks is None:
-            num_blocks = config.resolve_kv_cache_bytes(device) // executor.block_bytes()
-            if config.kv_cache_memory_bytes is None:
-                # A default budget need not exceed what max_num_seqs full sequences can use.
-                most = -(-config.max_num_seqs * max_model_len // config.block_size)
-                num_blocks = min(num_blocks, most)
-        capacity = num_blocks * config.block_size
-        if capacity < max_model_len:
-            if config.max_model_len is not None or num_blocks < 1:
-                raise ValueError(
-                    f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
-                    f"max_model_len {max_model_len}: raise kv_cache_memory_bytes or lower "
-                    "max_model_len"
-                )
-            logger.warning("max_model_len lowered to %d, what the KV cache holds", capacity)
-            max_model_len = capacity
-        executor.init_kv_cache(num_blocks)
+        try:
+            num_blocks, max_model_len = _size_kv_cache(config, executor, device, max_model_len)
+            executor.init_kv_cache(num_blocks)
+        except BaseException:
+            executor.shutdown()  # no worker outlives a failed start
+            raise
         self.executor = executor
         self.num_blocks = num_blocks
         self.sleeping = False
@@ -209,3 +197,27 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _size_kv_cache(
+    config: EngineConfig, executor: Executor, device: torch.device, max_model_len: int
+) -> tuple[int, int]:
+    """The number of KV blocks, and max_model_len lowered to what they hold if not set."""
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:
+        num_blocks = config.resolve_kv_cache_bytes(device) // executor.block_bytes()
+        if config.kv_cache_memory_bytes is None:
+            # A default budget need not exceed what max_num_seqs full sequences can use.
+            most = -(-config.max_num_seqs * max_model_len // config.block_size)
+            num_blocks = min(num_blocks, most)
+    capacity = num_blocks * config.block_size
+    if capacity < max_model_len:
+        if config.max_model_len is not None or num_blocks < 1:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
+                f"max_model_len {max_model_len}: raise kv_cache_memory_bytes or lower "
+                "max_model_len"
+            )
+        logger.warning("max_model_len lowered to %d, what the KV cache holds", capacity)
+        max_model_len = capacity
+    return num_blocks, max_model_len

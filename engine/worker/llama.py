@@ -3,15 +3,49 @@
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
 from engine.worker.attention import AttentionMetadata, paged_attention
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's part of a tensor-parallel model; rank 0 of 1 is the whole model.
+
+    Megatron layout: q/k/v heads and gate/up rows are split across ranks
+    (column-parallel), o_proj and down_proj columns too (row-parallel, their
+    partial sums all-reduced); embeddings, norms and lm_head are replicated.
+    """
+
+    rank: int = 0
+    size: int = 1
+
+    def part(self, total: int) -> slice:
+        n = total // self.size
+        return slice(self.rank * n, (self.rank + 1) * n)
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+    """Raise ValueError unless every sharded dimension splits evenly over ``tp`` ranks."""
+    if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} must divide the number of attention heads "
+            f"({cfg.num_heads}) and of KV heads ({cfg.num_kv_heads})"
+        )
+    if cfg.intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} must divide the MLP size ({cfg.intermediate_size})"
+        )
 
 
 class RMSNorm(nn.Module):
@@ -79,19 +113,22 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard) -> None:
         super().__init__()
+        tp = shard.size
+        self.sharded = tp > 1
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
+            cfg.num_heads // tp,
+            cfg.num_kv_heads // tp,
             cfg.head_dim,
         )
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
+        inter = cfg.intermediate_size // tp
         self.split = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.scale = cfg.head_dim**-0.5
@@ -110,18 +147,26 @@ class DecoderLayer(nn.Module):
         k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), rotary)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        h = h + self.o_proj(attn.reshape(num_tokens, -1))
+        out = self.o_proj(attn.reshape(num_tokens, -1))
+        if self.sharded:
+            dist.all_reduce(out)  # each rank holds a partial sum over its heads
+        h = h + out
         x = self.post_attention_layernorm(h)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        if self.sharded:
+            dist.all_reduce(out)
+        return h + out
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard | None = None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.shard = shard or Shard()
+        check_tensor_parallel(cfg, self.shard.size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None
@@ -149,37 +194,54 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, folder: str | Path) -> None:
-        """Copy Hugging Face tensors in, fusing q/k/v and gate/up projections."""
-        tensors: dict[str, torch.Tensor] = {}
+        """Copy Hugging Face tensors in, fusing q/k/v and gate/up; a shard reads only its slices."""
         files = sorted(Path(folder).glob("*.safetensors"))
         if not files:
             raise ValueError(f"no .safetensors weights in {folder}")
-        for f in files:
-            tensors.update(load_file(str(f)))
-        take = _Taker(tensors)
+        with ExitStack() as stack:
+            handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
+            self._copy_weights(_Taker(handles, self.shard))
+
+    def _copy_weights(self, take: _Taker) -> None:
+        cfg, d = self.cfg, self.cfg.head_dim
         self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
         if self.lm_head is not None:
             self.lm_head.weight.copy_(take("lm_head.weight"))
+        # Full (unsharded) sizes of the dimensions each rank takes a slice of.
+        rows = {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d}
+        inter = cfg.intermediate_size
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            layer.qkv_proj.weight.copy_(
-                torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
-            )
-            layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight"))
-            layer.gate_up_proj.weight.copy_(
-                torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            )
-            layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+            qkv = [take(p + f"self_attn.{n}_proj.weight", rows=rows[n]) for n in "qkv"]
+            layer.qkv_proj.weight.copy_(torch.cat(qkv))
+            layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight", cols=rows["q"]))
+            gate_up = [take(p + f"mlp.{n}_proj.weight", rows=inter) for n in ("gate", "up")]
+            layer.gate_up_proj.weight.copy_(torch.cat(gate_up))
+            layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight", cols=inter))
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
 
 
 class _Taker:
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
+    """Reads named tensors, or this shard's rows or columns of them, from open safetensors files."""
 
-    def __call__(self, name: str) -> torch.Tensor:
-        if name not in self.tensors:
+    def __init__(self, handles: list[Any], shard: Shard) -> None:
+        self.where = {name: h for h in handles for name in h.keys()}  # noqa: SIM118
+        self.shard = shard
+
+    def __call__(
+        self, name: str, *, rows: int | None = None, cols: int | None = None
+    ) -> torch.Tensor:
+        handle = self.where.get(name)
+        if handle is None:
             raise ValueError(f"the checkpoint has no tensor {name!r}")
-        return self.tensors[name]
+        if self.shard.size == 1 or (rows is None and cols is None):
+            return handle.get_tensor(name)
+        dim, total = (0, rows) if rows is not None else (1, cols)
+        full = handle.get_slice(name)  # lazy: only the sliced bytes are read
+        shape = full.get_shape()
+        if shape[dim] != total:
+            raise ValueError(f"the checkpoint's {name!r} has shape {shape}, unlike the config")
+        part = self.shard.part(total)
+        return full[part] if dim == 0 else full[:, part]

@@ -10,7 +10,7 @@ import torch
 from engine.config import ModelConfig
 from engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.worker.attention import AttentionMetadata, PrefillChunk
-from engine.worker.llama import LlamaForCausalLM, Rotary
+from engine.worker.llama import LlamaForCausalLM, Rotary, Shard
 from engine.worker.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)
@@ -27,8 +27,12 @@ class ModelRunner:
         max_model_len: int,
         block_size: int,
         seed: int = 0,
+        shard: Shard | None = None,
     ) -> None:
         self.cfg = model_config
+        self.shard = shard or Shard()
+        # Every rank runs the forward (for the collectives); only rank 0 samples.
+        self.is_driver = self.shard.rank == 0
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
@@ -41,16 +45,18 @@ class ModelRunner:
 
     def load_model(self) -> None:
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.cfg)
+            model = LlamaForCausalLM(self.cfg, self.shard)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(self.cfg.path)
         self.model = model.eval()
 
     def block_bytes(self) -> int:
-        return self.block_size * self.cfg.kv_bytes_per_token(self.dtype)
+        """Bytes of one block on this rank, which holds only its share of the KV heads."""
+        return self.block_size * self.cfg.kv_bytes_per_token(self.dtype) // self.shard.size
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        shape = (num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        num_kv_heads = self.cfg.num_kv_heads // self.shard.size
+        shape = (num_blocks, self.block_size, num_kv_heads, self.cfg.head_dim)
         # Zeroed: padded reads are masked, but a masked NaN would still poison P @ V.
         self.kv_caches = [
             (
@@ -67,8 +73,9 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in sched.finished_req_ids:
             self.rows.pop(req_id, None)
-        for new in sched.new_requests:
-            self._add_request(new)
+        if self.is_driver:
+            for new in sched.new_requests:
+                self._add_request(new)
         if not sched.req_ids:
             return ModelRunnerOutput([], [])
         inputs = self._prepare_inputs(sched)
@@ -81,6 +88,8 @@ class ModelRunner:
             inputs.meta,
             inputs.logits_indices,
         )
+        if not self.is_driver:
+            return ModelRunnerOutput([], [])
         rows = [self.rows[r] for r in inputs.sample_req_ids]
         sampled, logprobs = self.sampler(logits, rows)
         for row, token in zip(rows, sampled):
@@ -135,7 +144,7 @@ class ModelRunner:
                 prefills.append(PrefillChunk(row0, row0 + n, 0, None, None))
             else:
                 prefills.append(self._chunk_with_context(row0, n, start, table))
-            if sched.sample[i]:
+            if sched.sample[i] and self.is_driver:
                 logits_indices.append(row0 + n - 1)
                 sample_req_ids.append(sched.req_ids[i])
         dev = self.device

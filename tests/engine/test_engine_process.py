@@ -166,3 +166,23 @@ def test_sigterm_to_the_parent_leaves_no_core_process(tiny_model_path: Path) -> 
         assert not pid_alive(core_pid), "the core outlived its parent"
     finally:
         parent.kill()
+
+
+def test_kill_9_of_a_tp_worker_fails_open_requests_within_1s(tiny_model_path: Path) -> None:
+    client = SyncMPClient(
+        EngineConfig(num_kv_blocks=64, tensor_parallel_size=2), str(tiny_model_path)
+    )
+    workers = [p for p in live_children(client.core.proc.pid) if pid_alive(p.pid)]
+    assert len(workers) >= 2
+    client.add_request(req("long", list(range(10, 60)), max_tokens=1000))
+    client.get_output(timeout=30)
+    os.kill(workers[-1].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    with pytest.raises(EngineDeadError):
+        while True:
+            client.get_output(timeout=5)
+    elapsed = time.monotonic() - killed
+    print(f"tp=2: EngineDeadError {elapsed * 1000:.0f} ms after kill -9 of a worker")
+    assert elapsed < 1.0
+    client.shutdown()
+    assert wait_no_children() == []

@@ -120,10 +120,17 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     # Why the core refused or failed this request (finish_reason ERROR).
     error: str | None = None
+    # When the core's loop dequeued the request (the end of core.receive); sent
+    # once, on the request's first output, its abort ack or its refusal.
+    received_ns: int = 0
 
 
 class StepRecord(msgspec.Struct, array_like=True, gc=False):
-    """Timing and batch composition of one engine step (instants per the clock rule above)."""
+    """Timing and batch composition of one engine step (instants per the clock rule above).
+
+    ``output_ns`` is when the step's outputs left the core: handed to the
+    socket in a core process, returned to the caller in-process.
+    """
 
     step_id: int
     schedule_start_ns: int

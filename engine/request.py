@@ -51,6 +51,7 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "priority",
+        "received_ns",
         "request_id",
         "sampling_params",
         "status",
@@ -75,6 +76,7 @@ class Request:
         self.sampling_params = sampling_params
         self.eos_token_ids = frozenset(() if sampling_params.ignore_eos else eos_token_ids)
         self.arrival_ns = arrival_ns
+        self.received_ns = 0  # set by the core when it dequeues the request
         self.priority = priority
         self.cache_salt = cache_salt
         limit = (max_model_len or 1 << 62) - self.num_prompt_tokens

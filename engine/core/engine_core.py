@@ -89,17 +89,30 @@ class EngineCore:
                 raise ValueError(
                     f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"
                 )
-            self.scheduler.add_request(Request.from_wire(request, self.max_model_len))
+            core_request = Request.from_wire(request, self.max_model_len)
+            core_request.received_ns = time.time_ns()
+            self.scheduler.add_request(core_request)
         except ValueError as e:
             return EngineCoreOutput(
-                request.request_id, [], finish_reason=FinishReason.ERROR, error=str(e)
+                request.request_id,
+                [],
+                finish_reason=FinishReason.ERROR,
+                error=str(e),
+                received_ns=time.time_ns(),
             )
         return None
 
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort, and return one acknowledgement per id (known or not), in order."""
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [EngineCoreOutput(r, [], finish_reason=FinishReason.ABORT) for r in request_ids]
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        # A request that never produced output reports its receive time here.
+        received = {r.request_id: r.received_ns for r in aborted if r.num_output_tokens == 0}
+        return [
+            EngineCoreOutput(
+                r, [], finish_reason=FinishReason.ABORT, received_ns=received.get(r, 0)
+            )
+            for r in request_ids
+        ]
 
     def has_work(self) -> bool:
         return self.scheduler.has_requests()

@@ -145,6 +145,8 @@ class EngineCoreProc:
         encoder = msgspec.msgpack.Encoder()
         buf = bytearray()
         while (outs := self.outputs.get()) is not None:
+            if outs.step is not None:
+                outs.step.output_ns = time.time_ns()  # core.output ends as the batch leaves
             encoder.encode_into(outs, buf)
             self.out_sock.send_multipart((OutputType.OUTPUTS.value, buf), copy=False)
             buf = bytearray()

@@ -160,6 +160,7 @@ class Scheduler:
                     request.status.finish_reason,
                     request.stop_reason,
                     request.num_cached_tokens,
+                    received_ns=request.received_ns if request.num_output_tokens == 1 else 0,
                 )
             )
             if finished:

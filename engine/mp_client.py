@@ -126,6 +126,8 @@ class CoreProcess:
         """Send one message; with block=False, False means the socket pushed back."""
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
+        if self._closed:
+            raise EngineDeadError("the engine client is shut down")
         frames = (kind.value, msgspec.msgpack.encode(obj))
         with self.send_lock:
             try:
@@ -308,6 +310,8 @@ class AsyncMPClient(_MPClient):
         self._check_alive()
         if not self.state.has_open() and self._queue.empty():
             return EngineCoreOutputs()
+        if timeout is None:
+            return self._take(await self._queue.get())
         try:
             return self._take(await asyncio.wait_for(self._queue.get(), timeout))
         except asyncio.TimeoutError:

@@ -24,6 +24,38 @@ class _Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # What a stream has been sent so far (text chars, tokens, logprob entries).
+    sent_text: int = 0
+    sent_tokens: int = 0
+    final_sent: bool = False
+
+    def delta(self) -> CompletionOutput | None:
+        """What is new since the last delta; None when nothing is.
+
+        Text that could still turn out to begin a stop string is held back
+        until it cannot, so a stream never shows text the final one cuts.
+        """
+        if self.final_sent:
+            return None
+        finished = self.finish_reason is not None
+        text = self.detokenizer.text
+        end = len(text)
+        if not finished:
+            held = max(self.detokenizer.max_stop_len - 1, 0)
+            end = max(self.sent_text, end - held)
+            if end == self.sent_text and self.sent_tokens == len(self.token_ids):
+                return None
+        out = CompletionOutput(
+            index=self.index,
+            text=text[self.sent_text : end],
+            token_ids=self.token_ids[self.sent_tokens :],
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=self.logprobs[self.sent_tokens :] if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.sent_text, self.sent_tokens, self.final_sent = end, len(self.token_ids), finished
+        return out
 
     def completion(self) -> CompletionOutput:
         return CompletionOutput(
@@ -48,6 +80,20 @@ class _Parent:
     sequences: list[_Sequence] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_unfinished: int = 0
+    stream: bool = False  # deltas after every step, instead of one final output
+
+    def delta_output(self) -> RequestOutput | None:
+        deltas = [d for s in self.sequences if (d := s.delta()) is not None]
+        if not deltas:
+            return None
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=deltas,
+            finished=self.num_unfinished == 0,
+            num_cached_tokens=self.num_cached_tokens,
+        )
 
     def output(self) -> RequestOutput:
         return RequestOutput(
@@ -76,11 +122,19 @@ class OutputProcessor:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        *,
+        stream: bool = False,
     ) -> list[str]:
-        """Register a request; returns the core request ids of its n sequences."""
+        """Register a request; returns the core request ids of its n sequences.
+
+        A streamed request gets a delta RequestOutput after every step that
+        changed it; otherwise one RequestOutput when it finishes.
+        """
         if request_id in self._parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        parent = _Parent(request_id, prompt, prompt_token_ids, params, num_unfinished=params.n)
+        parent = _Parent(
+            request_id, prompt, prompt_token_ids, params, num_unfinished=params.n, stream=stream
+        )
         self._parents[request_id] = parent
         child_ids = []
         for i in range(params.n):
@@ -104,14 +158,17 @@ class OutputProcessor:
     def process_outputs(
         self, outputs: list[EngineCoreOutput]
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the requests that finished this step, and core ids stopped by stop strings
-        (the caller must abort those in the core)."""
+        """Returns the outputs to deliver (finished requests, and deltas of streamed ones), and
+        core ids stopped by stop strings (the caller must abort those in the core)."""
         finished: list[RequestOutput] = []
         to_abort: list[str] = []
+        streamed: dict[str, _Parent] = {}
         for out in outputs:
             seq = self._sequences.get(out.request_id)
             if seq is None:
                 continue  # a late output of an aborted request
+            if seq.parent.stream:
+                streamed[seq.parent.request_id] = seq.parent
             seq.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and seq.logprobs is not None:
                 self._add_logprobs(seq, out.new_logprobs)
@@ -124,6 +181,9 @@ class OutputProcessor:
                 self._finish(out.request_id, "stop", stop_str, finished)
             elif out.finish_reason is not None:
                 self._finish(out.request_id, str(out.finish_reason), out.stop_reason, finished)
+        if streamed:
+            finished = [r for r in finished if r.request_id not in streamed]
+            finished += [d for p in streamed.values() if (d := p.delta_output()) is not None]
         return finished, to_abort
 
     def abort_request(self, request_id: str) -> list[str]:

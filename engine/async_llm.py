@@ -1,0 +1,207 @@
+"""AsyncLLM: the server's engine. One output stream per request over the AsyncMPClient."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from engine.config import EngineConfig, ModelConfig
+from engine.errors import EngineDeadError
+from engine.messages import EngineStats, UtilityMethod
+from engine.model_files import resolve_model
+from engine.mp_client import AsyncMPClient
+from engine.output_processor import OutputProcessor
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.processor import InputProcessor, PromptType, load_tokenizer
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class StreamStalledError(RuntimeError):
+    """The caller stopped reading a stream for longer than the stall timeout."""
+
+
+class _Stream:
+    """Holds at most one pending output per request: new deltas merge into it.
+
+    The output loop never waits on a reader, so a caller that stops reading
+    slows no one; its memory is bounded by its own text.
+    """
+
+    def __init__(self) -> None:
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.ready = asyncio.Event()
+        self.last_read = time.monotonic()
+
+    def put(self, out: RequestOutput) -> None:
+        self.pending = out if self.pending is None else _merge(self.pending, out)
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self.ready.wait()
+        self.last_read = time.monotonic()
+        out, self.pending = self.pending, None
+        if out is None:
+            assert self.error is not None
+            raise self.error
+        if self.error is None:
+            self.ready.clear()
+        return out
+
+
+def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
+    by_index: dict[int, CompletionOutput] = {c.index: c for c in old.outputs}
+    for c in new.outputs:
+        prev = by_index.get(c.index)
+        if prev is None:
+            by_index[c.index] = c
+            continue
+        prev.text += c.text
+        prev.token_ids = prev.token_ids + c.token_ids
+        if prev.logprobs is not None and c.logprobs is not None:
+            prev.logprobs = prev.logprobs + c.logprobs
+        prev.cumulative_logprob = c.cumulative_logprob
+        prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
+    new.outputs = [by_index[i] for i in sorted(by_index)]
+    return new
+
+
+class AsyncLLM:
+    """Create inside a running event loop (the core process starts here).
+
+    ``generate`` yields delta RequestOutputs until the request finishes.
+    Leaving the iteration early (a client that disconnects, a cancelled
+    task) aborts the request in the core, freeing its KV blocks. When the
+    engine dies, every open stream raises EngineDeadError.
+    """
+
+    def __init__(self, config: EngineConfig, *, stall_timeout: float = 60.0) -> None:
+        path = resolve_model(config.model)
+        model_config = ModelConfig.from_path(path)
+        self.config = config
+        self.tokenizer = load_tokenizer(str(path))
+        self.client = AsyncMPClient(config, str(path))
+        self.processor = InputProcessor(
+            self.tokenizer,
+            self.client.info,
+            vocab_size=model_config.vocab_size,
+            eos_token_ids=model_config.eos_token_ids,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
+        self.stall_timeout = stall_timeout
+        self.dead_error: EngineDeadError | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._task = asyncio.create_task(self._output_loop(), name="async-llm-output")
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_error is None
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        if self.dead_error is not None:
+            raise self.dead_error
+        text, ids = self.processor.tokenize(prompt)
+        self.processor.validate(ids, params)
+        request_id = request_id or self.processor.new_request_id()
+        child_ids = self.output_processor.add_request(request_id, text, ids, params, stream=True)
+        stream = self._streams[request_id] = _Stream()
+        finished = False
+        try:
+            for index, child_id in enumerate(child_ids):
+                child = (
+                    params
+                    if params.n == 1
+                    else params.clone(
+                        n=1, seed=None if params.seed is None else params.seed + index
+                    )
+                )
+                await self.client.add_request(
+                    self.processor.make_request(child_id, ids, child, priority=priority)
+                )
+            self._wake.set()
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream (if still read) ends with no more outputs."""
+        self._streams.pop(request_id, None)
+        child_ids = self.output_processor.abort_request(request_id)
+        if child_ids and self.dead_error is None and not self.client.state.closed:
+            with contextlib.suppress(EngineDeadError):
+                await self.client.abort_requests(child_ids)
+
+    async def get_stats(self) -> EngineStats:
+        return await self.client.call_utility(UtilityMethod.GET_STATS)  # type: ignore[return-value]
+
+    async def _output_loop(self) -> None:
+        last_stall_check = time.monotonic()
+        while True:
+            if not self._streams and not self.client.state.has_open():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            try:
+                outs = await self.client.get_output()
+            except EngineDeadError as e:
+                self._fail_all(e)
+                return
+            results, to_abort = self.output_processor.process_outputs(outs.outputs)
+            if to_abort:
+                await self.client.abort_requests(to_abort)
+            for result in results:
+                stream = self._streams.get(result.request_id)
+                if stream is not None:
+                    stream.put(result)
+                    if result.finished:
+                        del self._streams[result.request_id]
+            now = time.monotonic()
+            if now - last_stall_check > 1.0:
+                last_stall_check = now
+                await self._abort_stalled(now)
+
+    async def _abort_stalled(self, now: float) -> None:
+        stalled = [
+            (rid, s)
+            for rid, s in self._streams.items()
+            if s.pending is not None and now - s.last_read > self.stall_timeout
+        ]
+        for request_id, stream in stalled:
+            logger.warning(
+                "aborting %s: its reader stalled for %.0fs", request_id, self.stall_timeout
+            )
+            await self.abort(request_id)
+            stream.fail(StreamStalledError(f"request {request_id} was not read in time"))
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        self.dead_error = error
+        for stream in self._streams.values():
+            stream.fail(error)
+        self._streams.clear()
+
+    async def shutdown(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        await self.client.shutdown()

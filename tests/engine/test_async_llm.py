@@ -1,0 +1,133 @@
+"""AsyncLLM: streamed deltas, disconnects, stalled readers and a dead engine."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.async_llm import AsyncLLM, StreamStalledError
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from tests.helpers.procs import wait_no_children
+
+PROMPTS = [{"prompt_token_ids": [40 + i, 1200, 77 * (i + 1), 9, 31]} for i in range(6)]
+
+
+def _config(path: Path) -> EngineConfig:
+    return EngineConfig(model=str(path), num_kv_blocks=128)
+
+
+async def _drain(llm: AsyncLLM, prompt, params: SamplingParams) -> tuple[str, list[int], str]:
+    text, tokens, finish = "", [], ""
+    async for out in llm.generate(prompt, params):
+        for c in out.outputs:
+            text += c.text
+            tokens += c.token_ids
+            finish = c.finish_reason or finish
+    return text, tokens, finish
+
+
+def test_streamed_deltas_add_up_to_the_offline_result(tiny_model_path: Path) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    offline = LLM(str(tiny_model_path), num_kv_blocks=64)
+    ref = offline.generate(PROMPTS, greedy, use_tqdm=False)
+    cut = ref[0].outputs[0].text[10:13]
+    stopped = offline.generate(PROMPTS[:1], greedy.clone(stop=[cut]), use_tqdm=False)[0]
+
+    async def main() -> None:
+        llm = AsyncLLM(_config(tiny_model_path))
+        try:
+            got = await asyncio.gather(*(_drain(llm, p, greedy) for p in PROMPTS))
+            for (text, tokens, finish), r in zip(got, ref):
+                assert (text, tokens, finish) == (
+                    r.outputs[0].text,
+                    r.outputs[0].token_ids,
+                    "length",
+                )
+            # A stop string: the stream never shows text past the cut.
+            text, _, finish = await _drain(llm, PROMPTS[0], greedy.clone(stop=[cut]))
+            assert (text, finish) == (stopped.outputs[0].text, "stop")
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+    assert wait_no_children() == []
+
+
+def test_leaving_a_stream_aborts_the_request(tiny_model_path: Path) -> None:
+    async def main() -> None:
+        llm = AsyncLLM(_config(tiny_model_path))
+        try:
+            params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+            gen = llm.generate(PROMPTS[0], params)
+            await gen.__anext__()
+            await gen.__anext__()
+            await gen.aclose()  # what a disconnecting HTTP client does
+            task = asyncio.create_task(_drain(llm, PROMPTS[1], params))
+            await asyncio.sleep(0.3)
+            task.cancel()  # a cancelled handler
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                stats = await llm.get_stats()
+                if (stats.num_running, stats.num_waiting, stats.num_kv_blocks_used) == (0, 0, 0):
+                    break
+                await asyncio.sleep(0.05)
+            assert (stats.num_running, stats.num_kv_blocks_used) == (0, 0)
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_a_stalled_reader_is_aborted_and_slows_no_one(tiny_model_path: Path) -> None:
+    async def main() -> None:
+        llm = AsyncLLM(_config(tiny_model_path), stall_timeout=0.5)
+        try:
+            long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+            stalled = llm.generate(PROMPTS[0], long)
+            await stalled.__anext__()  # then never read again
+            started = time.monotonic()
+            _, tokens, _ = await _drain(llm, PROMPTS[1], long.clone(max_tokens=60))
+            print(f"reader beside a stalled one: 60 tokens in {time.monotonic() - started:.2f}s")
+            assert len(tokens) == 60
+            await asyncio.sleep(1.6)
+            with pytest.raises(StreamStalledError):
+                while True:
+                    await stalled.__anext__()
+            assert (await llm.get_stats()).num_running == 0
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_dead_engine_fails_every_open_stream_within_1s(tiny_model_path: Path) -> None:
+    async def main() -> None:
+        llm = AsyncLLM(_config(tiny_model_path))
+        params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+        gens = [llm.generate(p, params) for p in PROMPTS[:3]]
+        for g in gens:
+            await g.__anext__()
+        os.kill(llm.client.core.proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for g in gens:
+            with pytest.raises(EngineDeadError):
+                while True:
+                    await g.__anext__()
+        elapsed = time.monotonic() - killed
+        print(f"3 open streams failed {elapsed * 1000:.0f} ms after kill -9")
+        assert elapsed < 1.0
+        with pytest.raises(EngineDeadError):
+            await _drain(llm, PROMPTS[0], params)
+        await llm.shutdown()
+
+    asyncio.run(main())
+    assert wait_no_children() == []

@@ -8,14 +8,14 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.messages import EngineStats, UtilityMethod
 from engine.model_files import resolve_model
 from engine.mp_client import AsyncMPClient
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.processor import InputProcessor, PromptType, load_tokenizer
+from engine.processor import InputProcessor, PromptType
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -85,17 +85,11 @@ class AsyncLLM:
     """
 
     def __init__(self, config: EngineConfig, *, stall_timeout: float = 60.0) -> None:
-        path = resolve_model(config.model)
-        model_config = ModelConfig.from_path(path)
+        path = str(resolve_model(config.model))
         self.config = config
-        self.tokenizer = load_tokenizer(str(path))
-        self.client = AsyncMPClient(config, str(path))
-        self.processor = InputProcessor(
-            self.tokenizer,
-            self.client.info,
-            vocab_size=model_config.vocab_size,
-            eos_token_ids=model_config.eos_token_ids,
-        )
+        self.client = AsyncMPClient(config, path)
+        self.processor = InputProcessor.for_model(path, self.client.info)
+        self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.stall_timeout = stall_timeout
         self.dead_error: EngineDeadError | None = None
@@ -125,15 +119,10 @@ class AsyncLLM:
         finished = False
         try:
             for index, child_id in enumerate(child_ids):
-                child = (
-                    params
-                    if params.n == 1
-                    else params.clone(
-                        n=1, seed=None if params.seed is None else params.seed + index
-                    )
-                )
                 await self.client.add_request(
-                    self.processor.make_request(child_id, ids, child, priority=priority)
+                    self.processor.make_request(
+                        child_id, ids, child_params(params, index), priority=priority
+                    )
                 )
             self._wake.set()
             while not finished:

@@ -9,12 +9,12 @@ from typing import Any
 from tqdm import tqdm
 
 from engine.client import make_client
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.messages import EngineStats, StepRecord, UtilityMethod
 from engine.model_files import resolve_model
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
-from engine.processor import InputProcessor, PromptType, load_tokenizer
+from engine.processor import InputProcessor, PromptType
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -39,16 +39,10 @@ class LLM:
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
-        path = resolve_model(model)
-        model_config = ModelConfig.from_path(path)
-        self.tokenizer = load_tokenizer(str(path))
-        self.client = make_client(self.config, str(path))
-        self.processor = InputProcessor(
-            self.tokenizer,
-            self.client.info,
-            vocab_size=model_config.vocab_size,
-            eos_token_ids=model_config.eos_token_ids,
-        )
+        path = str(resolve_model(model))
+        self.client = make_client(self.config, path)
+        self.processor = InputProcessor.for_model(path, self.client.info)
+        self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self._metrics = dict.fromkeys(_METRICS, 0)
 
@@ -111,9 +105,10 @@ class LLM:
             order[request_id] = i
             child_ids = self.output_processor.add_request(request_id, text, ids, p)
             for index, child_id in enumerate(child_ids):
-                child_params = p if p.n == 1 else _child_params(p, index)
                 self.client.add_request(
-                    self.processor.make_request(child_id, ids, child_params, priority=prio)
+                    self.processor.make_request(
+                        child_id, ids, child_params(p, index), priority=prio
+                    )
                 )
         results: list[RequestOutput | None] = [None] * len(tokenized)
         bar = tqdm(total=len(tokenized), desc="generate", disable=not use_tqdm)
@@ -195,9 +190,3 @@ def _per_prompt(
     if len(params) != num:
         raise ValueError(f"got {len(params)} sampling_params for {num} prompts")
     return params
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    # Parallel samples of one prompt: distinct seeds keep them distinct yet reproducible.
-    seed = None if params.seed is None else params.seed + index
-    return params.clone(n=1, seed=seed)

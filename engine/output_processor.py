@@ -110,6 +110,17 @@ def child_request_id(index: int, request_id: str, n: int) -> str:
     return request_id if n == 1 else f"{index}_{request_id}"
 
 
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sampling params of sequence ``index`` of an n > 1 request (vLLM's parallel sampling).
+
+    Distinct seeds keep the n samples distinct, yet reproducible.
+    """
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return params.clone(n=1, seed=seed)
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer

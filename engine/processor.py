@@ -10,6 +10,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine.config import ModelConfig
 from engine.messages import EngineCoreRequest, EngineInfo
 from engine.sampling_params import SamplingParams
 
@@ -44,6 +45,17 @@ class InputProcessor:
         self.eos_token_ids = eos
         self._counter = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+
+    @classmethod
+    def for_model(cls, path: str, info: EngineInfo) -> InputProcessor:
+        """The processor of a model folder: its tokenizer, vocabulary and EOS ids."""
+        model_config = ModelConfig.from_path(path)
+        return cls(
+            load_tokenizer(path),
+            info,
+            vocab_size=model_config.vocab_size,
+            eos_token_ids=model_config.eos_token_ids,
+        )
 
     def new_request_id(self, kind: str = "cmpl") -> str:
         # Unique per process run and never reused.

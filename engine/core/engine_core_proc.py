@@ -176,7 +176,10 @@ def run_engine_core(
         ready = ReadyMessage(error=str(e), error_type=type(e).__name__)
         out_sock.send_multipart((OutputType.READY.value, encoder.encode(ready)))
         out_sock.close(linger=2000)
-        sys.exit(1)
+        logging.shutdown()
+        # Nothing started, nothing to clean: skip interpreter teardown, which
+        # can outlast the frontend's patience and end in its SIGTERM.
+        os._exit(1)
     out_sock.send_multipart((OutputType.READY.value, encoder.encode(ReadyMessage(info=core.info))))
     proc = EngineCoreProc(core, input_addr, out_sock)
     exit_code = 0

@@ -99,7 +99,7 @@ class AsyncLLM:
 
     @property
     def is_alive(self) -> bool:
-        return self.dead_error is None
+        return self.dead_error is None and self.client.core.dead_reason is None
 
     async def generate(
         self,
@@ -109,8 +109,8 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        if self.dead_error is not None:
-            raise self.dead_error
+        if not self.is_alive:
+            raise self.dead_error or EngineDeadError(self.client.core.dead_reason)
         text, ids = self.processor.tokenize(prompt)
         self.processor.validate(ids, params)
         request_id = request_id or self.processor.new_request_id()
@@ -145,17 +145,25 @@ class AsyncLLM:
         return await self.client.call_utility(UtilityMethod.GET_STATS)  # type: ignore[return-value]
 
     async def _output_loop(self) -> None:
+        try:
+            await self._pump_outputs()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            # Whatever ends this loop ends every open stream with it, never a hang.
+            if not isinstance(e, EngineDeadError):
+                logger.exception("output loop failed")
+                e = EngineDeadError(f"output loop failed: {e}")
+            self._fail_all(e)
+
+    async def _pump_outputs(self) -> None:
         last_stall_check = time.monotonic()
         while True:
             if not self._streams and not self.client.state.has_open():
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            try:
-                outs = await self.client.get_output()
-            except EngineDeadError as e:
-                self._fail_all(e)
-                return
+            outs = await self.client.get_output()
             results, to_abort = self.output_processor.process_outputs(outs.outputs)
             if to_abort:
                 await self.client.abort_requests(to_abort)
@@ -190,6 +198,7 @@ class AsyncLLM:
         self._streams.clear()
 
     async def shutdown(self) -> None:
+        self._fail_all(EngineDeadError("the engine is shutting down"))
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task

@@ -59,6 +59,8 @@ class ClientState:
     def added(self, request_id: str) -> None:
         if self.closed:
             raise EngineDeadError("the engine client is shut down")
+        if request_id in self.open_ids:
+            raise ValueError(f"request id {request_id!r} is already in use")
         self.open_ids.add(request_id)
 
     def aborting(self, request_ids: list[str]) -> None:
@@ -80,7 +82,6 @@ class ClientState:
                     if not self._aborting[rid]:
                         del self._aborting[rid]
                 continue
-            self._aborting.pop(rid, None)
             if out.finish_reason is not None:
                 self.open_ids.discard(rid)
             kept.append(out)

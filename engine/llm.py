@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from engine.client import make_client
 from engine.config import EngineConfig
+from engine.errors import RequestError
 from engine.messages import EngineStats, StepRecord, UtilityMethod
 from engine.model_files import resolve_model
 from engine.output_processor import OutputProcessor, child_params
@@ -130,6 +131,10 @@ class LLM:
             raise
         finally:
             bar.close()
+        for result in results:
+            errors = [c.error for c in result.outputs if c.error] if result else []
+            if errors:
+                raise RequestError(errors[0])
         return [r for r in results if r is not None]
 
     def get_metrics(self) -> dict[str, int]:

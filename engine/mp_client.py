@@ -137,8 +137,12 @@ class CoreProcess:
                 self.num_backpressure += 1
                 if not block:
                     return False
-                self.in_sock.send_multipart(frames)
-                return True
+            # Pushed back: wait for room, but never past the core's death.
+            while not self.in_sock.poll(100, zmq.POLLOUT):
+                if self.dead_reason is not None:
+                    raise EngineDeadError(self.dead_reason)
+            self.in_sock.send_multipart(frames)
+            return True
 
     def close(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Ask the core to stop, wait for it, then make sure it is gone."""
@@ -185,10 +189,11 @@ class _MPClient:
     def _route(self, item: Any) -> bool:
         """Settle utility futures (or fail them all on death); True if the item is queued."""
         if item is _DEAD:
-            for future in self._calls.values():
+            # Swapped out, not iterated in place: callers may be adding calls meanwhile.
+            calls, self._calls = self._calls, {}
+            for future in calls.values():
                 if not future.done():
                     future.set_exception(EngineDeadError(self.core.dead_reason))
-            self._calls.clear()
             return True
         result = item.utility_result
         if result is not None:

@@ -24,6 +24,7 @@ class _Sequence:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why the core refused the request (finish_reason "error")
     # What a stream has been sent so far (text chars, tokens, logprob entries).
     sent_text: int = 0
     sent_tokens: int = 0
@@ -53,6 +54,7 @@ class _Sequence:
             logprobs=self.logprobs[self.sent_tokens :] if self.logprobs is not None else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            error=self.error,
         )
         self.sent_text, self.sent_tokens, self.final_sent = end, len(self.token_ids), finished
         return out
@@ -66,6 +68,7 @@ class _Sequence:
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            error=self.error,
         )
 
 
@@ -141,14 +144,14 @@ class OutputProcessor:
         A streamed request gets a delta RequestOutput after every step that
         changed it; otherwise one RequestOutput when it finishes.
         """
-        if request_id in self._parents:
+        child_ids = [child_request_id(i, request_id, params.n) for i in range(params.n)]
+        if request_id in self._parents or any(c in self._sequences for c in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         parent = _Parent(
             request_id, prompt, prompt_token_ids, params, num_unfinished=params.n, stream=stream
         )
         self._parents[request_id] = parent
-        child_ids = []
-        for i in range(params.n):
+        for i, child_id in enumerate(child_ids):
             detok = IncrementalDetokenizer(
                 self.tokenizer,
                 prompt_token_ids,
@@ -158,9 +161,7 @@ class OutputProcessor:
             )
             seq = _Sequence(i, parent, detok, logprobs=[] if params.logprobs is not None else None)
             parent.sequences.append(seq)
-            child_id = child_request_id(i, request_id, params.n)
             self._sequences[child_id] = seq
-            child_ids.append(child_id)
         return child_ids
 
     def has_unfinished(self) -> bool:
@@ -191,6 +192,7 @@ class OutputProcessor:
                     to_abort.append(out.request_id)
                 self._finish(out.request_id, "stop", stop_str, finished)
             elif out.finish_reason is not None:
+                seq.error = out.error
                 self._finish(out.request_id, str(out.finish_reason), out.stop_reason, finished)
         if streamed:
             finished = [r for r in finished if r.request_id not in streamed]

@@ -21,6 +21,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    error: str | None = None  # why the engine refused the request (finish_reason "error")
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -51,6 +51,7 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.sleeping = False
         self.max_model_len = max_model_len
+        self.vocab_size = model_config.vocab_size
         self.scheduler = Scheduler(
             KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -84,11 +85,13 @@ class EngineCore:
                 raise ValueError("the engine is asleep: wake it up first")
             # The frontend validated the request; this check keeps a bad one from
             # reaching the model if another client skips that.
-            n = len(request.prompt_token_ids)
-            if n == 0 or n > self.max_model_len:
+            ids = request.prompt_token_ids
+            if not 0 < len(ids) <= self.max_model_len:
                 raise ValueError(
-                    f"prompt of {n} tokens does not fit max_model_len {self.max_model_len}"
+                    f"prompt of {len(ids)} tokens does not fit max_model_len {self.max_model_len}"
                 )
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
             core_request = Request.from_wire(request, self.max_model_len)
             core_request.received_ns = time.time_ns()
             self.scheduler.add_request(core_request)

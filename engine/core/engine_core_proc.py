@@ -55,22 +55,40 @@ class EngineCoreProc:
         self.outputs: queue.Queue[EngineCoreOutputs | None] = queue.Queue(OUTPUT_QUEUE_SIZE)
         self.num_output_backpressure = 0
         self.running = True
+        self.out_thread = threading.Thread(
+            target=self._output_thread, name="core-output", daemon=True
+        )
         self._pending: list[EngineCoreOutput] = []  # abort acks and refusals for the next send
         self._decode_add = msgspec.msgpack.Decoder(EngineCoreRequest)
         self._decode_abort = msgspec.msgpack.Decoder(list[str])
         self._decode_utility = msgspec.msgpack.Decoder(UtilityRequest)
 
-    def run(self) -> None:
+    def run(self) -> bool:
+        """Serve until SHUTDOWN; False if the loop failed (the frontend has been told why).
+
+        The output thread alone touches the output socket until it has
+        drained; it stops after the final message.
+        """
         threading.Thread(target=self._input_thread, name="core-input", daemon=True).start()
-        out_thread = threading.Thread(target=self._output_thread, name="core-output", daemon=True)
-        out_thread.start()
+        self.out_thread.start()
         if self.core.executor.sentinels:
             threading.Thread(target=self._watch_workers, name="core-workers", daemon=True).start()
+        ok = True
         try:
             self._busy_loop()
-        finally:
-            self.outputs.put(None)
-            out_thread.join(timeout=5)
+        except Exception as e:
+            logger.exception("engine core failed")
+            ok = False
+            self._put_final(EngineCoreOutputs(engine_error=f"{type(e).__name__}: {e}"))
+        self._put_final(None)
+        self.out_thread.join(timeout=5)
+        return ok
+
+    def _put_final(self, item: EngineCoreOutputs | None) -> None:
+        try:
+            self.outputs.put(item, timeout=2)
+        except queue.Full:
+            logger.warning("output queue full at exit: the frontend stopped reading")
 
     def _busy_loop(self) -> None:
         core = self.core
@@ -176,23 +194,20 @@ def run_engine_core(
         ready = ReadyMessage(error=str(e), error_type=type(e).__name__)
         out_sock.send_multipart((OutputType.READY.value, encoder.encode(ready)))
         out_sock.close(linger=2000)
+        zmq.Context.instance().term()  # flushes the READY error (up to the linger)
         logging.shutdown()
         # Nothing started, nothing to clean: skip interpreter teardown, which
         # can outlast the frontend's patience and end in its SIGTERM.
         os._exit(1)
     out_sock.send_multipart((OutputType.READY.value, encoder.encode(ReadyMessage(info=core.info))))
     proc = EngineCoreProc(core, input_addr, out_sock)
-    exit_code = 0
+    ok = False
     try:
-        proc.run()
-    except Exception as e:
-        logger.exception("engine core failed")
-        dead = EngineCoreOutputs(engine_error=f"{type(e).__name__}: {e}")
-        out_sock.send_multipart((OutputType.OUTPUTS.value, encoder.encode(dead)))
-        exit_code = 1
+        ok = proc.run()
     finally:
         started = time.monotonic()
         core.shutdown()
         logger.info("engine core stopped (%.2fs to shut down)", time.monotonic() - started)
-        out_sock.close(linger=1000)
-    sys.exit(exit_code)
+        if not proc.out_thread.is_alive():
+            out_sock.close(linger=1000)
+    sys.exit(0 if ok else 1)

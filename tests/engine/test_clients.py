@@ -115,10 +115,12 @@ def test_abort_storm_leaves_nothing_running(client: Any) -> None:
 def test_a_refused_request_errors_alone(client: Any) -> None:
     too_long = client.info.max_model_len + 1
     client.add_request(req("bad", [5] * too_long))
+    client.add_request(req("badtok", [5, 10**6]))  # the core checks ids too
     client.add_request(req("good", [5, 6, 7], max_tokens=2))
-    seen = collect(client, {"bad", "good"})
+    seen = collect(client, {"bad", "badtok", "good"})
     assert seen["bad"][-1].finish_reason == FinishReason.ERROR
     assert str(too_long) in seen["bad"][-1].error
+    assert "token ids" in seen["badtok"][-1].error
     assert len(tokens(seen["good"])) == 2
 
 

@@ -141,3 +141,33 @@ def test_chat_knows_the_capital_of_france(default_model_path: Path) -> None:
     print(repr(comp.text))
     assert "Paris" in comp.text
     assert comp.finish_reason == "stop"
+
+
+def test_a_refused_request_raises_with_the_reason(tiny_llm: LLM) -> None:
+    from engine.errors import RequestError
+
+    tiny_llm.sleep()
+    try:
+        with pytest.raises(RequestError, match="asleep"):
+            _gen(tiny_llm, [PROMPT], SamplingParams(max_tokens=2))
+    finally:
+        tiny_llm.wake_up()
+    assert len(_gen(tiny_llm, [PROMPT], SamplingParams(max_tokens=2))[0].outputs[0].token_ids) == 2
+
+
+def test_child_ids_of_parallel_samples_cannot_be_taken_over() -> None:
+    from tokenizers import Tokenizer
+
+    from engine.output_processor import OutputProcessor
+
+    proc = OutputProcessor(Tokenizer.from_str(_TINY_TOKENIZER))
+    assert proc.add_request("x", None, [1, 2], SamplingParams(n=2)) == ["0_x", "1_x"]
+    with pytest.raises(ValueError, match="already in use"):
+        proc.add_request("0_x", None, [1, 2], SamplingParams())
+
+
+_TINY_TOKENIZER = (
+    '{"version":"1.0","model":{"type":"WordLevel","vocab":{"a":0,"b":1,"c":2},'
+    '"unk_token":"a"},"decoder":null,"pre_tokenizer":null,"normalizer":null,'
+    '"post_processor":null,"added_tokens":[],"truncation":null,"padding":null}'
+)

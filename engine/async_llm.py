@@ -108,7 +108,10 @@ class AsyncLLM:
         *,
         request_id: str | None = None,
         priority: int = 0,
+        arrival_ns: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """``arrival_ns``: when the frontend received the request (default: now)."""
+        arrival_ns = arrival_ns or time.time_ns()
         if not self.is_alive:
             raise self.dead_error or EngineDeadError(self.client.core.dead_reason)
         text, ids = self.processor.tokenize(prompt)
@@ -121,7 +124,11 @@ class AsyncLLM:
             for index, child_id in enumerate(child_ids):
                 await self.client.add_request(
                     self.processor.make_request(
-                        child_id, ids, child_params(params, index), priority=priority
+                        child_id,
+                        ids,
+                        child_params(params, index),
+                        priority=priority,
+                        arrival_ns=arrival_ns,
                     )
                 )
             self._wake.set()

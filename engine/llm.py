@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,10 +60,11 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; results come back in the order given."""
+        arrival_ns = time.time_ns()  # frontend.enqueue starts before tokenization
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         tokenized = [self.processor.tokenize(p) for p in prompts]
-        return self._run(tokenized, sampling_params, priority, use_tqdm)
+        return self._run(tokenized, sampling_params, priority, use_tqdm, arrival_ns)
 
     def chat(
         self,
@@ -74,6 +76,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, with the tokenizer's template."""
+        arrival_ns = time.time_ns()
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         tokenized: list[tuple[str | None, list[int]]] = [
             (
@@ -84,7 +87,7 @@ class LLM:
             )
             for conv in conversations
         ]
-        return self._run(tokenized, sampling_params, None, use_tqdm)
+        return self._run(tokenized, sampling_params, None, use_tqdm, arrival_ns)
 
     def _run(
         self,
@@ -92,6 +95,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         priority: Sequence[int] | None,
         use_tqdm: bool,
+        arrival_ns: int,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(tokenized))
         priorities = list(priority) if priority is not None else [0] * len(tokenized)
@@ -108,7 +112,7 @@ class LLM:
             for index, child_id in enumerate(child_ids):
                 self.client.add_request(
                     self.processor.make_request(
-                        child_id, ids, child_params(p, index), priority=prio
+                        child_id, ids, child_params(p, index), priority=prio, arrival_ns=arrival_ns
                     )
                 )
         results: list[RequestOutput | None] = [None] * len(tokenized)

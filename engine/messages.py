@@ -148,6 +148,10 @@ class StepRecord(msgspec.Struct, array_like=True, gc=False):
     num_kv_blocks_total: int
     num_prefix_query_tokens: int
     num_prefix_hit_tokens: int
+    # Who took part: the per-step boundaries of each request come from these.
+    req_ids: list[str] = msgspec.field(default_factory=list)
+    num_scheduled: list[int] = msgspec.field(default_factory=list)  # tokens, per req_ids row
+    preempted_req_ids: list[str] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -147,6 +147,9 @@ class EngineCore:
             num_kv_blocks_total=kv.num_blocks,
             num_prefix_query_tokens=sched.num_prefix_query_tokens,
             num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
+            req_ids=sched.req_ids,
+            num_scheduled=[len(ids) for ids in sched.token_ids],
+            preempted_req_ids=sched.preempted_req_ids,
         )
         return EngineCoreOutputs(outputs, step)
 

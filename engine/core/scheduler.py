@@ -95,7 +95,7 @@ class Scheduler:
                 victim = self._pick_victim()
                 victim_idx = self.running.index(victim)
                 self._preempt(victim)
-                out.num_preemptions += 1
+                out.preempted_req_ids.append(victim.request_id)
                 if victim is request:
                     break
                 budget += scheduled.pop(victim.request_id, 0)

@@ -39,10 +39,14 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-    num_preemptions: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
     # Prefix-cache lookups of requests admitted this step: tokens looked up, tokens hit.
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return len(self.preempted_req_ids)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -163,6 +163,8 @@ def test_boundary_timestamps_follow_one_clock(client: Any) -> None:
             steps.append(batch.step)
         firsts += mine
     assert request.arrival_ns <= firsts[0].received_ns <= steps[0].schedule_end_ns
+    assert all("clock" in s.req_ids for s in steps)
+    assert steps[0].num_scheduled[steps[0].req_ids.index("clock")] == 4  # the prompt
     assert [o.received_ns for o in firsts[1:]] == [0, 0]  # sent once
     for s in steps:
         assert s.schedule_start_ns <= s.schedule_end_ns <= s.execute_start_ns

@@ -35,17 +35,13 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
-
-    @property
-    def usage(self) -> float:
-        return self.pool.num_used_blocks / self.pool.num_blocks
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request, in whole blocks, and its token count.

@@ -36,7 +36,6 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = block_size
-        self.max_model_len = max_model_len
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.rotary = Rotary(model_config, max_model_len, device)

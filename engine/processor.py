@@ -107,7 +107,7 @@ class InputProcessor:
         priority: int = 0,
         arrival_ns: int | None = None,
     ) -> EngineCoreRequest:
-        self.validate(prompt_token_ids, params)
+        """The wire request; call ``validate`` first (once per prompt, not per sample)."""
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

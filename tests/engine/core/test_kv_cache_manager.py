@@ -157,25 +157,26 @@ def test_eviction_takes_tail_blocks_before_head() -> None:
     assert [b.block_id for b in hits] == ids[:3]
 
 
-def test_eviction_is_least_recently_freed_first() -> None:
+def _a_then_b_freed() -> KVCacheManager:
+    """Six blocks; A (tokens 0..8) and B (100..108) admitted, then freed A first."""
     mgr = KVCacheManager(6, BS)
     a, b = req(list(range(9))), req([100 + i for i in range(9)])
     admit(mgr, a)
     admit(mgr, b)
     mgr.free(a)
     mgr.free(b)
+    return mgr
+
+
+def test_eviction_is_least_recently_freed_first() -> None:
+    mgr = _a_then_b_freed()
     admit(mgr, req([700 + i for i in range(12)]))  # three blocks: all of A's
     assert mgr.get_computed_blocks(req(list(range(9))))[1] == 0
     assert mgr.get_computed_blocks(req([100 + i for i in range(9)]))[1] == 8
 
 
 def test_hit_on_free_block_moves_it_to_the_back_of_the_queue() -> None:
-    mgr = KVCacheManager(6, BS)
-    a, b = req(list(range(9))), req([100 + i for i in range(9)])
-    admit(mgr, a)
-    admit(mgr, b)
-    mgr.free(a)
-    mgr.free(b)
+    mgr = _a_then_b_freed()
     again = req(list(range(9)))  # touches A's two cached blocks, then frees them last
     assert admit(mgr, again) == 8
     mgr.free(again)

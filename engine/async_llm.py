@@ -17,6 +17,7 @@ from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.processor import InputProcessor, PromptType
 from engine.sampling_params import SamplingParams
+from engine.stats import IterationStats, StatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,13 @@ class AsyncLLM:
     engine dies, every open stream raises EngineDeadError.
     """
 
-    def __init__(self, config: EngineConfig, *, stall_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        stall_timeout: float = 60.0,
+        stat_loggers: tuple[StatLogger, ...] = (),
+    ) -> None:
         path = str(resolve_model(config.model))
         self.config = config
         self.client = AsyncMPClient(config, path)
@@ -92,6 +99,8 @@ class AsyncLLM:
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.stall_timeout = stall_timeout
+        self.stat_loggers = stat_loggers
+        self.num_stalled_aborts = 0
         self.dead_error: EngineDeadError | None = None
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -100,6 +109,15 @@ class AsyncLLM:
     @property
     def is_alive(self) -> bool:
         return self.dead_error is None and self.client.core.dead_reason is None
+
+    async def wait_dead(self) -> str:
+        """Returns (why) once the core or a worker has died."""
+        await self.client.dead_event.wait()
+        return self.client.core.dead_reason or "engine died"
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.info.max_model_len
 
     async def generate(
         self,
@@ -117,7 +135,9 @@ class AsyncLLM:
         text, ids = self.processor.tokenize(prompt)
         self.processor.validate(ids, params)
         request_id = request_id or self.processor.new_request_id()
-        child_ids = self.output_processor.add_request(request_id, text, ids, params, stream=True)
+        child_ids = self.output_processor.add_request(
+            request_id, text, ids, params, stream=True, arrival_ns=arrival_ns
+        )
         stream = self._streams[request_id] = _Stream()
         finished = False
         try:
@@ -143,7 +163,10 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if still read) ends with no more outputs."""
         self._streams.pop(request_id, None)
-        child_ids = self.output_processor.abort_request(request_id)
+        stats = IterationStats(time.time_ns()) if self.stat_loggers else None
+        child_ids = self.output_processor.abort_request(request_id, stats)
+        if stats is not None and stats.finished:
+            self._record(stats)
         if child_ids and self.dead_error is None and not self.client.state.closed:
             with contextlib.suppress(EngineDeadError):
                 await self.client.abort_requests(child_ids)
@@ -171,7 +194,10 @@ class AsyncLLM:
                 await self._wake.wait()
                 continue
             outs = await self.client.get_output()
-            results, to_abort = self.output_processor.process_outputs(outs.outputs)
+            stats = IterationStats(time.time_ns()) if self.stat_loggers else None
+            results, to_abort = self.output_processor.process_outputs(
+                outs.outputs, outs.step, stats
+            )
             if to_abort:
                 await self.client.abort_requests(to_abort)
             for result in results:
@@ -180,10 +206,19 @@ class AsyncLLM:
                     stream.put(result)
                     if result.finished:
                         del self._streams[result.request_id]
+            if stats is not None:
+                self._record(stats)
             now = time.monotonic()
             if now - last_stall_check > 1.0:
                 last_stall_check = now
                 await self._abort_stalled(now)
+
+    def _record(self, stats: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(stats)
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
 
     async def _abort_stalled(self, now: float) -> None:
         stalled = [
@@ -195,6 +230,7 @@ class AsyncLLM:
             logger.warning(
                 "aborting %s: its reader stalled for %.0fs", request_id, self.stall_timeout
             )
+            self.num_stalled_aborts += 1
             await self.abort(request_id)
             stream.fail(StreamStalledError(f"request {request_id} was not read in time"))
 

@@ -22,7 +22,9 @@ LUMEN_HOME = EnvVar(
 )
 LUMEN_DEVICE = EnvVar("LUMEN_DEVICE", "", "force the device (cpu or cuda); empty = automatic")
 
-ALL = (LUMEN_HOME, LUMEN_DEVICE)
+LUMEN_API_KEY = EnvVar("LUMEN_API_KEY", "", "bearer key `lumen serve` requires (--api-key)")
+
+ALL = (LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY)
 
 
 def lumen_home() -> Path:

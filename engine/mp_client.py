@@ -291,9 +291,13 @@ class AsyncMPClient(_MPClient):
         super().__init__(config, model_path, startup_timeout)
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        # Set the moment the core (or a worker) dies, even while nothing is open.
+        self.dead_event = asyncio.Event()
         self.core.start(lambda item: self._loop.call_soon_threadsafe(self._deliver, item))
 
     def _deliver(self, item: Any) -> None:
+        if item is _DEAD:
+            self.dead_event.set()
         if self._route(item):
             self._queue.put_nowait(item)
 

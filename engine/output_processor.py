@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.messages import EngineCoreOutput, Logprobs
+from engine.messages import EngineCoreOutput, Logprobs, StepRecord
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.stats import FinishedRequest, IterationStats
 
 
 @dataclass
@@ -84,6 +85,28 @@ class _Parent:
     num_cached_tokens: int = 0
     num_unfinished: int = 0
     stream: bool = False  # deltas after every step, instead of one final output
+    # Timings for metrics (clock rule of engine/messages.py); 0 = not yet.
+    arrival_ns: int = 0
+    queued_ns: int = 0
+    scheduled_ns: int = 0
+    first_token_ns: int = 0
+    last_token_ns: int = 0
+    num_generation_tokens: int = 0
+
+    def finished_stats(self, reason: str, now_ns: int) -> FinishedRequest:
+        return FinishedRequest(
+            request_id=self.request_id,
+            finish_reason=reason,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_generation_tokens=self.num_generation_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            max_tokens=self.params.max_tokens,
+            arrival_ns=self.arrival_ns,
+            queued_ns=self.queued_ns,
+            scheduled_ns=self.scheduled_ns,
+            first_token_ns=self.first_token_ns,
+            finished_ns=now_ns,
+        )
 
     def delta_output(self) -> RequestOutput | None:
         deltas = [d for s in self.sequences if (d := s.delta()) is not None]
@@ -138,6 +161,7 @@ class OutputProcessor:
         params: SamplingParams,
         *,
         stream: bool = False,
+        arrival_ns: int = 0,
     ) -> list[str]:
         """Register a request; returns the core request ids of its n sequences.
 
@@ -148,7 +172,13 @@ class OutputProcessor:
         if request_id in self._parents or any(c in self._sequences for c in child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
         parent = _Parent(
-            request_id, prompt, prompt_token_ids, params, num_unfinished=params.n, stream=stream
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            num_unfinished=params.n,
+            stream=stream,
+            arrival_ns=arrival_ns,
         )
         self._parents[request_id] = parent
         for i, child_id in enumerate(child_ids):
@@ -168,19 +198,33 @@ class OutputProcessor:
         return bool(self._parents)
 
     def process_outputs(
-        self, outputs: list[EngineCoreOutput]
+        self,
+        outputs: list[EngineCoreOutput],
+        step: StepRecord | None = None,
+        stats: IterationStats | None = None,
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs to deliver (finished requests, and deltas of streamed ones), and
-        core ids stopped by stop strings (the caller must abort those in the core)."""
+        core ids stopped by stop strings (the caller must abort those in the core).
+
+        With ``stats``, also fills in what this batch changed (tokens, TTFTs,
+        inter-token latencies, finished requests) for the metrics loggers.
+        """
         finished: list[RequestOutput] = []
         to_abort: list[str] = []
         streamed: dict[str, _Parent] = {}
+        if stats is not None and step is not None:
+            stats.step = step
+            for rid in step.req_ids:
+                if (s := self._sequences.get(rid)) is not None and not s.parent.scheduled_ns:
+                    s.parent.scheduled_ns = step.schedule_end_ns
         for out in outputs:
             seq = self._sequences.get(out.request_id)
             if seq is None:
                 continue  # a late output of an aborted request
             if seq.parent.stream:
                 streamed[seq.parent.request_id] = seq.parent
+            if stats is not None:
+                self._count(seq.parent, out, stats)
             seq.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None and seq.logprobs is not None:
                 self._add_logprobs(seq, out.new_logprobs)
@@ -190,20 +234,25 @@ class OutputProcessor:
             if stop_str is not None:
                 if out.finish_reason is None:
                     to_abort.append(out.request_id)
-                self._finish(out.request_id, "stop", stop_str, finished)
+                self._finish(out.request_id, "stop", stop_str, finished, stats)
             elif out.finish_reason is not None:
                 seq.error = out.error
-                self._finish(out.request_id, str(out.finish_reason), out.stop_reason, finished)
+                reason = str(out.finish_reason)
+                self._finish(out.request_id, reason, out.stop_reason, finished, stats)
         if streamed:
             finished = [r for r in finished if r.request_id not in streamed]
             finished += [d for p in streamed.values() if (d := p.delta_output()) is not None]
         return finished, to_abort
 
-    def abort_request(self, request_id: str) -> list[str]:
+    def abort_request(
+        self, request_id: str, stats: IterationStats | None = None, reason: str = "abort"
+    ) -> list[str]:
         """Forget a request; returns its core ids (the caller aborts them in the core)."""
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return []
+        if stats is not None:
+            stats.finished.append(parent.finished_stats(reason, stats.now_ns))
         ids = [child_request_id(s.index, request_id, parent.params.n) for s in parent.sequences]
         for child_id in ids:
             self._sequences.pop(child_id, None)
@@ -215,6 +264,7 @@ class OutputProcessor:
         reason: str,
         stop_reason: int | str | None,
         finished: list[RequestOutput],
+        stats: IterationStats | None,
     ) -> None:
         seq = self._sequences.pop(child_id)
         seq.finish_reason = reason
@@ -224,6 +274,27 @@ class OutputProcessor:
         if parent.num_unfinished == 0:
             del self._parents[parent.request_id]
             finished.append(parent.output())
+            if stats is not None:
+                stats.finished.append(parent.finished_stats(reason, stats.now_ns))
+
+    @staticmethod
+    def _count(parent: _Parent, out: EngineCoreOutput, stats: IterationStats) -> None:
+        if out.received_ns and not parent.queued_ns:
+            parent.queued_ns = out.received_ns
+        num_new = len(out.new_token_ids)
+        if not num_new:
+            return
+        now = stats.now_ns
+        stats.num_generation_tokens += num_new
+        parent.num_generation_tokens += num_new
+        if not parent.first_token_ns:
+            parent.first_token_ns = now
+            stats.num_prompt_tokens += len(parent.prompt_token_ids)
+            if parent.arrival_ns:
+                stats.ttfts_s.append((now - parent.arrival_ns) / 1e9)
+        elif parent.last_token_ns != now:  # once per batch, even for n > 1
+            stats.itls_s.append((now - parent.last_token_ns) / 1e9)
+        parent.last_token_ns = now
 
     def _add_logprobs(self, seq: _Sequence, lp: Logprobs) -> None:
         assert seq.logprobs is not None

@@ -1,4 +1,4 @@
-"""The `lumen` command, grouped by noun: model, generate, bench."""
+"""The `lumen` command, grouped by noun: serve, model, generate, bench."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ import types
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from engine.config import EngineConfig
+from service.config import ServerConfig
 
 
-def add_engine_options(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-    """One flag per EngineConfig field; the dataclass is the only source of defaults."""
-    hints = get_type_hints(EngineConfig)
-    group = parser.add_argument_group("engine options")
-    for f in dataclasses.fields(EngineConfig):
+def add_options(
+    parser: argparse.ArgumentParser, cls: type, title: str, *, skip: tuple[str, ...] = ()
+) -> None:
+    """One flag per field of a config dataclass; the dataclass is the only source of defaults."""
+    hints = get_type_hints(cls)
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
@@ -33,12 +36,20 @@ def add_engine_options(parser: argparse.ArgumentParser, *, skip: tuple[str, ...]
             )
 
 
-def engine_options(args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+def add_engine_options(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    add_options(parser, EngineConfig, "engine options", skip=skip)
+
+
+def options(cls: type, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     return {
         f.name: getattr(args, f.name)
-        for f in dataclasses.fields(EngineConfig)
+        for f in dataclasses.fields(cls)
         if f.name not in skip and hasattr(args, f.name)
     }
+
+
+def engine_options(args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    return options(EngineConfig, args, skip=skip)
 
 
 def _base_type(hint: Any) -> type:
@@ -57,6 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
     path = model_verbs.add_parser("path", help="print a model's local folder (fetches the default)")
     path.add_argument("model", nargs="?", default=None, help="model folder or name")
     path.set_defaults(func=_model_path)
+
+    serve = nouns.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    serve.add_argument(
+        "model_arg", nargs="?", default=None, metavar="MODEL", help="same as --model"
+    )
+    add_options(serve, ServerConfig, "server options")
+    add_engine_options(serve, skip=("core_process",))
+    serve.set_defaults(func=_serve)
 
     gen = nouns.add_parser("generate", help="generate offline from a prompt (a quick demo)")
     gen.add_argument("prompt", nargs="+", help="prompt text (one or more)")
@@ -80,6 +99,18 @@ def _model_path(args: argparse.Namespace) -> int:
 
     print(resolve_model(args.model, log=lambda m: print(m, file=sys.stderr)))
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from service.api_server import serve
+
+    engine = engine_options(args, skip=("core_process",))
+    if args.model_arg is not None:
+        engine["model"] = args.model_arg
+    server_config = ServerConfig(**options(ServerConfig, args))
+    return asyncio.run(serve(EngineConfig(**engine, core_process=True), server_config))
 
 
 def _generate(args: argparse.Namespace) -> int:

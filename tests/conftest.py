@@ -30,3 +30,16 @@ def tiny_llm(tiny_model_path: Path):
     from engine import LLM
 
     return LLM(str(tiny_model_path), num_kv_blocks=512)
+
+
+API_KEY = "test-key-3f9c"
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
+    """One `lumen serve` process on the tiny model (API key required), for the API tests."""
+    from tests.helpers.server import LumenServer
+
+    log = tmp_path_factory.mktemp("server") / "serve.log"
+    with LumenServer(tiny_model_path, "--num-kv-blocks", "256", log_path=log, api_key=API_KEY) as s:
+        yield s

@@ -1,0 +1,250 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes, the front-door middleware, Hypercorn."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+from engine.model_files import served_name
+from service.admission import Admission
+from service.config import ServerConfig
+from service.errors import APIError
+from service.metrics import ServerMetrics
+from service.protocol import ChatCompletionRequest, CompletionRequest
+from service.serving import Serving
+
+logger = logging.getLogger(__name__)
+_ID_KINDS = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
+
+
+class FrontDoor:
+    """Pure ASGI middleware, first in line for every request.
+
+    Gives the request its id (echoed in ``x-request-id`` on every response,
+    errors included) and its arrival instant, checks the API key on /v1
+    routes (constant-time), and reads the body up to the size limit (413).
+    """
+
+    def __init__(self, app: ASGIApp, serving: Serving, config: ServerConfig) -> None:
+        self.app = app
+        self.serving = serving
+        self.api_key = config.api_key.encode() if config.api_key else None
+        self.max_body = config.max_request_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        arrival_ns = time.time_ns()
+        kind = _ID_KINDS.get(scope["path"], "req")
+        request_id = self.serving.engine.processor.new_request_id(kind)
+        state = scope.setdefault("state", {})
+        state["request_id"], state["arrival_ns"] = request_id, arrival_ns
+        headers = dict(scope["headers"])
+        if (client_id := headers.get(b"x-request-id")) is not None:
+            state["client_request_id"] = client_id.decode("latin-1")[:256]
+        id_header = (b"x-request-id", request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), id_header]}
+            await send(message)
+
+        if scope["path"].startswith("/v1") and not self._authorized(headers):
+            error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+            await error.response()(scope, receive, send_with_id)
+            return
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            body = await self._read_body(headers, receive)
+            if body is None:
+                error = APIError(413, f"the request body is over {self.max_body} bytes")
+                await error.response()(scope, receive, send_with_id)
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send_with_id)
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        if self.api_key is None:
+            return True
+        given = headers.get(b"authorization", b"")
+        scheme, _, token = given.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+
+    async def _read_body(self, headers: dict[bytes, bytes], receive: Receive) -> bytes | None:
+        """The whole body, or None when it is over the limit (read no further than that)."""
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+            return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: wait for the disconnect
+
+    return replayed
+
+
+def build_app(serving: Serving, config: ServerConfig) -> FastAPI:
+    app = FastAPI(title="Lumen", version="0.1.0", description="OpenAI-compatible LLM server")
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError) -> Response:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> Response:
+        return APIError(400, _describe(e.errors())).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException) -> Response:
+        return APIError(e.status_code, str(e.detail), headers=e.headers).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception) -> Response:
+        logger.exception("unexpected error in %s", request.url.path)
+        return APIError(500, "internal server error").response()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serving.respond(serving.prepare_chat(body, request), request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serving.respond(serving.prepare_completion(body, request), request)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(serving)]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict[str, Any]:
+        serving.check_model(model)
+        return _model_card(serving)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if serving.engine.is_alive:
+            return Response(status_code=200)
+        return APIError(503, "the engine is not running", code="engine_dead").response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        engine, m = serving.engine, serving.metrics
+        if engine.is_alive:
+            with contextlib.suppress(Exception):
+                stats = await asyncio.wait_for(engine.get_stats(), 2.0)
+                m.set_engine_stats(stats, engine.client.core.num_backpressure)
+        m.num_admitted.set(serving.admission.num_in_flight)
+        m.num_admission_waiting.set(serving.admission.num_waiting)
+        return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def _model_card(serving: Serving) -> dict[str, Any]:
+    return {
+        "id": serving.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "lumen",
+        "root": serving.model_name,
+        "max_model_len": serving.engine.max_model_len,
+    }
+
+
+def _describe(errors: Any) -> str:
+    parts = []
+    for err in list(errors)[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Run until SIGINT/SIGTERM (exit 0) or the engine's death (exit 1, after the grace period)."""
+    from hypercorn.asyncio import serve as hypercorn_serve
+    from hypercorn.config import Config
+
+    model_name = config.served_model_name or served_name(engine_config.model)
+    # Starts the core process and waits for it (the loop serves nothing yet).
+    engine = AsyncLLM(engine_config, stall_timeout=config.stream_stall_timeout)
+    metrics = ServerMetrics(model_name, engine.max_model_len)
+    engine.stat_loggers = (metrics,)
+    admission = Admission(config.max_concurrent_requests, config.max_queue_wait)
+    serving = Serving(
+        engine,
+        metrics,
+        admission,
+        model_name=model_name,
+        stall_timeout=config.stream_stall_timeout,
+    )
+    app = FrontDoor(build_app(serving, config), serving, config)
+
+    hc = Config()
+    hc.bind = [f"{config.host}:{config.port}"]
+    hc.accesslog = None
+    hc.graceful_timeout = 3.0
+    stop = asyncio.Event()
+    exit_code = 0
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def exit_when_dead() -> None:
+        nonlocal exit_code
+        reason = await engine.wait_dead()
+        logger.error(
+            "the engine died (%s): /health answers 503; exiting in %.1f s",
+            reason,
+            config.exit_grace_period,
+        )
+        await asyncio.sleep(config.exit_grace_period)
+        exit_code = 1
+        stop.set()
+
+    watcher = asyncio.create_task(exit_when_dead())
+    logger.info(
+        "serving %s on http://%s:%d (%s)",
+        model_name,
+        config.host,
+        config.port,
+        "API key required" if config.api_key else "no API key",
+    )
+    try:
+        await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    finally:
+        watcher.cancel()
+        await engine.shutdown()
+    return exit_code

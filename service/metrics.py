@@ -1,0 +1,158 @@
+"""Prometheus metrics with vLLM V1's names and semantics under the `lumen:` prefix (DESIGN §4).
+
+Counters get prometheus_client's ``_total`` suffix, as vLLM's do. Every
+labelled series is created up front so dashboards have data from the first
+scrape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.messages import EngineStats
+from engine.stats import IterationStats
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+REJECT_REASONS = ("queue_full", "queue_timeout", "engine_dead")
+# Histogram buckets as vLLM V1 chose them.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+
+
+def token_buckets(max_value: int) -> list[float]:
+    """1-2-5 buckets up to max_value, as vLLM builds them for token counts."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class ServerMetrics:
+    """The server's registry; ``record`` is the AsyncLLM stat logger, called per output batch."""
+
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.registry = r = CollectorRegistry()
+        self.model_name = model_name
+        self._ipc_backpressure_seen = 0
+        m = ["model_name"]
+
+        # The plain metrics are kept as their one (model_name) child.
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, m, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, m, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_running = gauge("lumen:num_requests_running", "Requests in the running batch.")
+        self.num_waiting = gauge("lumen:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("lumen:kv_cache_usage_perc", "KV cache usage (1 = 100 percent).")
+        self.num_admitted = gauge(
+            "lumen:num_requests_admitted", "HTTP requests admitted and not yet finished."
+        )
+        self.num_admission_waiting = gauge(
+            "lumen:num_requests_admission_waiting", "HTTP requests waiting for an admission slot."
+        )
+        self.preemptions = counter("lumen:num_preemptions", "Preemptions by the scheduler.")
+        self.prefix_queries = counter(
+            "lumen:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter("lumen:prefix_cache_hits", "Prefix-cache hit tokens.")
+        self.prompt_tokens = counter("lumen:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("lumen:generation_tokens", "Generation tokens.")
+        self.stall_aborts = counter(
+            "lumen:stream_stall_aborts", "Requests aborted because their reader stalled."
+        )
+        self.disconnects = counter(
+            "lumen:client_disconnects", "Requests aborted because their client went away."
+        )
+        self.ipc_backpressure = counter(
+            "lumen:ipc_backpressure", "Sends to the engine core that its full queue pushed back."
+        )
+        self.ttft = histogram(
+            "lumen:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "lumen:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "lumen:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS
+        )
+        self.queue_time = histogram(
+            "lumen:request_queue_time_seconds", "Time in the core's waiting queue.", LATENCY_BUCKETS
+        )
+        tokens = token_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "lumen:request_prompt_tokens", "Prompt tokens per request.", tokens
+        )
+        self.request_generation_tokens = histogram(
+            "lumen:request_generation_tokens", "Generated tokens per request.", tokens
+        )
+        success = Counter(
+            "lumen:request_success", "Finished requests by finish reason.",
+            [*m, "finished_reason"], registry=r,
+        )  # fmt: skip
+        self.success = {k: success.labels(model_name, k) for k in FINISH_REASONS}
+        rejections = Counter(
+            "lumen:admission_rejections", "Requests refused by admission control.",
+            [*m, "reason"], registry=r,
+        )  # fmt: skip
+        self.rejections = {k: rejections.labels(model_name, k) for k in REJECT_REASONS}
+
+    def record(self, stats: IterationStats) -> None:
+        if stats.step is not None:
+            step = stats.step
+            self.num_running.set(step.num_running)
+            self.num_waiting.set(step.num_waiting)
+            if step.num_kv_blocks_total:
+                self.kv_usage.set(step.num_kv_blocks_used / step.num_kv_blocks_total)
+            if step.num_preemptions:
+                self.preemptions.inc(step.num_preemptions)
+            if step.num_prefix_query_tokens:
+                self.prefix_queries.inc(step.num_prefix_query_tokens)
+                self.prefix_hits.inc(step.num_prefix_hit_tokens)
+        if stats.num_prompt_tokens:
+            self.prompt_tokens.inc(stats.num_prompt_tokens)
+        if stats.num_generation_tokens:
+            self.generation_tokens.inc(stats.num_generation_tokens)
+        for v in stats.ttfts_s:
+            self.ttft.observe(v)
+        for v in stats.itls_s:
+            self.itl.observe(v)
+        for f in stats.finished:
+            self.success[f.finish_reason].inc()
+            self.e2e.observe((f.finished_ns - f.arrival_ns) / 1e9)
+            if f.scheduled_ns and f.queued_ns:
+                self.queue_time.observe(max(0, f.scheduled_ns - f.queued_ns) / 1e9)
+            self.request_prompt_tokens.observe(f.num_prompt_tokens)
+            self.request_generation_tokens.observe(f.num_generation_tokens)
+
+    def set_engine_stats(self, s: EngineStats, num_ipc_backpressure: int) -> None:
+        """Fresh gauges at scrape time (the last step's values go stale when idle)."""
+        self.num_running.set(s.num_running)
+        self.num_waiting.set(s.num_waiting)
+        if s.num_kv_blocks_total:
+            self.kv_usage.set(s.num_kv_blocks_used / s.num_kv_blocks_total)
+        if num_ipc_backpressure > self._ipc_backpressure_seen:
+            self.ipc_backpressure.inc(num_ipc_backpressure - self._ipc_backpressure_seen)
+            self._ipc_backpressure_seen = num_ipc_backpressure
+
+    def reject(self, reason: str) -> None:
+        self.rejections[reason].inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,183 @@
+"""OpenAI request bodies (pydantic, for validation and the OpenAPI schema) and their mapping
+onto SamplingParams. Responses are plain dicts built in ``service/serving.py``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling_params import SamplingParams
+
+MAX_N = 128  # OpenAI's bound; each sample is a request in the engine
+
+
+class UnsupportedError(ValueError):
+    """A field the server knows but does not implement; a 400 that says so."""
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as vLLM does, so newer clients keep working.
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _SamplingBody(_Body):
+    """The sampling fields both endpoints share, with vLLM's extras."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise UnsupportedError("logit_bias is not supported")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError naming the field for any value out of range."""
+        defaults = SamplingParams()
+        return SamplingParams(
+            n=self.n,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
+            top_k=defaults.top_k if self.top_k is None else self.top_k,
+            min_p=defaults.min_p if self.min_p is None else self.min_p,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=(
+                defaults.repetition_penalty
+                if self.repetition_penalty is None
+                else self.repetition_penalty
+            ),
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatCompletionRequest(_SamplingBody):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise UnsupportedError("tools and tool_choice are not supported")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise UnsupportedError("response_format other than {'type': 'text'} is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
+        )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def plain_messages(self) -> list[dict[str, Any]]:
+        """Messages as the chat template takes them; content parts must be text."""
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    kind = part.get("type")
+                    if kind != "text":
+                        raise ValueError(
+                            f"messages[{i}].content: a {kind!r} part is not supported: "
+                            "this model takes text only"
+                        )
+                    if not isinstance(part.get("text"), str):
+                        raise ValueError(f"messages[{i}].content: a text part needs a text string")
+                    texts.append(part["text"])
+                content = "\n".join(texts)
+            msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                msg["name"] = m.name
+            out.append(msg)
+        return out
+
+
+class CompletionRequest(_SamplingBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise UnsupportedError("echo is not supported")
+        if self.suffix:
+            raise UnsupportedError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise UnsupportedError("best_of other than n is not supported")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        if all(isinstance(x, str) for x in p):
+            return list(p)  # type: ignore[arg-type]
+        if all(isinstance(x, list) for x in p):
+            return [list(x) for x in p]  # type: ignore[union-attr]
+        raise ValueError("prompt must be a string, a list of strings, or token ids")

@@ -1,0 +1,173 @@
+"""OpenAI response bodies (chat and text completions), built as plain dicts from engine outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.outputs import CompletionOutput, Logprob
+
+
+@dataclass
+class Choice:
+    """One choice accumulated from a request's deltas (non-streamed responses)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta: CompletionOutput) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.logprobs:
+            self.logprobs += delta.logprobs
+        if delta.finish_reason is not None:
+            self.finish_reason = delta.finish_reason
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+    }
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    # The sampled token keeps its true rank; the alternatives are ranks 1..k.
+    return sorted(entry.items(), key=lambda kv: kv[1].rank or 0)[:k]
+
+
+def _token(lp: Logprob, tid: int) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else str(tid)
+
+
+def chat_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, k: int
+) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    content = []
+    for tid, entry in zip(token_ids, logprobs):
+        lp = entry[tid]
+        tok = _token(lp, tid)
+        content.append(
+            {
+                "token": tok,
+                "logprob": lp.logprob,
+                "bytes": list(tok.encode()),
+                "top_logprobs": [_chat_top(alt, aid) for aid, alt in _top(entry, k)],
+            }
+        )
+    return {"content": content}
+
+
+def _chat_top(lp: Logprob, tid: int) -> dict[str, Any]:
+    tok = _token(lp, tid)
+    return {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode())}
+
+
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[dict[int, Logprob]] | None, k: int, offset: int
+) -> dict[str, Any] | None:
+    """The legacy completions format; ``offset`` is where this piece starts in the text."""
+    if logprobs is None:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    for tid, entry in zip(token_ids, logprobs):
+        lp = entry[tid]
+        tok = _token(lp, tid)
+        tokens.append(tok)
+        values.append(lp.logprob)
+        tops.append({_token(alt, aid): alt.logprob for aid, alt in _top(entry, k)})
+        offsets.append(offset)
+        offset += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": values,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+@dataclass
+class ResponseHead:
+    """What every body and chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+    num_logprobs: int = 0
+    include_usage: bool = False
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, Any]:
+        body = self.chunk([])
+        body["usage"] = usage(num_prompt_tokens, num_completion_tokens)
+        return body
+
+    def role_choice(self, index: int) -> dict[str, Any]:
+        return {
+            "index": index,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+
+    def delta_choice(self, index: int, delta: CompletionOutput, offset: int) -> dict[str, Any]:
+        if self.chat:
+            return {
+                "index": index,
+                "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": chat_logprobs(delta.token_ids, delta.logprobs, self.num_logprobs),
+                "finish_reason": delta.finish_reason,
+            }
+        return {
+            "index": index,
+            "text": delta.text,
+            "logprobs": completion_logprobs(
+                delta.token_ids, delta.logprobs, self.num_logprobs, offset
+            ),
+            "finish_reason": delta.finish_reason,
+        }
+
+    def final_choice(self, index: int, choice: Choice, has_logprobs: bool) -> dict[str, Any]:
+        lps = choice.logprobs if has_logprobs else None
+        if self.chat:
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": choice.text},
+                "logprobs": chat_logprobs(choice.token_ids, lps, self.num_logprobs),
+                "finish_reason": choice.finish_reason,
+            }
+        return {
+            "index": index,
+            "text": choice.text,
+            "logprobs": completion_logprobs(choice.token_ids, lps, self.num_logprobs, 0),
+            "finish_reason": choice.finish_reason,
+        }
+
+    def body(
+        self, choices: list[dict[str, Any]], num_prompt_tokens: int, num_completion_tokens: int
+    ) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(num_prompt_tokens, num_completion_tokens),
+        }

@@ -1,0 +1,281 @@
+"""The OpenAI routes' work: request -> SamplingParams -> AsyncLLM -> response or SSE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import jinja2
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.async_llm import AsyncLLM, StreamStalledError
+from engine.errors import EngineDeadError
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from service.admission import Admission, AdmissionRefused
+from service.errors import APIError, error_body
+from service.metrics import ServerMetrics
+from service.protocol import ChatCompletionRequest, CompletionRequest
+from service.responses import Choice, ResponseHead
+from service.streaming import DONE, ClientGone, EventStream, sse, until_disconnect
+
+logger = logging.getLogger(__name__)
+_encode = msgspec.json.encode
+# What a malformed chat or prompt can raise while it is templated and tokenized.
+_INPUT_ERRORS = (ValueError, TypeError, KeyError, jinja2.TemplateError)
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine."""
+
+    prompts: list[tuple[str | None, list[int]]]
+    params: SamplingParams
+    head: ResponseHead
+    stream: bool
+    priority: int
+    arrival_ns: int
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids in self.prompts)
+
+
+class Serving:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        metrics: ServerMetrics,
+        admission: Admission,
+        *,
+        model_name: str,
+        stall_timeout: float,
+    ) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.admission = admission
+        self.model_name = model_name
+        self.stall_timeout = stall_timeout
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
+            )
+
+    def prepare_chat(self, body: ChatCompletionRequest, request: Request) -> Prepared:
+        self.check_model(body.model)
+        try:
+            body.check_supported()
+            ids = self.engine.processor.apply_chat_template(
+                body.plain_messages(), add_generation_prompt=body.add_generation_prompt
+            )
+            return self._prepare(
+                body, request, [(None, ids)], body.requested_max_tokens, body.num_logprobs, True
+            )
+        except _INPUT_ERRORS as e:
+            raise APIError(400, str(e)) from None
+
+    def prepare_completion(self, body: CompletionRequest, request: Request) -> Prepared:
+        self.check_model(body.model)
+        try:
+            body.check_supported()
+            prompts = [self.engine.processor.tokenize(p) for p in _as_prompts(body.prompts())]
+            return self._prepare(body, request, prompts, body.max_tokens, body.logprobs, False)
+        except _INPUT_ERRORS as e:
+            raise APIError(400, str(e)) from None
+
+    def _prepare(
+        self,
+        body: ChatCompletionRequest | CompletionRequest,
+        request: Request,
+        prompts: list[tuple[str | None, list[int]]],
+        max_tokens: int | None,
+        num_logprobs: int | None,
+        chat: bool,
+    ) -> Prepared:
+        longest = max(len(ids) for _, ids in prompts)
+        params = body.sampling_params(self._max_tokens(longest, max_tokens), num_logprobs)
+        for _, ids in prompts:
+            self.engine.processor.validate(ids, params)
+        head = ResponseHead(
+            id=request.state.request_id,
+            created=int(time.time()),
+            model=self.model_name,
+            chat=chat,
+            num_logprobs=num_logprobs or 0,
+            include_usage=body.stream and body.include_usage,
+        )
+        return Prepared(prompts, params, head, body.stream, body.priority, request.state.arrival_ns)
+
+    def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
+        max_len = self.engine.max_model_len
+        room = max_len - num_prompt_tokens
+        if room < 1:
+            raise ValueError(
+                f"the prompt is {num_prompt_tokens} tokens long, which leaves no room to generate "
+                f"within the maximum context length of {max_len} tokens"
+            )
+        if requested is None:
+            return room
+        if requested > room:
+            raise ValueError(
+                f"this model's maximum context length is {max_len} tokens, but the prompt is "
+                f"{num_prompt_tokens} tokens and max_tokens asks for {requested} more"
+            )
+        return requested
+
+    async def respond(self, prep: Prepared, request: Request) -> Response:
+        """Admit, then run: a stream keeps its admission slot until it ends."""
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine is not running", code="engine_dead")
+        try:
+            await self.admission.acquire()
+        except AdmissionRefused as e:
+            self.metrics.reject(e.reason)
+            status = 429 if e.reason == "queue_full" else 503
+            raise APIError(status, str(e), code=e.reason, headers={"Retry-After": "1"}) from None
+        if prep.stream:
+            return EventStream(
+                self._events(prep),
+                send_timeout=self.stall_timeout,
+                on_end=self._stream_ended,
+            )
+        try:
+            return await self._complete(prep, request)
+        finally:
+            self.admission.release()
+
+    def _stream_ended(self, reason: str) -> None:
+        self.admission.release()
+        if reason == "disconnect":
+            self.metrics.disconnects.inc()
+        elif reason == "stalled":
+            self.metrics.stall_aborts.inc()
+
+    async def _complete(self, prep: Prepared, request: Request) -> Response:
+        head, n = prep.head, prep.params.n
+        choices: defaultdict[int, Choice] = defaultdict(Choice)
+
+        async def collect() -> None:
+            async for p, out in self._generate(prep):
+                for c in out.outputs:
+                    if c.error is not None:
+                        raise APIError(400, c.error)
+                    choices[p * n + c.index].add(c)
+
+        try:
+            await until_disconnect(request, collect())
+        except ClientGone:
+            self.metrics.disconnects.inc()
+            return Response(status_code=499)
+        except EngineDeadError as e:
+            raise APIError(503, f"the engine died: {e}", code="engine_dead") from None
+        has_logprobs = prep.params.logprobs is not None
+        body = head.body(
+            [head.final_choice(i, choices[i], has_logprobs) for i in sorted(choices)],
+            prep.num_prompt_tokens,
+            sum(len(c.token_ids) for c in choices.values()),
+        )
+        return Response(_encode(body), media_type="application/json")
+
+    async def _events(self, prep: Prepared) -> AsyncIterator[bytes]:
+        head, n = prep.head, prep.params.n
+        num_completion_tokens = 0
+        offsets: defaultdict[int, int] = defaultdict(int)
+        try:
+            if head.chat:
+                for index in range(len(prep.prompts) * n):
+                    yield sse(_encode(head.chunk([head.role_choice(index)])))
+            async for p, out in self._generate(prep):
+                for c in out.outputs:
+                    if c.error is not None:
+                        yield sse(_encode(error_body(400, c.error)))
+                        return
+                    num_completion_tokens += len(c.token_ids)
+                    if not (c.text or c.finish_reason or c.logprobs):
+                        continue
+                    index = p * n + c.index
+                    yield sse(_encode(head.chunk([head.delta_choice(index, c, offsets[index])])))
+                    offsets[index] += len(c.text)
+            if head.include_usage:
+                usage = head.usage_chunk(prep.num_prompt_tokens, num_completion_tokens)
+                yield sse(_encode(usage))
+            yield DONE
+        except EngineDeadError as e:
+            yield sse(_encode(error_body(503, f"the engine died: {e}", code="engine_dead")))
+        except StreamStalledError:
+            return
+
+    async def _generate(self, prep: Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Deltas of every prompt's request, tagged with the prompt's index."""
+        ids = [prep.head.id] if len(prep.prompts) == 1 else [
+            f"{prep.head.id}-{i}" for i in range(len(prep.prompts))
+        ]  # fmt: skip
+        gens = [
+            self.engine.generate(
+                {"prompt": text, "prompt_token_ids": tokens},
+                prep.params,
+                request_id=rid,
+                priority=prep.priority,
+                arrival_ns=prep.arrival_ns,
+            )
+            for rid, (text, tokens) in zip(ids, prep.prompts)
+        ]
+        if len(gens) == 1:
+            try:
+                async for out in gens[0]:
+                    yield 0, out
+            finally:
+                await gens[0].aclose()
+            return
+        async for item in _merge(gens):
+            yield item
+
+
+async def _merge(
+    gens: list[AsyncIterator[RequestOutput]],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    # A bounded queue: a slow reader holds the producers back; each engine
+    # stream then merges its deltas, so memory stays bounded.
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(
+        len(gens)
+    )
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                await queue.put((i, out))
+            await queue.put((i, None))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await gen.aclose()  # type: ignore[attr-defined]
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _as_prompts(prompts: list[str | list[int]]) -> list[str | dict[str, list[int]]]:
+    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]

@@ -1,0 +1,113 @@
+"""Server-sent events and client-disconnect detection for the OpenAI routes.
+
+A streamed response writes each event with a send timeout: a client that
+stops reading fills the socket buffers, the write blocks, and after the stall
+timeout the response ends, which closes the events generator and so aborts the
+request in the engine. A disconnect cancels the writer the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work``; cancel it (aborting its requests) and raise ClientGone if the client leaves."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientGone()
+    return task.result()
+
+
+class EventStream(Response):
+    """A response that writes ``events`` as an SSE body (not Starlette's StreamingResponse:
+    it needs the send timeout).
+
+    ``on_end(reason)`` is called once with "done", "disconnect" or "stalled".
+    """
+
+    def __init__(
+        self,
+        events: AsyncIterator[bytes],
+        *,
+        send_timeout: float,
+        headers: dict[str, str] | None = None,
+        on_end: Callable[[str], Any] | None = None,
+    ) -> None:
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.send_timeout = send_timeout
+        self.extra_headers = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+        self.on_end = on_end
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        writer = asyncio.ensure_future(self._write(send))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        reason = "done"
+        try:
+            await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not writer.done():
+                reason = "disconnect"
+                writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+        except asyncio.TimeoutError:
+            reason = "stalled"
+            logger.warning("a stream was not read for %.0f s: closing it", self.send_timeout)
+        finally:
+            watcher.cancel()
+            writer.cancel()
+            await self.events.aclose()  # aborts the request if it had not finished
+            if self.on_end is not None:
+                self.on_end(reason)
+
+    async def _write(self, send: Send) -> None:
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    *self.extra_headers,
+                ],
+            }
+        )
+        async for event in self.events:
+            message = {"type": "http.response.body", "body": event, "more_body": True}
+            await asyncio.wait_for(send(message), self.send_timeout)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -19,10 +19,9 @@ $(STAMP): pyproject.toml
 model: install
 	$(VENV)/bin/lumen model path
 
-# Until the HTTP server lands, serve runs a short offline demo on the default model.
+# The OpenAI-compatible server with the default model on 127.0.0.1:8000 (ARGS for more options).
 serve: model
-	$(VENV)/bin/lumen generate --chat "What is the capital of France?" \
-		"Write one sentence about the sea."
+	$(VENV)/bin/lumen serve --host 127.0.0.1 --port 8000 $(ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check .

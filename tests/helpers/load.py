@@ -1,0 +1,94 @@
+"""Load and fault helpers for server tests: timed streams, a client that never reads, polling."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+
+from tests.helpers.server import LumenServer
+
+
+@dataclass
+class StreamResult:
+    num_chunks: int  # content chunks (about one per token)
+    first_s: float  # monotonic instant of the first content chunk
+    last_s: float
+    events: list[str]
+
+    @property
+    def rate(self) -> float:
+        """Chunks per second between the first and the last."""
+        return (self.num_chunks - 1) / max(self.last_s - self.first_s, 1e-9)
+
+
+def stream_chat(
+    server: LumenServer, body: dict, *, stop_after: int | None = None, timeout: float = 120
+) -> StreamResult:
+    """Stream a chat completion; with ``stop_after``, hang up after that many chunks."""
+    body = {**body, "stream": True}
+    first = last = 0.0
+    count = 0
+    events: list[str] = []
+    with httpx.stream(
+        "POST",
+        server.url("/v1/chat/completions"),
+        json=body,
+        headers=server.headers(),
+        timeout=timeout,
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if line[6:] == "[DONE]" or '"content"' not in line:
+                continue
+            last = time.monotonic()
+            first = first or last
+            count += 1
+            if stop_after is not None and count >= stop_after:
+                break  # leaving the block closes the connection
+    return StreamResult(count, first, last, events)
+
+
+class StalledClient:
+    """Sends a streaming request over a raw socket and then never reads a byte.
+
+    Its receive buffer is made tiny, so the server's writes back up quickly.
+    """
+
+    def __init__(self, server: LumenServer, body: dict) -> None:
+        payload = json.dumps({**body, "stream": True}).encode()
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        self.sock.connect(("127.0.0.1", server.port))
+        auth = "".join(f"{k}: {v}\r\n" for k, v in server.headers().items())
+        head = (
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{auth}\r\n"
+        )
+        self.sock.sendall(head.encode() + payload)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> StalledClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> float:
+    """Seconds until ``predicate()`` held; raises AssertionError after ``timeout``."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+    return time.monotonic() - start

@@ -108,6 +108,12 @@ class InputProcessor:
         arrival_ns: int | None = None,
     ) -> EngineCoreRequest:
         """The wire request; call ``validate`` first (once per prompt, not per sample)."""
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not (-(1 << 63) <= priority < (1 << 63))
+        ):
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
         return EngineCoreRequest(
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,

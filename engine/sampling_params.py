@@ -8,6 +8,8 @@ from typing import Any
 import msgspec
 
 _GREEDY_EPS = 1e-5
+# Counts and token ids must fit the wire format and the tensors they end up in.
+MAX_INT32 = (1 << 31) - 1
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -43,18 +45,18 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.stop = []
         if self.stop_token_ids is None:
             self.stop_token_ids = []
-        _check_int("n", self.n, low=1)
+        _check_int("n", self.n, low=1, high=MAX_INT32)
         _check_float("temperature", self.temperature, low=0.0)
         _check_float("top_p", self.top_p, low=0.0, high=1.0)
         if self.top_p == 0.0:
             raise ValueError("top_p must be in (0, 1], got 0")
-        _check_int("top_k", self.top_k, low=-1)
+        _check_int("top_k", self.top_k, low=-1, high=MAX_INT32)
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, low=-(1 << 63), high=(1 << 64) - 1)
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, low=1)
-        _check_int("min_tokens", self.min_tokens, low=0)
+            _check_int("max_tokens", self.max_tokens, low=1, high=MAX_INT32)
+        _check_int("min_tokens", self.min_tokens, low=0, high=MAX_INT32)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}"
@@ -66,7 +68,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         if not isinstance(self.stop_token_ids, list):
             raise ValueError("stop_token_ids must be a list of token ids")
         for tid in self.stop_token_ids:
-            _check_int("stop_token_ids", tid, low=0)
+            _check_int("stop_token_ids", tid, low=0, high=MAX_INT32)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0, high=20)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)

@@ -55,7 +55,7 @@ class _SamplingBody(_Body):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: int = Field(0, ge=-(1 << 63), lt=1 << 63)
 
     def check_supported(self) -> None:
         if self.logit_bias:

@@ -213,6 +213,10 @@ class Serving:
             yield sse(_encode(error_body(503, f"the engine died: {e}", code="engine_dead")))
         except StreamStalledError:
             return
+        except Exception:
+            # The 200 is sent already: end the stream with an error event, never mid-chunk.
+            logger.exception("stream of %s failed", head.id)
+            yield sse(_encode(error_body(500, "internal server error")))
 
     async def _generate(self, prep: Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Deltas of every prompt's request, tagged with the prompt's index."""

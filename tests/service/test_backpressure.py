@@ -89,6 +89,7 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
         "--stream-stall-timeout",
         "2",
     ]
+    args += ["--served-model-name", "tight"]
     with LumenServer(tiny_model_path, *args, "--num-kv-blocks", "512", log_path=log) as s:
         yield s
 
@@ -96,7 +97,8 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
 def test_admission_refuses_early_with_retry_after(tight_server: LumenServer) -> None:
     url = tight_server.url("/v1/chat/completions")
     before = tight_server.metrics()
-    short = {"messages": MESSAGES, "max_tokens": 2}
+    short = {"model": "tight", "messages": MESSAGES, "max_tokens": 2}
+    assert [m.id for m in tight_server.client().models.list().data] == ["tight"]
     with contextlib.ExitStack() as stack:
         # Two open streams hold both slots while the others arrive. (Their line
         # iterators are kept: a dropped one would close its connection.)

@@ -3,6 +3,7 @@ server stays healthy. A bounded number of examples keeps CI time fixed."""
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -29,6 +30,7 @@ def test_no_generated_request_gets_a_server_error(fuzz_server: LumenServer) -> N
     schema = schemathesis.openapi.from_url(fuzz_server.url("/openapi.json"))
     seen: Counter[int] = Counter()
     failures: list[str] = []
+    slowest: list[tuple[float, str]] = []
 
     # Valid bodies (which must generate or be refused with a 4xx) and invalid ones.
     modes = schemathesis.GenerationMode
@@ -42,13 +44,20 @@ def test_no_generated_request_gets_a_server_error(fuzz_server: LumenServer) -> N
     )
     @given(case=strategy)
     def check(case: schemathesis.Case) -> None:
-        response = case.call(base_url=fuzz_server.base_url, headers=fuzz_server.headers())
+        start = time.monotonic()
+        response = case.call(
+            base_url=fuzz_server.base_url, headers=fuzz_server.headers(), timeout=120
+        )
+        took = time.monotonic() - start
+        slowest.append((took, f"{case.path} {str(case.body)[:200]}"))
         seen[response.status_code] += 1
         if response.status_code >= 500:
             failures.append(f"{case.method} {case.path} {case.body!r} -> {response.text[:300]}")
         assert "x-request-id" in response.headers
 
     check()
+    slowest.sort(reverse=True)
+    print("\nslowest: " + "\n".join(f"{t:.1f} s {what}" for t, what in slowest[:3]))
     print(f"\nstatus codes over {sum(seen.values())} generated requests: {dict(seen)}")
     assert failures == [], "\n".join(failures[:5]) + "\n" + fuzz_server.log()
     assert httpx.get(fuzz_server.url("/health")).status_code == 200

@@ -7,6 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
@@ -18,6 +19,9 @@ from engine.outputs import CompletionOutput, RequestOutput
 from engine.processor import InputProcessor, PromptType
 from engine.sampling_params import SamplingParams
 from engine.stats import IterationStats, StatLogger
+
+if TYPE_CHECKING:
+    from tracing.recorder import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +104,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self.stall_timeout = stall_timeout
         self.stat_loggers = stat_loggers
+        self.tracer: Tracer | None = None  # set with ``enable_tracing``
         self.num_stalled_aborts = 0
         self.dead_error: EngineDeadError | None = None
         self._streams: dict[str, _Stream] = {}
@@ -115,6 +120,10 @@ class AsyncLLM:
         await self.client.dead_event.wait()
         return self.client.core.dead_reason or "engine died"
 
+    def enable_tracing(self, tracer: Tracer) -> None:
+        self.tracer = tracer
+        self.client.state.keep_acks = True
+
     @property
     def max_model_len(self) -> int:
         return self.client.info.max_model_len
@@ -127,8 +136,13 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         arrival_ns: int | None = None,
+        stream: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """``arrival_ns``: when the frontend received the request (default: now)."""
+        """``arrival_ns``: when the frontend received the request (default: now).
+
+        ``stream=False`` tells the tracer that the caller delivers one whole
+        response at the end (one frontend.emit), not each delta as it comes.
+        """
         arrival_ns = arrival_ns or time.time_ns()
         if not self.is_alive:
             raise self.dead_error or EngineDeadError(self.client.core.dead_reason)
@@ -138,8 +152,14 @@ class AsyncLLM:
         child_ids = self.output_processor.add_request(
             request_id, text, ids, params, stream=True, arrival_ns=arrival_ns
         )
-        stream = self._streams[request_id] = _Stream()
+        stream_state = self._streams[request_id] = _Stream()
         finished = False
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.enqueued(
+                request_id, child_ids, ids, params, priority=priority, arrival_ns=arrival_ns,
+                sent_ns=time.time_ns(), stream=stream,
+            )  # fmt: skip
         try:
             for index, child_id in enumerate(child_ids):
                 await self.client.add_request(
@@ -153,18 +173,24 @@ class AsyncLLM:
                 )
             self._wake.set()
             while not finished:
-                out = await stream.get()
+                out = await stream_state.get()
                 finished = out.finished
                 yield out
+                if tracer is not None and stream:
+                    tracer.delivered(request_id, time.time_ns())  # the caller took it
         finally:
             if not finished:
                 await self.abort(request_id)
+            if tracer is not None:
+                tracer.closed(request_id, time.time_ns())
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if still read) ends with no more outputs."""
         self._streams.pop(request_id, None)
         stats = IterationStats(time.time_ns()) if self.stat_loggers else None
         child_ids = self.output_processor.abort_request(request_id, stats)
+        if child_ids and self.tracer is not None:
+            self.tracer.finished(request_id, "aborted", "abort", time.time_ns())
         if stats is not None and stats.finished:
             self._record(stats)
         if child_ids and self.dead_error is None and not self.client.state.closed:
@@ -194,7 +220,11 @@ class AsyncLLM:
                 await self._wake.wait()
                 continue
             outs = await self.client.get_output()
-            stats = IterationStats(time.time_ns()) if self.stat_loggers else None
+            now_ns = time.time_ns()
+            if self.tracer is not None:
+                acks, self.client.state.acks = self.client.state.acks, []
+                self.tracer.outputs(outs, now_ns, acks)
+            stats = IterationStats(now_ns) if self.stat_loggers else None
             results, to_abort = self.output_processor.process_outputs(
                 outs.outputs, outs.step, stats
             )
@@ -206,6 +236,8 @@ class AsyncLLM:
                     stream.put(result)
                     if result.finished:
                         del self._streams[result.request_id]
+                if result.finished and self.tracer is not None:
+                    self.tracer.request_done(result, now_ns)
             if stats is not None:
                 self._record(stats)
             now = time.monotonic()
@@ -236,8 +268,11 @@ class AsyncLLM:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self.dead_error = error
-        for stream in self._streams.values():
+        now_ns = time.time_ns()
+        for request_id, stream in self._streams.items():
             stream.fail(error)
+            if self.tracer is not None:
+                self.tracer.finished(request_id, "error", "error", now_ns, str(error))
         self._streams.clear()
 
     async def shutdown(self) -> None:

@@ -55,6 +55,9 @@ class ClientState:
         self._aborting: Counter[str] = Counter()
         self.dead = False
         self.closed = False
+        # Abort acks the filter consumed, kept for a tracer (it drains them) when it asks.
+        self.keep_acks = False
+        self.acks: list[EngineCoreOutput] = []
 
     def added(self, request_id: str) -> None:
         if self.closed:
@@ -81,6 +84,8 @@ class ClientState:
                     self._aborting[rid] -= 1
                     if not self._aborting[rid]:
                         del self._aborting[rid]
+                    if self.keep_acks:
+                        self.acks.append(out)
                 continue
             if out.finish_reason is not None:
                 self.open_ids.discard(rid)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
@@ -18,6 +19,9 @@ from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PromptType
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tracing.recorder import Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +41,27 @@ class LLM:
 
     ``LLM(model=None)`` loads the default model; every EngineConfig field is
     a keyword argument (``max_num_seqs=...``, ``kv_cache_memory_bytes=...``).
+    Tracing is off unless ``trace_db=PATH`` or ``otlp_traces_endpoint=URL``
+    is given (the other TracingConfig fields are keywords too).
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
+        from tracing.config import TracingConfig
+
+        tracing_names = {f.name for f in dataclasses.fields(TracingConfig)}
+        tracing = {k: options.pop(k) for k in list(options) if k in tracing_names}
         self.config = EngineConfig(model=model, **options)
         path = str(resolve_model(model))
         self.client = make_client(self.config, path)
+        self.tracer: Tracer | None = None
+        if tracing.get("trace_db") or tracing.get("otlp_traces_endpoint"):
+            from tracing.recorder import Tracer
+
+            tracing.setdefault("no_trace_db", not tracing.get("trace_db"))
+            self.tracer = Tracer(
+                TracingConfig(**tracing), self.client.info, engine_config=self.config
+            )
+            self.client.state.keep_acks = True
         self.processor = InputProcessor.for_model(path, self.client.info)
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
@@ -109,6 +128,11 @@ class LLM:
             request_id = self.processor.new_request_id()
             order[request_id] = i
             child_ids = self.output_processor.add_request(request_id, text, ids, p)
+            if self.tracer is not None:
+                self.tracer.enqueued(
+                    request_id, child_ids, ids, p, priority=prio, arrival_ns=arrival_ns,
+                    sent_ns=time.time_ns(), stream=False,
+                )  # fmt: skip
             for index, child_id in enumerate(child_ids):
                 self.client.add_request(
                     self.processor.make_request(
@@ -120,6 +144,9 @@ class LLM:
         try:
             while self.output_processor.has_unfinished():
                 outputs = self.client.get_output()
+                if self.tracer is not None:
+                    acks, self.client.state.acks = self.client.state.acks, []
+                    self.tracer.outputs(outputs, time.time_ns(), acks)
                 if outputs.step is not None:
                     self._record(outputs.step)
                 finished, to_abort = self.output_processor.process_outputs(outputs.outputs)
@@ -127,11 +154,20 @@ class LLM:
                     self.client.abort_requests(to_abort)
                 for result in finished:
                     results[order[result.request_id]] = result
+                    if self.tracer is not None:
+                        now_ns = time.time_ns()
+                        self.tracer.request_done(result, now_ns)
+                        self.tracer.closed(result.request_id, now_ns)
                 bar.update(len(finished))
         except BaseException:
             # Ctrl-C or a failure: leave no request behind in the engine.
             for request_id in order:
-                self.client.abort_requests(self.output_processor.abort_request(request_id))
+                child_ids = self.output_processor.abort_request(request_id)
+                self.client.abort_requests(child_ids)
+                if child_ids and self.tracer is not None:
+                    now_ns = time.time_ns()
+                    self.tracer.finished(request_id, "aborted", "abort", now_ns)
+                    self.tracer.closed(request_id, now_ns)
             raise
         finally:
             bar.close()
@@ -180,6 +216,8 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine (and its processes); the LLM cannot be used after."""
         self.client.shutdown()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     def __enter__(self) -> LLM:
         return self

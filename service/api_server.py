@@ -25,6 +25,8 @@ from service.errors import APIError
 from service.metrics import ServerMetrics
 from service.protocol import ChatCompletionRequest, CompletionRequest
 from service.serving import Serving
+from tracing.config import TracingConfig
+from tracing.otlp import otlp_endpoint
 
 logger = logging.getLogger(__name__)
 _ID_KINDS = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
@@ -56,21 +58,51 @@ class FrontDoor:
         headers = dict(scope["headers"])
         if (client_id := headers.get(b"x-request-id")) is not None:
             state["client_request_id"] = client_id.decode("latin-1")[:256]
+        if (traceparent := headers.get(b"traceparent")) is not None:
+            state["traceparent"] = traceparent.decode("latin-1")[:128]
         id_header = (b"x-request-id", request_id.encode())
+        status = 0
 
         async def send_with_id(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
+                status = message["status"]
                 message = {**message, "headers": [*message.get("headers", []), id_header]}
             await send(message)
 
+        try:
+            await self._handle(scope, receive, send_with_id, headers)
+        finally:
+            if kind != "req" and status >= 400 and not state.get("traced"):
+                self._trace_refusal(scope, state, status)
+
+    def _trace_refusal(self, scope: Scope, state: dict[str, Any], status: int) -> None:
+        """A completion request the engine never saw (invalid, unauthorized, too big...)."""
+        tracer = self.serving.engine.tracer
+        if tracer is None:
+            return
+        rid = state["request_id"]
+        tracer.start(
+            rid, arrival_ns=state["arrival_ns"], endpoint=scope["path"],
+            model=self.serving.model_name, stream=False, traceparent=state.get("traceparent"),
+            client_request_id=state.get("client_request_id"),
+        )  # fmt: skip
+        tracer.rejected(rid, time.time_ns(), state.get("error") or f"HTTP {status}")
+
+    async def _handle(
+        self, scope: Scope, receive: Receive, send_with_id: Send, headers: dict[bytes, bytes]
+    ) -> None:
+        state = scope["state"]
         if scope["path"].startswith("/v1") and not self._authorized(headers):
             error = APIError(401, "invalid or missing API key", code="invalid_api_key")
+            state["error"] = error.message
             await error.response()(scope, receive, send_with_id)
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             body = await self._read_body(headers, receive)
             if body is None:
                 error = APIError(413, f"the request body is over {self.max_body} bytes")
+                state["error"] = error.message
                 await error.response()(scope, receive, send_with_id)
                 return
             receive = _replay(body, receive)
@@ -121,11 +153,13 @@ def build_app(serving: Serving, config: ServerConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> Response:
+        request.state.error = e.message
         return e.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> Response:
-        return APIError(400, _describe(e.errors())).response()
+        request.state.error = message = _describe(e.errors())
+        return APIError(400, message).response()
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> Response:
@@ -166,6 +200,9 @@ def build_app(serving: Serving, config: ServerConfig) -> FastAPI:
             with contextlib.suppress(Exception):
                 stats = await asyncio.wait_for(engine.get_stats(), 2.0)
                 m.set_engine_stats(stats, engine.client.core.num_backpressure)
+        if (tracer := engine.tracer) is not None:
+            t = tracer.stats()
+            m.set_tracer_stats(t.num_dropped_rows, t.num_dropped_spans)
         m.num_admitted.set(serving.admission.num_in_flight)
         m.num_admission_waiting.set(serving.admission.num_waiting)
         return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -192,7 +229,9 @@ def _describe(errors: Any) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
+async def serve(
+    engine_config: EngineConfig, config: ServerConfig, tracing: TracingConfig | None = None
+) -> int:
     """Run until SIGINT/SIGTERM (exit 0) or the engine's death (exit 1, after the grace period)."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
@@ -202,6 +241,17 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     engine = AsyncLLM(engine_config, stall_timeout=config.stream_stall_timeout)
     metrics = ServerMetrics(model_name, engine.max_model_len)
     engine.stat_loggers = (metrics,)
+    tracer = None
+    if tracing is not None and (tracing.db_path or otlp_endpoint(tracing)):
+        from tracing.recorder import Tracer
+
+        tracer = Tracer(
+            tracing, engine.client.info, engine_config=engine_config,
+            observe_boundary=metrics.observe_boundary,
+        )  # fmt: skip
+        engine.enable_tracing(tracer)
+        if tracing.db_path:
+            logger.info("recording traces in %s", tracing.db_path)
     admission = Admission(config.max_concurrent_requests, config.max_queue_wait)
     serving = Serving(
         engine,
@@ -247,4 +297,6 @@ async def serve(engine_config: EngineConfig, config: ServerConfig) -> int:
     finally:
         watcher.cancel()
         await engine.shutdown()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.shutdown)
     return exit_code

@@ -1,4 +1,4 @@
-"""The `lumen` command, grouped by noun: serve, model, generate, bench."""
+"""The `lumen` command, grouped by noun: serve, model, generate, trace, bench."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from engine.config import EngineConfig
 from service.config import ServerConfig
+from tracing.config import TracingConfig
 
 
 def add_options(
@@ -26,7 +27,9 @@ def add_options(
         flag = "--" + f.name.replace("_", "-")
         typ = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
-        if typ is bool:
+        if typ is bool and f.name.startswith("no_"):
+            group.add_argument(flag, action="store_true", help=help_text)
+        elif typ is bool:
             group.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
             )
@@ -74,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model_arg", nargs="?", default=None, metavar="MODEL", help="same as --model"
     )
     add_options(serve, ServerConfig, "server options")
+    add_options(serve, TracingConfig, "tracing options")
     add_engine_options(serve, skip=("core_process",))
     serve.set_defaults(func=_serve)
 
@@ -84,6 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     add_engine_options(gen)
     gen.set_defaults(func=_generate)
+
+    from tracing import cli as trace_cli
+
+    trace_cli.add_parser(nouns)
 
     bench = nouns.add_parser("bench", help="benchmarks, side by side with baselines")
     bench_verbs = bench.add_subparsers(dest="verb", required=True)
@@ -110,7 +118,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.model_arg is not None:
         engine["model"] = args.model_arg
     server_config = ServerConfig(**options(ServerConfig, args))
-    return asyncio.run(serve(EngineConfig(**engine, core_process=True), server_config))
+    tracing = TracingConfig(**options(TracingConfig, args))
+    return asyncio.run(serve(EngineConfig(**engine, core_process=True), server_config, tracing))
 
 
 def _generate(args: argparse.Namespace) -> int:

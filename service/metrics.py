@@ -22,6 +22,16 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+BOUNDARY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # fmt: skip
+BOUNDARIES = (
+    "frontend.enqueue",
+    "core.receive",
+    "core.schedule",
+    "worker.execute",
+    "core.output",
+    "frontend.emit",
+)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
@@ -112,6 +122,34 @@ class ServerMetrics:
             [*m, "reason"], registry=r,
         )  # fmt: skip
         self.rejections = {k: rejections.labels(model_name, k) for k in REJECT_REASONS}
+        boundary = Histogram(
+            "lumen:boundary_latency_seconds", "Time spent in each request boundary (per step "
+            "for the per-step ones).", [*m, "boundary"], buckets=BOUNDARY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.boundary = {k: boundary.labels(model_name, k) for k in BOUNDARIES}
+        self.trace_rows_dropped = counter(
+            "lumen:trace_rows_dropped", "Trace db rows dropped because the store was busy too long."
+        )
+        self.otlp_spans_dropped = counter(
+            "lumen:otlp_spans_dropped", "Spans not exported (queue full or collector failing)."
+        )
+        self._dropped_seen = [0, 0]
+
+    def observe_boundary(self, name: str, seconds: float) -> None:
+        """Called from the trace writer thread (prometheus_client is thread-safe)."""
+        if (child := self.boundary.get(name)) is not None:
+            child.observe(seconds)
+
+    def set_tracer_stats(self, num_dropped_rows: int, num_dropped_spans: int) -> None:
+        for i, (value, c) in enumerate(
+            (
+                (num_dropped_rows, self.trace_rows_dropped),
+                (num_dropped_spans, self.otlp_spans_dropped),
+            )
+        ):
+            if value > self._dropped_seen[i]:
+                c.inc(value - self._dropped_seen[i])
+                self._dropped_seen[i] = value
 
     def record(self, stats: IterationStats) -> None:
         if stats.step is not None:

@@ -47,6 +47,13 @@ class Prepared:
     def num_prompt_tokens(self) -> int:
         return sum(len(ids) for _, ids in self.prompts)
 
+    @property
+    def request_ids(self) -> list[str]:
+        """The engine request of each prompt."""
+        if len(self.prompts) == 1:
+            return [self.head.id]
+        return [f"{self.head.id}-{i}" for i in range(len(self.prompts))]
+
 
 class Serving:
     def __init__(
@@ -113,7 +120,18 @@ class Serving:
             num_logprobs=num_logprobs or 0,
             include_usage=body.stream and body.include_usage,
         )
-        return Prepared(prompts, params, head, body.stream, body.priority, request.state.arrival_ns)
+        prep = Prepared(prompts, params, head, body.stream, body.priority, request.state.arrival_ns)
+        if (tracer := self.engine.tracer) is not None:
+            state = request.state
+            for rid in prep.request_ids:
+                tracer.start(
+                    rid, arrival_ns=prep.arrival_ns, endpoint=request.url.path,
+                    model=self.model_name, stream=prep.stream,
+                    traceparent=getattr(state, "traceparent", None),
+                    client_request_id=getattr(state, "client_request_id", None),
+                )  # fmt: skip
+            state.traced = True
+        return prep
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
         max_len = self.engine.max_model_len
@@ -134,14 +152,23 @@ class Serving:
 
     async def respond(self, prep: Prepared, request: Request) -> Response:
         """Admit, then run: a stream keeps its admission slot until it ends."""
-        if not self.engine.is_alive:
-            raise APIError(503, "the engine is not running", code="engine_dead")
         try:
-            await self.admission.acquire()
-        except AdmissionRefused as e:
-            self.metrics.reject(e.reason)
-            status = 429 if e.reason == "queue_full" else 503
-            raise APIError(status, str(e), code=e.reason, headers={"Retry-After": "1"}) from None
+            if not self.engine.is_alive:
+                self.metrics.reject("engine_dead")
+                raise APIError(503, "the engine is not running", code="engine_dead")
+            try:
+                await self.admission.acquire()
+            except AdmissionRefused as e:
+                self.metrics.reject(e.reason)
+                status = 429 if e.reason == "queue_full" else 503
+                raise APIError(
+                    status, str(e), code=e.reason, headers={"Retry-After": "1"}
+                ) from None
+        except APIError as e:
+            if (tracer := self.engine.tracer) is not None:
+                for rid in prep.request_ids:
+                    tracer.rejected(rid, time.time_ns(), e.message)
+            raise
         if prep.stream:
             return EventStream(
                 self._events(prep),
@@ -220,9 +247,7 @@ class Serving:
 
     async def _generate(self, prep: Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Deltas of every prompt's request, tagged with the prompt's index."""
-        ids = [prep.head.id] if len(prep.prompts) == 1 else [
-            f"{prep.head.id}-{i}" for i in range(len(prep.prompts))
-        ]  # fmt: skip
+        ids = prep.request_ids
         gens = [
             self.engine.generate(
                 {"prompt": text, "prompt_token_ids": tokens},
@@ -230,6 +255,7 @@ class Serving:
                 request_id=rid,
                 priority=prep.priority,
                 arrival_ns=prep.arrival_ns,
+                stream=prep.stream,
             )
             for rid, (text, tokens) in zip(ids, prep.prompts)
         ]

@@ -1,1 +1,1 @@
-"""Boundary spans, OTLP export and the DuckDB trace store (not built yet)."""
+"""Boundary spans of every request: the DuckDB trace store, OTLP export, `lumen trace`."""

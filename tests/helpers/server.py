@@ -38,13 +38,18 @@ class LumenServer:
         *args: str,
         log_path: Path,
         api_key: str | None = None,
+        trace_db: Path | None = None,
         startup_timeout: float = 180.0,
     ) -> None:
+        """The trace db goes beside the log unless ``trace_db`` is given (or --no-trace-db)."""
         self.port = free_port()
+        self.trace_db = trace_db or log_path.parent / "trace.db"
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "service.cli", "serve", str(model), "--port", str(self.port)]
         cmd += list(args)
+        if "--no-trace-db" not in args:
+            cmd += ["--trace-db", str(self.trace_db)]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log_path = log_path

@@ -1,0 +1,82 @@
+"""The DuckDB trace store: migrations, batched appends, and a reader in another process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tracing.store import MIGRATIONS, TraceStore, open_db
+
+HOLD = """
+import sys, time, duckdb
+con = duckdb.connect(sys.argv[1], read_only=True)
+print("open", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _span(i: int) -> tuple:
+    return ("run", f"r{i}", "t" * 32, f"{i:016x}", None, "llm_request", i, i + 1, None, "{}")
+
+
+def test_migrations_run_once(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    TraceStore(db)
+    TraceStore(db)
+    with open_db(db) as con:
+        versions = con.execute("SELECT version FROM schema_migrations").fetchall()
+        tables = {
+            t for (t,) in con.execute("SELECT table_name FROM information_schema.tables").fetchall()
+        }
+    assert versions == [(v,) for v, _, _ in MIGRATIONS]
+    assert {"runs", "requests", "spans", "steps"} <= tables
+
+
+def test_a_reader_in_another_process_defers_a_flush_without_losing_rows(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    store = TraceStore(db)
+    store.add("spans", [_span(i) for i in range(100)])
+    reader = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(db), "1.5"], stdout=subprocess.PIPE, text=True
+    )
+    assert reader.stdout.readline().strip() == "open"
+    start = time.monotonic()
+    assert store.flush() is False  # the file is busy: the rows wait
+    print(f"\nbusy flush gave up after {(time.monotonic() - start) * 1000:.0f} ms")
+    assert time.monotonic() - start < 1.0
+    reader.wait()
+    store.add("spans", [_span(i) for i in range(100, 150)])
+    assert store.flush() is True
+    with open_db(db) as con:
+        assert con.execute("SELECT count(*) FROM spans").fetchone() == (150,)
+    assert store.num_failed_flushes == 1 and store.num_dropped_rows == 0
+
+
+def test_a_full_buffer_drops_and_counts(tmp_path: Path) -> None:
+    store = TraceStore(tmp_path / "t.db", max_buffered_rows=10)
+    store.add("spans", [_span(i) for i in range(8)])
+    store.add("spans", [_span(i) for i in range(8, 16)])  # would overflow: dropped whole
+    assert store.num_dropped_rows == 8
+    assert store.flush()
+    with open_db(tmp_path / "t.db") as con:
+        assert con.execute("SELECT count(*) FROM spans").fetchone() == (8,)
+
+
+def test_readers_wait_for_a_flush_to_release_the_file(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    TraceStore(db)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", HOLD.replace("read_only=True", "read_only=False"), str(db), "0.5"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert writer.stdout.readline().strip() == "open"
+    start = time.monotonic()
+    with open_db(db, timeout=10) as con:
+        waited = time.monotonic() - start
+        assert con.execute("SELECT count(*) FROM requests").fetchone() == (0,)
+    writer.wait()
+    print(f"\nreader waited {waited * 1000:.0f} ms for the writer")
+    assert waited >= 0.2

@@ -1,0 +1,117 @@
+"""`lumen trace show ID` (a request's waterfall) and `lumen trace top` (the slowest requests)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tracing.spans import BOUNDARIES
+from tracing.store import open_db
+
+DEFAULT_DB = "traces/trace.db"
+WIDTH = 40
+
+
+def add_parser(nouns: Any) -> None:
+    trace = nouns.add_parser("trace", help="read the trace store")
+    verbs = trace.add_subparsers(dest="verb", required=True)
+    show = verbs.add_parser("show", help="one request's spans as a waterfall")
+    show.add_argument("request_id")
+    show.add_argument("--db", default=DEFAULT_DB, help=f"trace db (default {DEFAULT_DB})")
+    show.set_defaults(func=_show)
+    top = verbs.add_parser("top", help="the slowest requests and what dominated each")
+    top.add_argument("--db", default=DEFAULT_DB, help=f"trace db (default {DEFAULT_DB})")
+    top.add_argument("--limit", type=int, default=10)
+    top.add_argument("--by", choices=("e2e", "ttft"), default="e2e")
+    top.set_defaults(func=_top)
+
+
+def _ms(ns: int | None) -> str:
+    return "-" if ns is None else f"{ns / 1e6:,.1f}"
+
+
+def _highlight(text: str) -> str:
+    return f"\033[1;31m{text}\033[0m" if sys.stdout.isatty() else text
+
+
+def _show(args: argparse.Namespace) -> int:
+    with open_db(args.db) as con:
+        req = con.execute(
+            "SELECT request_id, status, endpoint, prompt_tokens, output_tokens, ttft_ns, e2e_ns, "
+            "finish_reason, error, arrival_ns, queue_ns FROM requests WHERE request_id = ? "
+            "ORDER BY arrival_ns DESC LIMIT 1",
+            [args.request_id],
+        ).fetchone()
+        if req is None:
+            raise ValueError(f"request {args.request_id!r} is not in {args.db}")
+        spans = con.execute(
+            "SELECT name, start_ns, end_ns FROM spans WHERE request_id = ? AND trace_id = "
+            "(SELECT trace_id FROM requests WHERE request_id = ? ORDER BY arrival_ns DESC "
+            "LIMIT 1) ORDER BY start_ns",
+            [args.request_id, args.request_id],
+        ).fetchall()
+    rid, status, endpoint, n_in, n_out, ttft, e2e, finish, error, arrival, queue = req
+    print(
+        f"{rid}  {status} ({finish})  {endpoint}  prompt {n_in}, output {n_out} tokens  "
+        f"TTFT {_ms(ttft)} ms  e2e {_ms(e2e)} ms"
+    )
+    if error:
+        print(f"error: {error}")
+    e2e = max(e2e or 1, 1)
+    rows = []
+    for name in BOUNDARIES:
+        mine = [(s, e) for n, s, e in spans if n == name]
+        if mine:
+            rows.append((name, len(mine), sum(e - s for s, e in mine), mine))
+    if not rows:
+        return 0
+    slowest = max(rows, key=lambda r: r[2])[0]
+    print(f"\n{'boundary':<18}{'n':>6}{'total ms':>11}{'share':>7}  0 ms {'.' * (WIDTH - 10)} "
+          f"{e2e / 1e6:,.1f} ms")  # fmt: skip
+    for name, count, total, mine in rows:
+        cells = [" "] * WIDTH
+        for s, e in mine:
+            first = min(WIDTH - 1, int((s - arrival) / e2e * WIDTH))
+            last = min(WIDTH - 1, max(first, int((e - arrival) / e2e * WIDTH)))
+            for i in range(max(first, 0), last + 1):
+                cells[i] = "█"
+        line = f"{name:<18}{count:>6}{total / 1e6:>11,.1f}{total / e2e:>7.0%}  |{''.join(cells)}|"
+        print(_highlight(line + "  <- slowest") if name == slowest else line)
+    total = next(r[2] for r in rows if r[0] == slowest)
+    note = f" (of which {_ms(queue)} ms waiting in the core's queue)" if slowest == (
+        "core.schedule") and queue else ""  # fmt: skip
+    print(f"\nslowest boundary: {slowest}, {total / 1e6:,.1f} ms, {total / e2e:.0%} of e2e{note}")
+    return 0
+
+
+def _top(args: argparse.Namespace) -> int:
+    order = "e2e_ns" if args.by == "e2e" else "ttft_ns"
+    with open_db(args.db) as con:
+        rows = con.execute(
+            f"""
+            WITH r AS (
+                SELECT * FROM requests WHERE {order} IS NOT NULL ORDER BY {order} DESC LIMIT ?
+            ),
+            b AS (
+                SELECT s.request_id, s.name, sum(s.end_ns - s.start_ns) AS total
+                FROM spans s JOIN r ON s.request_id = r.request_id AND s.trace_id = r.trace_id
+                WHERE s.name <> 'llm_request' GROUP BY ALL
+            ),
+            d AS (SELECT request_id, arg_max(name, total) AS name, max(total) AS total
+                  FROM b GROUP BY request_id)
+            SELECT r.request_id, r.status, r.e2e_ns, r.ttft_ns, r.prompt_tokens,
+                   r.output_tokens, d.name, d.total
+            FROM r LEFT JOIN d USING (request_id) ORDER BY r.{order} DESC
+            """,
+            [args.limit],
+        ).fetchall()
+    if not rows:
+        print(f"no requests in {args.db}")
+        return 0
+    print(f"{'request':<30}{'status':<9}{'e2e ms':>10}{'TTFT ms':>10}{'in':>7}{'out':>7}  "
+          "dominated by")  # fmt: skip
+    for rid, status, e2e, ttft, n_in, n_out, name, total in rows:
+        share = f"{name} ({total / max(e2e, 1):.0%})" if name else "-"
+        print(f"{rid:<30}{status:<9}{_ms(e2e):>10}{_ms(ttft):>10}{n_in:>7}{n_out:>7}  {share}")
+    return 0

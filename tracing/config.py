@@ -1,0 +1,54 @@
+"""Tracing options, declared once: the fields are `lumen serve` flags and `LLM(...)` keywords."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TRACE_PROMPTS = ("hashes", "tokens", "none")
+OTLP_DETAILS = ("request", "boundary", "step")
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    trace_db: str = field(
+        default="traces/trace.db", metadata={"help": "DuckDB trace store to append to"}
+    )
+    no_trace_db: bool = field(default=False, metadata={"help": "record no trace db"})
+    trace_prompts: str = field(
+        default="hashes",
+        metadata={
+            "help": "what replay may re-create prompts from: hashes (length and per-block "
+            "hashes), tokens (exact ids) or none; prompt text is never stored"
+        },
+    )
+    otlp_traces_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "export spans over OTLP to this URL (http(s)://... for OTLP/HTTP, "
+            "grpc://host:port for gRPC; default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)"
+        },
+    )
+    otlp_detail: str = field(
+        default="boundary",
+        metadata={"help": "request (root span), boundary (one per boundary) or step (all)"},
+    )
+    trace_flush_interval: float = field(
+        default=1.0, metadata={"help": "seconds between trace db flushes"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.trace_prompts not in TRACE_PROMPTS:
+            raise ValueError(
+                f"trace_prompts must be one of {', '.join(TRACE_PROMPTS)}, "
+                f"not {self.trace_prompts!r}"
+            )
+        if self.otlp_detail not in OTLP_DETAILS:
+            raise ValueError(
+                f"otlp_detail must be one of {', '.join(OTLP_DETAILS)}, not {self.otlp_detail!r}"
+            )
+        if self.trace_flush_interval <= 0:
+            raise ValueError("trace_flush_interval must be positive")
+
+    @property
+    def db_path(self) -> str | None:
+        return None if self.no_trace_db or not self.trace_db else self.trace_db

@@ -1,0 +1,97 @@
+"""A small real OTLP/HTTP trace receiver: decodes ExportTraceServiceRequest and keeps the spans.
+
+For tests and benchmarks (a stand-in collector on loopback); ``delay`` makes it
+a slow collector.
+"""
+
+from __future__ import annotations
+
+import gzip
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+
+@dataclass
+class ReceivedSpan:
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str | None
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Any] = field(default_factory=dict)
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None
+
+
+class OtlpReceiver:
+    """``with OtlpReceiver() as r:`` serves on ``r.endpoint`` (…/v1/traces) until the block ends."""
+
+    def __init__(self, *, delay: float = 0.0) -> None:
+        self.spans: list[ReceivedSpan] = []
+        self.num_requests = 0
+        self.delay = delay
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.headers.get("Content-Encoding") == "gzip":
+                    body = gzip.decompress(body)
+                if receiver.delay:
+                    time.sleep(receiver.delay)
+                receiver._accept(ExportTraceServiceRequest.FromString(body))
+                reply = ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def _accept(self, request: ExportTraceServiceRequest) -> None:
+        spans = [
+            ReceivedSpan(
+                name=s.name,
+                trace_id=s.trace_id.hex(),
+                span_id=s.span_id.hex(),
+                parent_span_id=s.parent_span_id.hex() or None,
+                start_ns=s.start_time_unix_nano,
+                end_ns=s.end_time_unix_nano,
+                attributes={a.key: _value(a.value) for a in s.attributes},
+            )
+            for rs in request.resource_spans
+            for ss in rs.scope_spans
+            for s in ss.spans
+        ]
+        with self._lock:
+            self.spans.extend(spans)
+            self.num_requests += 1
+
+    def __enter__(self) -> OtlpReceiver:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,223 @@
+"""What the trace writer knows of one request, and the rows and spans it becomes.
+
+Spans follow DESIGN §3 (instants per the clock rule in engine/messages.py):
+
+    llm_request       arrival -> response closed
+    frontend.enqueue  arrival -> handed to the engine client (parse, template, tokenize)
+    core.receive      handed to the client -> the core dequeued it
+    core.schedule     per step: step began -> decision (the first from core.receive's end)
+    worker.execute    per step: forward + sampling of the batch
+    core.output       per step: execute end -> outputs left the core
+    frontend.emit     per step with output: outputs received -> delivered to the caller
+                      (non-streamed: one span, the final response)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from tracing.ids import new_span_id, new_trace_id
+
+BOUNDARIES = (
+    "frontend.enqueue",
+    "core.receive",
+    "core.schedule",
+    "worker.execute",
+    "core.output",
+    "frontend.emit",
+)
+ROOT = "llm_request"
+_encode = msgspec.json.encode
+
+
+@dataclass
+class StepVisit:
+    """One step a core request took part in."""
+
+    seq: int  # which of the request's n sequences
+    step_id: int
+    schedule_start_ns: int
+    schedule_end_ns: int
+    execute_start_ns: int
+    execute_end_ns: int
+    output_ns: int
+    num_tokens: int
+
+
+@dataclass
+class RequestTrace:
+    request_id: str
+    arrival_ns: int
+    endpoint: str = "generate"
+    model: str = ""
+    stream: bool = True
+    client_request_id: str | None = None
+    trace_id: str = field(default_factory=new_trace_id)
+    root_span_id: str = field(default_factory=new_span_id)
+    parent_span_id: str | None = None  # from an incoming traceparent
+    # Set when it is handed to the engine.
+    sent_ns: int = 0
+    child_ids: list[str] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    params: Any = None
+    priority: int = 0
+    # What the engine's outputs tell.
+    received_ns: dict[int, int] = field(default_factory=dict)  # per seq
+    visits: list[StepVisit] = field(default_factory=list)
+    pending_emits: list[tuple[int, int]] = field(default_factory=list)  # (step id, received)
+    emits: list[tuple[int, int, int]] = field(default_factory=list)  # (step, received, delivered)
+    first_token_ns: int = 0
+    last_output_ns: int = 0
+    last_step_id: int | None = None
+    output_tokens: int = 0
+    cached_tokens: int = 0
+    num_preemptions: int = 0
+    # The end.
+    status: str | None = None  # ok | aborted | error
+    finish_reason: str | None = None
+    error: str | None = None
+    finished_ns: int = 0
+
+    def delivered(self, ns: int) -> None:
+        if self.stream:
+            self.emits += [(step, recv, ns) for step, recv in self.pending_emits]
+            self.pending_emits.clear()
+
+    def close(self, ns: int) -> None:
+        if self.pending_emits:
+            if self.stream:
+                self.delivered(ns)
+            else:  # the one write of the final response
+                step, recv = self.pending_emits[-1]
+                self.emits.append((step, recv, ns))
+                self.pending_emits.clear()
+        if self.status is None:
+            self.status, self.finish_reason = "error", "error"
+            self.error = self.error or "the request ended without finishing"
+        self.finished_ns = max(self.finished_ns, ns)
+
+
+def build_spans(req: RequestTrace, run_id: str) -> list[tuple[Any, ...]]:
+    """The request's span rows (columns of store.SPAN_COLUMNS), root first."""
+    rows: list[tuple[Any, ...]] = []
+    trace_id, root, rid = req.trace_id, req.root_span_id, req.request_id
+    multi = len(req.child_ids) > 1
+
+    def add(name: str, start: int, end: int, step: int | None, attrs: dict[str, Any]) -> None:
+        rows.append(
+            (run_id, rid, trace_id, new_span_id(), root, name, start, max(start, end), step,
+             _encode(attrs).decode())
+        )  # fmt: skip
+
+    end = max(req.finished_ns, req.arrival_ns)
+    rows.append(
+        (run_id, rid, trace_id, root, req.parent_span_id, ROOT, req.arrival_ns, end, None,
+         _encode(root_attributes(req)).decode())
+    )  # fmt: skip
+    add("frontend.enqueue", req.arrival_ns, req.sent_ns or end, None, {})
+    for seq, received in sorted(req.received_ns.items()):
+        add("core.receive", req.sent_ns or received, received, None, {"seq": seq} if multi else {})
+    first_seen: set[int] = set()
+    for v in req.visits:
+        attrs: dict[str, Any] = {"tokens": v.num_tokens}
+        if multi:
+            attrs["seq"] = v.seq
+        start = v.schedule_start_ns
+        if v.seq not in first_seen:
+            first_seen.add(v.seq)
+            start = min(req.received_ns.get(v.seq, start), start)  # includes queue wait
+        add("core.schedule", start, v.schedule_end_ns, v.step_id, attrs)
+        add("worker.execute", v.execute_start_ns, v.execute_end_ns, v.step_id, attrs)
+        add("core.output", v.execute_end_ns, v.output_ns, v.step_id, attrs)
+    for step, recv, delivered in req.emits:
+        add("frontend.emit", recv, delivered, step, {})
+    return rows
+
+
+def root_attributes(req: RequestTrace) -> dict[str, Any]:
+    """OpenTelemetry GenAI attribute names, as vLLM uses them."""
+    p = req.params
+    attrs: dict[str, Any] = {
+        "gen_ai.request.id": req.request_id,
+        "gen_ai.response.model": req.model,
+        "gen_ai.usage.prompt_tokens": len(req.prompt_token_ids),
+        "gen_ai.usage.completion_tokens": req.output_tokens,
+        "gen_ai.latency.e2e": (req.finished_ns - req.arrival_ns) / 1e9,
+        "lumen.endpoint": req.endpoint,
+        "lumen.status": req.status,
+        "lumen.stream": req.stream,
+    }
+    if req.finish_reason is not None:
+        attrs["gen_ai.response.finish_reasons"] = [req.finish_reason]
+    if req.first_token_ns:
+        attrs["gen_ai.latency.time_to_first_token"] = (req.first_token_ns - req.arrival_ns) / 1e9
+    if p is not None:
+        attrs["gen_ai.request.max_tokens"] = p.max_tokens
+        attrs["gen_ai.request.temperature"] = p.temperature
+        attrs["gen_ai.request.top_p"] = p.top_p
+        attrs["gen_ai.request.n"] = p.n
+    if req.client_request_id:
+        attrs["lumen.client_request_id"] = req.client_request_id
+    if req.error:
+        attrs["lumen.error"] = req.error
+    return attrs
+
+
+def build_request_row(
+    req: RequestTrace, run_id: str, *, trace_prompts: str, block_size: int
+) -> tuple[Any, ...]:
+    """The request's row (columns of store.REQUEST_COLUMNS)."""
+    first_schedule = min(
+        (v.schedule_end_ns for v in req.visits), default=0
+    )  # the end of its queue wait
+    received = min(req.received_ns.values(), default=0)
+    hashes = tokens = None
+    if trace_prompts == "hashes" and req.prompt_token_ids:
+        hashes = block_hashes(req.prompt_token_ids, block_size)
+    elif trace_prompts == "tokens":
+        tokens = req.prompt_token_ids
+    return (
+        run_id,
+        req.request_id,
+        req.trace_id,
+        req.root_span_id,
+        req.client_request_id,
+        req.endpoint,
+        req.model,
+        req.arrival_ns,
+        len(req.prompt_token_ids),
+        req.output_tokens,
+        req.cached_tokens,
+        req.num_preemptions,
+        _encode(req.params).decode() if req.params is not None else None,
+        req.stream,
+        req.priority,
+        req.finish_reason,
+        req.status,
+        req.error,
+        req.first_token_ns - req.arrival_ns if req.first_token_ns else None,
+        req.finished_ns - req.arrival_ns,
+        first_schedule - received if first_schedule and received else None,
+        block_size if hashes is not None else None,
+        hashes,
+        tokens,
+    )
+
+
+def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """A chained 63-bit hash per block (the last one may be partial): equal prefixes give equal
+    leading hashes, as in the prefix cache, so replay can share the same prefixes again."""
+    out: list[int] = []
+    parent = b""
+    for start in range(0, len(token_ids), block_size):
+        block = token_ids[start : start + block_size]
+        digest = hashlib.blake2b(
+            parent + b"".join(t.to_bytes(4, "little") for t in block), digest_size=8
+        ).digest()
+        out.append(int.from_bytes(digest, "little") >> 1)
+        parent = digest
+    return out

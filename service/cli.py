@@ -95,10 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = nouns.add_parser("bench", help="benchmarks, side by side with baselines")
     bench_verbs = bench.add_subparsers(dest="verb", required=True)
-    from bench import mp_overhead, throughput
+    from bench import mp_overhead, throughput, tracing_overhead
 
     throughput.add_parser(bench_verbs)
     mp_overhead.add_parser(bench_verbs)
+    tracing_overhead.add_parser(bench_verbs)
     return parser
 
 
@@ -145,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP call otherwise
     try:
         return args.func(args)
     except ValueError as e:

@@ -102,6 +102,11 @@ class ServerMetrics:
         self.e2e = histogram(
             "lumen:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS
         )
+        self.tpot = histogram(
+            "lumen:request_time_per_output_token_seconds",
+            "Per request: time from the first to the last token over the tokens after the first.",
+            ITL_BUCKETS,
+        )
         self.queue_time = histogram(
             "lumen:request_queue_time_seconds", "Time in the core's waiting queue.", LATENCY_BUCKETS
         )
@@ -174,6 +179,10 @@ class ServerMetrics:
         for f in stats.finished:
             self.success[f.finish_reason].inc()
             self.e2e.observe((f.finished_ns - f.arrival_ns) / 1e9)
+            if f.first_token_ns and f.num_generation_tokens > 1:
+                self.tpot.observe(
+                    (f.finished_ns - f.first_token_ns) / 1e9 / (f.num_generation_tokens - 1)
+                )
             if f.scheduled_ns and f.queued_ns:
                 self.queue_time.observe(max(0, f.scheduled_ns - f.queued_ns) / 1e9)
             self.request_prompt_tokens.observe(f.num_prompt_tokens)

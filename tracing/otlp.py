@@ -104,7 +104,10 @@ class OtlpExport:
         self.max_queue = max_queue
         self._exporter = _Counting(exporter)
         self._processor = BatchSpanProcessor(
-            self._exporter, max_queue_size=max_queue, schedule_delay_millis=500
+            self._exporter,
+            max_queue_size=max_queue,
+            schedule_delay_millis=500,
+            max_export_batch_size=min(512, max_queue),
         )
         self._resource = Resource.create({"service.name": "lumen"})
         self._scope = InstrumentationScope("lumen.tracing", __version__)

@@ -177,10 +177,15 @@ class Tracer:
                 next_flush = time.monotonic() + interval
                 self._flush()
         self._flush()
+        if self.store is not None:
+            self.store.close()
 
     def _flush(self) -> None:
         if self.store is not None:
-            self.store.flush()
+            try:
+                self.store.flush()
+            except Exception:
+                logger.exception("trace db flush failed; its rows are kept for the next one")
 
     def _request(self, request_id: str, arrival_ns: int) -> RequestTrace:
         req = self._requests.get(request_id)

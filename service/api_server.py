@@ -44,6 +44,7 @@ class FrontDoor:
         self.app = app
         self.serving = serving
         self.api_key = config.api_key.encode() if config.api_key else None
+        self.protected = ("/v1", "/health", "/metrics") if config.protect_probes else ("/v1",)
         self.max_body = config.max_request_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -93,7 +94,7 @@ class FrontDoor:
         self, scope: Scope, receive: Receive, send_with_id: Send, headers: dict[bytes, bytes]
     ) -> None:
         state = scope["state"]
-        if scope["path"].startswith("/v1") and not self._authorized(headers):
+        if scope["path"].startswith(self.protected) and not self._authorized(headers):
             error = APIError(401, "invalid or missing API key", code="invalid_api_key")
             state["error"] = error.message
             await error.response()(scope, receive, send_with_id)

@@ -15,6 +15,10 @@ class ServerConfig:
         default=None,
         metadata={"help": "require this bearer key on /v1 routes (default: $LUMEN_API_KEY)"},
     )
+    protect_probes: bool = field(
+        default=False,
+        metadata={"help": "require the API key on /health and /metrics too (default: open)"},
+    )
     served_model_name: str | None = field(
         default=None,
         metadata={"help": "model name in the API (default: the model's name)"},

@@ -1,7 +1,7 @@
 """A small real OTLP/HTTP trace receiver: decodes ExportTraceServiceRequest and keeps the spans.
 
 For tests and benchmarks (a stand-in collector on loopback); ``delay`` makes it
-a slow collector.
+a slow collector, ``status`` a failing one (it then keeps nothing).
 """
 
 from __future__ import annotations
@@ -40,10 +40,11 @@ def _value(v: Any) -> Any:
 class OtlpReceiver:
     """``with OtlpReceiver() as r:`` serves on ``r.endpoint`` (…/v1/traces) until the block ends."""
 
-    def __init__(self, *, delay: float = 0.0) -> None:
+    def __init__(self, *, delay: float = 0.0, status: int = 200) -> None:
         self.spans: list[ReceivedSpan] = []
         self.num_requests = 0
         self.delay = delay
+        self.status = status
         self._lock = threading.Lock()
         receiver = self
 
@@ -54,9 +55,10 @@ class OtlpReceiver:
                     body = gzip.decompress(body)
                 if receiver.delay:
                     time.sleep(receiver.delay)
-                receiver._accept(ExportTraceServiceRequest.FromString(body))
+                if receiver.status == 200:
+                    receiver._accept(ExportTraceServiceRequest.FromString(body))
                 reply = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
+                self.send_response(receiver.status)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", str(len(reply)))
                 self.end_headers()

@@ -177,20 +177,37 @@ class _Buffer:
 class TraceStore:
     """The writer's side. Not thread-safe: one writer thread calls ``add`` and ``flush``."""
 
-    def __init__(self, path: str | Path, *, max_buffered_rows: int = 2_000_000) -> None:
+    def __init__(self, path: str | Path, *, max_buffered_rows: int = 200_000) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.max_buffered_rows = max_buffered_rows
         self.num_dropped_rows = 0
         self.num_failed_flushes = 0
         self._buffer = _Buffer()
         # One thread: a flush must not compete with the engine for cores.
         self._con = duckdb.connect(":memory:", config={"threads": 1})
+        self._migrated = False
+        try:
+            self._migrate()
+        except (duckdb.Error, OSError) as e:
+            # A read-only or full disk must not stop serving: rows wait (bounded), we retry.
+            logger.error("trace db %s is not writable (%s): traces are buffered, then dropped "
+                         "and counted (lumen:trace_rows_dropped_total)", self.path, e)  # fmt: skip
+
+    def _migrate(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with open_db(self.path, read_only=False, timeout=30.0) as con:
             migrate(con)
+        self._migrated = True
 
     def add(self, table: str, rows: list[tuple[Any, ...]]) -> None:
         if len(self._buffer) + len(rows) > self.max_buffered_rows:
+            if not self.num_dropped_rows:
+                logger.error(
+                    "trace db %s: buffer full (%d rows), dropping rows; counted in "
+                    "lumen:trace_rows_dropped_total",
+                    self.path,
+                    len(self._buffer),
+                )
             self.num_dropped_rows += len(rows)
             return
         self._buffer.rows[table].extend(rows)
@@ -201,8 +218,10 @@ class TraceStore:
             return True
         con = self._con
         try:
+            if not self._migrated:
+                self._migrate()
             _attach(con, self.path, timeout=0.2)
-        except duckdb.Error as e:
+        except (duckdb.Error, OSError) as e:
             self.num_failed_flushes += 1
             logger.debug("trace flush deferred: %s", e)
             return False
@@ -212,9 +231,12 @@ class TraceStore:
                 if rows:
                     _append(con, f"store.{table}", TABLES[table], rows)
             con.execute("COMMIT")
-        except duckdb.Error:
+        except duckdb.Error as e:
             con.execute("ROLLBACK")
-            raise
+            self.num_failed_flushes += 1
+            if self.num_failed_flushes in (1, 10, 100) or self.num_failed_flushes % 1000 == 0:
+                logger.error("trace db flush failed (%s); rows kept for the next flush", e)
+            return False
         finally:
             con.execute("DETACH store")
         self._buffer = _Buffer()

@@ -1,0 +1,173 @@
+"""Reliability: failing trace sinks, hostile input, and who may get in."""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import signal
+import stat
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import API_KEY
+from tests.helpers.load import stream_chat, wait_until
+from tests.helpers.server import LumenServer, metric
+from tracing.receiver import OtlpReceiver
+
+MESSAGES = [{"role": "user", "content": "Say something."}]
+BODY = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def _serve_a_few(server: LumenServer, n: int = 4) -> float:
+    """Seconds for n streamed requests, which must all complete."""
+    start = time.monotonic()
+    for _ in range(n):
+        assert stream_chat(server, BODY).num_chunks == 8
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("mode", ["slow", "failing"])
+def test_a_bad_collector_never_slows_serving(
+    tmp_path: Path, tiny_model_path: Path, mode: str
+) -> None:
+    with OtlpReceiver(delay=5.0 if mode == "slow" else 0.0,
+                      status=500 if mode == "failing" else 200) as collector:  # fmt: skip
+        args = ["--otlp-traces-endpoint", collector.endpoint, "--otlp-detail", "step"]
+        with LumenServer(tiny_model_path, *args, log_path=tmp_path / "serve.log") as server:
+            took = _serve_a_few(server)
+            if mode == "failing":
+                wait_until(
+                    lambda: metric(server.metrics(), "lumen:otlp_spans_dropped_total") > 0, 60
+                )
+            print(f"\n{mode} collector: 4 requests in {took:.2f} s")
+            assert took < 4.0  # a 5 s export stall would show here
+
+
+def _fsize_limit(limit: int):
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past it fail with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+def test_a_full_disk_costs_trace_rows_not_requests(tmp_path: Path, tiny_model_path: Path) -> None:
+    args = ["--trace-flush-interval", "0.2"]
+    with LumenServer(
+        tiny_model_path, *args, log_path=tmp_path / "serve.log", preexec_fn=_fsize_limit(1 << 20)
+    ) as server:
+        took = _serve_a_few(server, 12)
+        time.sleep(1)
+        log = server.log()
+        print(f"\nfile size limit 1 MiB: 12 requests in {took:.2f} s")
+        assert "trace db" in log and ("not writable" in log or "flush failed" in log), log[-2000:]
+        assert httpx.get(server.url("/health")).status_code == 200
+
+
+def test_a_read_only_trace_db_costs_trace_rows_not_requests(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run the server as an unprivileged user")
+    # The server runs as nobody: its model copy is readable, its trace folder is not writable.
+    shared = tmp_path / "shared"
+    shutil.copytree(tiny_model_path, shared / "model")
+    (shared / "traces").mkdir()
+    for p in [tmp_path, *shared.rglob("*"), shared]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    home = shared / "home"
+    home.mkdir(mode=0o777)
+    home.chmod(0o777)
+    log = shared / "serve.log"
+    with LumenServer(
+        shared / "model", log_path=log, trace_db=shared / "traces" / "trace.db",
+        user="nobody", env={"HOME": str(home), "TMPDIR": str(home)},
+    ) as server:  # fmt: skip
+        took = _serve_a_few(server)
+        print(f"\nread-only trace folder: 4 requests in {took:.2f} s")
+        assert "not writable" in server.log()
+    assert not (shared / "traces" / "trace.db").exists()
+    assert stat.S_IMODE((shared / "traces").stat().st_mode) == 0o755
+
+
+HOSTILE = [
+    ("huge max_tokens", {"messages": MESSAGES, "max_tokens": 10**12}),
+    ("negative n", {"messages": MESSAGES, "n": -1}),
+    ("NaN temperature", b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}'),
+    ("Infinity top_p", b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}'),
+    ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}'),
+    ("10 MB body", {"messages": MESSAGES, "user": "x" * (10 << 20)}),
+    ("deeply nested", b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+    ("wrong content type", b"messages=hello"),
+    ("thousands of stop strings", {"messages": MESSAGES, "max_tokens": 4,
+                                   "stop": [f"s{i}" for i in range(5000)]}),
+    ("null everything", {"messages": None, "model": None, "max_tokens": None}),
+    ("huge seed", {"messages": MESSAGES, "seed": 2**70}),
+    ("token ids out of range", None),
+    ("empty prompt list", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "body"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_input_gets_a_4xx(tiny_server: LumenServer, name: str, body) -> None:
+    headers = tiny_server.headers()
+    path = "/v1/chat/completions"
+    if name == "token ids out of range":
+        path, body = "/v1/completions", {"prompt": [10**9, -5], "max_tokens": 2}
+    elif name == "empty prompt list":
+        path, body = "/v1/completions", {"prompt": [], "max_tokens": 2}
+    if isinstance(body, bytes):
+        ctype = "text/plain" if name == "wrong content type" else "application/json"
+        r = httpx.post(tiny_server.url(path), content=body,
+                       headers={**headers, "content-type": ctype}, timeout=60)  # fmt: skip
+    else:
+        r = httpx.post(tiny_server.url(path), json=body, headers=headers, timeout=60)
+    print(f"\n{name}: {r.status_code} {r.text[:120]}")
+    if name == "thousands of stop strings":
+        assert r.status_code in (200, 400)  # allowed, and it must not break anything
+    else:
+        assert 400 <= r.status_code < 500
+    assert httpx.get(tiny_server.url("/health")).status_code == 200
+
+
+def test_every_v1_route_needs_the_key(tiny_server: LumenServer) -> None:
+    routes = [("GET", "/v1/models"), ("GET", "/v1/models/x"), ("POST", "/v1/completions"),
+              ("POST", "/v1/chat/completions"), ("GET", "/v1/unknown")]  # fmt: skip
+    for method, path in routes:
+        r = httpx.request(method, tiny_server.url(path), json={})
+        assert r.status_code == 401, (method, path)
+        r = httpx.request(method, tiny_server.url(path), json={},
+                          headers={"Authorization": "Bearer " + API_KEY[:-1]})  # fmt: skip
+        assert r.status_code == 401, (method, path)
+
+
+def test_probes_can_be_protected_too(tmp_path: Path, tiny_model_path: Path) -> None:
+    args = ["--protect-probes", "--no-trace-db"]
+    with LumenServer(
+        tiny_model_path, *args, log_path=tmp_path / "serve.log", api_key="probe-key"
+    ) as server:
+        for path in ("/health", "/metrics"):
+            assert httpx.get(server.url(path)).status_code == 401
+            assert httpx.get(server.url(path), headers=server.headers()).status_code == 200
+
+
+def test_prompts_and_completions_stay_out_of_logs_and_traces(tiny_server: LumenServer) -> None:
+    marker = "zebra-quartz-7781"
+    body = {"messages": [{"role": "user", "content": f"Repeat {marker} {marker}"}],
+            "max_tokens": 16, "temperature": 0}  # fmt: skip
+    reply = httpx.post(tiny_server.url("/v1/chat/completions"), json=body,
+                       headers=tiny_server.headers()).json()  # fmt: skip
+    completion = reply["choices"][0]["message"]["content"]
+    time.sleep(1.5)  # a flush
+    stored = tiny_server.trace_db.read_bytes()
+    wal = tiny_server.trace_db.with_suffix(".db.wal")
+    if wal.exists():
+        stored += wal.read_bytes()
+    log = tiny_server.log()
+    assert marker not in log and marker.encode() not in stored
+    if len(completion) > 8:
+        assert completion not in log and completion.encode() not in stored

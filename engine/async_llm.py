@@ -41,10 +41,15 @@ class _Stream:
         self.pending: RequestOutput | None = None
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
-        self.last_read = time.monotonic()
+        # Since when an output has waited for the reader (0: nothing waits).
+        self.pending_since = 0.0
 
     def put(self, out: RequestOutput) -> None:
-        self.pending = out if self.pending is None else _merge(self.pending, out)
+        if self.pending is None:
+            self.pending_since = time.monotonic()
+            self.pending = out
+        else:
+            self.pending = _merge(self.pending, out)
         self.ready.set()
 
     def fail(self, error: BaseException) -> None:
@@ -53,7 +58,6 @@ class _Stream:
 
     async def get(self) -> RequestOutput:
         await self.ready.wait()
-        self.last_read = time.monotonic()
         out, self.pending = self.pending, None
         if out is None:
             assert self.error is not None
@@ -107,6 +111,7 @@ class AsyncLLM:
         self.tracer: Tracer | None = None  # set with ``enable_tracing``
         self.num_stalled_aborts = 0
         self.dead_error: EngineDeadError | None = None
+        self._dead = asyncio.Event()  # set when the output loop fails for good
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._output_loop(), name="async-llm-output")
@@ -116,9 +121,15 @@ class AsyncLLM:
         return self.dead_error is None and self.client.core.dead_reason is None
 
     async def wait_dead(self) -> str:
-        """Returns (why) once the core or a worker has died."""
-        await self.client.dead_event.wait()
-        return self.client.core.dead_reason or "engine died"
+        """Returns (why) once the engine cannot serve: the core or a worker died, or the
+        output loop failed."""
+        waits = [asyncio.ensure_future(e.wait()) for e in (self.client.dead_event, self._dead)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return self.client.core.dead_reason or str(self.dead_error or "engine died")
 
     def enable_tracing(self, tracer: Tracer) -> None:
         self.tracer = tracer
@@ -137,11 +148,14 @@ class AsyncLLM:
         priority: int = 0,
         arrival_ns: int | None = None,
         stream: bool = True,
+        close_trace: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """``arrival_ns``: when the frontend received the request (default: now).
 
         ``stream=False`` tells the tracer that the caller delivers one whole
         response at the end (one frontend.emit), not each delta as it comes.
+        ``close_trace=False``: the caller calls ``tracer.closed`` once its
+        response is written (the server does, to time the last write).
         """
         arrival_ns = arrival_ns or time.time_ns()
         if not self.is_alive:
@@ -181,7 +195,7 @@ class AsyncLLM:
         finally:
             if not finished:
                 await self.abort(request_id)
-            if tracer is not None:
+            if tracer is not None and close_trace:
                 tracer.closed(request_id, time.time_ns())
 
     async def abort(self, request_id: str) -> None:
@@ -211,6 +225,7 @@ class AsyncLLM:
                 logger.exception("output loop failed")
                 e = EngineDeadError(f"output loop failed: {e}")
             self._fail_all(e)
+            self._dead.set()
 
     async def _pump_outputs(self) -> None:
         last_stall_check = time.monotonic()
@@ -256,7 +271,7 @@ class AsyncLLM:
         stalled = [
             (rid, s)
             for rid, s in self._streams.items()
-            if s.pending is not None and now - s.last_read > self.stall_timeout
+            if s.pending is not None and now - s.pending_since > self.stall_timeout
         ]
         for request_id, stream in stalled:
             logger.warning(

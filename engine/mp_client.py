@@ -322,8 +322,9 @@ class AsyncMPClient(_MPClient):
         if timeout is None:
             return self._take(await self._queue.get())
         try:
-            return self._take(await asyncio.wait_for(self._queue.get(), timeout))
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                return self._take(await self._queue.get())
+        except TimeoutError:
             return EngineCoreOutputs()
 
     async def call_utility(

@@ -143,7 +143,11 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """
     if params.n == 1:
         return params
-    seed = None if params.seed is None else params.seed + index
+    seed = None
+    if params.seed is not None:
+        seed = params.seed + index
+        if seed >= 1 << 64:  # wrap, so the largest seeds stay valid
+            seed -= 1 << 64
     return params.clone(n=1, seed=seed)
 
 

@@ -45,8 +45,9 @@ class Admission:
         granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(granted)
         try:
-            await asyncio.wait_for(asyncio.shield(granted), self.max_wait)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as e:
+            async with asyncio.timeout(self.max_wait):
+                await asyncio.shield(granted)
+        except (TimeoutError, asyncio.CancelledError) as e:
             if granted.done():  # the slot came just as the wait ended
                 if isinstance(e, asyncio.TimeoutError):
                     return

@@ -199,7 +199,8 @@ def build_app(serving: Serving, config: ServerConfig) -> FastAPI:
         engine, m = serving.engine, serving.metrics
         if engine.is_alive:
             with contextlib.suppress(Exception):
-                stats = await asyncio.wait_for(engine.get_stats(), 2.0)
+                async with asyncio.timeout(2.0):
+                    stats = await engine.get_stats()
                 m.set_engine_stats(stats, engine.client.core.num_backpressure)
         if (tracer := engine.tracer) is not None:
             t = tracer.stats()

@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `lumen trace top | head`
+        return 0
 
 
 if __name__ == "__main__":

@@ -58,6 +58,6 @@ def error_body(
             "message": message,
             "type": ERROR_TYPES.get(status, "invalid_request_error"),
             "param": param,
-            "code": code if code is not None else status,
+            "code": code,
         }
     }

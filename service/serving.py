@@ -173,15 +173,24 @@ class Serving:
             return EventStream(
                 self._events(prep),
                 send_timeout=self.stall_timeout,
-                on_end=self._stream_ended,
+                on_end=lambda reason: self._stream_ended(prep, reason),
             )
         try:
             return await self._complete(prep, request)
         finally:
             self.admission.release()
+            self._close_traces(prep)
 
-    def _stream_ended(self, reason: str) -> None:
+    def _close_traces(self, prep: Prepared) -> None:
+        """Every request this response started ends here, whatever path it took."""
+        if (tracer := self.engine.tracer) is not None:
+            now_ns = time.time_ns()
+            for rid in prep.request_ids:
+                tracer.closed(rid, now_ns)
+
+    def _stream_ended(self, prep: Prepared, reason: str) -> None:
         self.admission.release()
+        self._close_traces(prep)
         if reason == "disconnect":
             self.metrics.disconnects.inc()
         elif reason == "stalled":
@@ -192,11 +201,12 @@ class Serving:
         choices: defaultdict[int, Choice] = defaultdict(Choice)
 
         async def collect() -> None:
-            async for p, out in self._generate(prep):
-                for c in out.outputs:
-                    if c.error is not None:
-                        raise APIError(400, c.error)
-                    choices[p * n + c.index].add(c)
+            async with contextlib.aclosing(self._generate(prep)) as outputs:
+                async for p, out in outputs:
+                    for c in out.outputs:
+                        if c.error is not None:
+                            raise APIError(400, c.error)
+                        choices[p * n + c.index].add(c)
 
         try:
             await until_disconnect(request, collect())
@@ -205,6 +215,8 @@ class Serving:
             return Response(status_code=499)
         except EngineDeadError as e:
             raise APIError(503, f"the engine died: {e}", code="engine_dead") from None
+        except StreamStalledError as e:
+            raise APIError(503, str(e), code="stalled") from None
         has_logprobs = prep.params.logprobs is not None
         body = head.body(
             [head.final_choice(i, choices[i], has_logprobs) for i in sorted(choices)],
@@ -221,17 +233,19 @@ class Serving:
             if head.chat:
                 for index in range(len(prep.prompts) * n):
                     yield sse(_encode(head.chunk([head.role_choice(index)])))
-            async for p, out in self._generate(prep):
-                for c in out.outputs:
-                    if c.error is not None:
-                        yield sse(_encode(error_body(400, c.error)))
-                        return
-                    num_completion_tokens += len(c.token_ids)
-                    if not (c.text or c.finish_reason or c.logprobs):
-                        continue
-                    index = p * n + c.index
-                    yield sse(_encode(head.chunk([head.delta_choice(index, c, offsets[index])])))
-                    offsets[index] += len(c.text)
+            async with contextlib.aclosing(self._generate(prep)) as outputs:
+                async for p, out in outputs:
+                    for c in out.outputs:
+                        if c.error is not None:
+                            yield sse(_encode(error_body(400, c.error)))
+                            return
+                        num_completion_tokens += len(c.token_ids)
+                        if not (c.text or c.finish_reason or c.logprobs):
+                            continue
+                        index = p * n + c.index
+                        chunk = head.chunk([head.delta_choice(index, c, offsets[index])])
+                        yield sse(_encode(chunk))
+                        offsets[index] += len(c.text)
             if head.include_usage:
                 usage = head.usage_chunk(prep.num_prompt_tokens, num_completion_tokens)
                 yield sse(_encode(usage))
@@ -256,6 +270,7 @@ class Serving:
                 priority=prep.priority,
                 arrival_ns=prep.arrival_ns,
                 stream=prep.stream,
+                close_trace=False,  # closed in _close_traces, once the response is written
             )
             for rid, (text, tokens) in zip(ids, prep.prompts)
         ]
@@ -266,8 +281,9 @@ class Serving:
             finally:
                 await gens[0].aclose()
             return
-        async for item in _merge(gens):
-            yield item
+        async with contextlib.aclosing(_merge(gens)) as merged:
+            async for item in merged:
+                yield item
 
 
 async def _merge(

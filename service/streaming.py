@@ -85,15 +85,20 @@ class EventStream(Response):
                 writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
-        except asyncio.TimeoutError:
+        except TimeoutError:
             reason = "stalled"
             logger.warning("a stream was not read for %.0f s: closing it", self.send_timeout)
         finally:
             watcher.cancel()
             writer.cancel()
-            await self.events.aclose()  # aborts the request if it had not finished
-            if self.on_end is not None:
-                self.on_end(reason)
+            try:
+                # The writer must be gone before the events can be closed, even when this
+                # task itself is being cancelled (shutdown).
+                await asyncio.gather(writer, return_exceptions=True)
+                await self.events.aclose()  # aborts the request if it had not finished
+            finally:
+                if self.on_end is not None:
+                    self.on_end(reason)
 
     async def _write(self, send: Send) -> None:
         await send(
@@ -109,5 +114,8 @@ class EventStream(Response):
         )
         async for event in self.events:
             message = {"type": "http.response.body", "body": event, "more_body": True}
-            await asyncio.wait_for(send(message), self.send_timeout)
+            # asyncio.timeout, not wait_for: wait_for can swallow a cancellation (a client
+            # that left) when the send completes at the same moment, and the stream runs on.
+            async with asyncio.timeout(self.send_timeout):
+                await send(message)
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
@@ -37,20 +38,31 @@ def _highlight(text: str) -> str:
 
 def _show(args: argparse.Namespace) -> int:
     with open_db(args.db) as con:
-        req = con.execute(
+        # A completion with several prompts is one engine request per prompt: ID-0, ID-1, ...
+        reqs = con.execute(
             "SELECT request_id, status, endpoint, prompt_tokens, output_tokens, ttft_ns, e2e_ns, "
-            "finish_reason, error, arrival_ns, queue_ns FROM requests WHERE request_id = ? "
-            "ORDER BY arrival_ns DESC LIMIT 1",
-            [args.request_id],
-        ).fetchone()
-        if req is None:
-            raise ValueError(f"request {args.request_id!r} is not in {args.db}")
-        spans = con.execute(
-            "SELECT name, start_ns, end_ns FROM spans WHERE request_id = ? AND trace_id = "
-            "(SELECT trace_id FROM requests WHERE request_id = ? ORDER BY arrival_ns DESC "
-            "LIMIT 1) ORDER BY start_ns",
-            [args.request_id, args.request_id],
+            "finish_reason, error, arrival_ns, queue_ns, trace_id FROM requests "
+            "WHERE request_id = ? OR regexp_full_match(request_id, ?) "
+            "ORDER BY request_id, arrival_ns DESC",
+            [args.request_id, re.escape(args.request_id) + r"-\d+"],
         ).fetchall()
+        if not reqs:
+            raise ValueError(f"request {args.request_id!r} is not in {args.db}")
+        shown: set[str] = set()
+        for req in reqs:
+            if req[0] in shown:
+                continue  # an older run's request with the same id
+            shown.add(req[0])
+            spans = con.execute(
+                "SELECT name, start_ns, end_ns FROM spans WHERE request_id = ? AND trace_id = ? "
+                "ORDER BY start_ns",
+                [req[0], req[-1]],
+            ).fetchall()
+            _waterfall(req[:-1], spans)
+    return 0
+
+
+def _waterfall(req: tuple[Any, ...], spans: list[tuple[str, int, int]]) -> None:
     rid, status, endpoint, n_in, n_out, ttft, e2e, finish, error, arrival, queue = req
     print(
         f"{rid}  {status} ({finish})  {endpoint}  prompt {n_in}, output {n_out} tokens  "
@@ -65,7 +77,7 @@ def _show(args: argparse.Namespace) -> int:
         if mine:
             rows.append((name, len(mine), sum(e - s for s, e in mine), mine))
     if not rows:
-        return 0
+        return
     slowest = max(rows, key=lambda r: r[2])[0]
     print(f"\n{'boundary':<18}{'n':>6}{'total ms':>11}{'share':>7}  0 ms {'.' * (WIDTH - 10)} "
           f"{e2e / 1e6:,.1f} ms")  # fmt: skip
@@ -81,8 +93,7 @@ def _show(args: argparse.Namespace) -> int:
     total = next(r[2] for r in rows if r[0] == slowest)
     note = f" (of which {_ms(queue)} ms waiting in the core's queue)" if slowest == (
         "core.schedule") and queue else ""  # fmt: skip
-    print(f"\nslowest boundary: {slowest}, {total / 1e6:,.1f} ms, {total / e2e:.0%} of e2e{note}")
-    return 0
+    print(f"\nslowest boundary: {slowest}, {total / 1e6:,.1f} ms, {total / e2e:.0%} of e2e{note}\n")
 
 
 def _top(args: argparse.Namespace) -> int:

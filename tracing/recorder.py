@@ -55,13 +55,16 @@ class Tracer:
         *,
         engine_config: Any = None,
         observe_boundary: BoundaryObserver | None = None,
+        max_queued_events: int = 100_000,
     ) -> None:
         self.config = config
         self.run_id = uuid.uuid4().hex[:16]
         self.block_size = info.block_size
         self.observe_boundary = observe_boundary
         self.num_requests = 0
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Bounded: if the writer falls behind, events are dropped and counted, never waited for.
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queued_events)
+        self.num_dropped_events = 0
         self._requests: dict[str, RequestTrace] = {}
         self._by_child: dict[str, tuple[RequestTrace, int]] = {}
         db = config.db_path
@@ -88,7 +91,7 @@ class Tracer:
         client_request_id: str | None = None,
     ) -> None:
         """Optional metadata of a request, before it is handed to the engine."""
-        self._queue.put(
+        self._put(
             ("start", request_id, arrival_ns, endpoint, model, stream, traceparent,
              client_request_id)
         )  # fmt: skip
@@ -105,7 +108,7 @@ class Tracer:
         sent_ns: int,
         stream: bool,
     ) -> None:
-        self._queue.put(
+        self._put(
             ("enqueued", request_id, child_ids, prompt_token_ids, params, priority, arrival_ns,
              sent_ns, stream)
         )  # fmt: skip
@@ -113,15 +116,15 @@ class Tracer:
     def outputs(
         self, outs: EngineCoreOutputs, received_ns: int, acks: list[EngineCoreOutput]
     ) -> None:
-        self._queue.put(("outputs", outs, received_ns, acks))
+        self._put(("outputs", outs, received_ns, acks))
 
     def delivered(self, request_id: str, ns: int) -> None:
-        self._queue.put(("delivered", request_id, ns))
+        self._put(("delivered", request_id, ns))
 
     def finished(
         self, request_id: str, status: str, finish_reason: str, ns: int, error: str | None = None
     ) -> None:
-        self._queue.put(("finished", request_id, status, finish_reason, ns, error))
+        self._put(("finished", request_id, status, finish_reason, ns, error))
 
     def request_done(self, result: RequestOutput, ns: int) -> None:
         """``finished`` for a request whose final output came back."""
@@ -132,17 +135,26 @@ class Tracer:
 
     def closed(self, request_id: str, ns: int) -> None:
         """The caller has the whole response: the request's trace is complete."""
-        self._queue.put(("closed", request_id, ns))
+        self._put(("closed", request_id, ns))
 
     def rejected(self, request_id: str, ns: int, error: str) -> None:
         """A request refused before the engine saw it (``start`` must come first)."""
-        self._queue.put(("finished", request_id, "error", "error", ns, error))
-        self._queue.put(("closed", request_id, ns))
+        self._put(("finished", request_id, "error", "error", ns, error))
+        self._put(("closed", request_id, ns))
+
+    def _put(self, event: Any) -> None:
+        try:
+            self._queue.put_nowait(event)
+        except queue.Full:
+            if not self.num_dropped_events:
+                logger.error("trace writer is behind: dropping trace events (counted)")
+            self.num_dropped_events += 1
 
     def stats(self) -> TracerStats:
         return TracerStats(
             num_requests=self.num_requests,
-            num_dropped_rows=self.store.num_dropped_rows if self.store else 0,
+            num_dropped_rows=(self.store.num_dropped_rows if self.store else 0)
+            + self.num_dropped_events,
             num_dropped_spans=self.otlp.num_dropped if self.otlp else 0,
             num_pending_requests=len(self._requests),
         )
@@ -151,7 +163,7 @@ class Tracer:
         """Finish what is queued, flush the store, flush OTLP (bounded by ``timeout``)."""
         if not self._thread.is_alive():
             return
-        self._queue.put(_STOP)
+        self._queue.put(_STOP)  # waits for room: shutdown is not the hot path
         self._thread.join(timeout)
         if self.otlp is not None:
             self.otlp.shutdown(timeout)
@@ -244,7 +256,9 @@ class Tracer:
                     req.first_token_ns = received_ns
                 req.output_tokens += len(out.new_token_ids)
                 req.last_output_ns = received_ns
-                if step_id is not None:
+                if step_id is not None and (
+                    not req.pending_emits or req.pending_emits[-1][0] != step_id
+                ):  # once per step, even for n > 1
                     req.pending_emits.append((step_id, received_ns))
                     req.last_step_id = step_id
             req.cached_tokens = max(req.cached_tokens, out.num_cached_tokens)
@@ -292,8 +306,7 @@ class Tracer:
                 req, self.run_id, trace_prompts=self.config.trace_prompts,
                 block_size=self.block_size,
             )  # fmt: skip
-            self.store.add("requests", [row])
-            self.store.add("spans", spans)
+            self.store.add_all({"requests": [row], "spans": spans})  # whole, or not at all
         if self.observe_boundary is not None:
             for span in spans[1:]:
                 self.observe_boundary(span[5], (span[7] - span[6]) / 1e9)

@@ -200,7 +200,12 @@ class TraceStore:
         self._migrated = True
 
     def add(self, table: str, rows: list[tuple[Any, ...]]) -> None:
-        if len(self._buffer) + len(rows) > self.max_buffered_rows:
+        self.add_all({table: rows})
+
+    def add_all(self, rows_by_table: dict[str, list[tuple[Any, ...]]]) -> None:
+        """Buffer rows of several tables together: all kept, or all dropped and counted."""
+        num = sum(len(r) for r in rows_by_table.values())
+        if len(self._buffer) + num > self.max_buffered_rows:
             if not self.num_dropped_rows:
                 logger.error(
                     "trace db %s: buffer full (%d rows), dropping rows; counted in "
@@ -208,9 +213,10 @@ class TraceStore:
                     self.path,
                     len(self._buffer),
                 )
-            self.num_dropped_rows += len(rows)
+            self.num_dropped_rows += num
             return
-        self._buffer.rows[table].extend(rows)
+        for table, rows in rows_by_table.items():
+            self._buffer.rows[table].extend(rows)
 
     def flush(self) -> bool:
         """Append everything buffered in one transaction; False (rows kept) if the file is busy."""

@@ -7,6 +7,8 @@ import resource
 import shutil
 import signal
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -26,7 +28,8 @@ def _serve_a_few(server: LumenServer, n: int = 4) -> float:
     """Seconds for n streamed requests, which must all complete."""
     start = time.monotonic()
     for _ in range(n):
-        assert stream_chat(server, BODY).num_chunks == 8
+        r = stream_chat(server, BODY)
+        assert r.events[-1] == "[DONE]" and '"finish_reason":"length"' in r.events[-2]
     return time.monotonic() - start
 
 
@@ -73,6 +76,10 @@ def test_a_read_only_trace_db_costs_trace_rows_not_requests(
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to run the server as an unprivileged user")
+    try:
+        subprocess.run([sys.executable, "-c", "pass"], user="nobody", check=True)
+    except (PermissionError, subprocess.CalledProcessError):
+        pytest.skip("user nobody cannot run this interpreter (it lives in a private home)")
     # The server runs as nobody: its model copy is readable, its trace folder is not writable.
     shared = tmp_path / "shared"
     shutil.copytree(tiny_model_path, shared / "model")
@@ -92,6 +99,19 @@ def test_a_read_only_trace_db_costs_trace_rows_not_requests(
         assert "not writable" in server.log()
     assert not (shared / "traces" / "trace.db").exists()
     assert stat.S_IMODE((shared / "traces").stat().st_mode) == 0o755
+
+
+def test_an_uncreatable_trace_db_costs_trace_rows_not_requests(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the trace folder should be")
+    with LumenServer(
+        tiny_model_path, log_path=tmp_path / "serve.log", trace_db=blocker / "trace.db"
+    ) as server:
+        took = _serve_a_few(server)
+        print(f"\nuncreatable trace db: 4 requests in {took:.2f} s")
+        assert "not writable" in server.log()
 
 
 HOSTILE = [

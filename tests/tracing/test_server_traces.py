@@ -66,6 +66,9 @@ def _mixed_run(server: LumenServer) -> dict[str, str]:
     ids["completion"] = r.headers["x-request-id"]
     r = httpx.post(url, json={**body, "n": 2, "temperature": 1.0, "seed": 3})
     ids["n2"] = r.headers["x-request-id"]
+    r = httpx.post(server.url("/v1/completions"), json={"prompt": ["A", "B"], "max_tokens": 3})
+    ids["batch-0"] = r.headers["x-request-id"] + "-0"  # one engine request per prompt
+    ids["batch-1"] = r.headers["x-request-id"] + "-1"
     with httpx.stream("POST", url, json={**body, "max_tokens": 1500, "stream": True}) as r:
         ids["aborted"] = r.headers["x-request-id"]
         lines = r.iter_lines()
@@ -81,6 +84,7 @@ def test_every_request_has_its_row_and_status(traced) -> None:
     server, _, ids = traced
     rows = dict(_rows(server.trace_db, "SELECT request_id, status FROM requests"))
     expected = {"plain": "ok", "stream": "ok", "completion": "ok", "n2": "ok"}
+    expected |= {"batch-0": "ok", "batch-1": "ok"}
     expected |= {"aborted": "aborted", "invalid": "error"}
     assert {kind: rows.get(rid) for kind, rid in ids.items()} == expected
     [(error, params, hashes)] = _rows(
@@ -185,6 +189,11 @@ def test_boundary_latency_metric_and_lumen_trace(traced) -> None:
         cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert ids["aborted"] in top.stdout and "dominated by" in top.stdout
+    batch = subprocess.run(
+        [*lumen, "show", ids["batch-0"][:-2], "--db", str(server.trace_db)],
+        cwd=ROOT, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert ids["batch-0"] in batch.stdout and ids["batch-1"] in batch.stdout
 
 
 def test_a_dead_collector_costs_spans_not_requests(tmp_path: Path, tiny_model_path: Path) -> None:

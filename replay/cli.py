@@ -1,10 +1,78 @@
-"""The `replay` command (replay run / import / report / diff / regress): not built yet."""
+"""The `replay` command. Built so far: `replay import`; run, report, diff, export and regress
+are still to come (see DESIGN §7)."""
 
 from __future__ import annotations
 
+import argparse
+import logging
+import os
 import sys
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="replay", description="Replay recorded LLM traffic")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    imp = verbs.add_parser("import", help="a public trace into a trace db")
+    imp.add_argument("file", help="the trace file")
+    imp.add_argument("--format", required=True, help="mooncake, azure or burstgpt")
+    imp.add_argument("--out", required=True, help="trace db to write (appended to if it exists)")
+    imp.add_argument("--window", default=None, help="START:END seconds from the trace's start")
+    imp.add_argument("--scale-lengths", type=float, default=1.0,
+                     help="multiply prompt and output lengths (and hash blocks) by F")  # fmt: skip
+    imp.add_argument("--max-prompt-len", type=int, default=None, help="clip longer prompts")
+    imp.add_argument("--spread", type=float, default=0.0,
+                     help="spread requests that share a timestamp over this many seconds "
+                          "(Mooncake's are bucketed to 3 s)")  # fmt: skip
+    imp.add_argument("--block-size", type=int, default=16, help="the engine's KV block size")
+    imp.add_argument("--seed", type=int, default=0, help="seed of --spread")
+    imp.set_defaults(func=_import)
+    for verb in ("run", "report", "diff", "export", "regress"):
+        later = verbs.add_parser(verb, help="not built yet")
+        later.add_argument("rest", nargs="*")
+        later.set_defaults(func=_not_yet)
+    return parser
+
+
+def _import(args: argparse.Namespace) -> int:
+    from replay.formats import parse_window, read_trace, transform
+    from replay.importer import write_trace_db
+
+    records, start_ns = read_trace(args.file, args.format)
+    kept = transform(
+        records,
+        window=parse_window(args.window),
+        scale_lengths=args.scale_lengths,
+        max_prompt_len=args.max_prompt_len,
+        spread=args.spread,
+        block_size=args.block_size,
+        seed=args.seed,
+    )
+    if not kept:
+        raise ValueError(f"no request of {args.file} falls in --window {args.window}")
+    source = {k: v for k, v in vars(args).items() if k not in ("func", "verb")}
+    source["file"] = os.path.basename(args.file)
+    run_id = write_trace_db(kept, start_ns, args.out, source=source)
+    prompt = sum(r.prompt_tokens for r in kept)
+    output = sum(r.output_tokens for r in kept)
+    span = kept[-1].arrival_s - kept[0].arrival_s
+    print(f"{len(kept)} of {len(records)} requests over {span:.1f} s ({prompt:,} prompt and "
+          f"{output:,} output tokens) -> {args.out} (run {run_id})")  # fmt: skip
+    return 0
+
+
+def _not_yet(args: argparse.Namespace) -> int:
+    raise ValueError(f"`replay {args.verb}` is not built yet; `replay import` is")
+
+
 def main(argv: list[str] | None = None) -> int:
-    print("replay: not available yet in this version of Lumen", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"replay: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

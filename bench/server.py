@@ -39,6 +39,7 @@ class LumenServer:
         trace_db: Path | None = None,
         startup_timeout: float = 180.0,
         env: dict[str, str] | None = None,
+        python: str = sys.executable,
         **popen: Any,
     ) -> None:
         """The trace db goes beside the log unless ``trace_db`` is given (or --no-trace-db)."""
@@ -46,7 +47,7 @@ class LumenServer:
         self.trace_db = trace_db or log_path.parent / "trace.db"
         self.api_key = api_key
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "service.cli", "serve", str(model), "--port", str(self.port)]
+        cmd = [python, "-m", "service.cli", "serve", str(model), "--port", str(self.port)]
         cmd += list(args)
         if "--no-trace-db" not in args:
             cmd += ["--trace-db", str(self.trace_db)]

@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 
 from tests.conftest import API_KEY
 from tests.helpers.load import stream_chat, wait_until
-from tests.helpers.server import LumenServer, metric
+from tests.helpers.server import ROOT, LumenServer, metric
 from tracing.receiver import OtlpReceiver
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -76,29 +77,48 @@ def test_a_read_only_trace_db_costs_trace_rows_not_requests(
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to run the server as an unprivileged user")
+    # The venv's interpreter may live in root's private home; the system one of the same
+    # version, with the venv's packages on its path, is open to nobody.
+    python = _python_for_nobody()
+    if python is None:
+        pytest.skip("no Python of this version that user nobody can run")
+    site = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
+    # The server runs as nobody: its model copy is readable, its trace folder is not
+    # writable. (pytest's own temp folder is private to root, so this one is not in it.)
+    shared = Path(tempfile.mkdtemp(prefix="lumen-nobody-"))
     try:
-        subprocess.run([sys.executable, "-c", "pass"], user="nobody", check=True)
-    except (PermissionError, subprocess.CalledProcessError):
-        pytest.skip("user nobody cannot run this interpreter (it lives in a private home)")
-    # The server runs as nobody: its model copy is readable, its trace folder is not writable.
-    shared = tmp_path / "shared"
-    shutil.copytree(tiny_model_path, shared / "model")
-    (shared / "traces").mkdir()
-    for p in [tmp_path, *shared.rglob("*"), shared]:
-        p.chmod(0o755 if p.is_dir() else 0o644)
-    home = shared / "home"
-    home.mkdir(mode=0o777)
-    home.chmod(0o777)
-    log = shared / "serve.log"
-    with LumenServer(
-        shared / "model", log_path=log, trace_db=shared / "traces" / "trace.db",
-        user="nobody", env={"HOME": str(home), "TMPDIR": str(home)},
-    ) as server:  # fmt: skip
-        took = _serve_a_few(server)
-        print(f"\nread-only trace folder: 4 requests in {took:.2f} s")
-        assert "not writable" in server.log()
-    assert not (shared / "traces" / "trace.db").exists()
-    assert stat.S_IMODE((shared / "traces").stat().st_mode) == 0o755
+        shutil.copytree(tiny_model_path, shared / "model")
+        (shared / "traces").mkdir()
+        home = shared / "home"
+        home.mkdir()
+        for p in [shared, *shared.rglob("*")]:
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        home.chmod(0o777)
+        env = {"HOME": str(home), "TMPDIR": str(home), "PYTHONPATH": ":".join([*site, str(ROOT)])}
+        with LumenServer(
+            shared / "model", log_path=tmp_path / "serve.log",
+            trace_db=shared / "traces" / "trace.db", user="nobody", env=env, python=python,
+        ) as server:  # fmt: skip
+            took = _serve_a_few(server)
+            print(f"\nread-only trace folder (server as nobody): 4 requests in {took:.2f} s")
+            assert "not writable" in server.log()
+        assert not (shared / "traces" / "trace.db").exists()
+        assert stat.S_IMODE((shared / "traces").stat().st_mode) == 0o755
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def _python_for_nobody() -> str | None:
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in (sys.executable, shutil.which(version) or "", f"/usr/bin/{version}"):
+        if not candidate:
+            continue
+        try:
+            subprocess.run([candidate, "-c", "pass"], user="nobody", check=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return candidate
+    return None
 
 
 def test_an_uncreatable_trace_db_costs_trace_rows_not_requests(

@@ -1,4 +1,4 @@
-"""A small real OTLP/HTTP trace receiver: decodes ExportTraceServiceRequest and keeps the spans.
+"""Small real OTLP trace receivers (HTTP and gRPC): decode ExportTraceServiceRequest, keep spans.
 
 For tests and benchmarks (a stand-in collector on loopback); ``delay`` makes it
 a slow collector, ``status`` a failing one (it then keeps nothing).
@@ -75,20 +75,7 @@ class OtlpReceiver:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def _accept(self, request: ExportTraceServiceRequest) -> None:
-        spans = [
-            ReceivedSpan(
-                name=s.name,
-                trace_id=s.trace_id.hex(),
-                span_id=s.span_id.hex(),
-                parent_span_id=s.parent_span_id.hex() or None,
-                start_ns=s.start_time_unix_nano,
-                end_ns=s.end_time_unix_nano,
-                attributes={a.key: _value(a.value) for a in s.attributes},
-            )
-            for rs in request.resource_spans
-            for ss in rs.scope_spans
-            for s in ss.spans
-        ]
+        spans = decode(request)
         with self._lock:
             self.spans.extend(spans)
             self.num_requests += 1
@@ -100,3 +87,51 @@ class OtlpReceiver:
     def __exit__(self, *exc: object) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+class GrpcOtlpReceiver:
+    """The gRPC flavour: ``with GrpcOtlpReceiver() as r:`` listens on ``r.endpoint``
+    (grpc://127.0.0.1:PORT)."""
+
+    def __init__(self) -> None:
+        from concurrent import futures
+
+        import grpc
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as service
+
+        self.spans: list[ReceivedSpan] = []
+        receiver = self
+
+        class Servicer(service.TraceServiceServicer):
+            def Export(self, request: Any, context: Any) -> Any:
+                receiver.spans.extend(decode(request))
+                return ExportTraceServiceResponse()
+
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        service.add_TraceServiceServicer_to_server(Servicer(), self._server)
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        self.endpoint = f"grpc://127.0.0.1:{port}"
+
+    def __enter__(self) -> GrpcOtlpReceiver:
+        self._server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop(grace=None)
+
+
+def decode(request: ExportTraceServiceRequest) -> list[ReceivedSpan]:
+    return [
+        ReceivedSpan(
+            name=s.name,
+            trace_id=s.trace_id.hex(),
+            span_id=s.span_id.hex(),
+            parent_span_id=s.parent_span_id.hex() or None,
+            start_ns=s.start_time_unix_nano,
+            end_ns=s.end_time_unix_nano,
+            attributes={a.key: _value(a.value) for a in s.attributes},
+        )
+        for rs in request.resource_spans
+        for ss in rs.scope_spans
+        for s in ss.spans
+    ]

@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers.load import stream_chat, wait_until
 from tests.helpers.server import ROOT, LumenServer, metric
-from tracing.receiver import OtlpReceiver
+from tracing.receiver import GrpcOtlpReceiver, OtlpReceiver
 from tracing.spans import BOUNDARIES
 from tracing.store import open_db
 
@@ -194,6 +194,20 @@ def test_boundary_latency_metric_and_lumen_trace(traced) -> None:
         cwd=ROOT, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert ids["batch-0"] in batch.stdout and ids["batch-1"] in batch.stdout
+
+
+def test_otlp_over_grpc_with_request_detail(tmp_path: Path, tiny_model_path: Path) -> None:
+    with GrpcOtlpReceiver() as receiver:
+        args = ["--otlp-traces-endpoint", receiver.endpoint, "--otlp-detail", "request"]
+        with LumenServer(
+            tiny_model_path, *args, "--no-trace-db", log_path=tmp_path / "serve.log"
+        ) as server:
+            ids = [stream_chat(server, {"messages": MESSAGES, "max_tokens": 4}) for _ in range(3)]
+            assert all(r.events[-1] == "[DONE]" for r in ids)
+            wait_until(lambda: len(receiver.spans) >= 3, 30)
+    # request detail: the root span only, one per request.
+    assert {s.name for s in receiver.spans} == {"llm_request"}
+    assert len({s.attributes["gen_ai.request.id"] for s in receiver.spans}) == 3
 
 
 def test_a_dead_collector_costs_spans_not_requests(tmp_path: Path, tiny_model_path: Path) -> None:

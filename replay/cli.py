@@ -1,5 +1,5 @@
-"""The `replay` command. Built so far: `replay import`; run, report, diff, export and regress
-are still to come (see DESIGN §7)."""
+"""The `replay` command. Built so far: import, run and report (text); diff, export, regress,
+the HTML report and --virtual are still to come (see DESIGN §7)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,21 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--block-size", type=int, default=16, help="the engine's KV block size")
     imp.add_argument("--seed", type=int, default=0, help="seed of --spread")
     imp.set_defaults(func=_import)
-    for verb in ("run", "report", "diff", "export", "regress"):
+    from service.cli import add_engine_options
+
+    run = verbs.add_parser("run", help="recorded requests through the real engine")
+    run.add_argument("db", help="trace db to replay (a recording or an import)")
+    run.add_argument("--out", default=None, help="trace db of the replay (default: DB.replay.db)")
+    run.add_argument("--speed", type=float, default=1.0, help="2 = arrivals twice as fast")
+    run.add_argument("--limit", type=int, default=None, help="replay the first N requests")
+    run.add_argument("--run", default=None, help="which run of DB (default: the latest)")
+    add_engine_options(run, skip=("core_process",))
+    run.set_defaults(func=_run)
+    report = verbs.add_parser("report", help="percentiles and where the tail's time went")
+    report.add_argument("db")
+    report.add_argument("--run", default=None, help="which run (default: the latest)")
+    report.set_defaults(func=_report)
+    for verb in ("diff", "export", "regress"):
         later = verbs.add_parser(verb, help="not built yet")
         later.add_argument("rest", nargs="*")
         later.set_defaults(func=_not_yet)
@@ -60,11 +74,38 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from engine.config import EngineConfig
+    from replay.report import render_text
+    from replay.runner import run_replay, summarize
+    from service.cli import engine_options
+
+    out = args.out or str(args.db).removesuffix(".db") + ".replay.db"
+    config = EngineConfig(**engine_options(args, skip=("core_process",)), core_process=True)
+    result = asyncio.run(
+        run_replay(args.db, out, config, speed=args.speed, limit=args.limit, run_id=args.run)
+    )
+    print(summarize(result))
+    print(f"trace of the replay: {out} (run {result.run_id})\n")
+    print(render_text(out, result.run_id))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from replay.report import render_text
+
+    print(render_text(args.db, args.run))
+    return 0
+
+
 def _not_yet(args: argparse.Namespace) -> int:
-    raise ValueError(f"`replay {args.verb}` is not built yet; `replay import` is")
+    raise ValueError(f"`replay {args.verb}` is not built yet; import, run and report are")
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -1,0 +1,118 @@
+"""`replay run`: recorded requests, open-loop at their recorded offsets (/ --speed), through
+the real EngineCore and workers (AsyncLLM over the AsyncMPClient, as the server), recorded
+into a fresh trace db."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig, ModelConfig
+from engine.model_files import resolve_model
+from replay.workload import ReplayRequest, load_workload
+from tracing.config import TracingConfig
+from tracing.recorder import Tracer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    run_id: str  # the fresh run, in the output db
+    source_run_id: str
+    num_requests: int
+    num_failed: int
+    seconds: float
+    output_tokens: int
+    arrival_errors_s: list[float] = field(default_factory=list)  # sent - scheduled
+
+    def arrival_error_summary(self) -> str:
+        errs = sorted(self.arrival_errors_s)
+        p50, p99 = errs[len(errs) // 2], errs[min(len(errs) - 1, int(len(errs) * 0.99))]
+        return (f"arrival error: p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, "
+                f"max {errs[-1] * 1000:.1f} ms")  # fmt: skip
+
+
+def vocabulary(model_path: str) -> np.ndarray:
+    """Token ids synthetic prompts may use: the vocabulary without special or added tokens."""
+    from engine.processor import load_tokenizer
+
+    tok = load_tokenizer(model_path)
+    special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
+    size = ModelConfig.from_path(model_path).vocab_size
+    return np.setdiff1d(np.arange(size), np.fromiter(special, dtype=np.int64))
+
+
+async def run_replay(
+    db: str,
+    out: str,
+    engine_config: EngineConfig,
+    *,
+    speed: float = 1.0,
+    limit: int | None = None,
+    run_id: str | None = None,
+    progress: bool = True,
+) -> RunResult:
+    if speed <= 0:
+        raise ValueError("--speed must be positive")
+    path = str(resolve_model(engine_config.model))
+    source_run, work = load_workload(db, vocab=vocabulary(path), run_id=run_id, limit=limit)
+    engine = AsyncLLM(engine_config)
+    tracer = Tracer(
+        TracingConfig(trace_db=out, trace_prompts="hashes"), engine.client.info,
+        engine_config=engine_config,
+    )  # fmt: skip
+    engine.enable_tracing(tracer)
+    too_long = [r for r in work if len(r.prompt_token_ids) >= engine.max_model_len]
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} prompts do not fit max_model_len {engine.max_model_len} "
+            "(import with --max-prompt-len or --scale-lengths)"
+        )
+    bar = tqdm(total=len(work), desc="replay", disable=not progress, unit="req")
+    errors: list[float] = []
+    failed = 0
+    tokens = 0
+
+    async def one(req: ReplayRequest, start: float) -> None:
+        nonlocal failed, tokens
+        due = start + req.offset_s / speed
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        errors.append(time.monotonic() - due)
+        max_room = engine.max_model_len - len(req.prompt_token_ids)
+        params = req.params.clone(max_tokens=min(req.params.max_tokens or max_room, max_room))
+        try:
+            async for o in engine.generate(
+                {"prompt_token_ids": req.prompt_token_ids}, params, priority=req.priority
+            ):
+                tokens += sum(len(c.token_ids) for c in o.outputs)
+        except Exception as e:
+            failed += 1
+            logger.warning("replayed request %s failed: %s", req.request_id, e)
+        bar.update()
+
+    try:
+        start = time.monotonic() + 0.2
+        await asyncio.gather(*(one(r, start) for r in work))  # open loop: nobody waits
+        seconds = time.monotonic() - start
+    finally:
+        bar.close()
+        await engine.shutdown()
+        await asyncio.to_thread(tracer.shutdown)
+    return RunResult(tracer.run_id, source_run, len(work), failed, seconds, tokens, errors)
+
+
+def summarize(result: RunResult) -> str:
+    mean_err = statistics.mean(result.arrival_errors_s) * 1000
+    return (
+        f"replayed {result.num_requests} requests of run {result.source_run_id} in "
+        f"{result.seconds:.1f} s ({result.output_tokens:,} output tokens, "
+        f"{result.num_failed} failed); {result.arrival_error_summary()} (mean {mean_err:.1f} ms)"
+    )

@@ -1,0 +1,100 @@
+"""The requests of a trace db, re-created: arrival offsets, prompts and sampling parameters.
+
+A prompt is the exact recorded token ids when the recording kept them
+(`--trace-prompts tokens`); otherwise deterministic synthetic tokens, the same
+for the same block hash, so requests that shared a prefix share one again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.sampling_params import SamplingParams
+from tracing.store import open_db
+
+
+@dataclass
+class ReplayRequest:
+    request_id: str  # the recorded id
+    offset_s: float  # arrival, from the first request's
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+
+
+def load_workload(
+    db: str,
+    *,
+    vocab: np.ndarray,
+    run_id: str | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+) -> tuple[str, list[ReplayRequest]]:
+    """The run's requests (default: the latest run that has any), in arrival order.
+
+    ``vocab`` is the token ids synthetic prompts are drawn from (no special tokens).
+    Requests that never reached the engine (status error, no prompt) are skipped.
+    """
+    with open_db(db, timeout=10) as con:
+        if run_id is None:
+            found = con.execute(
+                "SELECT run_id FROM requests GROUP BY run_id ORDER BY max(arrival_ns) DESC LIMIT 1"
+            ).fetchone()
+            if found is None:
+                raise ValueError(f"{db} holds no request")
+            run_id = found[0]
+        rows = con.execute(
+            "SELECT request_id, arrival_ns, prompt_tokens, output_tokens, params, priority, "
+            "prompt_block_size, prompt_block_hashes, prompt_token_ids FROM requests "
+            "WHERE run_id = ? AND prompt_tokens > 0 AND params IS NOT NULL "
+            "ORDER BY arrival_ns, request_id",
+            [run_id],
+        ).fetchall()
+    if not rows:
+        raise ValueError(f"run {run_id} of {db} has no request to replay")
+    rows = rows[:limit] if limit else rows
+    first = rows[0][1]
+    out = []
+    for i, (rid, arrival, n_prompt, n_out, params, prio, block, hashes, ids) in enumerate(rows):
+        if ids is None:
+            ids = synthetic_prompt(n_prompt, block, hashes, vocab, seed=seed + i)
+        recorded = json.loads(params)
+        out.append(
+            ReplayRequest(
+                rid, (arrival - first) / 1e9, list(ids), _params(recorded, n_out), prio or 0
+            )
+        )
+    return run_id, out
+
+
+def _params(recorded: dict, num_output_tokens: int) -> SamplingParams:
+    """The recorded sampling parameters, generating exactly the recorded output length."""
+    keep = {k: v for k, v in recorded.items() if k in SamplingParams.__struct_fields__}
+    keep.update(max_tokens=max(1, num_output_tokens), ignore_eos=True, min_tokens=0)
+    keep.pop("stop", None)  # a stop string could end it early
+    return SamplingParams(**keep)
+
+
+def synthetic_prompt(
+    num_tokens: int,
+    block_size: int | None,
+    block_hashes: list[int] | None,
+    vocab: np.ndarray,
+    *,
+    seed: int,
+) -> list[int]:
+    """Token ids whose blocks are a function of their hash id (equal hashes, equal blocks)."""
+    if not block_size or not block_hashes:
+        rng = np.random.default_rng([seed, 0x5EED])
+        return vocab[rng.integers(0, len(vocab), num_tokens)].tolist()
+    out: list[int] = []
+    for h in block_hashes:
+        rng = np.random.default_rng([int(h) & 0xFFFFFFFFFFFFFFFF, 0xB10C])
+        out += vocab[rng.integers(0, len(vocab), block_size)].tolist()
+    if len(out) < num_tokens:  # hashes that cover less than the prompt: pad, unshared
+        rng = np.random.default_rng([seed, 0x5EED])
+        out += vocab[rng.integers(0, len(vocab), num_tokens - len(out))].tolist()
+    return out[:num_tokens]

@@ -1,0 +1,79 @@
+"""Record a session through the server, replay it through the real engine, report on it."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import httpx
+
+from replay.cli import main
+from tests.helpers.load import stream_chat, wait_until
+from tests.helpers.server import LumenServer
+from tracing.store import open_db
+
+SYSTEM = "You are a careful assistant. Answer in full sentences. " * 6
+
+
+def _record(server: LumenServer) -> None:
+    """Different lengths, a shared system prompt, one abort, one invalid request."""
+    url = server.url("/v1/chat/completions")
+    for i, n in enumerate((4, 12, 7, 20, 9, 15)):
+        messages = [{"role": "user", "content": f"Question {i}: " + "why? " * (i * 5)}]
+        if i % 2 == 0:
+            messages.insert(0, {"role": "system", "content": SYSTEM})
+        body = {"messages": messages, "max_tokens": n, "temperature": 0, "ignore_eos": True}
+        if i == 3:
+            stream_chat(server, {**body, "max_tokens": 400}, stop_after=5)  # aborted
+        else:
+            assert httpx.post(url, json=body, timeout=60).status_code == 200
+        time.sleep(0.15)
+    assert httpx.post(url, json={"messages": []}).status_code == 400
+
+
+def _requests(db: Path, run_id: str | None = None) -> list[tuple]:
+    with open_db(db) as con:
+        if run_id is None:
+            run_id = con.execute(
+                "SELECT run_id FROM requests ORDER BY arrival_ns DESC LIMIT 1"
+            ).fetchone()[0]
+        return con.execute(
+            "SELECT arrival_ns, prompt_tokens, output_tokens, status FROM requests "
+            "WHERE run_id = ? ORDER BY arrival_ns",
+            [run_id],
+        ).fetchall()
+
+
+def test_record_replay_report(tmp_path: Path, tiny_model_path: Path, capsys) -> None:
+    recording = tmp_path / "recording.db"
+    args = ["--trace-flush-interval", "0.2", "--num-kv-blocks", "512"]
+    with LumenServer(
+        tiny_model_path, *args, log_path=tmp_path / "serve.log", trace_db=recording
+    ) as server:
+        _record(server)
+        wait_until(lambda: len(_requests(recording)) == 7, 20)
+    recorded = [r for r in _requests(recording) if r[3] != "error"]
+    assert len(recorded) == 6 and sum(r[3] == "aborted" for r in recorded) == 1
+
+    out = tmp_path / "replay.db"
+    code = main(["run", str(recording), "--out", str(out), "--model", str(tiny_model_path),
+                 "--speed", "2", "--num-kv-blocks", "512"])  # fmt: skip
+    assert code == 0
+    printed = capsys.readouterr().out
+    print(printed)
+    replayed = _requests(out)
+    # Every request, with its recorded lengths, in arrival order, at half the spacing.
+    assert [(r[1], r[2]) for r in replayed] == [(r[1], r[2]) for r in recorded]
+    assert all(r[3] == "ok" for r in replayed)
+    gaps = [(b[0] - a[0]) / 1e9 for a, b in itertools.pairwise(recorded)]
+    replay_gaps = [(b[0] - a[0]) / 1e9 for a, b in itertools.pairwise(replayed)]
+    for g, rg in zip(gaps, replay_gaps):
+        assert abs(rg - g / 2) < 0.25, (gaps, replay_gaps)
+    assert "arrival error: p50" in printed
+    for section in ("TTFT", "TPOT", "ITL", "E2E", "TTFT tail", "p99 TTFT"):
+        assert section in printed
+    # The shared system prompt is shared again (synthetic tokens per block hash).
+    with open_db(out) as con:
+        [(hits,)] = con.execute("SELECT sum(prefix_hit_tokens) FROM steps").fetchall()
+    assert hits > 0

@@ -34,8 +34,20 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--speed", type=float, default=1.0, help="2 = arrivals twice as fast")
     run.add_argument("--limit", type=int, default=None, help="replay the first N requests")
     run.add_argument("--run", default=None, help="which run of DB (default: the latest)")
+    run.add_argument("--window", default=None, help="START:END seconds of the run to replay")
+    run.add_argument("--virtual", action="store_true",
+                     help="simulated clock and step-cost model instead of the model")  # fmt: skip
+    run.add_argument(
+        "--cost-model", default=None, metavar="PATH",
+        help="--virtual: step-cost model file (made from DB's steps if missing)",
+    )  # fmt: skip
+    run.add_argument("--json", default=None, metavar="PATH", help="--virtual: figures as JSON")
     add_engine_options(run, skip=("core_process",))
     run.set_defaults(func=_run)
+    cal = verbs.add_parser("calibrate", help="fit a step-cost model to a trace db's steps")
+    cal.add_argument("db")
+    cal.add_argument("--out", required=True, help="the model file (JSON)")
+    cal.set_defaults(func=_calibrate)
     report = verbs.add_parser("report", help="percentiles and where the tail's time went")
     report.add_argument("db")
     report.add_argument("--run", default=None, help="which run (default: the latest)")
@@ -75,9 +87,12 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.virtual:
+        return _run_virtual(args)
     import asyncio
 
     from engine.config import EngineConfig
+    from replay.formats import parse_window
     from replay.report import render_text
     from replay.runner import run_replay, summarize
     from service.cli import engine_options
@@ -85,11 +100,63 @@ def _run(args: argparse.Namespace) -> int:
     out = args.out or str(args.db).removesuffix(".db") + ".replay.db"
     config = EngineConfig(**engine_options(args, skip=("core_process",)), core_process=True)
     result = asyncio.run(
-        run_replay(args.db, out, config, speed=args.speed, limit=args.limit, run_id=args.run)
-    )
+        run_replay(args.db, out, config, speed=args.speed, limit=args.limit, run_id=args.run,
+                   window=parse_window(args.window))
+    )  # fmt: skip
     print(summarize(result))
     print(f"trace of the replay: {out} (run {result.run_id})\n")
     print(render_text(out, result.run_id))
+    return 0
+
+
+def _run_virtual(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    import numpy as np
+
+    from replay.formats import parse_window
+    from replay.virtual import StepCostModel, VirtualEngine, render, run_virtual
+    from replay.workload import load_workload, recorded_engine
+
+    if args.cost_model and Path(args.cost_model).exists():
+        cost = StepCostModel.load(args.cost_model)
+    else:
+        cost = StepCostModel.calibrate(args.db)
+        if args.cost_model:
+            cost.save(args.cost_model)
+            print(f"calibrated on {cost.num_steps} steps of {args.db} -> {args.cost_model}")
+    # Synthetic tokens from a fixed range: the report must not depend on any model files.
+    run_id, work = load_workload(
+        args.db, vocab=np.arange(1, 32000), run_id=args.run, limit=args.limit,
+        window=parse_window(args.window),
+    )  # fmt: skip
+    recorded = recorded_engine(args.db, run_id)
+    engine = VirtualEngine(
+        num_kv_blocks=args.num_kv_blocks or recorded.get("num_kv_blocks") or 4096,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len or recorded.get("max_model_len") or 8192,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+    )
+    result = run_virtual(work, engine, cost, speed=args.speed)
+    print(render(result, engine, cost))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from replay.virtual import StepCostModel
+
+    cost = StepCostModel.calibrate(args.db)
+    cost.save(args.out)
+    print(f"step cost from {cost.num_steps} steps: {cost.base_s * 1e3:.3f} ms + "
+          f"{cost.prefill_token_s * 1e6:.2f} us/prefill token + "
+          f"{cost.decode_token_s * 1e6:.2f} us/decode token + "
+          f"{cost.request_s * 1e6:.2f} us/request -> {args.out}")  # fmt: skip
     return 0
 
 

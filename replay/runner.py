@@ -58,12 +58,15 @@ async def run_replay(
     speed: float = 1.0,
     limit: int | None = None,
     run_id: str | None = None,
+    window: tuple[float, float] = (0.0, float("inf")),
     progress: bool = True,
 ) -> RunResult:
     if speed <= 0:
         raise ValueError("--speed must be positive")
     path = str(resolve_model(engine_config.model))
-    source_run, work = load_workload(db, vocab=vocabulary(path), run_id=run_id, limit=limit)
+    source_run, work = load_workload(
+        db, vocab=vocabulary(path), run_id=run_id, limit=limit, window=window
+    )
     engine = AsyncLLM(engine_config)
     tracer = Tracer(
         TracingConfig(trace_db=out, trace_prompts="hashes"), engine.client.info,

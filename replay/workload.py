@@ -31,6 +31,7 @@ def load_workload(
     vocab: np.ndarray,
     run_id: str | None = None,
     limit: int | None = None,
+    window: tuple[float, float] = (0.0, float("inf")),
     seed: int = 0,
 ) -> tuple[str, list[ReplayRequest]]:
     """The run's requests (default: the latest run that has any), in arrival order.
@@ -55,7 +56,12 @@ def load_workload(
         ).fetchall()
     if not rows:
         raise ValueError(f"run {run_id} of {db} has no request to replay")
+    first = rows[0][1]
+    start, end = window
+    rows = [r for r in rows if start <= (r[1] - first) / 1e9 < end]
     rows = rows[:limit] if limit else rows
+    if not rows:
+        raise ValueError(f"no request of run {run_id} falls in the window")
     first = rows[0][1]
     out = []
     for i, (rid, arrival, n_prompt, n_out, params, prio, block, hashes, ids) in enumerate(rows):
@@ -98,3 +104,14 @@ def synthetic_prompt(
         rng = np.random.default_rng([seed, 0x5EED])
         out += vocab[rng.integers(0, len(vocab), num_tokens - len(out))].tolist()
     return out[:num_tokens]
+
+
+def recorded_engine(db: str, run_id: str) -> dict:
+    """What the recorded run's engine was (KV blocks, context), where the db knows it."""
+    with open_db(db, timeout=10) as con:
+        row = con.execute(
+            "SELECT num_kv_blocks, max_model_len, block_size FROM runs WHERE run_id = ?", [run_id]
+        ).fetchone()
+    if row is None:
+        return {}
+    return {k: v for k, v in zip(("num_kv_blocks", "max_model_len", "block_size"), row) if v}

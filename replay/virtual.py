@@ -1,0 +1,185 @@
+"""`replay run --virtual`: the real Scheduler and KVCacheManager on a simulated clock, with a
+step-cost model calibrated from measured steps. No model runs, so a run takes seconds and
+its report is identical every time; it answers what-if questions (another token budget,
+fewer KV blocks, a faster model)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.scheduler import Scheduler
+from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.request import Request
+from replay.report import percentiles
+from replay.workload import ReplayRequest
+from tracing.store import open_db
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Seconds per step = base + prefill tokens * a + decode tokens * b + requests * c."""
+
+    base_s: float
+    prefill_token_s: float
+    decode_token_s: float
+    request_s: float
+    num_steps: int = 0  # how many measured steps it was fitted on
+
+    def cost(self, out: SchedulerOutput) -> float:
+        return (
+            self.base_s
+            + out.num_prefill_tokens * self.prefill_token_s
+            + out.num_decode_tokens * self.decode_token_s
+            + len(out.req_ids) * self.request_s
+        )
+
+    @classmethod
+    def calibrate(cls, db: str | Path) -> StepCostModel:
+        """Least squares over the steps of every run in ``db`` (negative terms dropped)."""
+        with open_db(db, timeout=10) as con:
+            rows = con.execute(
+                "SELECT output_ns - schedule_start_ns, num_prefill_tokens, num_decode_tokens, "
+                "len(request_ids) FROM steps WHERE num_scheduled_tokens > 0"
+            ).fetchall()
+        if len(rows) < 8:
+            raise ValueError(f"{db} has {len(rows)} measured steps; calibration needs 8 or more")
+        a = np.array(rows, dtype=float)
+        y, x = a[:, 0] / 1e9, np.column_stack([np.ones(len(a)), a[:, 1:]])
+        active = [0, 1, 2, 3]
+        while True:  # non-negative least squares, by dropping the most negative term
+            coef = np.zeros(4)
+            coef[active] = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
+            if (coef >= 0).all():
+                break
+            active.remove(int(np.argmin(coef)))
+        return cls(*(float(c) for c in coef), num_steps=len(rows))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCostModel:
+        try:
+            return cls(**json.loads(Path(path).read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{path} is not a step-cost model ({e})") from None
+
+
+@dataclass
+class VirtualEngine:
+    """What the virtual run simulates: the scheduler's limits and the KV pool."""
+
+    num_kv_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 8192
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+
+
+@dataclass
+class VirtualResult:
+    num_requests: int
+    num_steps: int
+    num_preemptions: int
+    seconds: float
+    ttft_s: list[float] = field(default_factory=list)
+    tpot_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "num_requests": self.num_requests,
+            "num_steps": self.num_steps,
+            "num_preemptions": self.num_preemptions,
+            "seconds": round(self.seconds, 9),
+            **{
+                name: {k: round(v, 9) for k, v in percentiles(values).items()}
+                for name, values in (
+                    ("ttft_s", self.ttft_s),
+                    ("tpot_s", self.tpot_s),
+                    ("itl_s", self.itl_s),
+                    ("e2e_s", self.e2e_s),
+                )
+            },
+        }
+
+
+def run_virtual(
+    work: list[ReplayRequest], engine: VirtualEngine, cost: StepCostModel, *, speed: float = 1.0
+) -> VirtualResult:
+    scheduler = Scheduler(
+        KVCacheManager(engine.num_kv_blocks, engine.block_size, engine.enable_prefix_caching),
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        max_num_seqs=engine.max_num_seqs,
+        max_model_len=engine.max_model_len,
+        policy=engine.scheduling_policy,
+    )
+    arrival = {f"v{i}": r.offset_s / speed for i, r in enumerate(work)}
+    token_times: dict[str, list[float]] = {rid: [] for rid in arrival}
+    clock, i, steps, preemptions = 0.0, 0, 0, 0
+    while i < len(work) or scheduler.has_requests():
+        while i < len(work) and work[i].offset_s / speed <= clock:
+            r = work[i]
+            room = engine.max_model_len - len(r.prompt_token_ids)
+            if room < 1:
+                raise ValueError(f"a prompt of {len(r.prompt_token_ids)} tokens does not fit "
+                                 f"max_model_len {engine.max_model_len}")  # fmt: skip
+            params = r.params.clone(max_tokens=min(r.params.max_tokens or room, room))
+            scheduler.add_request(
+                Request(f"v{i}", r.prompt_token_ids, params, priority=r.priority,
+                        arrival_ns=int(clock * 1e9), max_model_len=engine.max_model_len)
+            )  # fmt: skip
+            i += 1
+        if not scheduler.has_requests():
+            clock = work[i].offset_s / speed
+            continue
+        out = scheduler.schedule()
+        if not out.req_ids:
+            if i < len(work):  # blocked until more arrive (or something frees)
+                clock = max(clock, work[i].offset_s / speed)
+                continue
+            raise ValueError("the virtual engine cannot schedule anything: is the KV pool "
+                             "smaller than one request?")  # fmt: skip
+        clock += cost.cost(out)
+        steps += 1
+        preemptions += out.num_preemptions
+        sampled = [rid for rid, s in zip(out.req_ids, out.sample) if s]
+        for o in scheduler.update_from_output(out, ModelRunnerOutput(sampled, [0] * len(sampled))):
+            token_times[o.request_id].append(clock)
+    result = VirtualResult(len(work), steps, preemptions, clock)
+    for rid, times in token_times.items():
+        if not times:
+            continue
+        result.ttft_s.append(times[0] - arrival[rid])
+        result.e2e_s.append(times[-1] - arrival[rid])
+        result.itl_s += [b - a for a, b in zip(times, times[1:])]  # noqa: RUF007
+        if len(times) > 1:
+            result.tpot_s.append((times[-1] - times[0]) / (len(times) - 1))
+    return result
+
+
+def render(result: VirtualResult, engine: VirtualEngine, cost: StepCostModel) -> str:
+    data = result.to_json()
+    lines = [
+        f"virtual run: {result.num_requests} requests, {result.num_steps} steps, "
+        f"{result.num_preemptions} preemptions, {result.seconds:.3f} simulated s",
+        f"engine: {engine.num_kv_blocks} KV blocks of {engine.block_size}, token budget "
+        f"{engine.max_num_batched_tokens}, max {engine.max_num_seqs} running; step cost "
+        f"{cost.base_s * 1e3:.3f} ms + {cost.prefill_token_s * 1e6:.2f} us/prefill token + "
+        f"{cost.decode_token_s * 1e6:.2f} us/decode token + {cost.request_s * 1e6:.2f} us/request",
+        "",
+        f"{'':<8}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}",
+    ]
+    for name in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        if data[name]:
+            cells = "".join(f"{data[name][k] * 1000:>8.1f}ms" for k in ("p50", "p90", "p99", "max"))
+            lines.append(f"{name.removesuffix('_s').upper():<8}{cells}")
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""`replay run --virtual`: the real scheduler on a simulated clock; identical every run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from replay.cli import main
+from replay.virtual import StepCostModel
+
+
+def _trace(tmp_path: Path) -> Path:
+    """40 requests in bursts, sharing prefixes, as a Mooncake file, imported."""
+    lines = []
+    for i in range(40):
+        hashes = [0, 1 + i % 4, 100 + i]  # a shared first block, four shared second blocks
+        lines.append({"timestamp": (i // 8) * 1000, "input_length": 1400, "output_length": 400,
+                      "hash_ids": hashes})  # fmt: skip
+    src = tmp_path / "burst.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    db = tmp_path / "burst.db"
+    args = ["import", str(src), "--format", "mooncake", "--out", str(db), "--scale-lengths", "0.25"]
+    assert main(args) == 0
+    return db
+
+
+def _cost(tmp_path: Path) -> Path:
+    path = tmp_path / "cost.json"
+    StepCostModel(0.02, 0.0004, 0.0015, 0.0002).save(path)
+    return path
+
+
+def _virtual(db: Path, cost: Path, out: Path, *extra: str) -> dict:
+    args = ["run", str(db), "--virtual", "--cost-model", str(cost), "--json", str(out), *extra]
+    assert main(args) == 0
+    return json.loads(out.read_text())
+
+
+def test_virtual_reports_are_identical(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    db, cost = _trace(tmp_path), _cost(tmp_path)
+    capsys.readouterr()
+    a = _virtual(db, cost, tmp_path / "a.json", "--num-kv-blocks", "512")
+    first = capsys.readouterr().out
+    b = _virtual(db, cost, tmp_path / "b.json", "--num-kv-blocks", "512")
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    assert capsys.readouterr().out == first
+    print(first)
+    assert a == b and a["num_requests"] == 40 and a["ttft_s"]["p99"] > a["ttft_s"]["p50"]
+
+
+def test_what_if_a_smaller_kv_pool_preempts_more(tmp_path: Path) -> None:
+    db, cost = _trace(tmp_path), _cost(tmp_path)
+    roomy = _virtual(db, cost, tmp_path / "roomy.json", "--num-kv-blocks", "1024")
+    tight = _virtual(db, cost, tmp_path / "tight.json", "--num-kv-blocks", "48")
+    print(f"\npreemptions: {roomy['num_preemptions']} with 1024 blocks, "
+          f"{tight['num_preemptions']} with 48")  # fmt: skip
+    assert roomy["num_preemptions"] == 0 < tight["num_preemptions"]
+    assert tight["e2e_s"]["p99"] > roomy["e2e_s"]["p99"]
+    # A smaller token budget: more steps for the same work.
+    small = _virtual(db, cost, tmp_path / "small.json", "--num-kv-blocks", "1024",
+                     "--max-num-batched-tokens", "128")  # fmt: skip
+    assert small["num_steps"] > roomy["num_steps"]
+
+
+def test_calibration_fits_measured_steps(tmp_path: Path) -> None:
+    from tracing.store import TraceStore
+
+    db = tmp_path / "steps.db"
+    store = TraceStore(db)
+    rows = []
+    for i in range(40):
+        prefill, decode, reqs = (i * 37) % 500, i % 16, 1 + i % 9
+        ns = int((0.01 + prefill * 2e-4 + decode * 1e-3 + reqs * 5e-4) * 1e9)
+        rows.append(("r", i, 1000, 0, 0, 0, 1000 + ns, reqs, 0, prefill + decode, prefill,
+                     decode, 0, 0, 0, 0, 0, ["x"] * reqs, [1] * reqs, []))  # fmt: skip
+    store.add("steps", rows)
+    assert store.flush()
+    cost = StepCostModel.calibrate(db)
+    assert cost.base_s == pytest.approx(0.01, rel=1e-3)
+    assert cost.prefill_token_s == pytest.approx(2e-4, rel=1e-3)
+    assert cost.decode_token_s == pytest.approx(1e-3, rel=1e-3)
+    assert cost.request_s == pytest.approx(5e-4, rel=1e-3)
+    assert cost.num_steps == 39  # the empty step is left out

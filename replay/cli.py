@@ -52,7 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("db")
     report.add_argument("--run", default=None, help="which run (default: the latest)")
     report.set_defaults(func=_report)
-    for verb in ("diff", "export", "regress"):
+    export = verbs.add_parser("export", help="a run's spans for other tools")
+    export.add_argument("db")
+    export.add_argument("--format", default="otel-jsonl", help="otel-jsonl (the one so far)")
+    export.add_argument("--out", required=True)
+    export.add_argument("--run", default=None, help="which run (default: the latest)")
+    export.set_defaults(func=_export)
+    d = verbs.add_parser("diff", help="two runs side by side, change told from noise")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.add_argument("--run-a", default=None)
+    d.add_argument("--run-b", default=None)
+    d.set_defaults(func=_diff)
+    for verb in ("regress",):
         later = verbs.add_parser(verb, help="not built yet")
         later.add_argument("rest", nargs="*")
         later.set_defaults(func=_not_yet)
@@ -157,6 +169,23 @@ def _calibrate(args: argparse.Namespace) -> int:
           f"{cost.prefill_token_s * 1e6:.2f} us/prefill token + "
           f"{cost.decode_token_s * 1e6:.2f} us/decode token + "
           f"{cost.request_s * 1e6:.2f} us/request -> {args.out}")  # fmt: skip
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from replay.diff import diff
+
+    print(diff(args.a, args.b, args.run_a, args.run_b))
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from replay.export import export_otel_jsonl
+
+    if args.format != "otel-jsonl":
+        raise ValueError(f"--format must be otel-jsonl, not {args.format!r}")
+    n = export_otel_jsonl(args.db, args.out, args.run)
+    print(f"{n} spans -> {args.out}")
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from pathlib import Path
 
@@ -76,4 +77,18 @@ def test_record_replay_report(tmp_path: Path, tiny_model_path: Path, capsys) -> 
     # The shared system prompt is shared again (synthetic tokens per block hash).
     with open_db(out) as con:
         [(hits,)] = con.execute("SELECT sum(prefix_hit_tokens) FROM steps").fetchall()
+        [(num_spans,)] = con.execute("SELECT count(*) FROM spans").fetchall()
     assert hits > 0
+    # Exported for other tools: one span a line, the same count, roots and children.
+    jsonl = tmp_path / "spans.jsonl"
+    assert main(["export", str(out), "--format", "otel-jsonl", "--out", str(jsonl)]) == 0
+    spans = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert len(spans) == num_spans
+    roots = {s["spanId"] for s in spans if s["name"] == "llm_request"}
+    assert len(roots) == 6
+    assert all(s["parentSpanId"] in roots for s in spans if s["name"] != "llm_request")
+    # The recording against its replay, side by side.
+    capsys.readouterr()
+    assert main(["diff", str(recording), str(out)]) == 0
+    compared = capsys.readouterr().out
+    assert "TTFT p99" in compared and "95% interval" in compared and "core.schedule" in compared

@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = verbs.add_parser("report", help="percentiles and where the tail's time went")
     report.add_argument("db")
     report.add_argument("--run", default=None, help="which run (default: the latest)")
+    report.add_argument("--html", default=None, metavar="PATH",
+                        help="also write a self-contained HTML report with plots")  # fmt: skip
     report.set_defaults(func=_report)
     export = verbs.add_parser("export", help="a run's spans for other tools")
     export.add_argument("db")
@@ -193,6 +195,11 @@ def _report(args: argparse.Namespace) -> int:
     from replay.report import render_text
 
     print(render_text(args.db, args.run))
+    if args.html:
+        from replay.html import render_html
+
+        render_html(args.db, args.html, args.run)
+        print(f"\nHTML report: {args.html}")
     return 0
 
 

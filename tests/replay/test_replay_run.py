@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from replay.cli import main
 from tests.helpers.load import stream_chat, wait_until
@@ -92,3 +95,34 @@ def test_record_replay_report(tmp_path: Path, tiny_model_path: Path, capsys) -> 
     assert main(["diff", str(recording), str(out)]) == 0
     compared = capsys.readouterr().out
     assert "TTFT p99" in compared and "95% interval" in compared and "core.schedule" in compared
+    _check_html_report(out, tmp_path)
+
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                  "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]  # fmt: skip
+
+
+def _check_html_report(db: Path, tmp_path: Path) -> None:
+    """The HTML report opens in a browser with no server, and its three plots are drawn."""
+    report = tmp_path / "report.html"
+    assert main(["report", str(db), "--html", str(report)]) == 0
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium not installed (Debian package chromium; .ci/run installs it)")
+    base = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium'}"]
+    shot = tmp_path / "report.png"
+    subprocess.run(
+        [*base, f"--screenshot={shot}", "--window-size=900,1500", report.as_uri()],
+        capture_output=True, timeout=120, check=True,
+    )  # fmt: skip
+    png = shot.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000  # a page with drawings
+    dom = subprocess.run(
+        [*base, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120,
+        check=True,
+    ).stdout  # fmt: skip
+    assert dom.count('<svg class="plot"') == 3
+    assert dom.count("<polyline") >= 6 and "<rect" in dom  # CDFs, timeline, breakdown bars
+    for caption in ("Latency CDFs", "Batch composition", "Time to first token, by boundary"):
+        assert caption in dom

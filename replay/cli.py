@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="--virtual: step-cost model file (made from DB's steps if missing)",
     )  # fmt: skip
     run.add_argument("--json", default=None, metavar="PATH", help="--virtual: figures as JSON")
+    run.add_argument("--server", default=None, metavar="URL",
+                     help="replay over HTTP against a running `lumen serve` instead")  # fmt: skip
+    run.add_argument("--api-key", default=None, help="--server: its API key")
     add_engine_options(run, skip=("core_process",))
     run.set_defaults(func=_run)
     cal = verbs.add_parser("calibrate", help="fit a step-cost model to a trace db's steps")
@@ -103,6 +106,8 @@ def _import(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.virtual:
         return _run_virtual(args)
+    if args.server:
+        return _run_http(args)
     import asyncio
 
     from engine.config import EngineConfig
@@ -120,6 +125,29 @@ def _run(args: argparse.Namespace) -> int:
     print(summarize(result))
     print(f"trace of the replay: {out} (run {result.run_id})\n")
     print(render_text(out, result.run_id))
+    return 0
+
+
+def _run_http(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from replay.formats import parse_window
+    from replay.report import percentiles
+    from replay.runner import run_replay_http, summarize
+
+    result, client_s = asyncio.run(
+        run_replay_http(
+            args.db, args.server, model=args.model, api_key=args.api_key, speed=args.speed,
+            limit=args.limit, run_id=args.run, window=parse_window(args.window),
+        )
+    )  # fmt: skip
+    print(summarize(result))
+    for name, values in client_s.items():
+        if values:
+            p = percentiles(values)
+            print(f"client-side {name.removesuffix('_s').upper()}: p50 {p['p50'] * 1e3:.1f} ms, "
+                  f"p99 {p['p99'] * 1e3:.1f} ms")  # fmt: skip
+    print("the server recorded the replay in its own trace db: `replay report` it")
     return 0
 
 

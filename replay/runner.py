@@ -119,3 +119,74 @@ def summarize(result: RunResult) -> str:
         f"{result.seconds:.1f} s ({result.output_tokens:,} output tokens, "
         f"{result.num_failed} failed); {result.arrival_error_summary()} (mean {mean_err:.1f} ms)"
     )
+
+
+async def run_replay_http(
+    db: str,
+    url: str,
+    *,
+    model: str | None = None,
+    api_key: str | None = None,
+    speed: float = 1.0,
+    limit: int | None = None,
+    run_id: str | None = None,
+    window: tuple[float, float] = (0.0, float("inf")),
+    progress: bool = True,
+) -> tuple[RunResult, dict[str, list[float]]]:
+    """The same open-loop replay against a running server (`/v1/completions`, streamed, the
+    prompts as token ids). The server records the trace; the client times TTFT and e2e."""
+    import httpx
+
+    if speed <= 0:
+        raise ValueError("--speed must be positive")
+    path = str(resolve_model(model))
+    source_run, work = load_workload(
+        db, vocab=vocabulary(path), run_id=run_id, limit=limit, window=window
+    )
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    bar = tqdm(total=len(work), desc="replay", disable=not progress, unit="req")
+    errors: list[float] = []
+    client_s: dict[str, list[float]] = {"ttft_s": [], "e2e_s": []}
+    failed = tokens = 0
+
+    async def one(client: httpx.AsyncClient, req: ReplayRequest, start: float) -> None:
+        nonlocal failed, tokens
+        due = start + req.offset_s / speed
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        sent = time.monotonic()
+        errors.append(sent - due)
+        p = req.params
+        body = {
+            "prompt": req.prompt_token_ids, "max_tokens": p.max_tokens, "ignore_eos": True,
+            "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed, "n": p.n,
+            "priority": req.priority, "stream": True,
+            "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        first = 0.0
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                async for line in r.aiter_lines():
+                    if line.startswith('data: {"id"') and not first and '"text":"' in line:
+                        first = time.monotonic()
+                    if '"usage":{' in line:
+                        tokens += int(line.split('"completion_tokens":')[1].split(",")[0])
+            client_s["ttft_s"].append((first or time.monotonic()) - sent)
+            client_s["e2e_s"].append(time.monotonic() - sent)
+        except (httpx.HTTPError, RuntimeError) as e:
+            failed += 1
+            logger.warning("replayed request %s failed: %s", req.request_id, e)
+        bar.update()
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(
+        base_url=url.rstrip("/"), headers=headers, timeout=None, limits=limits
+    ) as client:
+        start = time.monotonic() + 0.2
+        await asyncio.gather(*(one(client, r, start) for r in work))
+        seconds = time.monotonic() - start
+    bar.close()
+    return RunResult("(the server's)", source_run, len(work), failed, seconds, tokens, errors), (
+        client_s
+    )

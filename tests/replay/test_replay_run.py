@@ -49,14 +49,22 @@ def _requests(db: Path, run_id: str | None = None) -> list[tuple]:
         ).fetchall()
 
 
-def test_record_replay_report(tmp_path: Path, tiny_model_path: Path, capsys) -> None:
-    recording = tmp_path / "recording.db"
-    args = ["--trace-flush-interval", "0.2", "--num-kv-blocks", "512"]
-    with LumenServer(
-        tiny_model_path, *args, log_path=tmp_path / "serve.log", trace_db=recording
-    ) as server:
+ARGS = ["--trace-flush-interval", "0.2", "--num-kv-blocks", "512"]
+
+
+@pytest.fixture(scope="module")
+def recording(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -> Path:
+    tmp = tmp_path_factory.mktemp("recording")
+    db = tmp / "recording.db"
+    with LumenServer(tiny_model_path, *ARGS, log_path=tmp / "serve.log", trace_db=db) as server:
         _record(server)
-        wait_until(lambda: len(_requests(recording)) == 7, 20)
+        wait_until(lambda: len(_requests(db)) == 7, 20)
+    return db
+
+
+def test_record_replay_report(
+    tmp_path: Path, tiny_model_path: Path, recording: Path, capsys
+) -> None:
     recorded = [r for r in _requests(recording) if r[3] != "error"]
     assert len(recorded) == 6 and sum(r[3] == "aborted" for r in recorded) == 1
 
@@ -126,3 +134,19 @@ def _check_html_report(db: Path, tmp_path: Path) -> None:
     assert dom.count("<polyline") >= 6 and "<rect" in dom  # CDFs, timeline, breakdown bars
     for caption in ("Latency CDFs", "Batch composition", "Time to first token, by boundary"):
         assert caption in dom
+
+
+def test_replay_over_http(tmp_path: Path, tiny_model_path: Path, recording: Path, capsys) -> None:
+    db = tmp_path / "server.db"
+    with LumenServer(
+        tiny_model_path, *ARGS, log_path=tmp_path / "serve.log", trace_db=db, api_key="k"
+    ) as server:
+        args = ["run", str(recording), "--server", server.base_url, "--api-key", "k",
+                "--model", str(tiny_model_path), "--speed", "4"]  # fmt: skip
+        assert main(args) == 0
+        wait_until(lambda: len(_requests(db)) == 6, 20)
+    printed = capsys.readouterr().out
+    print(printed)
+    assert "0 failed" in printed and "client-side TTFT" in printed
+    recorded = [(r[1], r[2]) for r in _requests(recording) if r[3] != "error"]
+    assert [(r[1], r[2]) for r in _requests(db)] == recorded

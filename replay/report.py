@@ -30,6 +30,8 @@ class RequestTimes:
     e2e_ns: int
     output_tokens: int
     parts: dict[str, int] = field(default_factory=dict)
+    arrival_ns: int = 0
+    emit_ends_ns: list[int] = field(default_factory=list)
     prefill_steps: int = 0
     preemptions: int = 0
     itls_ns: list[int] = field(default_factory=list)
@@ -69,7 +71,7 @@ def load_times(db: str, run_id: str | None = None) -> tuple[str, list[RequestTim
         by_request[rid].append(tuple(rest))
     out = []
     for rid, arrival, ttft, e2e, n_out, preempted in reqs:
-        t = RequestTimes(rid, ttft, e2e, n_out, preemptions=preempted)
+        t = RequestTimes(rid, ttft, e2e, n_out, preemptions=preempted, arrival_ns=arrival)
         _decompose(t, arrival + ttft, by_request[rid])
         out.append(t)
     return run_id, out
@@ -101,6 +103,7 @@ def _decompose(t: RequestTimes, first_token_ns: int, spans: list[tuple]) -> None
     parts["chunking"] += max(0, t.ttft_ns - sum(parts.values()))
     t.parts = parts
     t.itls_ns = [int(b - a) for a, b in itertools.pairwise(emits)]
+    t.emit_ends_ns = emits
 
 
 def percentiles(values: list[float]) -> dict[str, float]:
@@ -159,6 +162,83 @@ def attribute_ttft(times: list[RequestTimes]) -> tuple[dict[str, float], str]:
     return shares, verdict + "."
 
 
+@dataclass
+class Step:
+    start_ns: int
+    end_ns: int
+    execute_ns: int
+    prefill: int
+    decode: int
+    running: int
+    waiting: int
+    preemptions: int
+
+
+def load_steps(db: str, run_id: str) -> list[Step]:
+    with open_db(db, timeout=10) as con:
+        rows = con.execute(
+            "SELECT schedule_start_ns, output_ns, execute_end_ns - execute_start_ns, "
+            "num_prefill_tokens, num_decode_tokens, num_running, num_waiting, num_preemptions "
+            "FROM steps WHERE run_id = ? ORDER BY schedule_start_ns",
+            [run_id],
+        ).fetchall()
+    return [Step(*r) for r in rows]
+
+
+def attribute_steps(times: list[RequestTimes], steps: list[Step]) -> list[str]:
+    """Which steps the tail met: what ran while it waited, and what made tokens late."""
+    if not steps:
+        return []
+    lines = []
+    starts = np.array([s.start_ns for s in steps])
+    ttfts = np.array([t.ttft_ns for t in times])
+    p50, p90 = np.percentile(ttfts, [50, 90])
+
+    def met(group: list[RequestTimes]) -> list[Step]:
+        seen: list[Step] = []
+        for t in group:
+            lo, hi = np.searchsorted(starts, [t.arrival_ns, t.arrival_ns + t.ttft_ns])
+            seen += steps[lo:hi]
+        return seen
+
+    tail = met([t for t in times if t.ttft_ns >= p90])
+    median = met([min(times, key=lambda t: abs(t.ttft_ns - p50))])
+    if tail:
+        prefill, running = np.mean([s.prefill for s in tail]), np.mean([s.running for s in tail])
+        m_prefill = np.mean([s.prefill for s in median] or [0])
+        m_running = np.mean([s.running for s in median] or [0])
+        lines.append(
+            f"While the TTFT tail waited, each step carried {prefill:.0f} prefill tokens for "
+            f"{running:.1f} running requests on average (the median request: {m_prefill:.0f} "
+            f"and {m_running:.1f}), {max(s.waiting for s in tail)} requests waiting at most, "
+            f"{sum(s.preemptions for s in tail)} preemptions."
+        )
+    # Token gaps: which steps produced the slowest ones.
+    gaps = [(b - a, b) for t in times for a, b in itertools.pairwise(t.emit_ends_ns)]
+    if len(gaps) >= 10:
+        gaps.sort()
+        cut = gaps[int(len(gaps) * 0.99) - 1][0]
+        slow = [end for gap, end in gaps if gap >= cut]
+        ends = np.array([s.end_ns for s in steps])
+        culprits = [steps[min(int(np.searchsorted(ends, e)), len(steps) - 1)] for e in slow]
+        with_prefill = sum(s.prefill > 0 for s in culprits) / len(culprits)
+        mixed = [s.execute_ns for s in steps if s.prefill > 0]
+        decode_only = [s.execute_ns for s in steps if s.prefill == 0 and s.decode > 0]
+        line = f"p99 ITL {cut / 1e6:.1f} ms: {with_prefill:.0%} of the slowest 1% token gaps end "
+        line += "at a step that carried prefill"
+        if mixed and decode_only:
+            line += (f"; such steps executed in {np.mean(mixed) / 1e6:.1f} ms against "
+                     f"{np.mean(decode_only) / 1e6:.1f} ms for decode-only steps")  # fmt: skip
+        big = [s for s in steps if s.running >= np.percentile([x.running for x in steps], 90)]
+        if big and decode_only:
+            line += (
+                f"; the fullest 10% of steps ({np.mean([s.running for s in big]):.0f} "
+                f"requests) took {np.mean([s.execute_ns for s in big]) / 1e6:.1f} ms"
+            )
+        lines.append(line + ".")
+    return lines
+
+
 def render_text(db: str, run_id: str | None = None) -> str:
     run_id, times = load_times(db, run_id)
     if not times:
@@ -174,5 +254,5 @@ def render_text(db: str, run_id: str | None = None) -> str:
     lines += ["", "TTFT tail (>= p90) against the median request, by boundary:"]
     for k, share in sorted(shares.items(), key=lambda kv: -kv[1]):
         lines.append(f"  {share:>5.0%}  {PARTS[k]}")
-    lines += ["", verdict]
+    lines += ["", verdict, *attribute_steps(times, load_steps(db, run_id))]
     return "\n".join(lines)

@@ -83,7 +83,7 @@ def test_record_replay_report(
     for g, rg in zip(gaps, replay_gaps):
         assert abs(rg - g / 2) < 0.25, (gaps, replay_gaps)
     assert "arrival error: p50" in printed
-    for section in ("TTFT", "TPOT", "ITL", "E2E", "TTFT tail", "p99 TTFT"):
+    for section in ("TTFT", "TPOT", "ITL", "E2E", "TTFT tail", "p99 TTFT", "While the TTFT tail"):
         assert section in printed
     # The shared system prompt is shared again (synthetic tokens per block hash).
     with open_db(out) as con:

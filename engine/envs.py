@@ -24,7 +24,13 @@ LUMEN_DEVICE = EnvVar("LUMEN_DEVICE", "", "force the device (cpu or cuda); empty
 
 LUMEN_API_KEY = EnvVar("LUMEN_API_KEY", "", "bearer key `lumen serve` requires (--api-key)")
 
-ALL = (LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY)
+LUMEN_DEBUG_SCHEDULE_DELAY = EnvVar(
+    "LUMEN_DEBUG_SCHEDULE_DELAY",
+    "0",
+    "testing only: seconds every scheduler step sleeps (proves the regression gate catches it)",
+)
+
+ALL = (LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_SCHEDULE_DELAY)
 
 
 def lumen_home() -> Path:

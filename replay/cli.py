@@ -1,5 +1,5 @@
-"""The `replay` command. Built so far: import, run and report (text); diff, export, regress,
-the HTML report and --virtual are still to come (see DESIGN §7)."""
+"""The `replay` command: import, run (real, --server or --virtual), calibrate, report, diff,
+export and regress (see DESIGN §7)."""
 
 from __future__ import annotations
 
@@ -69,10 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--run-a", default=None)
     d.add_argument("--run-b", default=None)
     d.set_defaults(func=_diff)
-    for verb in ("regress",):
-        later = verbs.add_parser(verb, help="not built yet")
-        later.add_argument("rest", nargs="*")
-        later.set_defaults(func=_not_yet)
+    reg = verbs.add_parser("regress", help="the latency regression gate (CI runs it)")
+    reg.add_argument("--baseline", default="regress", metavar="DIR",
+                     help="folder with the excerpt, baseline.json and cost.json")  # fmt: skip
+    reg.add_argument("--update-baseline", action="store_true",
+                     help="measure and write a new baseline (commit it, saying why)")  # fmt: skip
+    reg.add_argument("--model", default=None, help="model of the measured layer")
+    reg.add_argument("--virtual-only", action="store_true", help="skip the measured layer")
+    reg.set_defaults(func=_regress)
     return parser
 
 
@@ -231,8 +235,24 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_yet(args: argparse.Namespace) -> int:
-    raise ValueError(f"`replay {args.verb}` is not built yet; import, run and report are")
+def _regress(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from replay.regress import check, update_baseline
+
+    folder = Path(args.baseline)
+    start = time.monotonic()
+    if args.update_baseline:
+        baseline = update_baseline(folder, args.model)
+        for name, m in baseline["measured"].items():
+            print(f"{name:<40} {m['value']:.3f} +- {m['tolerance']:.3f} (runs {m['runs']})")
+        print(f"baseline written to {folder} in {time.monotonic() - start:.0f} s")
+        return 0
+    passed, table = check(folder, args.model, measured=not args.virtual_only)
+    print(table)
+    print(f"gate took {time.monotonic() - start:.0f} s")
+    return 0 if passed else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,10 @@ class VirtualResult:
     num_steps: int
     num_preemptions: int
     seconds: float
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
+    max_step_tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
     tpot_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
@@ -99,6 +103,10 @@ class VirtualResult:
             "num_requests": self.num_requests,
             "num_steps": self.num_steps,
             "num_preemptions": self.num_preemptions,
+            "num_prefill_tokens": self.num_prefill_tokens,
+            "num_decode_tokens": self.num_decode_tokens,
+            "num_prefix_hit_tokens": self.num_prefix_hit_tokens,
+            "max_step_tokens": self.max_step_tokens,
             "seconds": round(self.seconds, 9),
             **{
                 name: {k: round(v, 9) for k, v in percentiles(values).items()}
@@ -124,7 +132,8 @@ def run_virtual(
     )
     arrival = {f"v{i}": r.offset_s / speed for i, r in enumerate(work)}
     token_times: dict[str, list[float]] = {rid: [] for rid in arrival}
-    clock, i, steps, preemptions = 0.0, 0, 0, 0
+    clock, i = 0.0, 0
+    result = VirtualResult(len(work), 0, 0, 0.0)
     while i < len(work) or scheduler.has_requests():
         while i < len(work) and work[i].offset_s / speed <= clock:
             r = work[i]
@@ -149,12 +158,16 @@ def run_virtual(
             raise ValueError("the virtual engine cannot schedule anything: is the KV pool "
                              "smaller than one request?")  # fmt: skip
         clock += cost.cost(out)
-        steps += 1
-        preemptions += out.num_preemptions
+        result.num_steps += 1
+        result.num_preemptions += out.num_preemptions
+        result.num_prefill_tokens += out.num_prefill_tokens
+        result.num_decode_tokens += out.num_decode_tokens
+        result.num_prefix_hit_tokens += out.num_prefix_hit_tokens
+        result.max_step_tokens = max(result.max_step_tokens, out.num_scheduled_tokens)
         sampled = [rid for rid, s in zip(out.req_ids, out.sample) if s]
         for o in scheduler.update_from_output(out, ModelRunnerOutput(sampled, [0] * len(sampled))):
             token_times[o.request_id].append(clock)
-    result = VirtualResult(len(work), steps, preemptions, clock)
+    result.seconds = clock
     for rid, times in token_times.items():
         if not times:
             continue

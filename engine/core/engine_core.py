@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from engine import __version__
+from engine import __version__, envs
 from engine.config import EngineConfig, ModelConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
@@ -59,6 +59,7 @@ class EngineCore:
             max_model_len=max_model_len,
             policy=config.scheduling_policy,
         )
+        self.scheduler.debug_delay_s = float(envs.LUMEN_DEBUG_SCHEDULE_DELAY.get() or 0)
         self.info = EngineInfo(
             model=model_path,
             max_model_len=max_model_len,

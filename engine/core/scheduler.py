@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request_queue import FCFSQueue, PriorityQueue
@@ -45,6 +46,7 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self._step_id = 0
         self.num_preemptions_total = 0
+        self.debug_delay_s = 0.0  # a test-only slowdown (LUMEN_DEBUG_SCHEDULE_DELAY)
 
     # -- requests in and out -------------------------------------------------
 
@@ -81,6 +83,8 @@ class Scheduler:
     # -- the step --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.debug_delay_s:
+            time.sleep(self.debug_delay_s)
         out = SchedulerOutput(step_id=self._step_id, finished_req_ids=self._finished_req_ids)
         self._step_id += 1
         self._finished_req_ids = []

@@ -1,0 +1,67 @@
+"""The regression gate: unchanged code passes, a slower schedule path and a different scheduler
+policy each fail, naming what changed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.core import request_queue, scheduler
+from replay import regress
+from replay.virtual import StepCostModel
+from tests.helpers.server import ROOT
+
+FAST = {"limit": 16, "speed": 8.0}
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    shutil.copy(ROOT / "regress" / regress.EXCERPT, tmp_path / regress.EXCERPT)
+    return tmp_path
+
+
+def _virtual_baseline(folder: Path) -> None:
+    StepCostModel(0.01, 0.0003, 0.002, 0.0001).save(folder / "cost.json")
+    db = regress.import_excerpt(folder, folder / "excerpt.db")
+    virtual = regress.virtual_layer(db, StepCostModel.load(folder / "cost.json"))
+    (folder / "baseline.json").write_text(json.dumps({"virtual": virtual, "measured": {}}))
+
+
+class _Lifo(request_queue.FCFSQueue):
+    """A policy change: the newest waiting request is admitted first."""
+
+    def add(self, request) -> None:  # type: ignore[no-untyped-def]
+        self._q.appendleft(request)
+
+
+def test_the_virtual_layer_fails_on_a_policy_change(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _virtual_baseline(folder)
+    passed, table = regress.check(folder, None, measured=False)
+    assert passed, table
+    monkeypatch.setattr(scheduler, "FCFSQueue", _Lifo)
+    passed, table = regress.check(folder, None, measured=False)
+    print("\n" + table)
+    assert not passed
+    assert "REGRESSION" in table and "ttft_s.p" in table and "baseline" in table
+
+
+def test_the_measured_layer_fails_on_a_slower_schedule_path(
+    folder: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = str(tiny_model_path)
+    baseline = regress.update_baseline(folder, model, FAST)
+    noise = {k: round(v["tolerance"], 3) for k, v in baseline["measured"].items()}
+    print(f"\nbaseline tolerances (from 3 runs): {noise}")
+    passed, table = regress.check(folder, model)  # unchanged code passes
+    print(table)
+    assert passed, table
+    monkeypatch.setenv("LUMEN_DEBUG_SCHEDULE_DELAY", "0.05")
+    passed, table = regress.check(folder, model)
+    print(table)
+    assert not passed
+    assert "step_overhead_over_execute: baseline" in table and "tolerance" in table

@@ -271,12 +271,7 @@ class Tracer:
         for rid, num_tokens in zip(step.req_ids, step.num_scheduled):
             found = by_child.get(rid)
             if found is not None:
-                found[0].visits.append(
-                    StepVisit(
-                        found[1], step.step_id, step.schedule_start_ns, step.schedule_end_ns,
-                        step.execute_start_ns, step.execute_end_ns, step.output_ns, num_tokens,
-                    )
-                )  # fmt: skip
+                found[0].visits.append(StepVisit(found[1], step, num_tokens))
         for rid in step.preempted_req_ids:
             if (found := by_child.get(rid)) is not None:
                 found[0].num_preemptions += 1

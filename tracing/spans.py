@@ -20,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from engine.messages import StepRecord
 from tracing.ids import new_span_id, new_trace_id
 
 BOUNDARIES = (
@@ -36,15 +37,10 @@ _encode = msgspec.json.encode
 
 @dataclass
 class StepVisit:
-    """One step a core request took part in."""
+    """One step a core request took part in (the step's record is shared, not copied)."""
 
     seq: int  # which of the request's n sequences
-    step_id: int
-    schedule_start_ns: int
-    schedule_end_ns: int
-    execute_start_ns: int
-    execute_end_ns: int
-    output_ns: int
+    step: StepRecord
     num_tokens: int
 
 
@@ -126,13 +122,14 @@ def build_spans(req: RequestTrace, run_id: str) -> list[tuple[Any, ...]]:
         attrs: dict[str, Any] = {"tokens": v.num_tokens}
         if multi:
             attrs["seq"] = v.seq
-        start = v.schedule_start_ns
+        s = v.step
+        start = s.schedule_start_ns
         if v.seq not in first_seen:
             first_seen.add(v.seq)
             start = min(req.received_ns.get(v.seq, start), start)  # includes queue wait
-        add("core.schedule", start, v.schedule_end_ns, v.step_id, attrs)
-        add("worker.execute", v.execute_start_ns, v.execute_end_ns, v.step_id, attrs)
-        add("core.output", v.execute_end_ns, v.output_ns, v.step_id, attrs)
+        add("core.schedule", start, s.schedule_end_ns, s.step_id, attrs)
+        add("worker.execute", s.execute_start_ns, s.execute_end_ns, s.step_id, attrs)
+        add("core.output", s.execute_end_ns, s.output_ns, s.step_id, attrs)
     for step, recv, delivered in req.emits:
         add("frontend.emit", recv, delivered, step, {})
     return rows
@@ -172,7 +169,7 @@ def build_request_row(
 ) -> tuple[Any, ...]:
     """The request's row (columns of store.REQUEST_COLUMNS)."""
     first_schedule = min(
-        (v.schedule_end_ns for v in req.visits), default=0
+        (v.step.schedule_end_ns for v in req.visits), default=0
     )  # the end of its queue wait
     received = min(req.received_ns.values(), default=0)
     hashes = tokens = None

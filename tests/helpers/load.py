@@ -92,3 +92,15 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
     return time.monotonic() - start
+
+
+def server_idle(server: LumenServer) -> bool:
+    """Nothing running, no KV block in use, no admission slot held."""
+    from bench.server import metric
+
+    m = server.metrics()
+    return (
+        metric(m, "lumen:num_requests_running") == 0
+        and metric(m, "lumen:kv_cache_usage_perc") == 0
+        and metric(m, "lumen:num_requests_admitted") == 0
+    )

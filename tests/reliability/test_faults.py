@@ -18,22 +18,13 @@ import httpx
 import psutil
 import pytest
 
-from tests.helpers.load import StalledClient, stream_chat, wait_until
+from tests.helpers.load import StalledClient, server_idle, stream_chat, wait_until
 from tests.helpers.procs import live_children, pid_alive
-from tests.helpers.server import LumenServer, metric
+from tests.helpers.server import LumenServer
 from tracing.store import open_db
 
 MESSAGES = [{"role": "user", "content": "Tell me everything."}]
 LONG = {"messages": MESSAGES, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
-
-
-def _idle(server: LumenServer) -> bool:
-    m = server.metrics()
-    return (
-        metric(m, "lumen:num_requests_running") == 0
-        and metric(m, "lumen:kv_cache_usage_perc") == 0
-        and metric(m, "lumen:num_requests_admitted") == 0
-    )
 
 
 def test_killing_one_tp_worker_fails_requests_and_exits(
@@ -106,7 +97,7 @@ def test_disconnect_storm_leaves_nothing_behind(tiny_server: LumenServer) -> Non
 
     start = time.monotonic()
     ids = asyncio.run(storm())
-    elapsed = wait_until(lambda: _idle(tiny_server), 20)
+    elapsed = wait_until(lambda: server_idle(tiny_server), 20)
     print(f"\n100 streams cut at random points in {time.monotonic() - start:.1f} s; idle "
           f"{elapsed:.2f} s after the last")  # fmt: skip
 
@@ -169,7 +160,7 @@ def test_overload_refuses_early_and_recovers(tmp_path: Path, tiny_model_path: Pa
     assert refusal_p99 < 0.5 + 1.5  # queue wait bound + margin
     assert rss_after - rss_before < 300 * 2**20
     assert statistics.median(after) < 3 * before + 0.5
-    wait_until(lambda: _idle(server), 10)
+    wait_until(lambda: server_idle(server), 10)
     server.stop()
 
 
@@ -198,7 +189,7 @@ def test_ten_slow_clients_do_not_slow_the_others(tiny_server: LumenServer) -> No
     print(f"\nothers' rate beside 10 readers {normal:.0f}/s, beside 10 stalled {stalled:.0f}/s "
           f"(ratio {ratio:.2f})")  # fmt: skip
     assert ratio > 0.5
-    wait_until(lambda: _idle(tiny_server), 30)
+    wait_until(lambda: server_idle(tiny_server), 30)
 
 
 @pytest.mark.parametrize("case", ["truncated", "unknown type", "bad add", "bad utility"])

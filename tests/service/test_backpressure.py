@@ -10,20 +10,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers.load import StalledClient, stream_chat, wait_until
+from tests.helpers.load import StalledClient, server_idle, stream_chat, wait_until
 from tests.helpers.server import LumenServer, metric
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 LONG = {"messages": MESSAGES, "max_tokens": 1800, "temperature": 0, "ignore_eos": True}
-
-
-def _idle(server: LumenServer) -> bool:
-    m = server.metrics()
-    return (
-        metric(m, "lumen:num_requests_running") == 0
-        and metric(m, "lumen:kv_cache_usage_perc") == 0
-        and metric(m, "lumen:num_requests_admitted") == 0
-    )
 
 
 def _delta(before: dict, after: dict, name: str, **labels: str) -> float:
@@ -43,7 +34,7 @@ def test_disconnected_clients_free_their_kv_blocks(tiny_server: LumenServer) -> 
             headers=tiny_server.headers(),
             timeout=httpx.Timeout(30, read=0.5),
         )
-    elapsed = wait_until(lambda: _idle(tiny_server), timeout=10)
+    elapsed = wait_until(lambda: server_idle(tiny_server), timeout=10)
     after = tiny_server.metrics()
     print(f"\nKV blocks back to zero {elapsed:.2f} s after the last client left")
     assert _delta(before, after, "lumen:client_disconnects_total") == 5
@@ -75,7 +66,7 @@ def test_a_stalled_reader_does_not_slow_the_others(tiny_server: LumenServer) -> 
     )
     print(f"ratio {ratio:.2f}")
     assert ratio > 0.5
-    wait_until(lambda: _idle(tiny_server), timeout=30)
+    wait_until(lambda: server_idle(tiny_server), timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +107,7 @@ def test_admission_refuses_early_with_retry_after(tight_server: LumenServer) -> 
     for r in refused:
         assert r.headers["retry-after"] == "1"
         assert r.json()["error"]["code"] in ("queue_full", "queue_timeout")
-    wait_until(lambda: _idle(tight_server), timeout=10)
+    wait_until(lambda: server_idle(tight_server), timeout=10)
     assert httpx.post(url, json=short, timeout=30).status_code == 200
     after = tight_server.metrics()
     assert _delta(before, after, "lumen:admission_rejections_total", reason="queue_full") == 2
@@ -131,6 +122,6 @@ def test_a_stalled_stream_is_aborted_after_the_timeout(tight_server: LumenServer
             timeout=60,
         )
         print(f"\nstalled stream aborted after {elapsed:.1f} s (timeout 2 s)")
-        wait_until(lambda: _idle(tight_server), timeout=10)
+        wait_until(lambda: server_idle(tight_server), timeout=10)
     after = tight_server.metrics()
     assert _delta(before, after, "lumen:request_success_total", finished_reason="abort") == 1

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from engine.messages import StepRecord
 from tracing.config import TracingConfig
 from tracing.otlp import OtlpExport, otlp_endpoint
 from tracing.spans import RequestTrace, StepVisit, build_spans
@@ -15,8 +16,9 @@ def _request() -> RequestTrace:
     req.sent_ns, req.received_ns = 2_000, {0: 3_000}
     for step in range(3):
         base = 10_000 * (step + 1)
-        req.visits.append(StepVisit(0, step, base, base + 100, base + 200, base + 900,
-                                    base + 950, 5 if step == 0 else 1))  # fmt: skip
+        record = StepRecord(step, base, base + 100, base + 200, base + 900, base + 950,
+                            *[0] * 10)  # fmt: skip
+        req.visits.append(StepVisit(0, record, 5 if step == 0 else 1))
         req.emits.append((step, base + 960, base + 990))
     req.status, req.finish_reason = "ok", "length"
     req.close(40_000)

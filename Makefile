@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install serve test lint model clean
+.PHONY: install serve test lint model regress clean
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ lint: install
 
 test: model lint
 	$(VENV)/bin/pytest
+
+# The latency regression gate CI runs after the tests (regress/README.md).
+regress: model
+	$(VENV)/bin/replay regress
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

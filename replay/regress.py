@@ -95,8 +95,10 @@ def update_baseline(
     for name in runs[0]:
         values = [r[name] for r in runs]
         mean = statistics.mean(values)
-        # Noise measured here, widened: a loaded CI machine is noisier than three runs show.
-        tolerance = max(3 * (max(values) - min(values)), 0.5 * mean, 0.05)
+        # Noise measured here, widened: a loaded CI machine is noisier than three runs show
+        # (core.receive, which includes waiting for the step in flight, moved by 47% between
+        # two clean runs).
+        tolerance = max(3 * (max(values) - min(values)), mean, 0.05)
         measured[name] = {"value": mean, "tolerance": tolerance, "runs": values}
     baseline = {"virtual": virtual, "measured": measured, "import": IMPORT,
                 "measured_settings": settings, "model": model}  # fmt: skip

@@ -109,7 +109,6 @@ class AsyncLLM:
         self.stall_timeout = stall_timeout
         self.stat_loggers = stat_loggers
         self.tracer: Tracer | None = None  # set with ``enable_tracing``
-        self.num_stalled_aborts = 0
         self.dead_error: EngineDeadError | None = None
         self._dead = asyncio.Event()  # set when the output loop fails for good
         self._streams: dict[str, _Stream] = {}
@@ -237,8 +236,7 @@ class AsyncLLM:
             outs = await self.client.get_output()
             now_ns = time.time_ns()
             if self.tracer is not None:
-                acks, self.client.state.acks = self.client.state.acks, []
-                self.tracer.outputs(outs, now_ns, acks)
+                self.tracer.outputs(outs, now_ns, self.client.state.take_acks())
             stats = IterationStats(now_ns) if self.stat_loggers else None
             results, to_abort = self.output_processor.process_outputs(
                 outs.outputs, outs.step, stats
@@ -277,7 +275,6 @@ class AsyncLLM:
             logger.warning(
                 "aborting %s: its reader stalled for %.0fs", request_id, self.stall_timeout
             )
-            self.num_stalled_aborts += 1
             await self.abort(request_id)
             stream.fail(StreamStalledError(f"request {request_id} was not read in time"))
 

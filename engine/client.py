@@ -71,6 +71,11 @@ class ClientState:
             self._aborting[request_id] += 1
             self.open_ids.discard(request_id)
 
+    def take_acks(self) -> list[EngineCoreOutput]:
+        """The abort acks kept since the last call (``keep_acks``), for a tracer."""
+        acks, self.acks = self.acks, []
+        return acks
+
     def has_open(self) -> bool:
         return bool(self.open_ids) or bool(self._aborting)
 

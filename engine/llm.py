@@ -145,8 +145,7 @@ class LLM:
             while self.output_processor.has_unfinished():
                 outputs = self.client.get_output()
                 if self.tracer is not None:
-                    acks, self.client.state.acks = self.client.state.acks, []
-                    self.tracer.outputs(outputs, time.time_ns(), acks)
+                    self.tracer.outputs(outputs, time.time_ns(), self.client.state.take_acks())
                 if outputs.step is not None:
                     self._record(outputs.step)
                 finished, to_abort = self.output_processor.process_outputs(outputs.outputs)

@@ -99,8 +99,6 @@ class _Parent:
             finish_reason=reason,
             num_prompt_tokens=len(self.prompt_token_ids),
             num_generation_tokens=self.num_generation_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            max_tokens=self.params.max_tokens,
             arrival_ns=self.arrival_ns,
             queued_ns=self.queued_ns,
             scheduled_ns=self.scheduled_ns,
@@ -248,15 +246,13 @@ class OutputProcessor:
             finished += [d for p in streamed.values() if (d := p.delta_output()) is not None]
         return finished, to_abort
 
-    def abort_request(
-        self, request_id: str, stats: IterationStats | None = None, reason: str = "abort"
-    ) -> list[str]:
+    def abort_request(self, request_id: str, stats: IterationStats | None = None) -> list[str]:
         """Forget a request; returns its core ids (the caller aborts them in the core)."""
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return []
         if stats is not None:
-            stats.finished.append(parent.finished_stats(reason, stats.now_ns))
+            stats.finished.append(parent.finished_stats("abort", stats.now_ns))
         ids = [child_request_id(s.index, request_id, parent.params.n) for s in parent.sequences]
         for child_id in ids:
             self._sequences.pop(child_id, None)

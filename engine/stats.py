@@ -19,8 +19,6 @@ class FinishedRequest:
     finish_reason: str  # "stop", "length", "abort" or "error"
     num_prompt_tokens: int
     num_generation_tokens: int
-    num_cached_tokens: int
-    max_tokens: int | None
     arrival_ns: int
     # 0 when the request never got that far (refused, or aborted while waiting).
     queued_ns: int = 0  # the core dequeued it (core.receive end)

@@ -6,19 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tracing.store import open_db
+from tracing.store import latest_run, open_db
 
 
 def export_otel_jsonl(db: str, out: str | Path, run_id: str | None = None) -> int:
     """Write every span of the run (default: the latest); returns how many."""
     with open_db(db, timeout=10) as con:
-        if run_id is None:
-            found = con.execute(
-                "SELECT run_id FROM spans GROUP BY run_id ORDER BY max(end_ns) DESC LIMIT 1"
-            ).fetchone()
-            if found is None:
-                raise ValueError(f"{db} holds no span")
-            run_id = found[0]
+        run_id = run_id or latest_run(con)
         rows = con.execute(
             "SELECT s.trace_id, s.span_id, s.parent_span_id, s.name, s.start_ns, s.end_ns, "
             "s.attributes, s.request_id, s.step_id FROM spans s WHERE s.run_id = ? "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tracing.store import open_db
+from tracing.store import latest_run, open_db
 
 # What a request's time to first token is made of (all in ns).
 PARTS = {
@@ -43,19 +43,9 @@ class RequestTimes:
         return (self.e2e_ns - self.ttft_ns) / (self.output_tokens - 1)
 
 
-def latest_run(con) -> str:  # type: ignore[no-untyped-def]
-    found = con.execute(
-        "SELECT run_id FROM requests WHERE ttft_ns IS NOT NULL GROUP BY run_id "
-        "ORDER BY max(arrival_ns) DESC LIMIT 1"
-    ).fetchone()
-    if found is None:
-        raise ValueError("the trace db has no served request to report on")
-    return found[0]
-
-
 def load_times(db: str, run_id: str | None = None) -> tuple[str, list[RequestTimes]]:
     with open_db(db, timeout=10) as con:
-        run_id = run_id or latest_run(con)
+        run_id = run_id or latest_run(con, served_only=True)
         reqs = con.execute(
             "SELECT request_id, arrival_ns, ttft_ns, e2e_ns, output_tokens, num_preemptions "
             "FROM requests WHERE run_id = ? AND status = 'ok' AND ttft_ns IS NOT NULL",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.sampling_params import SamplingParams
-from tracing.store import open_db
+from tracing.store import latest_run, open_db
 
 
 @dataclass
@@ -40,13 +40,7 @@ def load_workload(
     Requests that never reached the engine (status error, no prompt) are skipped.
     """
     with open_db(db, timeout=10) as con:
-        if run_id is None:
-            found = con.execute(
-                "SELECT run_id FROM requests GROUP BY run_id ORDER BY max(arrival_ns) DESC LIMIT 1"
-            ).fetchone()
-            if found is None:
-                raise ValueError(f"{db} holds no request")
-            run_id = found[0]
+        run_id = run_id or latest_run(con)
         rows = con.execute(
             "SELECT request_id, arrival_ns, prompt_tokens, output_tokens, params, priority, "
             "prompt_block_size, prompt_block_hashes, prompt_token_ids FROM requests "

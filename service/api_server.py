@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine import __version__
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.model_files import served_name
@@ -149,8 +150,8 @@ def _replay(body: bytes, receive: Receive) -> Receive:
     return replayed
 
 
-def build_app(serving: Serving, config: ServerConfig) -> FastAPI:
-    app = FastAPI(title="Lumen", version="0.1.0", description="OpenAI-compatible LLM server")
+def build_app(serving: Serving) -> FastAPI:
+    app = FastAPI(title="Lumen", version=__version__, description="OpenAI-compatible LLM server")
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> Response:
@@ -262,7 +263,7 @@ async def serve(
         model_name=model_name,
         stall_timeout=config.stream_stall_timeout,
     )
-    app = FrontDoor(build_app(serving, config), serving, config)
+    app = FrontDoor(build_app(serving), serving, config)
 
     hc = Config()
     hc.bind = [f"{config.host}:{config.port}"]

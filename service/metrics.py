@@ -48,7 +48,6 @@ class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int) -> None:
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
-        self._ipc_backpressure_seen = 0
         m = ["model_name"]
 
         # The plain metrics are kept as their one (model_name) child.
@@ -131,7 +130,7 @@ class ServerMetrics:
         self.otlp_spans_dropped = counter(
             "lumen:otlp_spans_dropped", "Spans not exported (queue full or collector failing)."
         )
-        self._dropped_seen = [0, 0]
+        self._mirrored: dict[str, int] = {}  # counter name -> the total already counted
 
     def observe_boundary(self, name: str, seconds: float) -> None:
         """Called from the trace writer thread (prometheus_client is thread-safe)."""
@@ -139,15 +138,15 @@ class ServerMetrics:
             child.observe(seconds)
 
     def set_tracer_stats(self, num_dropped_rows: int, num_dropped_spans: int) -> None:
-        for i, (value, c) in enumerate(
-            (
-                (num_dropped_rows, self.trace_rows_dropped),
-                (num_dropped_spans, self.otlp_spans_dropped),
-            )
-        ):
-            if value > self._dropped_seen[i]:
-                c.inc(value - self._dropped_seen[i])
-                self._dropped_seen[i] = value
+        self._mirror("trace_rows_dropped", num_dropped_rows)
+        self._mirror("otlp_spans_dropped", num_dropped_spans)
+
+    def _mirror(self, name: str, total: int) -> None:
+        """Bring a counter up to a running total kept elsewhere (read at scrape time)."""
+        seen = self._mirrored.get(name, 0)
+        if total > seen:
+            getattr(self, name).inc(total - seen)
+            self._mirrored[name] = total
 
     def record(self, stats: IterationStats) -> None:
         if stats.step is not None:
@@ -187,9 +186,7 @@ class ServerMetrics:
         self.num_waiting.set(s.num_waiting)
         if s.num_kv_blocks_total:
             self.kv_usage.set(s.num_kv_blocks_used / s.num_kv_blocks_total)
-        if num_ipc_backpressure > self._ipc_backpressure_seen:
-            self.ipc_backpressure.inc(num_ipc_backpressure - self._ipc_backpressure_seen)
-            self._ipc_backpressure_seen = num_ipc_backpressure
+        self._mirror("ipc_backpressure", num_ipc_backpressure)
 
     def reject(self, reason: str) -> None:
         self.rejections[reason].inc()

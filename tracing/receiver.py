@@ -42,7 +42,6 @@ class OtlpReceiver:
 
     def __init__(self, *, delay: float = 0.0, status: int = 200) -> None:
         self.spans: list[ReceivedSpan] = []
-        self.num_requests = 0
         self.delay = delay
         self.status = status
         self._lock = threading.Lock()
@@ -78,7 +77,6 @@ class OtlpReceiver:
         spans = decode(request)
         with self._lock:
             self.spans.extend(spans)
-            self.num_requests += 1
 
     def __enter__(self) -> OtlpReceiver:
         self._thread.start()

@@ -41,10 +41,8 @@ BoundaryObserver = Callable[[str, float], None]
 
 @dataclass
 class TracerStats:
-    num_requests: int
     num_dropped_rows: int  # trace db rows lost to a full buffer
     num_dropped_spans: int  # OTLP spans lost (queue full or export failed)
-    num_pending_requests: int
 
 
 class Tracer:
@@ -61,7 +59,6 @@ class Tracer:
         self.run_id = uuid.uuid4().hex[:16]
         self.block_size = info.block_size
         self.observe_boundary = observe_boundary
-        self.num_requests = 0
         # Bounded: if the writer falls behind, events are dropped and counted, never waited for.
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queued_events)
         self.num_dropped_events = 0
@@ -152,11 +149,9 @@ class Tracer:
 
     def stats(self) -> TracerStats:
         return TracerStats(
-            num_requests=self.num_requests,
             num_dropped_rows=(self.store.num_dropped_rows if self.store else 0)
             + self.num_dropped_events,
             num_dropped_spans=self.otlp.num_dropped if self.otlp else 0,
-            num_pending_requests=len(self._requests),
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -255,12 +250,10 @@ class Tracer:
                 if not req.first_token_ns:
                     req.first_token_ns = received_ns
                 req.output_tokens += len(out.new_token_ids)
-                req.last_output_ns = received_ns
                 if step_id is not None and (
                     not req.pending_emits or req.pending_emits[-1][0] != step_id
                 ):  # once per step, even for n > 1
                     req.pending_emits.append((step_id, received_ns))
-                    req.last_step_id = step_id
             req.cached_tokens = max(req.cached_tokens, out.num_cached_tokens)
             if out.finish_reason == FinishReason.ERROR and out.error:
                 req.error = out.error
@@ -294,7 +287,6 @@ class Tracer:
         for child_id in req.child_ids:
             self._by_child.pop(child_id, None)
         req.close(ns)
-        self.num_requests += 1
         spans = build_spans(req, self.run_id)
         if self.store is not None:
             row = build_request_row(

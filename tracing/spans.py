@@ -67,8 +67,6 @@ class RequestTrace:
     pending_emits: list[tuple[int, int]] = field(default_factory=list)  # (step id, received)
     emits: list[tuple[int, int, int]] = field(default_factory=list)  # (step, received, delivered)
     first_token_ns: int = 0
-    last_output_ns: int = 0
-    last_step_id: int | None = None
     output_tokens: int = 0
     cached_tokens: int = 0
     num_preemptions: int = 0

@@ -20,12 +20,13 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import duckdb
 import numpy as np
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 REQUEST_COLUMNS = {
     "run_id": "VARCHAR",
@@ -149,15 +150,7 @@ def open_db(
     path = Path(path)
     if read_only and not path.exists():
         raise ValueError(f"no trace db at {path}")
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            con = duckdb.connect(str(path), read_only=read_only)
-            break
-        except duckdb.IOException as e:
-            if "lock" not in str(e).lower() or time.monotonic() > deadline:
-                raise
-            time.sleep(0.02)
+    con = _while_locked(lambda: duckdb.connect(str(path), read_only=read_only), timeout)
     try:
         yield con
     finally:
@@ -193,9 +186,9 @@ class TraceStore:
             logger.error("trace db %s is not writable (%s): traces are buffered, then dropped "
                          "and counted (lumen:trace_rows_dropped_total)", self.path, e)  # fmt: skip
 
-    def _migrate(self) -> None:
+    def _migrate(self, timeout: float = 30.0) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open_db(self.path, read_only=False, timeout=30.0) as con:
+        with open_db(self.path, read_only=False, timeout=timeout) as con:
             migrate(con)
         self._migrated = True
 
@@ -225,8 +218,8 @@ class TraceStore:
         con = self._con
         try:
             if not self._migrated:
-                self._migrate()
-            _attach(con, self.path, timeout=0.2)
+                self._migrate(timeout=0.2)  # the writer thread never waits long
+            _while_locked(lambda: con.execute("ATTACH ? AS store", [str(self.path)]), 0.2)
         except (duckdb.Error, OSError) as e:
             self.num_failed_flushes += 1
             logger.debug("trace flush deferred: %s", e)
@@ -252,12 +245,12 @@ class TraceStore:
         self._con.close()
 
 
-def _attach(con: duckdb.DuckDBPyConnection, path: Path, timeout: float) -> None:
+def _while_locked(action: Callable[[], T], timeout: float) -> T:
+    """``action()``, retried while another process holds the file's lock (up to timeout)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            con.execute("ATTACH ? AS store", [str(path)])
-            return
+            return action()
         except duckdb.IOException as e:
             if "lock" not in str(e).lower() or time.monotonic() > deadline:
                 raise
@@ -280,3 +273,14 @@ def _append(
         con.execute(f"INSERT INTO {table} SELECT * FROM _lumen_rows")
     finally:
         con.unregister("_lumen_rows")
+
+
+def latest_run(con: duckdb.DuckDBPyConnection, *, served_only: bool = False) -> str:
+    """The run whose requests arrived last (``served_only``: requests that got a token)."""
+    where = "WHERE ttft_ns IS NOT NULL" if served_only else ""
+    found = con.execute(
+        f"SELECT run_id FROM requests {where} GROUP BY run_id ORDER BY max(arrival_ns) DESC LIMIT 1"
+    ).fetchone()
+    if found is None:
+        raise ValueError("the trace db holds no " + ("served " if served_only else "") + "request")
+    return found[0]

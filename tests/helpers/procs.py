@@ -13,12 +13,36 @@ def live_children(pid: int | None = None) -> list[psutil.Process]:
 
     multiprocessing's resource tracker is left out: spawn starts one per
     parent, it outlives no one (it exits with its parent) and is not ours.
+    So are the `lumen serve` processes of server fixtures shared across the
+    session (and their engines): they belong to the fixture, not to the test.
     """
     try:
         children = psutil.Process(pid or os.getpid()).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [c for c in children if _alive(c) and not _is_resource_tracker(c)]
+    fixtures = set()
+    if pid is None:
+        for c in children:
+            if _is_server(c):
+                fixtures.add(c.pid)
+                fixtures.update(g.pid for g in _descendants(c))
+    return [
+        c for c in children if c.pid not in fixtures and _alive(c) and not _is_resource_tracker(c)
+    ]
+
+
+def _is_server(p: psutil.Process) -> bool:
+    try:
+        return "service.cli" in p.cmdline()
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _descendants(p: psutil.Process) -> list[psutil.Process]:
+    try:
+        return p.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _is_resource_tracker(p: psutil.Process) -> bool:

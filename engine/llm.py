@@ -66,6 +66,9 @@ class LLM:
         self.tokenizer = self.processor.tokenizer
         self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
         self._metrics = dict.fromkeys(_METRICS, 0)
+        # Set to a list to keep every step's record and its number of outputs
+        # (benchmarks count model FLOPs and model time from these).
+        self.step_log: list[tuple[StepRecord, int]] | None = None
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
@@ -148,6 +151,8 @@ class LLM:
                     self.tracer.outputs(outputs, time.time_ns(), self.client.state.take_acks())
                 if outputs.step is not None:
                     self._record(outputs.step)
+                    if self.step_log is not None:
+                        self.step_log.append((outputs.step, len(outputs.outputs)))
                 finished, to_abort = self.output_processor.process_outputs(outputs.outputs)
                 if to_abort:
                     self.client.abort_requests(to_abort)

@@ -24,7 +24,7 @@ class PrefillChunk:
     end: int
     num_computed: int  # tokens of this sequence already in the cache
     block_table: torch.Tensor | None  # set only when num_computed > 0
-    mask: torch.Tensor | None  # [chunk, context] bool, only when num_computed > 0
+    mask: torch.Tensor | None  # [chunk, context] 0 / -inf, only when num_computed > 0
 
 
 @dataclass
@@ -32,7 +32,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] 0 / -inf
     prefills: list[PrefillChunk]
 
 
@@ -52,15 +52,18 @@ def paged_attention(
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != num_kv_heads
-    out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
         kd = _gather(k_cache, meta.decode_block_tables, nd)
         vd = _gather(v_cache, meta.decode_block_tables, nd)
         od = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
-        )
-        out[:nd] = od.squeeze(2)
+        ).squeeze(2)
+        if not meta.prefills:
+            return od  # a decode-only step: no copy
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = od
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
         if p.num_computed == 0:
@@ -83,5 +86,7 @@ def paged_attention(
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, batch: int) -> torch.Tensor:
     """[B, max_blocks] block ids -> [B, KVH, max_blocks * block_size, D]."""
-    blocks = cache[block_tables]  # [B, max_blocks, block_size, KVH, D]
+    # index_select on the block dimension copies whole blocks; advanced
+    # indexing (cache[block_tables]) was 4x slower on CPU.
+    blocks = cache.index_select(0, block_tables.view(-1))  # [B * max_blocks, bs, KVH, D]
     return blocks.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)

@@ -161,9 +161,8 @@ class ModelRunner:
                 tables[j, : len(t)] = t
             lens = torch.tensor(decode_lens, device=dev)
             meta.decode_block_tables = torch.from_numpy(tables).to(dev)
-            meta.decode_mask = (
-                torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
-            ).view(len(decode_tables), 1, 1, -1)
+            visible = torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+            meta.decode_mask = self._additive(visible).view(len(decode_tables), 1, 1, -1)
         return _StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
@@ -177,9 +176,15 @@ class ModelRunner:
         num_blocks = -(-ctx // self.block_size)
         dev = self.device
         q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
-        mask = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos
+        mask = self._additive(torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos)
         block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=dev)
         return PrefillChunk(row0, row0 + n, start, block_table, mask)
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        """A boolean mask as 0 / -inf in the model dtype, built once a step: SDPA
+        would otherwise convert a boolean mask again in every layer."""
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        return mask.masked_fill_(~visible, float("-inf"))
 
 
 class _StepInputs:

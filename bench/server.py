@@ -30,6 +30,8 @@ class LumenServer:
     exit code. Use as a context manager.
     """
 
+    name = "lumen serve"
+
     def __init__(
         self,
         model: Path | str,
@@ -66,7 +68,7 @@ class LumenServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"lumen serve exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
             try:
                 if (
                     httpx.get(self.url("/health"), headers=self.headers(), timeout=1).status_code
@@ -77,7 +79,7 @@ class LumenServer:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"lumen serve did not become healthy:\n{self.log()}")
+        raise RuntimeError(f"{self.name} did not become healthy:\n{self.log()}")
 
     def url(self, path: str) -> str:
         return self.base_url + path
@@ -130,3 +132,39 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
         for key, v in samples.items()
         if key.split("{", 1)[0] == name and all(w in key for w in want)
     )
+
+
+class TransformersServer(LumenServer):
+    """``transformers serve --continuous-batching MODEL`` on a loopback port (the HF baseline).
+
+    Needs the serving extras (``pip install -e '.[bench]'``). The model is
+    preloaded, so requests name it by its path.
+    """
+
+    name = "transformers serve"
+
+    def __init__(
+        self,
+        model: Path | str,
+        *args: str,
+        log_path: Path,
+        startup_timeout: float = 300.0,
+        python: str = sys.executable,
+    ) -> None:
+        from transformers.utils import is_serve_available
+
+        if not is_serve_available():
+            raise RuntimeError(
+                "transformers serve needs its serving extras: pip install -e '.[bench]'"
+            )
+        self.port = free_port()
+        self.api_key = None
+        self.model = str(model)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cmd = [python, "-m", "transformers.cli.transformers", "serve", "--continuous-batching"]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args, self.model]
+        self.log_path = log_path
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self._wait_healthy(startup_timeout)

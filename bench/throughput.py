@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from bench.common import check_json_path, machine, parse_ints, print_table, write_json
 
 PROMPT_LENS = (32, 512)
 OUTPUT_LENS = (16, 256)
@@ -57,11 +55,18 @@ class Result:
 def add_parser(verbs: argparse._SubParsersAction) -> None:
     from service.cli import add_engine_options
 
-    p = verbs.add_parser("throughput", help="offline tokens/s, Lumen vs Hugging Face generate")
+    p = verbs.add_parser(
+        "throughput", help="offline tokens/s, Lumen vs Hugging Face generate and generate_batch"
+    )
     p.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and ids")
-    p.add_argument("--hf-batch-size", type=int, default=16, help="HF generate static batch size")
-    p.add_argument("--skip-hf", action="store_true", help="run Lumen only")
+    p.add_argument(
+        "--hf-batch-sizes",
+        default="16,32,64",
+        help="HF generate static batch sizes, comma-separated (the best one counts)",
+    )
+    p.add_argument("--skip-hf", action="store_true", help="skip HF generate (static batches)")
+    p.add_argument("--skip-hf-cb", action="store_true", help="skip HF continuous batching")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     add_engine_options(p, skip=ENGINE_SKIP)
@@ -131,26 +136,66 @@ def run_hf(model: Any, work: Workload, batch_size: int, pad_id: int, device: tor
     return seconds
 
 
+def run_hf_cb(model: Any, work: Workload, device: torch.device) -> float:
+    """Hugging Face continuous batching: the manager that ``generate_batch`` drives.
+
+    ``generate_batch`` takes one ``max_new_tokens`` for every prompt; the
+    workload gives each request its own, so each is added with its own
+    length (and EOS off) to the same manager, sized by the same hints.
+    """
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max(work.output_lens), eos_token_id=-1
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(len(p) for p in work.prompts),
+        max_generated_length=max(work.output_lens),
+        num_requests=len(work.prompts),
+    )
+    _sync(device)
+    t0 = time.perf_counter()
+    with model.continuous_batching_context_manager(
+        generation_config=config, block=True, timeout=30, warmup=False, workload_hints=hints
+    ) as manager:
+        ids = [
+            manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
+            for p, n in zip(work.prompts, work.output_lens)
+        ]
+        done: dict[str, Any] = {}
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("HF continuous batching stopped before finishing")
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    got = [len(done[i].generated_tokens) for i in ids]
+    if got != work.output_lens:
+        raise RuntimeError(f"HF continuous batching generated {got}, expected {work.output_lens}")
+    return seconds
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _validate(args: argparse.Namespace) -> None:
+def _validate(args: argparse.Namespace) -> list[int]:
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be at least 1, got {args.num_requests}")
-    if args.hf_batch_size < 1:
-        raise ValueError(f"--hf-batch-size must be at least 1, got {args.hf_batch_size}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
-    if args.json is not None and not Path(args.json).parent.is_dir():
-        raise ValueError(f"--json: folder {Path(args.json).parent} does not exist")
+    check_json_path(args.json)
+    return parse_ints(args.hf_batch_sizes, "--hf-batch-sizes")
 
 
 def run(args: argparse.Namespace) -> int:
     from service.cli import engine_options
 
-    _validate(args)
+    batch_sizes = _validate(args)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     from engine import LLM
@@ -174,33 +219,61 @@ def run(args: argparse.Namespace) -> int:
         f"{path.name}, {device.type}, {str(dtype).removeprefix('torch.')}; Lumen runs first"
     )
 
+    def result(system: str, seconds: float) -> Result:
+        r = Result(system, len(work.prompts), work.output_tokens, total, seconds)
+        print(f"  {system}: {seconds:.2f} s, {r.output_tok_s:.1f} output tok/s", flush=True)
+        return r
+
     run_lumen(llm, warm)
     llm.reset_prefix_cache()
-    lumen = Result("lumen", len(work.prompts), work.output_tokens, total, run_lumen(llm, work))
+    lumen = result("lumen", run_lumen(llm, work))
     llm.shutdown()
     del llm
     gc.collect()
-    results = [lumen]
-
-    if not args.skip_hf:
+    static: list[Result] = []
+    cb: Result | None = None
+    if not (args.skip_hf and args.skip_hf_cb):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        run_hf(model, warm, args.hf_batch_size, pad_id, device)
-        seconds = run_hf(model, work, args.hf_batch_size, pad_id, device)
-        results.append(Result("hf_generate", len(work.prompts), work.output_tokens, total, seconds))
+        if not args.skip_hf:
+            run_hf(model, warm, 2, pad_id, device)
+            for bs in batch_sizes:
+                static.append(result(f"hf_generate_b{bs}", run_hf(model, work, bs, pad_id, device)))
+        if not args.skip_hf_cb:
+            run_hf_cb(model, warm, device)
+            cb = result("hf_generate_batch", run_hf_cb(model, work, device))
         del model
         gc.collect()
 
-    _print_table(results)
-    ratio = results[0].output_tok_s / results[1].output_tok_s if len(results) > 1 else None
-    if ratio is not None:
-        print(f"throughput ratio (Lumen / HF generate, output tok/s): {ratio:.2f}x")
-    bs = args.hf_batch_size
-    chunks = [work.output_lens[i : i + bs] for i in range(0, len(work.output_lens), bs)]
-    hf_generated = sum(len(c) * max(c) for c in chunks)  # what HF computes, wasted rows too
-    if args.json is not None:
-        doc = {
+    results = [lumen, *static, *([cb] if cb else [])]
+    print()
+    print_table(
+        ("system", "requests", "output tokens", "seconds", "output tok/s", "total tok/s"),
+        [
+            (r.system, str(r.requests), str(r.output_tokens), f"{r.seconds:.2f}",
+             f"{r.output_tok_s:.1f}", f"{r.total_tok_s:.1f}")
+            for r in results
+        ],
+    )  # fmt: skip
+    best = min(static, key=lambda r: r.seconds) if static else None
+    ratio_static = lumen.output_tok_s / best.output_tok_s if best else None
+    ratio_cb = lumen.output_tok_s / cb.output_tok_s if cb else None
+    if best is not None:
+        print(
+            f"throughput ratio, Lumen / HF generate (best static batch, {best.system}): "
+            f"{ratio_static:.2f}x (target >= 2x)"
+        )
+    if cb is not None:
+        print(f"throughput ratio, Lumen / HF generate_batch: {ratio_cb:.2f}x (target >= 3x)")
+
+    def padded(bs: int) -> int:  # what a static batch computes, wasted rows too
+        chunks = [work.output_lens[i : i + bs] for i in range(0, len(work.output_lens), bs)]
+        return sum(len(c) * max(c) for c in chunks)
+
+    write_json(
+        args.json,
+        {
             "workload": {
                 "num_requests": args.num_requests,
                 "seed": args.seed,
@@ -208,48 +281,20 @@ def run(args: argparse.Namespace) -> int:
                 "output_len_range": list(OUTPUT_LENS),
                 "prompt_tokens": work.prompt_tokens,
                 "output_tokens": work.output_tokens,
-                "hf_batch_size": args.hf_batch_size,
                 "model": path.name,
                 "dtype": str(dtype).removeprefix("torch."),
-                "order": "lumen first, freed before hf_generate",
+                "order": "lumen first, freed before the HF model is loaded",
             },
             "lumen": lumen.as_json(),
-            "hf_generate": {**results[1].as_json(), "generated_incl_padding": hf_generated}
-            if len(results) > 1
-            else None,
-            "throughput_ratio": ratio,
-            "machine": {
-                "cpu_count": os.cpu_count(),
-                "torch_threads": torch.get_num_threads(),
-                "torch_version": torch.__version__,
-                "device": device.type,
-                "device_name": torch.cuda.get_device_name(device)
-                if device.type == "cuda"
-                else platform.processor() or platform.machine(),
-            },
-        }
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
-        print(f"wrote {args.json}")
+            "hf_generate": [
+                {**r.as_json(), "batch_size": bs, "generated_incl_padding": padded(bs)}
+                for r, bs in zip(static, batch_sizes)
+            ],
+            "hf_generate_best": best.system if best else None,
+            "hf_generate_batch": cb.as_json() if cb else None,
+            "throughput_ratio_vs_hf_generate_best": ratio_static,
+            "throughput_ratio_vs_hf_generate_batch": ratio_cb,
+            "machine": machine(device),
+        },
+    )
     return 0
-
-
-def _print_table(results: list[Result]) -> None:
-    header = ("system", "requests", "output tokens", "seconds", "output tok/s", "total tok/s")
-    rows = [
-        (
-            r.system,
-            str(r.requests),
-            str(r.output_tokens),
-            f"{r.seconds:.2f}",
-            f"{r.output_tok_s:.1f}",
-            f"{r.total_tok_s:.1f}",
-        )
-        for r in results
-    ]
-    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    for row in (header, *rows):
-        print(
-            "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
-            )
-        )

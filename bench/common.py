@@ -1,0 +1,68 @@
+"""What every benchmark shares: the machine it ran on, tables, percentiles, JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def machine(device: torch.device | None = None) -> dict[str, Any]:
+    device = device or torch.device("cpu")
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "device": device.type,
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine(),
+    }
+
+
+def check_json_path(path: str | None) -> None:
+    """Fail before any work when --json names a folder that does not exist."""
+    if path is not None and not Path(path).parent.is_dir():
+        raise ValueError(f"--json: folder {Path(path).parent} does not exist")
+
+
+def write_json(path: str | None, doc: dict[str, Any]) -> None:
+    if path is not None:
+        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+def percentiles(values: Sequence[float], ps: Sequence[int] = (50, 90, 99)) -> dict[str, float]:
+    """{"p50": ..., ...}; NaN when there are no values."""
+    if not values:
+        return {f"p{p}": float("nan") for p in ps}
+    arr = np.asarray(values, dtype=np.float64)
+    return {f"p{p}": float(np.percentile(arr, p)) for p in ps}
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """First column left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    for row in (header, *rows):
+        print(
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))
+            )
+        )
+
+
+def parse_ints(text: str, flag: str) -> list[int]:
+    """ "16,32,64" -> [16, 32, 64], each at least 1."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, not {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes integers >= 1, not {text!r}")
+    return values

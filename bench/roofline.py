@@ -1,0 +1,182 @@
+"""The machine's limits and the model's costs, measured in the benchmark's own run.
+
+- ``matmul_ceiling``: FLOP/s of fp32 (or the model dtype) matrix products at
+  the model's own largest shapes, best of several tries.
+- ``weights_pass``: one pass of ``rows`` activations through every weight
+  matrix of the model (the memory-bound floor of a decode step).
+- ``StepTimer``: Lumen's real worker path (ModelRunner.execute_model: input
+  preparation, forward, sampling) on hand-built decode or prefill batches.
+- ``FlopCounter``: model FLOPs of engine steps, from their StepRecords.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.core.scheduler_output import NewRequestData, SchedulerOutput
+from engine.messages import StepRecord
+from engine.sampling_params import SamplingParams
+
+
+def best_time(
+    fn: Callable[[], object], repeat: int = 5, device: torch.device | None = None
+) -> float:
+    """Fastest of ``repeat`` timed calls (after one untimed call), in seconds."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else None
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        if sync:
+            sync()
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def median_time(fn: Callable[[], object], repeat: int = 9) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_ceiling(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, rows: int = 2048
+) -> float:
+    """Best FLOP/s of [rows, hidden] @ [hidden, 2 * intermediate] (the model's widest product)."""
+    a = torch.randn(rows, cfg.hidden_size, device=device, dtype=dtype)
+    w = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size, device=device, dtype=dtype)
+    flops = 2 * rows * cfg.hidden_size * 2 * cfg.intermediate_size
+    with torch.inference_mode():
+        return flops / best_time(lambda: F.linear(a, w), repeat=7, device=device)
+
+
+def weights_pass(model: torch.nn.Module, rows: int, device: torch.device) -> float:
+    """Seconds for ``rows`` activations through every 2-D weight of ``model`` once."""
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    width = max(w.shape[1] for w in weights)
+    x = torch.randn(rows, width, device=device, dtype=weights[0].dtype)
+
+    def run() -> None:
+        for w in weights:
+            F.linear(x[:, : w.shape[1]], w)
+
+    with torch.inference_mode():
+        return best_time(run, repeat=5, device=device)
+
+
+class StepTimer:
+    """A ModelRunner of its own on the model, timing hand-built batches."""
+
+    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
+        from engine.worker.model_runner import ModelRunner
+
+        self.cfg = ModelConfig.from_path(model_path)
+        self.device = device
+        self.block_size = 16
+        self.runner = ModelRunner(
+            self.cfg, device, dtype, self.cfg.max_position_embeddings, self.block_size
+        )
+        self.runner.load_model()
+        self.num_blocks = 0
+        self._next_id = 0
+
+    @property
+    def model(self) -> torch.nn.Module:
+        assert self.runner.model is not None
+        return self.runner.model
+
+    def _ensure_blocks(self, n: int) -> None:
+        if n > self.num_blocks:
+            self.runner.init_kv_cache(n)
+            self.num_blocks = n
+
+    def _batch(self, lens: list[int], starts: list[int]) -> SchedulerOutput:
+        """One row per request: ``lens[i]`` tokens after ``starts[i]`` cached ones."""
+        blocks_each = [-(-(s + n) // self.block_size) for s, n in zip(starts, lens)]
+        self._ensure_blocks(sum(blocks_each))
+        sched = SchedulerOutput(step_id=0)
+        first = 0
+        for n, start, nb in zip(lens, starts, blocks_each):
+            req_id = f"timer-{self._next_id}"
+            self._next_id += 1
+            self.runner._add_request(
+                NewRequestData(
+                    req_id, [11] * max(start, 1), SamplingParams(temperature=0), frozenset()
+                )
+            )
+            sched.req_ids.append(req_id)
+            sched.token_ids.append([11] * n)
+            sched.num_computed_tokens.append(start)
+            sched.block_tables.append(list(range(first, first + nb)))
+            sched.sample.append(True)
+            first += nb
+        return sched
+
+    def decode_step(self, batch: int, context: int) -> float:
+        """Median seconds of one decode step: ``batch`` rows, each after ``context`` tokens."""
+        sched = self._batch([1] * batch, [context] * batch)
+        seconds = median_time(lambda: self.runner.execute_model(sched))
+        self.runner.rows.clear()
+        return seconds
+
+    def prefill_step(self, prompts: list[int]) -> float:
+        sched = self._batch(prompts, [0] * len(prompts))
+        seconds = median_time(lambda: self.runner.execute_model(sched), repeat=3)
+        self.runner.rows.clear()
+        return seconds
+
+    def release(self) -> None:
+        self.runner.release_kv_cache()
+        self.runner.model = None
+
+
+class FlopCounter:
+    """Model FLOPs of engine steps: every matrix product, attention included.
+
+    Per token: 2 x the layers' weights; per sampled row: 2 x the LM head;
+    per token and layer, attention: 4 x heads x head_dim x the tokens it
+    attends to (QK^T and PV). A request's context is tracked from the steps
+    (a preempted request starts again from zero).
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        h, d = cfg.hidden_size, cfg.head_dim
+        q, kv, inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
+        per_layer = h * (q + 2 * kv) + q * h + 2 * h * inter + inter * h
+        self.token_flops = 2 * cfg.num_layers * per_layer
+        self.head_flops = 2 * h * cfg.vocab_size
+        self.attn_flops = 4 * cfg.num_layers * q  # x attended tokens
+        self.context: dict[str, int] = {}
+        self.flops = 0.0
+        self.tokens = 0
+        self.model_seconds = 0.0
+        self.steps = 0
+
+    def add(self, step: StepRecord, sampled_rows: int) -> None:
+        for req_id in step.preempted_req_ids:
+            self.context.pop(req_id, None)
+        attended = 0
+        for req_id, n in zip(step.req_ids, step.num_scheduled):
+            start = self.context.get(req_id, 0)
+            attended += n * start + n * (n + 1) // 2
+            self.context[req_id] = start + n
+        self.flops += (
+            step.num_scheduled_tokens * self.token_flops
+            + sampled_rows * self.head_flops
+            + attended * self.attn_flops
+        )
+        self.tokens += step.num_scheduled_tokens
+        self.model_seconds += (step.execute_end_ns - step.execute_start_ns) / 1e9
+        self.steps += 1

@@ -1,0 +1,153 @@
+"""`lumen bench`: each subcommand runs end to end on the tiny model and writes its ratios.
+
+Speed is not asserted here (that is what the benchmarks report); these tests
+check that each benchmark measures what it says: the FLOP count of a run,
+exact output lengths on every system, no failed request, ratio keys in JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.roofline import FlopCounter
+from engine import SamplingParams
+from engine.config import ModelConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def lumen_bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "service.cli", "bench", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def ratio_keys(doc: dict) -> list[str]:
+    return [k for k in doc if "ratio" in k]
+
+
+def test_flop_counter_counts_every_token_of_a_run(tiny_llm, tiny_model_path: Path) -> None:
+    """Step records cover the whole run: FLOPs equal the count from the requests alone."""
+    cfg = ModelConfig.from_path(tiny_model_path)
+    prompts = [[5 + i] * n for i, n in enumerate((3, 17, 40, 9))]
+    outputs = [4, 9, 1, 12]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in outputs]
+    tiny_llm.reset_prefix_cache()
+    tiny_llm.step_log = []
+    t0 = time.perf_counter()
+    tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    steps, tiny_llm.step_log = tiny_llm.step_log, None
+
+    counter = FlopCounter(cfg)
+    for step, sampled in steps:
+        counter.add(step, sampled)
+    # Each request computes its prompt and all but its last output token;
+    # the token at position k attends to k + 1 tokens; each output is one LM-head row.
+    computed = [len(p) + n - 1 for p, n in zip(prompts, outputs)]
+    expected = (
+        sum(computed) * counter.token_flops
+        + sum(outputs) * counter.head_flops
+        + sum(c * (c + 1) // 2 for c in computed) * counter.attn_flops
+    )
+    assert counter.tokens == sum(computed)
+    assert counter.flops == expected
+    assert 0 < counter.model_seconds <= wall
+    print(f"{counter.steps} steps, {counter.flops / 1e6:.1f} MFLOP, "
+          f"model {counter.model_seconds:.3f} s of {wall:.3f} s")  # fmt: skip
+
+
+def test_scheduler_bench(tmp_path: Path) -> None:
+    out = tmp_path / "sched.json"
+    r = lumen_bench("scheduler", "--sizes", "16,64", "--steps", "20", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert [s["running"] for s in doc["sizes"]] == [16, 64]
+    assert all(s["us_per_request"] > 0 for s in doc["sizes"])
+    assert {"target_ratio_at_256", "per_request_growth_ratio"} <= set(ratio_keys(doc))
+    print(r.stdout)
+
+
+def test_mfu_bench(tmp_path: Path, tiny_model_path: Path) -> None:
+    out = tmp_path / "mfu.json"
+    r = lumen_bench(
+        "mfu", "--model", str(tiny_model_path), "--num-requests", "4",
+        "--decode-batches", "1,16", "--decode-context", "32",
+        "--num-kv-blocks", "256", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert doc["ceiling_flops"] > 0 and doc["achieved_flops"] > 0
+    assert 0 < doc["model_time_ratio"] <= 1
+    assert doc["mfu_ratio"] == pytest.approx(doc["achieved_flops"] / doc["ceiling_flops"])
+    assert doc["decode16_over_weights_pass_ratio"] > 0
+    print(r.stdout)
+
+
+def test_throughput_bench_runs_every_system(tmp_path: Path, tiny_model_path: Path) -> None:
+    out = tmp_path / "tp.json"
+    r = lumen_bench(
+        "throughput", "--model", str(tiny_model_path), "--num-requests", "6",
+        "--hf-batch-sizes", "2,4", "--num-kv-blocks", "256", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    # Every system delivered the workload's exact output lengths (each run checks).
+    assert [h["batch_size"] for h in doc["hf_generate"]] == [2, 4]
+    assert doc["hf_generate_batch"]["output_tokens"] == doc["lumen"]["output_tokens"]
+    best = min(doc["hf_generate"], key=lambda h: h["seconds"])
+    assert doc["hf_generate_best"] == best["system"]
+    assert doc["throughput_ratio_vs_hf_generate_best"] == pytest.approx(
+        doc["lumen"]["output_tok_s"] / best["output_tok_s"]
+    )
+    assert doc["throughput_ratio_vs_hf_generate_batch"] > 0
+    print(r.stdout)
+
+
+def test_serve_bench_against_transformers_serve(tmp_path: Path, tiny_model_path: Path) -> None:
+    out = tmp_path / "serve.json"
+    r = lumen_bench(
+        "serve", "--model", str(tiny_model_path), "--concurrency", "1,3",
+        "--requests-per-stream", "1", "--rates", "4", "--poisson-requests", "3",
+        "--max-tokens", "8", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = json.loads(out.read_text())
+    phases = {(p["system"], p["kind"], p["level"]) for p in doc["phases"]}
+    assert phases == {
+        (s, k, lv)
+        for s in ("lumen", "hf")
+        for k, lv in (("concurrency", 1), ("concurrency", 3), ("poisson", 4))
+    }
+    for p in doc["phases"]:
+        assert p["errors"] == 0, p
+        assert p["output_tokens"] == 8 * p["requests"]
+    want = {"c3_throughput_ratio", "c3_ttft_p50_ratio", "c3_itl_p50_ratio",
+            "c1_itl_p50_over_batch1_step_ratio", "rate4_throughput_ratio"}  # fmt: skip
+    assert want <= set(ratio_keys(doc))
+    print(r.stdout)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("throughput", "--hf-batch-sizes", "16,x"), "--hf-batch-sizes takes comma-separated"),
+        (("scheduler", "--sizes", "0"), "--sizes takes integers >= 1"),
+        (("serve", "--rates", "-1"), "--rates must be positive"),
+        (("mfu", "--json", "/nonexistent-folder/x.json"), "does not exist"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args: tuple[str, ...], message: str) -> None:
+    r = lumen_bench(*args, timeout=120)
+    assert r.returncode == 2
+    assert message in r.stderr and "Traceback" not in r.stderr

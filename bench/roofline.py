@@ -99,12 +99,14 @@ class StepTimer:
 
     def _ensure_blocks(self, n: int) -> None:
         if n > self.num_blocks:
-            self.runner.init_kv_cache(n)
-            self.num_blocks = n
+            # Twice what the batch holds: the CPU decode mirror is bounded by the cache's size.
+            self.runner.init_kv_cache(2 * n + 64)
+            self.num_blocks = 2 * n + 64
 
-    def _batch(self, lens: list[int], starts: list[int]) -> SchedulerOutput:
-        """One row per request: ``lens[i]`` tokens after ``starts[i]`` cached ones."""
-        blocks_each = [-(-(s + n) // self.block_size) for s, n in zip(starts, lens)]
+    def _batch(self, lens: list[int], starts: list[int], extra: int = 0) -> SchedulerOutput:
+        """One row per request: ``lens[i]`` tokens after ``starts[i]`` cached ones
+        (and blocks for ``extra`` more)."""
+        blocks_each = [-(-(s + n + extra) // self.block_size) for s, n in zip(starts, lens)]
         self._ensure_blocks(sum(blocks_each))
         sched = SchedulerOutput(step_id=0)
         first = 0
@@ -124,17 +126,25 @@ class StepTimer:
             first += nb
         return sched
 
-    def decode_step(self, batch: int, context: int) -> float:
-        """Median seconds of one decode step: ``batch`` rows, each after ``context`` tokens."""
-        sched = self._batch([1] * batch, [context] * batch)
-        seconds = median_time(lambda: self.runner.execute_model(sched))
-        self.runner.rows.clear()
+    def decode_step(self, batch: int, context: int, steps: int = 9) -> float:
+        """Median seconds of one decode step: ``batch`` rows after about ``context`` tokens.
+
+        Successive steps, as in a real decode: each row's context grows by one.
+        """
+        sched = self._batch([1] * batch, [context] * batch, extra=steps + 1)
+
+        def step() -> None:
+            self.runner.execute_model(sched)
+            sched.num_computed_tokens = [n + 1 for n in sched.num_computed_tokens]
+
+        seconds = median_time(step, repeat=steps)
+        self.runner.execute_model(SchedulerOutput(step_id=0, finished_req_ids=sched.req_ids))
         return seconds
 
     def prefill_step(self, prompts: list[int]) -> float:
         sched = self._batch(prompts, [0] * len(prompts))
         seconds = median_time(lambda: self.runner.execute_model(sched), repeat=3)
-        self.runner.rows.clear()
+        self.runner.execute_model(SchedulerOutput(step_id=0, finished_req_ids=sched.req_ids))
         return seconds
 
     def release(self) -> None:

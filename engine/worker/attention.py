@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.worker.decode_cache import DecodePlan, decode_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -34,6 +36,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] 0 / -inf
     prefills: list[PrefillChunk]
+    decode_plan: DecodePlan | None = None  # set: decode rows read the contiguous mirror
 
 
 def paged_attention(
@@ -44,6 +47,7 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    layer: int = 0,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for the step's tokens. Returns [T, H, D]."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
@@ -53,7 +57,13 @@ def paged_attention(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != num_kv_heads
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_plan is not None:
+        od = decode_attention(
+            meta.decode_plan, layer, q[:nd], k[:nd], v[:nd], k_cache, v_cache, scale
+        )
+        if not meta.prefills:
+            return od
+    elif nd:
         kd = _gather(k_cache, meta.decode_block_tables, nd)
         vd = _gather(v_cache, meta.decode_block_tables, nd)
         od = F.scaled_dot_product_attention(

@@ -116,8 +116,9 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard) -> None:
+    def __init__(self, cfg: ModelConfig, shard: Shard, index: int) -> None:
         super().__init__()
+        self.index = index
         tp = shard.size
         self.sharded = tp > 1
         self.num_heads, self.num_kv_heads, self.head_dim = (
@@ -151,7 +152,7 @@ class DecoderLayer(nn.Module):
         qk = apply_rotary(qkv[:, : num_qk * self.head_dim].view(num_tokens, num_qk, -1), rotary)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.index)
         out = self.o_proj(attn.reshape(num_tokens, -1))
         if self.sharded:
             dist.all_reduce(out)  # each rank holds a partial sum over its heads
@@ -171,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         self.shard = shard or Shard()
         check_tensor_parallel(cfg, self.shard.size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None

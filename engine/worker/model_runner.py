@@ -10,6 +10,7 @@ import torch
 from engine.config import ModelConfig
 from engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.worker.attention import AttentionMetadata, PrefillChunk
+from engine.worker.decode_cache import DecodeCache
 from engine.worker.llama import LlamaForCausalLM, Rotary, Shard
 from engine.worker.sampler import Sampler, SamplingRow
 
@@ -38,6 +39,7 @@ class ModelRunner:
         self.block_size = block_size
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_cache: DecodeCache | None = None
         self.rotary = Rotary(model_config, max_model_len, device)
         self.sampler = Sampler(device, seed)
         self.rows: dict[str, SamplingRow] = {}
@@ -65,13 +67,26 @@ class ModelRunner:
             for _ in range(self.cfg.num_layers)
         ]
 
+        if self.device.type == "cpu":
+            # On CPU, gathering blocks for decode costs as much as attention
+            # itself; a contiguous mirror of decoding requests, up to the paged
+            # cache's own size, avoids it (on CUDA the gather is cheap).
+            self.decode_cache = DecodeCache(
+                self.cfg.num_layers, num_kv_heads, self.cfg.head_dim, self.block_size,
+                self.dtype, self.device, max_bytes=num_blocks * self.block_bytes(),
+            )  # fmt: skip
+
     def release_kv_cache(self) -> None:
         self.kv_caches = []
+        self.decode_cache = None
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in sched.finished_req_ids:
             self.rows.pop(req_id, None)
+        if self.decode_cache is not None:
+            self.decode_cache.drop(sched.finished_req_ids)
+            self.decode_cache.drop(sched.preempted_req_ids)
         if self.is_driver:
             for new in sched.new_requests:
                 self._add_request(new)
@@ -121,6 +136,7 @@ class ModelRunner:
         sample_req_ids: list[str] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        decode_req_ids: list[str] = []
         prefills: list[PrefillChunk] = []
         bs = self.block_size
         for i in order:
@@ -139,6 +155,7 @@ class ModelRunner:
             if n == 1 and start > 0:
                 decode_tables.append(table)
                 decode_lens.append(start + 1)
+                decode_req_ids.append(sched.req_ids[i])
             elif start == 0:
                 prefills.append(PrefillChunk(row0, row0 + n, 0, None, None))
             else:
@@ -154,7 +171,11 @@ class ModelRunner:
             decode_mask=None,
             prefills=prefills,
         )
-        if decode_tables:
+        if decode_tables and self.decode_cache is not None:
+            meta.decode_plan = self.decode_cache.plan(
+                decode_req_ids, [n - 1 for n in decode_lens], decode_tables
+            )
+        if decode_tables and meta.decode_plan is None:
             max_blocks = max(len(t) for t in decode_tables)
             tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
             for j, t in enumerate(decode_tables):

@@ -1,0 +1,189 @@
+"""A contiguous mirror of the KV of decoding requests, so decode attention reads it in place.
+
+Paged decode attention on CPU first gathers every decoding request's blocks
+into one [B, KVH, L, D] tensor, in every layer of every step: it reads and
+writes the whole context once more than attention itself does. Here each
+decoding request instead owns a slot of per-layer tensors
+``[slots, KVH, width, D]``: its context is copied in once, when it starts
+decoding (or again if its slot fell behind), then each step appends one token.
+Attention runs over the slots as they lie.
+
+The paged cache stays the source of truth (prefix caching, preemption); a
+slot is only a copy of its blocks. A request's slot is dropped when it
+finishes or is preempted. The mirror is bounded by ``max_bytes``; a step that
+would need more runs with the gather path instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+WIDTH_STEP = 128  # positions; widths are rounded up to this
+SLOT_STEP = 8
+
+
+@dataclass
+class DecodePlan:
+    """What one step's decode rows do with the mirror (tensors on the device)."""
+
+    cache: DecodeCache
+    slot_idx: torch.Tensor  # [nd] the slot of each decode row
+    positions: torch.Tensor  # [nd] where each row's new token goes
+    used: int  # slots [0, used) take part in attention
+    width: int  # positions [0, width) take part
+    mask: torch.Tensor  # [used, 1, 1, width] 0 / -inf
+    fills: list[tuple[int, int, torch.Tensor]]  # (slot, tokens, block ids) to copy in first
+    in_order: bool  # decode row i is slot i: no reordering of q and the output
+
+
+class DecodeCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_bytes: int,
+    ) -> None:
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.max_bytes = max_bytes
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.num_slots = 0
+        self.width = 0
+        self.slot_of: dict[str, int] = {}
+        self.length: list[int] = []  # valid positions of each slot
+
+    def bytes_for(self, slots: int, width: int) -> int:
+        per = self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        return 2 * self.num_layers * slots * width * per
+
+    def drop(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
+            slot = self.slot_of.pop(req_id, None)
+            if slot is not None:
+                self.length[slot] = 0
+        if not self.slot_of and self.num_slots:
+            self.release()
+
+    def release(self) -> None:
+        self.k, self.v = [], []
+        self.num_slots = self.width = 0
+        self.slot_of.clear()
+        self.length = []
+
+    def plan(
+        self, req_ids: list[str], starts: list[int], tables: list[list[int]]
+    ) -> DecodePlan | None:
+        """Slots for this step's decode rows, or None (use the gather path) when over budget."""
+        taken = set(self.slot_of.values())
+        free = (s for s in range(1 << 30) if s not in taken)
+        slots = []
+        for req_id in req_ids:
+            slot = self.slot_of.get(req_id)
+            if slot is None:
+                slot = next(free)
+            slots.append(slot)
+        used = max(slots) + 1
+        width = -(-(max(starts) + 1) // WIDTH_STEP) * WIDTH_STEP
+        if not self._fit(used, width):
+            for req_id in req_ids:  # these rows' slots fall behind this step
+                slot = self.slot_of.get(req_id)
+                if slot is not None:
+                    self.length[slot] = 0
+            return None
+        fills = []
+        bs = self.block_size
+        for req_id, slot, start, table in zip(req_ids, slots, starts, tables):
+            self.slot_of[req_id] = slot
+            if self.length[slot] != start:
+                ids = torch.tensor(table[: -(-start // bs)], dtype=torch.long, device=self.device)
+                fills.append((slot, start, ids))
+            self.length[slot] = start + 1
+        dev = self.device
+        lens = torch.tensor([max(n, 1) for n in self.length[:used]], device=dev)
+        visible = torch.arange(width, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev)
+        mask.masked_fill_(~visible, float("-inf"))
+        return DecodePlan(
+            cache=self,
+            slot_idx=torch.tensor(slots, dtype=torch.long, device=dev),
+            positions=torch.tensor(starts, dtype=torch.long, device=dev),
+            used=used,
+            width=width,
+            mask=mask.view(used, 1, 1, width),
+            fills=fills,
+            in_order=slots == list(range(len(slots))),
+        )
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        # Zeroed: slots outside a row's length are masked, but a masked NaN would poison P @ V.
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _fit(self, slots: int, width: int) -> bool:
+        """Grow the tensors to hold ``slots`` x ``width``; False if that is over budget."""
+        if slots <= self.num_slots and width <= self.width:
+            return True
+        new_slots = max(self.num_slots, -(-slots // SLOT_STEP) * SLOT_STEP)
+        new_width = max(self.width, width)
+        if width > self.width:  # grow ahead, so a long decode reallocates rarely
+            new_width = max(width, min(2 * self.width, width + 4 * WIDTH_STEP))
+        if self.bytes_for(new_slots, new_width) > self.max_bytes:
+            new_slots, new_width = max(self.num_slots, slots), max(self.width, width)
+            if self.bytes_for(new_slots, new_width) > self.max_bytes:
+                return False
+        shape = (new_slots, self.num_kv_heads, new_width, self.head_dim)
+        old_k, old_v = self.k, self.v
+        self.k = [self._zeros(shape) for _ in range(self.num_layers)]
+        self.v = [self._zeros(shape) for _ in range(self.num_layers)]
+        if old_k:
+            s, w = self.num_slots, self.width
+            for new, old in zip(self.k + self.v, old_k + old_v):
+                new[:s, :, :w] = old
+        self.length += [0] * (new_slots - self.num_slots)
+        self.num_slots, self.width = new_slots, new_width
+        return True
+
+
+def decode_attention(
+    plan: DecodePlan,
+    layer: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of the decode rows (q, k, v: [nd, heads, D]) over their slots."""
+    kb, vb = plan.cache.k[layer], plan.cache.v[layer]
+    for slot, n, blocks in plan.fills:
+        kb[slot, :, :n] = _blocks(k_cache, blocks)[:n].transpose(0, 1)
+        vb[slot, :, :n] = _blocks(v_cache, blocks)[:n].transpose(0, 1)
+    kb[plan.slot_idx, :, plan.positions] = k
+    vb[plan.slot_idx, :, plan.positions] = v
+    used, width = plan.used, plan.width
+    if plan.in_order and used == q.shape[0]:
+        qs = q.unsqueeze(2)
+    else:
+        qs = q.new_zeros(used, q.shape[1], 1, q.shape[2])
+        qs[plan.slot_idx] = q.unsqueeze(2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qs, kb[:used, :, :width], vb[:used, :, :width], attn_mask=plan.mask, scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    ).squeeze(2)  # fmt: skip
+    return out if plan.in_order and used == q.shape[0] else out[plan.slot_idx]
+
+
+def _blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[n] block ids -> [n * block_size, KVH, D] (a copy)."""
+    return cache.index_select(0, block_ids).flatten(0, 1)

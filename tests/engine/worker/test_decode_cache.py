@@ -1,0 +1,99 @@
+"""The CPU decode mirror gives the same attention as gathering the paged blocks, step after step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.worker.attention import AttentionMetadata, paged_attention
+from engine.worker.decode_cache import DecodeCache
+
+BS, KVH, H, D, BLOCKS = 4, 2, 4, 8, 96
+
+
+def reference_meta(slots: torch.Tensor, tables: list[list[int]], lens: list[int]):
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    visible = torch.arange(width * BS).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)
+    mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    return AttentionMetadata(slots, len(tables), block_tables, mask.view(len(tables), 1, 1, -1), [])
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), budget_slot_tokens=st.sampled_from([24, 200, 10_000]))
+def test_mirror_matches_gather(seed: int, budget_slot_tokens: int) -> None:
+    """Requests join, decode in shuffled order, skip steps, finish or are preempted;
+    with a budget that sometimes forces the gather path and reallocations."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    k_cache = torch.zeros(BLOCKS, BS, KVH, D)
+    v_cache = torch.zeros(BLOCKS, BS, KVH, D)
+    per_token = 2 * KVH * D * 4
+    cache = DecodeCache(
+        1, KVH, D, BS, torch.float32, torch.device("cpu"), budget_slot_tokens * per_token
+    )
+    free_blocks = list(range(BLOCKS))
+    rng.shuffle(free_blocks)
+    live: dict[str, tuple[list[int], int]] = {}  # request -> (blocks, tokens in cache)
+    next_id = 0
+    for _ in range(40):
+        # New requests arrive already prefilled (their KV written straight into blocks).
+        while len(live) < 6 and len(free_blocks) > 12 and rng.random() < 0.5:
+            n = rng.randint(1, 14)
+            blocks = [free_blocks.pop() for _ in range(-(-n // BS) + 1)]
+            for pos in range(n):
+                k_cache[blocks[pos // BS], pos % BS] = torch.randn(KVH, D)
+                v_cache[blocks[pos // BS], pos % BS] = torch.randn(KVH, D)
+            live[f"r{next_id}"] = (blocks, n)
+            next_id += 1
+        rows = [r for r in live if rng.random() < 0.8]
+        rng.shuffle(rows)
+        rows = [r for r in rows if live[r][1] < len(live[r][0]) * BS]  # room for one more
+        if rows:
+            tables = [live[r][0] for r in rows]
+            starts = [live[r][1] for r in rows]
+            slots = torch.tensor([t[s // BS] * BS + s % BS for t, s in zip(tables, starts)])
+            q = torch.randn(len(rows), H, D)
+            k = torch.randn(len(rows), KVH, D)
+            v = torch.randn(len(rows), KVH, D)
+            ref_k, ref_v = k_cache.clone(), v_cache.clone()
+            want = paged_attention(
+                q, k, v, ref_k, ref_v, reference_meta(slots, tables, [s + 1 for s in starts]), 0.3
+            )
+            meta = reference_meta(slots, tables, [s + 1 for s in starts])
+            meta.decode_plan = cache.plan(rows, starts, tables)
+            got = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3)
+            torch.testing.assert_close(got, want)
+            for r in rows:
+                live[r] = (live[r][0], live[r][1] + 1)
+        # Some requests finish or are preempted (their blocks go back).
+        for r in [r for r in live if rng.random() < 0.15 or live[r][1] >= len(live[r][0]) * BS]:
+            free_blocks.extend(live.pop(r)[0])
+            cache.drop([r])
+    assert cache.bytes_for(cache.num_slots, cache.width) <= cache.max_bytes
+
+
+def test_stale_slot_is_refilled_after_a_step_without_it() -> None:
+    """A request preempted and recomputed gets its slot copied in again, not reused."""
+    k_cache = torch.randn(8, BS, KVH, D)
+    cache = DecodeCache(1, KVH, D, BS, torch.float32, torch.device("cpu"), 1 << 20)
+    plan = cache.plan(["a"], [5], [[3, 4]])
+    assert plan is not None and [f[0] for f in plan.fills] == [0]
+    plan = cache.plan(["a"], [6], [[3, 4]])
+    assert plan is not None and plan.fills == []  # caught up: no copy
+    cache.drop(["a"])
+    assert cache.num_slots == 0  # nothing decoding: memory released
+    plan = cache.plan(["a"], [7], [[3, 4]])
+    assert plan is not None and len(plan.fills) == 1
+    assert k_cache.numel()  # (the paged cache is untouched by planning)
+
+
+@pytest.mark.parametrize("budget", [0, 1])
+def test_over_budget_falls_back_to_gather(budget: int) -> None:
+    cache = DecodeCache(1, KVH, D, BS, torch.float32, torch.device("cpu"), budget)
+    assert cache.plan(["a", "b"], [5, 9], [[1, 2], [3, 4, 5]]) is None
+    assert cache.num_slots == 0

@@ -16,12 +16,15 @@ would need more runs with the gather path instead.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 WIDTH_STEP = 128  # positions; widths are rounded up to this
 SLOT_STEP = 8
+
+Move = tuple[int, int, int]  # (from slot, to slot, valid tokens)
 
 
 @dataclass
@@ -34,7 +37,8 @@ class DecodePlan:
     used: int  # slots [0, used) take part in attention
     width: int  # positions [0, width) take part
     mask: torch.Tensor  # [used, 1, 1, width] 0 / -inf
-    fills: list[tuple[int, int, torch.Tensor]]  # (slot, tokens, block ids) to copy in first
+    moves: list[Move]  # (from slot, to slot, tokens) copied first
+    fills: list[tuple[int, int, torch.Tensor]]  # (slot, tokens, block ids) copied in next
     in_order: bool  # decode row i is slot i: no reordering of q and the output
 
 
@@ -85,14 +89,7 @@ class DecodeCache:
         self, req_ids: list[str], starts: list[int], tables: list[list[int]]
     ) -> DecodePlan | None:
         """Slots for this step's decode rows, or None (use the gather path) when over budget."""
-        taken = set(self.slot_of.values())
-        free = (s for s in range(1 << 30) if s not in taken)
-        slots = []
-        for req_id in req_ids:
-            slot = self.slot_of.get(req_id)
-            if slot is None:
-                slot = next(free)
-            slots.append(slot)
+        slots, moves = self._assign(req_ids, starts)
         used = max(slots) + 1
         width = -(-(max(starts) + 1) // WIDTH_STEP) * WIDTH_STEP
         if not self._fit(used, width):
@@ -101,9 +98,14 @@ class DecodeCache:
                 if slot is not None:
                     self.length[slot] = 0
             return None
+        for src, dst, n in moves:
+            self.length[dst], self.length[src] = n, 0
         fills = []
         bs = self.block_size
         for req_id, slot, start, table in zip(req_ids, slots, starts, tables):
+            old = self.slot_of.get(req_id)
+            if old is not None and old != slot:
+                self.length[old] = 0  # left behind: free
             self.slot_of[req_id] = slot
             if self.length[slot] != start:
                 ids = torch.tensor(table[: -(-start // bs)], dtype=torch.long, device=self.device)
@@ -121,9 +123,32 @@ class DecodeCache:
             used=used,
             width=width,
             mask=mask.view(used, 1, 1, width),
+            moves=moves,
             fills=fills,
             in_order=slots == list(range(len(slots))),
         )
+
+    def _assign(self, req_ids: list[str], starts: list[int]) -> tuple[list[int], list[Move]]:
+        """A slot per row, packed into [0, rows) where possible, so attention reads no
+        finished request's slot; a row above that moves down (its valid part copied)."""
+        nd = len(req_ids)
+        taken = set(self.slot_of.values())
+        low_free = [s for s in range(nd) if s not in taken]
+        low_free.reverse()  # pop() gives the lowest
+        slots, moves = [], []
+        for req_id, start in zip(req_ids, starts):
+            old = self.slot_of.get(req_id)
+            if old is not None and (old < nd or not low_free):
+                slot = old
+            elif low_free:
+                slot = low_free.pop()
+                if old is not None and self.length[old] == start:
+                    moves.append((old, slot, start))
+            else:
+                slot = next(s for s in itertools.count(nd) if s not in taken)
+            taken.add(slot)
+            slots.append(slot)
+        return slots, moves
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         # Zeroed: slots outside a row's length are masked, but a masked NaN would poison P @ V.
@@ -133,10 +158,14 @@ class DecodeCache:
         """Grow the tensors to hold ``slots`` x ``width``; False if that is over budget."""
         if slots <= self.num_slots and width <= self.width:
             return True
-        new_slots = max(self.num_slots, -(-slots // SLOT_STEP) * SLOT_STEP)
+        # Grow ahead (twice the slots, twice the width) so reallocations, which
+        # copy the whole mirror, stay rare; exactly what is needed near the budget.
+        new_slots = max(self.num_slots, slots)
         new_width = max(self.width, width)
-        if width > self.width:  # grow ahead, so a long decode reallocates rarely
-            new_width = max(width, min(2 * self.width, width + 4 * WIDTH_STEP))
+        if slots > self.num_slots:
+            new_slots = max(slots, 2 * self.num_slots, SLOT_STEP)
+        if width > self.width:
+            new_width = max(width, 2 * self.width)
         if self.bytes_for(new_slots, new_width) > self.max_bytes:
             new_slots, new_width = max(self.num_slots, slots), max(self.width, width)
             if self.bytes_for(new_slots, new_width) > self.max_bytes:
@@ -166,6 +195,9 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of the decode rows (q, k, v: [nd, heads, D]) over their slots."""
     kb, vb = plan.cache.k[layer], plan.cache.v[layer]
+    for src, dst, n in plan.moves:
+        kb[dst, :, :n] = kb[src, :, :n]
+        vb[dst, :, :n] = vb[src, :, :n]
     for slot, n, blocks in plan.fills:
         kb[slot, :, :n] = _blocks(k_cache, blocks)[:n].transpose(0, 1)
         vb[slot, :, :n] = _blocks(v_cache, blocks)[:n].transpose(0, 1)

@@ -54,6 +54,8 @@ class Phase:
     level: float  # streams, or requests per second
     seconds: float
     samples: list[Sample]
+    window_ns: tuple[int, int] = (0, 0)
+    engine: dict[str, float] = field(default_factory=dict)  # Lumen's own steps, from its trace
 
     def summary(self, slo_ttft: float, slo_tpot: float) -> dict[str, Any]:
         ok = [s for s in self.samples if s.error is None]
@@ -74,6 +76,7 @@ class Phase:
             "itl_s": percentiles(itls),
             "goodput_req_s": len(good) / self.seconds,
             "slo_met": len(good),
+            **self.engine,
         }
 
 
@@ -211,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
             plan = [("concurrency", c) for c in levels] + [("poisson", r) for r in rates]
             for kind, level in plan:
                 for name, server in servers:
+                    t0 = time.time_ns()
                     if kind == "concurrency":
                         per_stream = args.requests_per_stream
                         seconds, samples = asyncio.run(
@@ -220,7 +224,7 @@ def run(args: argparse.Namespace) -> int:
                         seconds, samples = asyncio.run(
                             _open_loop(server, arrivals[level], args.max_tokens)
                         )
-                    phase = Phase(name, kind, level, seconds, samples)
+                    phase = Phase(name, kind, level, seconds, samples, (t0, time.time_ns()))
                     phases.append(phase)
                     s = phase.summary(args.slo_ttft, args.slo_tpot)
                     print(f"  {name} {kind} {level:g}: {s['output_tok_s']:.1f} tok/s, "
@@ -233,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
         finally:
             for _, server in servers:
                 server.stop()
+        for phase in phases:
+            if phase.system == "lumen":
+                phase.engine = _engine_steps(servers[0][1].trace_db, phase.window_ns)
     summaries = [p.summary(args.slo_ttft, args.slo_tpot) for p in phases]
     _print(summaries, args)
     ratios = _ratios(summaries, step_b1)
@@ -253,6 +260,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_steps(trace_db: Path, window: tuple[int, int]) -> dict[str, float]:
+    """What Lumen's own trace says of a phase's steps: model (execute) time per step and
+    as a share of the time the engine was busy."""
+    from tracing.store import open_db
+
+    with open_db(trace_db) as con:
+        rows = con.execute(
+            "SELECT schedule_start_ns, execute_start_ns, execute_end_ns, output_ns, "
+            "num_prefill_tokens, num_decode_tokens FROM steps "
+            "WHERE schedule_start_ns >= ? AND output_ns <= ? ORDER BY step_id",
+            window,
+        ).fetchall()
+    if not rows:
+        return {}
+    execute = [(r[2] - r[1]) / 1e9 for r in rows]
+    decode_only = [(r[2] - r[1]) / 1e9 for r in rows if r[4] == 0]
+    busy = sum(r[3] - r[0] for r in rows) / 1e9
+    return {
+        "engine_steps": len(rows),
+        "engine_execute_s": percentiles(execute),
+        "engine_decode_execute_s": percentiles(decode_only),
+        "engine_model_time_share": sum(execute) / busy,
+    }
+
+
 def _print(summaries: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         f"\n{args.max_tokens} output tokens per request, greedy, EOS ignored; "
@@ -262,18 +294,25 @@ def _print(summaries: list[dict[str, Any]], args: argparse.Namespace) -> None:
     def ms(d: dict[str, float], p: str) -> str:
         return f"{d[p] * 1e3:.0f}"
 
+    def engine(s: dict[str, Any]) -> tuple[str, str]:
+        if "engine_decode_execute_s" not in s:
+            return "", ""
+        return ms(s["engine_decode_execute_s"], "p50"), f"{s['engine_model_time_share']:.1%}"
+
     print_table(
         ("system", "load", "reqs", "tok/s", "TTFT p50/p99 ms", "TPOT p50 ms",
-         "ITL p50/p99 ms", "goodput req/s"),
+         "ITL p50/p99 ms", "goodput req/s", "decode step p50 ms", "model time"),
         [
             (s["system"],
              f"{s['level']:g} streams" if s["kind"] == "concurrency" else f"{s['level']:g} req/s",
              f"{s['requests'] - s['errors']}/{s['requests']}", f"{s['output_tok_s']:.1f}",
              f"{ms(s['ttft_s'], 'p50')}/{ms(s['ttft_s'], 'p99')}", ms(s["tpot_s"], "p50"),
-             f"{ms(s['itl_s'], 'p50')}/{ms(s['itl_s'], 'p99')}", f"{s['goodput_req_s']:.2f}")
+             f"{ms(s['itl_s'], 'p50')}/{ms(s['itl_s'], 'p99')}", f"{s['goodput_req_s']:.2f}",
+             *engine(s))
             for s in summaries
         ],
     )  # fmt: skip
+    print("(decode step and model time: Lumen's own trace; model time = execute / busy wall)")
 
 
 def _ratios(summaries: list[dict[str, Any]], step_b1: float) -> dict[str, float]:
@@ -286,6 +325,12 @@ def _ratios(summaries: list[dict[str, Any]], step_b1: float) -> dict[str, float]
         tag = f"{'c' if kind == 'concurrency' else 'rate'}{level:g}"
         if kind == "concurrency" and level == 1:
             out["c1_itl_p50_over_batch1_step_ratio"] = lumen["itl_s"]["p50"] / step_b1
+            if "engine_decode_execute_s" in lumen:
+                out["c1_itl_p50_over_engine_execute_ratio"] = (
+                    lumen["itl_s"]["p50"] / lumen["engine_decode_execute_s"]["p50"]
+                )
+        if "engine_model_time_share" in lumen:
+            out[f"{tag}_model_time_share_ratio"] = lumen["engine_model_time_share"]
         hf = by.get(("hf", kind, level))
         if hf is None:
             continue

@@ -133,8 +133,12 @@ def test_serve_bench_against_transformers_serve(tmp_path: Path, tiny_model_path:
         assert p["errors"] == 0, p
         assert p["output_tokens"] == 8 * p["requests"]
     want = {"c3_throughput_ratio", "c3_ttft_p50_ratio", "c3_itl_p50_ratio",
-            "c1_itl_p50_over_batch1_step_ratio", "rate4_throughput_ratio"}  # fmt: skip
+            "c1_itl_p50_over_batch1_step_ratio", "c1_itl_p50_over_engine_execute_ratio",
+            "c3_model_time_share_ratio", "rate4_throughput_ratio"}  # fmt: skip
     assert want <= set(ratio_keys(doc))
+    # Lumen's phases carry its own steps, read back from the server's trace db.
+    lumen = [p for p in doc["phases"] if p["system"] == "lumen"]
+    assert all(p["engine_steps"] > 0 and 0 < p["engine_model_time_share"] <= 1 for p in lumen)
     print(r.stdout)
 
 

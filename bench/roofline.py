@@ -5,7 +5,7 @@
 - ``weights_pass``: one pass of ``rows`` activations through every weight
   matrix of the model (the memory-bound floor of a decode step).
 - ``StepTimer``: Lumen's real worker path (ModelRunner.execute_model: input
-  preparation, forward, sampling) on hand-built decode or prefill batches.
+  preparation, forward, sampling) on hand-built decode batches.
 - ``FlopCounter``: model FLOPs of engine steps, from their StepRecords.
 """
 
@@ -39,16 +39,6 @@ def best_time(
             sync()
         best = min(best, time.perf_counter() - t0)
     return best
-
-
-def median_time(fn: Callable[[], object], repeat: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def matmul_ceiling(
@@ -137,9 +127,11 @@ class StepTimer:
         return sched
 
     def decode_step(self, batch: int, context: int, steps: int = 9) -> float:
-        """Median seconds of one decode step: ``batch`` rows after about ``context`` tokens.
+        """Seconds of one decode step: ``batch`` rows after about ``context`` tokens.
 
-        Successive steps, as in a real decode: each row's context grows by one.
+        Successive steps, as in a real decode (each row's context grows by
+        one); the fastest counts, as for ``weights_pass``: on a shared
+        machine noise only ever adds time.
         """
         sched = self._batch([1] * batch, [context] * batch, extra=steps + 1)
 
@@ -147,13 +139,7 @@ class StepTimer:
             self.runner.execute_model(sched)
             sched.num_computed_tokens = [n + 1 for n in sched.num_computed_tokens]
 
-        seconds = median_time(step, repeat=steps)
-        self.runner.execute_model(SchedulerOutput(step_id=0, finished_req_ids=sched.req_ids))
-        return seconds
-
-    def prefill_step(self, prompts: list[int]) -> float:
-        sched = self._batch(prompts, [0] * len(prompts))
-        seconds = median_time(lambda: self.runner.execute_model(sched), repeat=3)
+        seconds = best_time(step, repeat=steps, device=self.device)
         self.runner.execute_model(SchedulerOutput(step_id=0, finished_req_ids=sched.req_ids))
         return seconds
 

@@ -190,7 +190,10 @@ def run(args: argparse.Namespace) -> int:
     from engine.model_files import resolve_model
 
     levels = parse_ints(args.concurrency, "--concurrency")
-    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    try:
+        rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--rates takes comma-separated numbers, not {args.rates!r}") from None
     if any(r <= 0 for r in rates):
         raise ValueError(f"--rates must be positive, got {args.rates!r}")
     if min(args.requests_per_stream, args.poisson_requests, args.max_tokens) < 1:

@@ -154,7 +154,7 @@ class TransformersServer(LumenServer):
         from transformers.utils import is_serve_available
 
         if not is_serve_available():
-            raise RuntimeError(
+            raise ValueError(
                 "transformers serve needs its serving extras: pip install -e '.[bench]'"
             )
         self.port = free_port()

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+NAN = float("nan")
 
 
 def machine(device: torch.device | None = None) -> dict[str, Any]:
@@ -38,12 +39,11 @@ def write_json(path: str | None, doc: dict[str, Any]) -> None:
         print(f"wrote {path}")
 
 
-def percentiles(values: Sequence[float], ps: Sequence[int] = (50, 90, 99)) -> dict[str, float]:
-    """{"p50": ..., ...}; NaN when there are no values."""
-    if not values:
-        return {f"p{p}": float("nan") for p in ps}
-    arr = np.asarray(values, dtype=np.float64)
-    return {f"p{p}": float(np.percentile(arr, p)) for p in ps}
+def percentiles(values: Sequence[float]) -> dict[str, float]:
+    """replay's p50 / p90 / p99 / max, with NaN for each when there are no values."""
+    from replay.report import percentiles as replay_percentiles
+
+    return replay_percentiles(list(values)) or dict.fromkeys(("p50", "p90", "p99", "max"), NAN)
 
 
 def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:

@@ -13,11 +13,20 @@ attending causally to its cached context plus itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from engine.worker.decode_cache import DecodePlan, decode_attention
+if TYPE_CHECKING:
+    from engine.worker.decode_cache import DecodePlan
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as 0 / -inf, built once a step: SDPA would otherwise
+    convert a boolean mask again in every layer."""
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, float("-inf"))
 
 
 @dataclass
@@ -58,9 +67,7 @@ def paged_attention(
     gqa = q.shape[1] != num_kv_heads
     nd = meta.num_decodes
     if nd and meta.decode_plan is not None:
-        od = decode_attention(
-            meta.decode_plan, layer, q[:nd], k[:nd], v[:nd], k_cache, v_cache, scale
-        )
+        od = meta.decode_plan.attention(layer, q[:nd], k[:nd], v[:nd], k_cache, v_cache, scale)
         if not meta.prefills:
             return od
     elif nd:

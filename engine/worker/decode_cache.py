@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.worker.attention import additive_mask
+
 WIDTH_STEP = 128  # positions; widths are rounded up to this
 SLOT_STEP = 8
 
@@ -39,7 +41,38 @@ class DecodePlan:
     mask: torch.Tensor  # [used, 1, 1, width] 0 / -inf
     moves: list[Move]  # (from slot, to slot, tokens) copied first
     fills: list[tuple[int, int, torch.Tensor]]  # (slot, tokens, block ids) copied in next
-    in_order: bool  # decode row i is slot i: no reordering of q and the output
+    in_order: bool  # decode row i is slot i (so used == rows): q and the output stay as they are
+
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        """Attention of the decode rows (q, k, v: [nd, heads, D]) over their slots."""
+        kb, vb = self.cache.k[layer], self.cache.v[layer]
+        for src, dst, n in self.moves:
+            kb[dst, :, :n] = kb[src, :, :n]
+            vb[dst, :, :n] = vb[src, :, :n]
+        for slot, n, blocks in self.fills:
+            kb[slot, :, :n] = _blocks(k_cache, blocks)[:n].transpose(0, 1)
+            vb[slot, :, :n] = _blocks(v_cache, blocks)[:n].transpose(0, 1)
+        kb[self.slot_idx, :, self.positions] = k
+        vb[self.slot_idx, :, self.positions] = v
+        if self.in_order:
+            qs = q.unsqueeze(2)
+        else:
+            qs = q.new_zeros(self.used, q.shape[1], 1, q.shape[2])
+            qs[self.slot_idx] = q.unsqueeze(2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qs, kb[: self.used, :, : self.width], vb[: self.used, :, : self.width],
+            attn_mask=self.mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        ).squeeze(2)  # fmt: skip
+        return out if self.in_order else out[self.slot_idx]
 
 
 class DecodeCache:
@@ -98,8 +131,8 @@ class DecodeCache:
                 if slot is not None:
                     self.length[slot] = 0
             return None
-        for src, dst, n in moves:
-            self.length[dst], self.length[src] = n, 0
+        for _, dst, n in moves:
+            self.length[dst] = n  # the source is freed below, with the row's old slot
         fills = []
         bs = self.block_size
         for req_id, slot, start, table in zip(req_ids, slots, starts, tables):
@@ -112,17 +145,16 @@ class DecodeCache:
                 fills.append((slot, start, ids))
             self.length[slot] = start + 1
         dev = self.device
+        # A slot no row uses this step shows its first position: finite, never NaN.
         lens = torch.tensor([max(n, 1) for n in self.length[:used]], device=dev)
         visible = torch.arange(width, device=dev).unsqueeze(0) < lens.unsqueeze(1)
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=dev)
-        mask.masked_fill_(~visible, float("-inf"))
         return DecodePlan(
             cache=self,
             slot_idx=torch.tensor(slots, dtype=torch.long, device=dev),
             positions=torch.tensor(starts, dtype=torch.long, device=dev),
             used=used,
             width=width,
-            mask=mask.view(used, 1, 1, width),
+            mask=additive_mask(visible, self.dtype).view(used, 1, 1, width),
             moves=moves,
             fills=fills,
             in_order=slots == list(range(len(slots))),
@@ -160,12 +192,10 @@ class DecodeCache:
             return True
         # Grow ahead (twice the slots, twice the width) so reallocations, which
         # copy the whole mirror, stay rare; exactly what is needed near the budget.
-        new_slots = max(self.num_slots, slots)
-        new_width = max(self.width, width)
-        if slots > self.num_slots:
-            new_slots = max(slots, 2 * self.num_slots, SLOT_STEP)
-        if width > self.width:
-            new_width = max(width, 2 * self.width)
+        new_slots = (
+            max(slots, 2 * self.num_slots, SLOT_STEP) if slots > self.num_slots else self.num_slots
+        )
+        new_width = max(width, 2 * self.width) if width > self.width else self.width
         if self.bytes_for(new_slots, new_width) > self.max_bytes:
             new_slots, new_width = max(self.num_slots, slots), max(self.width, width)
             if self.bytes_for(new_slots, new_width) > self.max_bytes:
@@ -181,39 +211,6 @@ class DecodeCache:
         self.length += [0] * (new_slots - self.num_slots)
         self.num_slots, self.width = new_slots, new_width
         return True
-
-
-def decode_attention(
-    plan: DecodePlan,
-    layer: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Attention of the decode rows (q, k, v: [nd, heads, D]) over their slots."""
-    kb, vb = plan.cache.k[layer], plan.cache.v[layer]
-    for src, dst, n in plan.moves:
-        kb[dst, :, :n] = kb[src, :, :n]
-        vb[dst, :, :n] = vb[src, :, :n]
-    for slot, n, blocks in plan.fills:
-        kb[slot, :, :n] = _blocks(k_cache, blocks)[:n].transpose(0, 1)
-        vb[slot, :, :n] = _blocks(v_cache, blocks)[:n].transpose(0, 1)
-    kb[plan.slot_idx, :, plan.positions] = k
-    vb[plan.slot_idx, :, plan.positions] = v
-    used, width = plan.used, plan.width
-    if plan.in_order and used == q.shape[0]:
-        qs = q.unsqueeze(2)
-    else:
-        qs = q.new_zeros(used, q.shape[1], 1, q.shape[2])
-        qs[plan.slot_idx] = q.unsqueeze(2)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qs, kb[:used, :, :width], vb[:used, :, :width], attn_mask=plan.mask, scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    ).squeeze(2)  # fmt: skip
-    return out if plan.in_order and used == q.shape[0] else out[plan.slot_idx]
 
 
 def _blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

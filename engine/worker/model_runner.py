@@ -9,7 +9,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from engine.worker.attention import AttentionMetadata, PrefillChunk
+from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask
 from engine.worker.decode_cache import DecodeCache
 from engine.worker.llama import LlamaForCausalLM, Rotary, Shard
 from engine.worker.sampler import Sampler, SamplingRow
@@ -85,8 +85,7 @@ class ModelRunner:
         for req_id in sched.finished_req_ids:
             self.rows.pop(req_id, None)
         if self.decode_cache is not None:
-            self.decode_cache.drop(sched.finished_req_ids)
-            self.decode_cache.drop(sched.preempted_req_ids)
+            self.decode_cache.drop(sched.finished_req_ids + sched.preempted_req_ids)
         if self.is_driver:
             for new in sched.new_requests:
                 self._add_request(new)
@@ -135,7 +134,7 @@ class ModelRunner:
         logits_indices: list[int] = []
         sample_req_ids: list[str] = []
         decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
+        decode_starts: list[int] = []
         decode_req_ids: list[str] = []
         prefills: list[PrefillChunk] = []
         bs = self.block_size
@@ -154,7 +153,7 @@ class ModelRunner:
             slots.append(table_np[pos // bs] * bs + pos % bs)
             if n == 1 and start > 0:
                 decode_tables.append(table)
-                decode_lens.append(start + 1)
+                decode_starts.append(start)
                 decode_req_ids.append(sched.req_ids[i])
             elif start == 0:
                 prefills.append(PrefillChunk(row0, row0 + n, 0, None, None))
@@ -172,18 +171,16 @@ class ModelRunner:
             prefills=prefills,
         )
         if decode_tables and self.decode_cache is not None:
-            meta.decode_plan = self.decode_cache.plan(
-                decode_req_ids, [n - 1 for n in decode_lens], decode_tables
-            )
+            meta.decode_plan = self.decode_cache.plan(decode_req_ids, decode_starts, decode_tables)
         if decode_tables and meta.decode_plan is None:
             max_blocks = max(len(t) for t in decode_tables)
             tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
             for j, t in enumerate(decode_tables):
                 tables[j, : len(t)] = t
-            lens = torch.tensor(decode_lens, device=dev)
+            lens = torch.tensor(decode_starts, device=dev) + 1
             meta.decode_block_tables = torch.from_numpy(tables).to(dev)
             visible = torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
-            meta.decode_mask = self._additive(visible).view(len(decode_tables), 1, 1, -1)
+            meta.decode_mask = additive_mask(visible, self.dtype).view(len(decode_tables), 1, 1, -1)
         return _StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
@@ -197,15 +194,9 @@ class ModelRunner:
         num_blocks = -(-ctx // self.block_size)
         dev = self.device
         q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
-        mask = self._additive(torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos)
+        mask = additive_mask(torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos, self.dtype)
         block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=dev)
         return PrefillChunk(row0, row0 + n, start, block_table, mask)
-
-    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
-        """A boolean mask as 0 / -inf in the model dtype, built once a step: SDPA
-        would otherwise convert a boolean mask again in every layer."""
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        return mask.masked_fill_(~visible, float("-inf"))
 
 
 class _StepInputs:

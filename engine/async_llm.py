@@ -7,21 +7,17 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from engine.frontend import Frontend, FrontendObserver
 from engine.messages import EngineStats, UtilityMethod
 from engine.model_files import resolve_model
 from engine.mp_client import AsyncMPClient
-from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.processor import InputProcessor, PromptType
 from engine.sampling_params import SamplingParams
-from engine.stats import IterationStats, StatLogger
-
-if TYPE_CHECKING:
-    from tracing.recorder import Tracer
+from engine.stats import StatLogger
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +101,8 @@ class AsyncLLM:
         self.client = AsyncMPClient(config, path)
         self.processor = InputProcessor.for_model(path, self.client.info)
         self.tokenizer = self.processor.tokenizer
-        self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
+        self.frontend = Frontend(self.processor, self.client.state, stat_loggers)
         self.stall_timeout = stall_timeout
-        self.stat_loggers = stat_loggers
-        self.tracer: Tracer | None = None  # set with ``enable_tracing``
         self.dead_error: EngineDeadError | None = None
         self._dead = asyncio.Event()  # set when the output loop fails for good
         self._streams: dict[str, _Stream] = {}
@@ -130,9 +124,16 @@ class AsyncLLM:
                 w.cancel()
         return self.client.core.dead_reason or str(self.dead_error or "engine died")
 
-    def enable_tracing(self, tracer: Tracer) -> None:
-        self.tracer = tracer
-        self.client.state.keep_acks = True
+    def observe(self, observer: FrontendObserver) -> None:
+        """Report every request's events to ``observer`` (the tracer)."""
+        self.frontend.observe(observer)
+
+    @property
+    def observed(self) -> bool:
+        return self.frontend.observer is not None
+
+    def add_stat_logger(self, stat_logger: StatLogger) -> None:
+        self.frontend.stat_loggers = (*self.frontend.stat_loggers, stat_logger)
 
     @property
     def max_model_len(self) -> int:
@@ -153,7 +154,7 @@ class AsyncLLM:
 
         ``stream=False`` tells the tracer that the caller delivers one whole
         response at the end (one frontend.emit), not each delta as it comes.
-        ``close_trace=False``: the caller calls ``tracer.closed`` once its
+        ``close_trace=False``: the caller reports the request closed once its
         response is written (the server does, to time the last write).
         """
         arrival_ns = arrival_ns or time.time_ns()
@@ -162,50 +163,33 @@ class AsyncLLM:
         text, ids = self.processor.tokenize(prompt)
         self.processor.validate(ids, params)
         request_id = request_id or self.processor.new_request_id()
-        child_ids = self.output_processor.add_request(
-            request_id, text, ids, params, stream=True, arrival_ns=arrival_ns
-        )
+        frontend = self.frontend
+        requests = frontend.add(
+            request_id, text, ids, params, priority=priority, arrival_ns=arrival_ns,
+            stream=stream, stream_deltas=True,
+        )  # fmt: skip
         stream_state = self._streams[request_id] = _Stream()
         finished = False
-        tracer = self.tracer
-        if tracer is not None:
-            tracer.enqueued(
-                request_id, child_ids, ids, params, priority=priority, arrival_ns=arrival_ns,
-                sent_ns=time.time_ns(), stream=stream,
-            )  # fmt: skip
         try:
-            for index, child_id in enumerate(child_ids):
-                await self.client.add_request(
-                    self.processor.make_request(
-                        child_id,
-                        ids,
-                        child_params(params, index),
-                        priority=priority,
-                        arrival_ns=arrival_ns,
-                    )
-                )
+            for request in requests:
+                await self.client.add_request(request)
             self._wake.set()
             while not finished:
                 out = await stream_state.get()
                 finished = out.finished
                 yield out
-                if tracer is not None and stream:
-                    tracer.delivered(request_id, time.time_ns())  # the caller took it
+                if stream:
+                    frontend.delivered(request_id)  # the caller took it
         finally:
             if not finished:
                 await self.abort(request_id)
-            if tracer is not None and close_trace:
-                tracer.closed(request_id, time.time_ns())
+            if close_trace:
+                frontend.closed(request_id)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if still read) ends with no more outputs."""
         self._streams.pop(request_id, None)
-        stats = IterationStats(time.time_ns()) if self.stat_loggers else None
-        child_ids = self.output_processor.abort_request(request_id, stats)
-        if child_ids and self.tracer is not None:
-            self.tracer.finished(request_id, "aborted", "abort", time.time_ns())
-        if stats is not None and stats.finished:
-            self._record(stats)
+        child_ids = self.frontend.abort(request_id)
         if child_ids and self.dead_error is None and not self.client.state.closed:
             with contextlib.suppress(EngineDeadError):
                 await self.client.abort_requests(child_ids)
@@ -233,14 +217,7 @@ class AsyncLLM:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            outs = await self.client.get_output()
-            now_ns = time.time_ns()
-            if self.tracer is not None:
-                self.tracer.outputs(outs, now_ns, self.client.state.take_acks())
-            stats = IterationStats(now_ns) if self.stat_loggers else None
-            results, to_abort = self.output_processor.process_outputs(
-                outs.outputs, outs.step, stats
-            )
+            results, to_abort = self.frontend.process(await self.client.get_output())
             if to_abort:
                 await self.client.abort_requests(to_abort)
             for result in results:
@@ -249,21 +226,10 @@ class AsyncLLM:
                     stream.put(result)
                     if result.finished:
                         del self._streams[result.request_id]
-                if result.finished and self.tracer is not None:
-                    self.tracer.request_done(result, now_ns)
-            if stats is not None:
-                self._record(stats)
             now = time.monotonic()
             if now - last_stall_check > 1.0:
                 last_stall_check = now
                 await self._abort_stalled(now)
-
-    def _record(self, stats: IterationStats) -> None:
-        for stat_logger in self.stat_loggers:
-            try:
-                stat_logger.record(stats)
-            except Exception:
-                logger.exception("stat logger %r failed", stat_logger)
 
     async def _abort_stalled(self, now: float) -> None:
         stalled = [
@@ -280,11 +246,9 @@ class AsyncLLM:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self.dead_error = error
-        now_ns = time.time_ns()
         for request_id, stream in self._streams.items():
             stream.fail(error)
-            if self.tracer is not None:
-                self.tracer.finished(request_id, "error", "error", now_ns, str(error))
+            self.frontend.failed(request_id, str(error))
         self._streams.clear()
 
     async def shutdown(self) -> None:

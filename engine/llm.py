@@ -13,12 +13,13 @@ from tqdm import tqdm
 from engine.client import make_client
 from engine.config import EngineConfig
 from engine.errors import RequestError
+from engine.frontend import Frontend
 from engine.messages import EngineStats, StepRecord, UtilityMethod
 from engine.model_files import resolve_model
-from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PromptType
 from engine.sampling_params import SamplingParams
+from engine.stats import IterationStats
 
 if TYPE_CHECKING:
     from tracing.recorder import Tracer
@@ -53,18 +54,19 @@ class LLM:
         self.config = EngineConfig(model=model, **options)
         path = str(resolve_model(model))
         self.client = make_client(self.config, path)
+        self.processor = InputProcessor.for_model(path, self.client.info)
+        self.tokenizer = self.processor.tokenizer
+        self.frontend = Frontend(self.processor, self.client.state, stat_loggers=(self,))
         self.tracer: Tracer | None = None
         if tracing.get("trace_db") or tracing.get("otlp_traces_endpoint"):
+            # The one place the engine reaches tracing: LLM(trace_db=...) builds its observer.
             from tracing.recorder import Tracer
 
             tracing.setdefault("no_trace_db", not tracing.get("trace_db"))
             self.tracer = Tracer(
                 TracingConfig(**tracing), self.client.info, engine_config=self.config
             )
-            self.client.state.keep_acks = True
-        self.processor = InputProcessor.for_model(path, self.client.info)
-        self.tokenizer = self.processor.tokenizer
-        self.output_processor = OutputProcessor(self.tokenizer.backend_tokenizer)
+            self.frontend.observe(self.tracer)
         self._metrics = dict.fromkeys(_METRICS, 0)
         # Set to a list to keep every step's record and its number of outputs
         # (benchmarks count model FLOPs and model time from these).
@@ -126,52 +128,34 @@ class LLM:
         # Validate everything before adding anything, so a bad prompt adds nothing.
         for (_, ids), p in zip(tokenized, params):
             self.processor.validate(ids, p)
+        frontend = self.frontend
         order: dict[str, int] = {}
         for i, ((text, ids), p, prio) in enumerate(zip(tokenized, params, priorities)):
             request_id = self.processor.new_request_id()
             order[request_id] = i
-            child_ids = self.output_processor.add_request(request_id, text, ids, p)
-            if self.tracer is not None:
-                self.tracer.enqueued(
-                    request_id, child_ids, ids, p, priority=prio, arrival_ns=arrival_ns,
-                    sent_ns=time.time_ns(), stream=False,
-                )  # fmt: skip
-            for index, child_id in enumerate(child_ids):
-                self.client.add_request(
-                    self.processor.make_request(
-                        child_id, ids, child_params(p, index), priority=prio, arrival_ns=arrival_ns
-                    )
-                )
+            requests = frontend.add(
+                request_id, text, ids, p, priority=prio, arrival_ns=arrival_ns, stream=False,
+                stream_deltas=False,
+            )  # fmt: skip
+            for request in requests:
+                self.client.add_request(request)
         results: list[RequestOutput | None] = [None] * len(tokenized)
         bar = tqdm(total=len(tokenized), desc="generate", disable=not use_tqdm)
         try:
-            while self.output_processor.has_unfinished():
-                outputs = self.client.get_output()
-                if self.tracer is not None:
-                    self.tracer.outputs(outputs, time.time_ns(), self.client.state.take_acks())
-                if outputs.step is not None:
-                    self._record(outputs.step)
-                    if self.step_log is not None:
-                        self.step_log.append((outputs.step, len(outputs.outputs)))
-                finished, to_abort = self.output_processor.process_outputs(outputs.outputs)
+            while frontend.output_processor.has_unfinished():
+                finished, to_abort = frontend.process(self.client.get_output())
                 if to_abort:
                     self.client.abort_requests(to_abort)
                 for result in finished:
                     results[order[result.request_id]] = result
-                    if self.tracer is not None:
-                        now_ns = time.time_ns()
-                        self.tracer.request_done(result, now_ns)
-                        self.tracer.closed(result.request_id, now_ns)
+                    frontend.closed(result.request_id)
                 bar.update(len(finished))
         except BaseException:
             # Ctrl-C or a failure: leave no request behind in the engine.
             for request_id in order:
-                child_ids = self.output_processor.abort_request(request_id)
-                self.client.abort_requests(child_ids)
-                if child_ids and self.tracer is not None:
-                    now_ns = time.time_ns()
-                    self.tracer.finished(request_id, "aborted", "abort", now_ns)
-                    self.tracer.closed(request_id, now_ns)
+                if child_ids := frontend.abort(request_id):
+                    self.client.abort_requests(child_ids)
+                    frontend.closed(request_id)
             raise
         finally:
             bar.close()
@@ -185,7 +169,12 @@ class LLM:
         """Counters over every engine step this LLM ran (steps, tokens, preemptions, hits)."""
         return dict(self._metrics)
 
-    def _record(self, step: StepRecord) -> None:
+    def record(self, stats: IterationStats) -> None:
+        """The frontend's stat logger: counts every step, and logs it when asked."""
+        if (step := stats.step) is None or step.idle:
+            return
+        if self.step_log is not None:
+            self.step_log.append((step, stats.num_outputs))
         m = self._metrics
         m["num_steps"] += 1
         m["num_prefill_tokens"] += step.num_prefill_tokens

@@ -106,17 +106,29 @@ class _Parent:
             finished_ns=now_ns,
         )
 
+    def timing(self) -> dict[str, float]:
+        """The request's instants so far (ns), as RequestOutput.metrics of its final output."""
+        return {
+            "arrival_ns": self.arrival_ns,
+            "queued_ns": self.queued_ns,  # the core dequeued it
+            "scheduled_ns": self.scheduled_ns,  # its first step began
+            "first_token_ns": self.first_token_ns,
+            "last_token_ns": self.last_token_ns,
+        }
+
     def delta_output(self) -> RequestOutput | None:
         deltas = [d for s in self.sequences if (d := s.delta()) is not None]
         if not deltas:
             return None
+        finished = self.num_unfinished == 0
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=deltas,
-            finished=self.num_unfinished == 0,
+            finished=finished,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=self.timing() if finished else {},
         )
 
     def output(self) -> RequestOutput:
@@ -127,6 +139,7 @@ class _Parent:
             outputs=[s.completion() for s in self.sequences],
             finished=self.num_unfinished == 0,
             num_cached_tokens=self.num_cached_tokens,
+            metrics=self.timing(),
         )
 
 
@@ -214,11 +227,12 @@ class OutputProcessor:
         finished: list[RequestOutput] = []
         to_abort: list[str] = []
         streamed: dict[str, _Parent] = {}
-        if stats is not None and step is not None:
-            stats.step = step
+        if step is not None:
+            if stats is not None:
+                stats.step = step
             for rid in step.req_ids:
                 if (s := self._sequences.get(rid)) is not None and not s.parent.scheduled_ns:
-                    s.parent.scheduled_ns = step.schedule_end_ns
+                    s.parent.scheduled_ns = step.schedule_start_ns
         for out in outputs:
             seq = self._sequences.get(out.request_id)
             if seq is None:

@@ -33,6 +33,7 @@ class IterationStats:
 
     now_ns: int
     step: StepRecord | None = None
+    num_outputs: int = 0  # core outputs in the batch
     num_prompt_tokens: int = 0  # prompts of requests that got their first token
     num_generation_tokens: int = 0
     ttfts_s: list[float] = field(default_factory=list)

@@ -72,7 +72,7 @@ async def run_replay(
         TracingConfig(trace_db=out, trace_prompts="hashes"), engine.client.info,
         engine_config=engine_config,
     )  # fmt: skip
-    engine.enable_tracing(tracer)
+    engine.observe(tracer)
     too_long = [r for r in work if len(r.prompt_token_ids) >= engine.max_model_len]
     if too_long:
         raise ValueError(

@@ -116,14 +116,14 @@ def test_outputs_come_back_in_prompt_order(tiny_llm: LLM) -> None:
 def test_priority_policy_runs_urgent_requests_first(tiny_model_path: Path) -> None:
     llm = LLM(str(tiny_model_path), num_kv_blocks=64, max_num_seqs=1, scheduling_policy="priority")
     seen: list[str] = []
-    original = llm.output_processor.process_outputs
+    original = llm.frontend.output_processor.process_outputs
 
-    def spy(outputs):
-        finished, to_abort = original(outputs)
+    def spy(outputs, *rest):
+        finished, to_abort = original(outputs, *rest)
         seen.extend(r.prompt_token_ids[0] for r in finished)
         return finished, to_abort
 
-    llm.output_processor.process_outputs = spy  # observe completion order only
+    llm.frontend.output_processor.process_outputs = spy  # observe completion order only
     prompts = [{"prompt_token_ids": [p, 7, 8]} for p in (30, 10, 20)]
     llm.generate(prompts, SamplingParams(max_tokens=3), priority=[3, 1, 2], use_tqdm=False)
     assert seen == [10, 20, 30]

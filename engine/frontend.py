@@ -1,0 +1,196 @@
+"""The frontend loop LLM and AsyncLLM share, and the observer interface tracing implements.
+
+Both frontends do the same three things around their client: add a request
+(its n sequences become core requests), turn each batch of core outputs into
+RequestOutputs, and abort. ``Frontend`` does them once, reporting each event
+to an optional ``FrontendObserver`` (the tracer) and to the stat loggers
+(metrics). The drivers only differ in how they wait: LLM blocks, AsyncLLM awaits.
+
+Instants follow the clock rule of ``engine/messages.py`` (``time.time_ns``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.client import ClientState
+from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from engine.output_processor import OutputProcessor, child_params
+from engine.outputs import RequestOutput
+from engine.processor import InputProcessor
+from engine.sampling_params import SamplingParams
+from engine.stats import IterationStats, StatLogger
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Enqueued:
+    """A request handed to the engine client: the end of frontend.enqueue."""
+
+    request_id: str
+    child_ids: list[str]  # its core requests (one per sequence of n)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    arrival_ns: int
+    sent_ns: int
+    stream: bool  # the caller takes every delta (False: one response at the end)
+
+
+@dataclass(slots=True)
+class Finished:
+    """A request ended: ok (its final output came back), aborted or error."""
+
+    request_id: str
+    status: str  # ok | aborted | error
+    finish_reason: str
+    ns: int
+    error: str | None = None
+
+
+class FrontendObserver(Protocol):
+    """What a frontend reports, in order, from the thread or task that runs it.
+
+    Every method must return at once (enqueue, never block): it runs on the
+    frontend's output path.
+    """
+
+    def enqueued(self, event: Enqueued) -> None: ...
+
+    def outputs(
+        self, outs: EngineCoreOutputs, received_ns: int, acks: list[EngineCoreOutput]
+    ) -> None: ...
+
+    def delivered(self, request_id: str, ns: int) -> None:
+        """The caller took the request's pending outputs."""
+
+    def finished(self, event: Finished) -> None: ...
+
+    def closed(self, request_id: str, ns: int) -> None:
+        """The caller has the whole response: the request's record is complete."""
+
+
+class Frontend:
+    """Requests in flight between a caller and an engine client."""
+
+    def __init__(
+        self,
+        processor: InputProcessor,
+        client_state: ClientState,
+        stat_loggers: tuple[StatLogger, ...] = (),
+    ) -> None:
+        self.processor = processor
+        self.state = client_state
+        self.output_processor = OutputProcessor(processor.tokenizer.backend_tokenizer)
+        self.stat_loggers = stat_loggers
+        self.observer: FrontendObserver | None = None
+
+    def observe(self, observer: FrontendObserver) -> None:
+        self.observer = observer
+        self.state.keep_acks = True  # the observer also sees acks the abort filter consumes
+
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int,
+        arrival_ns: int,
+        stream: bool,
+        stream_deltas: bool,
+    ) -> list[EngineCoreRequest]:
+        """Register a request; returns the core requests to send (one per sequence).
+
+        ``stream_deltas``: the frontend wants a delta after every step (AsyncLLM
+        always does); ``stream``: the caller delivers each one as it comes.
+        """
+        child_ids = self.output_processor.add_request(
+            request_id,
+            prompt,
+            prompt_token_ids,
+            params,
+            stream=stream_deltas,
+            arrival_ns=arrival_ns,
+        )
+        if self.observer is not None:
+            self.observer.enqueued(
+                Enqueued(
+                    request_id,
+                    child_ids,
+                    prompt_token_ids,
+                    params,
+                    priority,
+                    arrival_ns,
+                    time.time_ns(),
+                    stream,
+                )
+            )
+        return [
+            self.processor.make_request(
+                child_id,
+                prompt_token_ids,
+                child_params(params, index),
+                priority=priority,
+                arrival_ns=arrival_ns,
+            )
+            for index, child_id in enumerate(child_ids)
+        ]
+
+    def process(self, outs: EngineCoreOutputs) -> tuple[list[RequestOutput], list[str]]:
+        """One batch of core outputs: the RequestOutputs to deliver, and core ids to abort
+        (stopped by a stop string)."""
+        now_ns = time.time_ns()
+        if self.observer is not None:
+            self.observer.outputs(outs, now_ns, self.state.take_acks())
+        stats = IterationStats(now_ns, num_outputs=len(outs.outputs)) if self.stat_loggers else None
+        results, to_abort = self.output_processor.process_outputs(outs.outputs, outs.step, stats)
+        if self.observer is not None:
+            for result in results:
+                if result.finished:
+                    self.observer.finished(_finished(result, now_ns))
+        if stats is not None:
+            self.record(stats)
+        return results, to_abort
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns its core ids (the caller aborts them in the core)."""
+        now_ns = time.time_ns()
+        stats = IterationStats(now_ns) if self.stat_loggers else None
+        child_ids = self.output_processor.abort_request(request_id, stats)
+        if child_ids and self.observer is not None:
+            self.observer.finished(Finished(request_id, "aborted", "abort", now_ns))
+        if stats is not None and stats.finished:
+            self.record(stats)
+        return child_ids
+
+    def failed(self, request_id: str, error: str) -> None:
+        if self.observer is not None:
+            self.observer.finished(Finished(request_id, "error", "error", time.time_ns(), error))
+
+    def delivered(self, request_id: str) -> None:
+        if self.observer is not None:
+            self.observer.delivered(request_id, time.time_ns())
+
+    def closed(self, request_id: str) -> None:
+        if self.observer is not None:
+            self.observer.closed(request_id, time.time_ns())
+
+    def record(self, stats: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            try:
+                stat_logger.record(stats)
+            except Exception:
+                logger.exception("stat logger %r failed", stat_logger)
+
+
+def _finished(result: RequestOutput, ns: int) -> Finished:
+    errors = [c.error for c in result.outputs if c.error]
+    reasons = [c.finish_reason for c in result.outputs if c.finish_reason]
+    status, error = ("error", errors[0]) if errors else ("ok", None)
+    return Finished(result.request_id, status, reasons[0] if reasons else "stop", ns, error)

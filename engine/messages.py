@@ -123,6 +123,12 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # When the core's loop dequeued the request (the end of core.receive); sent
     # once, on the request's first output, its abort ack or its refusal.
     received_ns: int = 0
+    # On an abort ack of a request the core held: when its KV blocks were freed.
+    freed_ns: int = 0
+
+
+# What held waiting requests back in a step (StepRecord.wait_reason; "" when none waited).
+WAIT_REASONS = ("max_num_seqs", "kv_blocks", "token_budget", "preemption")
 
 
 class StepRecord(msgspec.Struct, array_like=True, gc=False):
@@ -152,6 +158,17 @@ class StepRecord(msgspec.Struct, array_like=True, gc=False):
     req_ids: list[str] = msgspec.field(default_factory=list)
     num_scheduled: list[int] = msgspec.field(default_factory=list)  # tokens, per req_ids row
     preempted_req_ids: list[str] = msgspec.field(default_factory=list)
+    # Outputs built (update_from_output's end): output CPU apart from sending.
+    update_end_ns: int = 0
+    wait_reason: str = ""  # one of WAIT_REASONS
+    # KV blocks released since the previous record: by finishing, aborted and preempted requests.
+    num_blocks_freed: list[int] = msgspec.field(default_factory=list)
+    # A record with no batch: the KV state after aborts emptied the engine (no step follows).
+    idle: bool = False
+    # The core process's garbage-collection pauses since the previous record, each
+    # (start_ns, duration_ns, generation); only pauses of at least GC_PAUSE_MIN_NS are listed.
+    gc_pauses: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
+    gc_pause_ns: int = 0  # every pause summed, listed or not
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

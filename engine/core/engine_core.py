@@ -12,6 +12,7 @@ from engine.config import EngineConfig, ModelConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.executor import Executor, make_executor
+from engine.gc_pauses import GcPauses
 from engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -60,6 +61,7 @@ class EngineCore:
             policy=config.scheduling_policy,
         )
         self.scheduler.debug_delay_s = float(envs.LUMEN_DEBUG_SCHEDULE_DELAY.get() or 0)
+        self.gc_pauses = GcPauses()
         self.info = EngineInfo(
             model=model_path,
             max_model_len=max_model_len,
@@ -109,20 +111,29 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
         """Abort, and return one acknowledgement per id (known or not), in order."""
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        freed_ns = time.time_ns()
         # A request that never produced output reports its receive time here.
         received = {r.request_id: r.received_ns for r in aborted if r.num_output_tokens == 0}
+        held = {r.request_id for r in aborted}
         return [
             EngineCoreOutput(
-                r, [], finish_reason=FinishReason.ABORT, received_ns=received.get(r, 0)
+                r,
+                [],
+                finish_reason=FinishReason.ABORT,
+                received_ns=received.get(r, 0),
+                freed_ns=freed_ns if r in held else 0,
             )
             for r in request_ids
         ]
 
     def has_work(self) -> bool:
-        return self.scheduler.has_requests()
+        """Requests to step, or KV frees (aborts) not yet reported in a step record."""
+        return self.scheduler.has_requests() or self.scheduler.has_unreported_frees()
 
     def step(self) -> EngineCoreOutputs:
         if not self.scheduler.has_requests():
+            if self.scheduler.has_unreported_frees():
+                return EngineCoreOutputs(step=self._idle_record())
             return EngineCoreOutputs()
         t_schedule = time.time_ns()
         sched = self.scheduler.schedule()
@@ -130,7 +141,9 @@ class EngineCore:
         runner_out = self.executor.execute_model(sched)
         t_executed = time.time_ns()
         outputs = self.scheduler.update_from_output(sched, runner_out)
+        t_updated = time.time_ns()
         kv = self.scheduler.kv_cache
+        gc_pauses, gc_pause_ns = self.gc_pauses.take()
         step = StepRecord(
             step_id=sched.step_id,
             schedule_start_ns=t_schedule,
@@ -151,8 +164,42 @@ class EngineCore:
             req_ids=sched.req_ids,
             num_scheduled=[len(ids) for ids in sched.token_ids],
             preempted_req_ids=sched.preempted_req_ids,
+            update_end_ns=t_updated,
+            wait_reason=sched.wait_reason,
+            num_blocks_freed=self.scheduler.take_freed_blocks(),
+            gc_pauses=gc_pauses,
+            gc_pause_ns=gc_pause_ns,
         )
         return EngineCoreOutputs(outputs, step)
+
+    def _idle_record(self) -> StepRecord:
+        """The KV state once aborts emptied the engine: no step follows to report it."""
+        now = time.time_ns()
+        kv = self.scheduler.kv_cache
+        gc_pauses, gc_pause_ns = self.gc_pauses.take()
+        return StepRecord(
+            step_id=self.scheduler.next_step_id(),
+            schedule_start_ns=now,
+            schedule_end_ns=now,
+            execute_start_ns=now,
+            execute_end_ns=now,
+            output_ns=now,
+            num_running=0,
+            num_waiting=0,
+            num_scheduled_tokens=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=0,
+            num_preemptions=0,
+            num_kv_blocks_used=kv.pool.num_used_blocks,
+            num_kv_blocks_total=kv.num_blocks,
+            num_prefix_query_tokens=0,
+            num_prefix_hit_tokens=0,
+            update_end_ns=now,
+            num_blocks_freed=self.scheduler.take_freed_blocks(),
+            idle=True,
+            gc_pauses=gc_pauses,
+            gc_pause_ns=gc_pause_ns,
+        )
 
     # -- utilities -------------------------------------------------------------
 
@@ -216,6 +263,7 @@ class EngineCore:
         self.executor.stop_profile()
 
     def shutdown(self) -> None:
+        self.gc_pauses.close()
         self.executor.shutdown()
 
 

@@ -98,8 +98,9 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_total // self.block_size)
         return True
 
-    def free(self, request: Request) -> None:
-        """Release the request's blocks; tail blocks go first in the eviction order.
+    def free(self, request: Request) -> int:
+        """Release the request's blocks (returns how many it held); tail blocks go first in the
+        eviction order.
 
         Blocks are indexed when slots are allocated, before the step computes
         them. A request preempted after being scheduled in the same step never
@@ -109,11 +110,12 @@ class KVCacheManager:
         blocks = self.req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if not blocks:
-            return
+            return 0
         for block in blocks[request.num_computed_tokens // self.block_size :]:
             if block.ref_cnt == 1:
                 self.pool.uncache(block)
         self.pool.free(blocks[::-1])
+        return len(blocks)
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]

@@ -12,6 +12,7 @@ from engine.messages import EngineCoreOutput
 from engine.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
+FREED_FINISH, FREED_ABORT, FREED_PREEMPT = 0, 1, 2
 
 
 class Scheduler:
@@ -46,6 +47,8 @@ class Scheduler:
         self._finished_req_ids: list[str] = []
         self._step_id = 0
         self.num_preemptions_total = 0
+        # KV blocks released since the last step record, by cause (finish, abort, preemption).
+        self.num_freed_blocks = [0, 0, 0]
         self.debug_delay_s = 0.0  # a test-only slowdown (LUMEN_DEBUG_SCHEDULE_DELAY)
 
     # -- requests in and out -------------------------------------------------
@@ -69,7 +72,7 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             request.status = status
-            self._free(request)
+            self._free(request, FREED_ABORT)
             done.append(request)
         return done
 
@@ -114,17 +117,22 @@ class Scheduler:
 
         # Admit waiting requests only in a step that preempted nothing, so a
         # preempted request is not immediately overtaken.
-        while (
-            not out.num_preemptions
-            and len(self.waiting)
-            and budget > 0
-            and len(self.running) < self.max_num_seqs
-        ):
+        while len(self.waiting):
+            if out.num_preemptions:
+                out.wait_reason = "preemption"
+                break
+            if budget <= 0:
+                out.wait_reason = "token_budget"
+                break
+            if len(self.running) >= self.max_num_seqs:
+                out.wait_reason = "max_num_seqs"
+                break
             request = self.waiting.peek()
             # A waiting request has nothing computed (preemption resets it).
             hits, num_hit = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv_cache.allocate_slots(request, num_new, hits):
+                out.wait_reason = "kv_blocks"
                 break
             self.waiting.pop()
             request.status = RequestStatus.RUNNING
@@ -169,7 +177,7 @@ class Scheduler:
             )
             if finished:
                 self.running.remove(request)
-                self._free(request)
+                self._free(request, FREED_FINISH)
         return outputs
 
     # -- helpers ---------------------------------------------------------------
@@ -181,7 +189,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
-        self.kv_cache.free(victim)
+        self.num_freed_blocks[FREED_PREEMPT] += self.kv_cache.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -211,8 +219,21 @@ class Scheduler:
             else:
                 out.num_decode_tokens += num_new
 
-    def _free(self, request: Request) -> None:
-        self.kv_cache.free(request)
+    def take_freed_blocks(self) -> list[int]:
+        """Blocks released since the last call, by cause (FREED_FINISH, _ABORT, _PREEMPT)."""
+        freed, self.num_freed_blocks = self.num_freed_blocks, [0, 0, 0]
+        return freed
+
+    def has_unreported_frees(self) -> bool:
+        return any(self.num_freed_blocks)
+
+    def next_step_id(self) -> int:
+        """A step id for a record with no batch (the KV state after aborts)."""
+        self._step_id += 1
+        return self._step_id - 1
+
+    def _free(self, request: Request, cause: int) -> None:
+        self.num_freed_blocks[cause] += self.kv_cache.free(request)
         del self.requests[request.request_id]
         if request.request_id in self._new_req_ids:
             self._new_req_ids.discard(request.request_id)

@@ -43,6 +43,9 @@ class SchedulerOutput:
     # Prefix-cache lookups of requests admitted this step: tokens looked up, tokens hit.
     num_prefix_query_tokens: int = 0
     num_prefix_hit_tokens: int = 0
+    # What kept requests waiting after this step's admissions ("" when none waits), one of
+    # WAIT_REASONS in engine/messages.py.
+    wait_reason: str = ""
 
     @property
     def num_preemptions(self) -> int:

@@ -20,14 +20,17 @@ from engine import __version__
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.model_files import served_name
+from service import http_timing
 from service.admission import Admission
 from service.config import ServerConfig
 from service.errors import APIError
 from service.metrics import ServerMetrics
+from service.monitor import watch_api_process
 from service.protocol import ChatCompletionRequest, CompletionRequest
 from service.serving import Serving
 from tracing.config import TracingConfig
-from tracing.otlp import otlp_endpoint
+from tracing.events import HttpFacts, Start
+from tracing.recorder import Tracer
 
 logger = logging.getLogger(__name__)
 _ID_KINDS = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
@@ -37,8 +40,11 @@ class FrontDoor:
     """Pure ASGI middleware, first in line for every request.
 
     Gives the request its id (echoed in ``x-request-id`` on every response,
-    errors included) and its arrival instant, checks the API key on /v1
-    routes (constant-time), and reads the body up to the size limit (413).
+    errors included), its arrival instant and the instant its first byte was
+    read, checks the API key on /v1 routes (constant-time), and reads the body
+    up to the size limit (413). It times every write of the response (how long
+    the client's socket took to accept it) and, once the last byte is
+    accepted, closes the traces of the engine requests the response started.
     """
 
     def __init__(self, app: ASGIApp, serving: Serving, config: ServerConfig) -> None:
@@ -53,10 +59,14 @@ class FrontDoor:
             await self.app(scope, receive, send)
             return
         arrival_ns = time.time_ns()
+        client = scope.get("client")
+        http_start_ns = http_timing.request_started(client) or arrival_ns
         kind = _ID_KINDS.get(scope["path"], "req")
         request_id = self.serving.engine.processor.new_request_id(kind)
         state = scope.setdefault("state", {})
         state["request_id"], state["arrival_ns"] = request_id, arrival_ns
+        state["http_start_ns"] = min(http_start_ns, arrival_ns)
+        facts = state["http"] = HttpFacts()
         headers = dict(scope["headers"])
         if (client_id := headers.get(b"x-request-id")) is not None:
             state["client_request_id"] = client_id.decode("latin-1")[:256]
@@ -69,27 +79,50 @@ class FrontDoor:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), id_header]}
-            await send(message)
+                extra = [id_header, *state.get("extra_headers", ())]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+                await send(message)
+                return
+            started = time.time_ns()
+            await send(message)  # returns once the transport took it (a slow reader blocks it)
+            ended = time.time_ns()
+            facts.send_wait_ns += ended - started
+            facts.bytes_sent += len(message.get("body", b""))
+            facts.last_delivered_ns = ended
+            if not facts.first_delivered_ns and state.get("stream") is False:
+                facts.first_delivered_ns = ended  # a whole response: one write
 
         try:
             await self._handle(scope, receive, send_with_id, headers)
         finally:
-            if kind != "req" and status >= 400 and not state.get("traced"):
-                self._trace_refusal(scope, state, status)
+            http_timing.request_ended(client)
+            self._close_traces(scope, state, status, kind)
+
+    def _close_traces(self, scope: Scope, state: dict[str, Any], status: int, kind: str) -> None:
+        """The response is written (or abandoned): every engine request it started ends here."""
+        tracer = self.serving.tracer
+        if tracer is None:
+            return
+        now_ns = time.time_ns()
+        if state.get("traced"):
+            for rid in state.get("request_ids", ()):
+                tracer.closed(rid, now_ns, state["http"])
+        elif kind != "req" and status >= 400:
+            self._trace_refusal(scope, state, status)
 
     def _trace_refusal(self, scope: Scope, state: dict[str, Any], status: int) -> None:
         """A completion request the engine never saw (invalid, unauthorized, too big...)."""
-        tracer = self.serving.engine.tracer
+        tracer = self.serving.tracer
         if tracer is None:
             return
         rid = state["request_id"]
         tracer.start(
-            rid, arrival_ns=state["arrival_ns"], endpoint=scope["path"],
-            model=self.serving.model_name, stream=False, traceparent=state.get("traceparent"),
-            client_request_id=state.get("client_request_id"),
+            Start(rid, state["arrival_ns"], scope["path"], self.serving.model_name, False,
+                  state.get("traceparent"), state.get("client_request_id"),
+                  state["http_start_ns"], state.get("handler_ns", 0))
         )  # fmt: skip
-        tracer.rejected(rid, time.time_ns(), state.get("error") or f"HTTP {status}")
+        error = state.get("error") or f"HTTP {status}"
+        tracer.rejected(rid, time.time_ns(), error, state["http"])
 
     async def _handle(
         self, scope: Scope, receive: Receive, send_with_id: Send, headers: dict[bytes, bytes]
@@ -203,7 +236,7 @@ def build_app(serving: Serving) -> FastAPI:
                 async with asyncio.timeout(2.0):
                     stats = await engine.get_stats()
                 m.set_engine_stats(stats, engine.client.core.num_backpressure)
-        if (tracer := engine.tracer) is not None:
+        if (tracer := serving.tracer) is not None:
             t = tracer.stats()
             m.set_tracer_stats(t.num_dropped_rows, t.num_dropped_spans)
         m.num_admitted.set(serving.admission.num_in_flight)
@@ -243,18 +276,16 @@ async def serve(
     # Starts the core process and waits for it (the loop serves nothing yet).
     engine = AsyncLLM(engine_config, stall_timeout=config.stream_stall_timeout)
     metrics = ServerMetrics(model_name, engine.max_model_len)
-    engine.stat_loggers = (metrics,)
-    tracer = None
-    if tracing is not None and (tracing.db_path or otlp_endpoint(tracing)):
-        from tracing.recorder import Tracer
-
-        tracer = Tracer(
-            tracing, engine.client.info, engine_config=engine_config,
-            observe_boundary=metrics.observe_boundary,
-        )  # fmt: skip
-        engine.enable_tracing(tracer)
-        if tracing.db_path:
-            logger.info("recording traces in %s", tracing.db_path)
+    engine.add_stat_logger(metrics)
+    # Always a tracer, even with no store or collector: it feeds /metrics' boundary histograms.
+    tracer = Tracer(
+        tracing or TracingConfig(no_trace_db=True), engine.client.info,
+        engine_config=engine_config, observe_boundary=metrics.observe_boundary,
+        observe_delivery=metrics.observe_delivery,
+    )  # fmt: skip
+    engine.observe(tracer)
+    if tracer.store is not None:
+        logger.info("recording traces in %s", tracer.store.path)
     admission = Admission(config.max_concurrent_requests, config.max_queue_wait)
     serving = Serving(
         engine,
@@ -262,8 +293,11 @@ async def serve(
         admission,
         model_name=model_name,
         stall_timeout=config.stream_stall_timeout,
+        tracer=tracer,
     )
     app = FrontDoor(build_app(serving), serving, config)
+    http_timing.install()
+    monitor = asyncio.create_task(watch_api_process(metrics, tracer), name="api-monitor")
 
     hc = Config()
     hc.bind = [f"{config.host}:{config.port}"]
@@ -299,7 +333,7 @@ async def serve(
         await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
     finally:
         watcher.cancel()
+        monitor.cancel()
         await engine.shutdown()
-        if tracer is not None:
-            await asyncio.to_thread(tracer.shutdown)
+        await asyncio.to_thread(tracer.shutdown)
     return exit_code

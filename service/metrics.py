@@ -130,7 +130,27 @@ class ServerMetrics:
         self.otlp_spans_dropped = counter(
             "lumen:otlp_spans_dropped", "Spans not exported (queue full or collector failing)."
         )
+        self.delivery_lag = histogram(
+            "lumen:delivery_lag_seconds",
+            "Per request: its last token reached the frontend -> its last byte was accepted by "
+            "the client's socket (a slow reader shows here).",
+            BOUNDARY_BUCKETS,
+        )
+        self.loop_lag = histogram(
+            "lumen:event_loop_lag_seconds",
+            "API process: how late the event loop woke a timer (sampled every 10 ms).",
+            BOUNDARY_BUCKETS,
+        )
+        gc_pause = Histogram(
+            "lumen:gc_pause_seconds", "Garbage-collection pauses, by process.",
+            [*m, "process"], buckets=BOUNDARY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.gc_pause = {k: gc_pause.labels(model_name, k) for k in ("api", "core")}
         self._mirrored: dict[str, int] = {}  # counter name -> the total already counted
+
+    def observe_delivery(self, seconds: float) -> None:
+        """Called from the trace writer thread."""
+        self.delivery_lag.observe(seconds)
 
     def observe_boundary(self, name: str, seconds: float) -> None:
         """Called from the trace writer thread (prometheus_client is thread-safe)."""
@@ -160,6 +180,8 @@ class ServerMetrics:
             if step.num_prefix_query_tokens:
                 self.prefix_queries.inc(step.num_prefix_query_tokens)
                 self.prefix_hits.inc(step.num_prefix_hit_tokens)
+            for _, duration_ns, _ in step.gc_pauses:
+                self.gc_pause["core"].observe(duration_ns / 1e9)
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:

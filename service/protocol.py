@@ -23,6 +23,8 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    # A Lumen extension: the server's timing (Server-Timing's figures) in the last chunk.
+    include_timing: bool = False
 
 
 class ChatMessage(_Body):
@@ -91,6 +93,10 @@ class _SamplingBody(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def include_timing(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_timing
 
 
 class ChatCompletionRequest(_SamplingBody):

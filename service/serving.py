@@ -17,6 +17,7 @@ from starlette.responses import Response
 
 from engine.async_llm import AsyncLLM, StreamStalledError
 from engine.errors import EngineDeadError
+from engine.frontend import Finished
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from service.admission import Admission, AdmissionRefused
@@ -25,6 +26,8 @@ from service.metrics import ServerMetrics
 from service.protocol import ChatCompletionRequest, CompletionRequest
 from service.responses import Choice, ResponseHead
 from service.streaming import DONE, ClientGone, EventStream, sse, until_disconnect
+from tracing.events import HttpFacts, Start
+from tracing.recorder import Tracer
 
 logger = logging.getLogger(__name__)
 _encode = msgspec.json.encode
@@ -42,6 +45,9 @@ class Prepared:
     stream: bool
     priority: int
     arrival_ns: int
+    http_start_ns: int
+    facts: HttpFacts  # what the HTTP layer measures of this response
+    include_timing: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,8 +70,10 @@ class Serving:
         *,
         model_name: str,
         stall_timeout: float,
+        tracer: Tracer | None = None,
     ) -> None:
         self.engine = engine
+        self.tracer = tracer
         self.metrics = metrics
         self.admission = admission
         self.model_name = model_name
@@ -78,6 +86,7 @@ class Serving:
             )
 
     def prepare_chat(self, body: ChatCompletionRequest, request: Request) -> Prepared:
+        request.state.handler_ns = time.time_ns()
         self.check_model(body.model)
         try:
             body.check_supported()
@@ -91,6 +100,7 @@ class Serving:
             raise APIError(400, str(e)) from None
 
     def prepare_completion(self, body: CompletionRequest, request: Request) -> Prepared:
+        request.state.handler_ns = time.time_ns()
         self.check_model(body.model)
         try:
             body.check_supported()
@@ -120,17 +130,21 @@ class Serving:
             num_logprobs=num_logprobs or 0,
             include_usage=body.stream and body.include_usage,
         )
-        prep = Prepared(prompts, params, head, body.stream, body.priority, request.state.arrival_ns)
-        if (tracer := self.engine.tracer) is not None:
-            state = request.state
+        state = request.state
+        prep = Prepared(
+            prompts, params, head, body.stream, body.priority, state.arrival_ns,
+            state.http_start_ns, state.http, include_timing=body.stream and body.include_timing,
+        )  # fmt: skip
+        state.stream, state.request_ids = prep.stream, prep.request_ids
+        if (tracer := self.tracer) is not None:
             for rid in prep.request_ids:
                 tracer.start(
-                    rid, arrival_ns=prep.arrival_ns, endpoint=request.url.path,
-                    model=self.model_name, stream=prep.stream,
-                    traceparent=getattr(state, "traceparent", None),
-                    client_request_id=getattr(state, "client_request_id", None),
+                    Start(rid, prep.arrival_ns, request.url.path, self.model_name, prep.stream,
+                          getattr(state, "traceparent", None),
+                          getattr(state, "client_request_id", None), prep.http_start_ns,
+                          state.handler_ns)
                 )  # fmt: skip
-            state.traced = True
+            state.traced = True  # the front door closes the traces once the response is written
         return prep
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
@@ -157,7 +171,9 @@ class Serving:
                 self.metrics.reject("engine_dead")
                 raise APIError(503, "the engine is not running", code="engine_dead")
             try:
+                started = time.time_ns()
                 await self.admission.acquire()
+                prep.facts.admission_wait_ns = time.time_ns() - started
             except AdmissionRefused as e:
                 self.metrics.reject(e.reason)
                 status = 429 if e.reason == "queue_full" else 503
@@ -165,9 +181,9 @@ class Serving:
                     status, str(e), code=e.reason, headers={"Retry-After": "1"}
                 ) from None
         except APIError as e:
-            if (tracer := self.engine.tracer) is not None:
+            if (tracer := self.tracer) is not None:
                 for rid in prep.request_ids:
-                    tracer.rejected(rid, time.time_ns(), e.message)
+                    tracer.finished(Finished(rid, "error", "error", time.time_ns(), e.message))
             raise
         if prep.stream:
             return EventStream(
@@ -179,18 +195,9 @@ class Serving:
             return await self._complete(prep, request)
         finally:
             self.admission.release()
-            self._close_traces(prep)
-
-    def _close_traces(self, prep: Prepared) -> None:
-        """Every request this response started ends here, whatever path it took."""
-        if (tracer := self.engine.tracer) is not None:
-            now_ns = time.time_ns()
-            for rid in prep.request_ids:
-                tracer.closed(rid, now_ns)
 
     def _stream_ended(self, prep: Prepared, reason: str) -> None:
         self.admission.release()
-        self._close_traces(prep)
         if reason == "disconnect":
             self.metrics.disconnects.inc()
         elif reason == "stalled":
@@ -199,6 +206,7 @@ class Serving:
     async def _complete(self, prep: Prepared, request: Request) -> Response:
         head, n = prep.head, prep.params.n
         choices: defaultdict[int, Choice] = defaultdict(Choice)
+        timings: list[dict[str, float]] = []
 
         async def collect() -> None:
             async with contextlib.aclosing(self._generate(prep)) as outputs:
@@ -207,6 +215,8 @@ class Serving:
                         if c.error is not None:
                             raise APIError(400, c.error)
                         choices[p * n + c.index].add(c)
+                    if out.finished:
+                        timings.append(out.metrics)
 
         try:
             await until_disconnect(request, collect())
@@ -223,12 +233,17 @@ class Serving:
             prep.num_prompt_tokens,
             sum(len(c.token_ids) for c in choices.values()),
         )
-        return Response(_encode(body), media_type="application/json")
+        timing = server_timing(timings, prep.http_start_ns, time.time_ns())
+        header = ", ".join(f"{k};dur={v:.1f}" for k, v in timing.items())
+        return Response(_encode(body), media_type="application/json",
+                        headers={"Server-Timing": header})  # fmt: skip
 
     async def _events(self, prep: Prepared) -> AsyncIterator[bytes]:
         head, n = prep.head, prep.params.n
         num_completion_tokens = 0
         offsets: defaultdict[int, int] = defaultdict(int)
+        timings: list[dict[str, float]] = []
+        facts = prep.facts
         try:
             if head.chat:
                 for index in range(len(prep.prompts) * n):
@@ -245,10 +260,18 @@ class Serving:
                         index = p * n + c.index
                         chunk = head.chunk([head.delta_choice(index, c, offsets[index])])
                         yield sse(_encode(chunk))
+                        if not facts.first_delivered_ns and c.token_ids:
+                            facts.first_delivered_ns = time.time_ns()  # the transport took it
                         offsets[index] += len(c.text)
-            if head.include_usage:
-                usage = head.usage_chunk(prep.num_prompt_tokens, num_completion_tokens)
-                yield sse(_encode(usage))
+                    if out.finished:
+                        timings.append(out.metrics)
+            if head.include_usage or prep.include_timing:
+                last = head.usage_chunk(prep.num_prompt_tokens, num_completion_tokens)
+                if not head.include_usage:
+                    del last["usage"]
+                if prep.include_timing:
+                    last["timing"] = server_timing(timings, prep.http_start_ns, time.time_ns())
+                yield sse(_encode(last))
             yield DONE
         except EngineDeadError as e:
             yield sse(_encode(error_body(503, f"the engine died: {e}", code="engine_dead")))
@@ -321,6 +344,24 @@ async def _merge(
             t.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def server_timing(timings: list[dict[str, float]], start_ns: int, now_ns: int) -> dict[str, float]:
+    """Milliseconds the server spent on a response: queue (in the core's waiting queue),
+    prefill (first step -> first token), decode (first -> last token) and total (first byte
+    read -> response complete), for the slowest of its prompts and samples."""
+    out = {"queue": 0.0, "prefill": 0.0, "decode": 0.0}
+    for t in timings:
+        queued, scheduled = t.get("queued_ns", 0), t.get("scheduled_ns", 0)
+        first, last = t.get("first_token_ns", 0), t.get("last_token_ns", 0)
+        if queued and scheduled:
+            out["queue"] = max(out["queue"], (scheduled - queued) / 1e6)
+        if scheduled and first:
+            out["prefill"] = max(out["prefill"], (first - scheduled) / 1e6)
+        if first and last:
+            out["decode"] = max(out["decode"], (last - first) / 1e6)
+    out["total"] = (now_ns - start_ns) / 1e6
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 def _as_prompts(prompts: list[str | list[int]]) -> list[str | dict[str, list[int]]]:

@@ -21,10 +21,10 @@ from typing import Any
 
 import msgspec
 
+from engine.frontend import Enqueued, Finished
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineInfo, FinishReason
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
 from tracing.config import TracingConfig
+from tracing.events import Closed, Delivered, HttpFacts, Outputs, Pause, Start
 from tracing.ids import parse_traceparent
 from tracing.spans import (
     RequestTrace,
@@ -37,6 +37,7 @@ from tracing.store import TraceStore
 logger = logging.getLogger(__name__)
 _STOP = object()
 BoundaryObserver = Callable[[str, float], None]
+DeliveryObserver = Callable[[float], None]
 
 
 @dataclass
@@ -53,9 +54,16 @@ class Tracer:
         *,
         engine_config: Any = None,
         observe_boundary: BoundaryObserver | None = None,
+        observe_delivery: DeliveryObserver | None = None,
         max_queued_events: int = 100_000,
     ) -> None:
         self.config = config
+        self.observe_delivery = observe_delivery
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            Start: self._on_start, Enqueued: self._on_enqueued, Outputs: self._on_outputs,
+            Delivered: self._on_delivered, Finished: self._on_finished, Closed: self._on_closed,
+            Pause: self._on_pause,
+        }  # fmt: skip
         self.run_id = uuid.uuid4().hex[:16]
         self.block_size = info.block_size
         self.observe_boundary = observe_boundary
@@ -74,70 +82,37 @@ class Tracer:
         self._thread = threading.Thread(target=self._run, name="lumen-trace-writer", daemon=True)
         self._thread.start()
 
-    # -- the frontend's side: each call only enqueues --------------------------------
+    # -- the frontend's side (FrontendObserver, and the server's calls): each only enqueues --
 
-    def start(
-        self,
-        request_id: str,
-        *,
-        arrival_ns: int,
-        endpoint: str,
-        model: str,
-        stream: bool,
-        traceparent: str | None = None,
-        client_request_id: str | None = None,
-    ) -> None:
-        """Optional metadata of a request, before it is handed to the engine."""
-        self._put(
-            ("start", request_id, arrival_ns, endpoint, model, stream, traceparent,
-             client_request_id)
-        )  # fmt: skip
+    def start(self, event: Start) -> None:
+        """Optional HTTP metadata of a request, before it is handed to the engine."""
+        self._put(event)
 
-    def enqueued(
-        self,
-        request_id: str,
-        child_ids: list[str],
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        priority: int,
-        arrival_ns: int,
-        sent_ns: int,
-        stream: bool,
-    ) -> None:
-        self._put(
-            ("enqueued", request_id, child_ids, prompt_token_ids, params, priority, arrival_ns,
-             sent_ns, stream)
-        )  # fmt: skip
+    def enqueued(self, event: Enqueued) -> None:
+        self._put(event)
 
     def outputs(
         self, outs: EngineCoreOutputs, received_ns: int, acks: list[EngineCoreOutput]
     ) -> None:
-        self._put(("outputs", outs, received_ns, acks))
+        self._put(Outputs(outs, received_ns, acks))
 
     def delivered(self, request_id: str, ns: int) -> None:
-        self._put(("delivered", request_id, ns))
+        self._put(Delivered(request_id, ns))
 
-    def finished(
-        self, request_id: str, status: str, finish_reason: str, ns: int, error: str | None = None
-    ) -> None:
-        self._put(("finished", request_id, status, finish_reason, ns, error))
+    def finished(self, event: Finished) -> None:
+        self._put(event)
 
-    def request_done(self, result: RequestOutput, ns: int) -> None:
-        """``finished`` for a request whose final output came back."""
-        errors = [c.error for c in result.outputs if c.error]
-        reasons = [c.finish_reason for c in result.outputs if c.finish_reason]
-        status, error = ("error", errors[0]) if errors else ("ok", None)
-        self.finished(result.request_id, status, reasons[0] if reasons else "stop", ns, error)
-
-    def closed(self, request_id: str, ns: int) -> None:
+    def closed(self, request_id: str, ns: int, http: HttpFacts | None = None) -> None:
         """The caller has the whole response: the request's trace is complete."""
-        self._put(("closed", request_id, ns))
+        self._put(Closed(request_id, ns, http))
 
-    def rejected(self, request_id: str, ns: int, error: str) -> None:
+    def rejected(self, request_id: str, ns: int, error: str, http: HttpFacts | None = None) -> None:
         """A request refused before the engine saw it (``start`` must come first)."""
-        self._put(("finished", request_id, "error", "error", ns, error))
-        self._put(("closed", request_id, ns))
+        self._put(Finished(request_id, "error", "error", ns, error))
+        self._put(Closed(request_id, ns, http))
+
+    def pause(self, event: Pause) -> None:
+        self._put(event)
 
     def _put(self, event: Any) -> None:
         try:
@@ -177,9 +152,9 @@ class Tracer:
                 break
             if item is not None:
                 try:
-                    getattr(self, "_on_" + item[0])(*item[1:])
+                    self._handlers[type(item)](item)
                 except Exception:
-                    logger.exception("trace writer: %s failed", item[0])
+                    logger.exception("trace writer: %s failed", type(item).__name__)
             if time.monotonic() >= next_flush:
                 next_flush = time.monotonic() + interval
                 self._flush()
@@ -200,46 +175,26 @@ class Tracer:
             req = self._requests[request_id] = RequestTrace(request_id, arrival_ns)
         return req
 
-    def _on_start(
-        self,
-        request_id: str,
-        arrival_ns: int,
-        endpoint: str,
-        model: str,
-        stream: bool,
-        traceparent: str | None,
-        client_request_id: str | None,
-    ) -> None:
-        req = self._request(request_id, arrival_ns)
-        req.endpoint, req.model, req.stream = endpoint, model, stream
-        req.client_request_id = client_request_id
-        if (parent := parse_traceparent(traceparent)) is not None:
+    def _on_start(self, e: Start) -> None:
+        req = self._request(e.request_id, e.arrival_ns)
+        req.endpoint, req.model, req.stream = e.endpoint, e.model, e.stream
+        req.client_request_id = e.client_request_id
+        req.http_start_ns, req.handler_ns = e.http_start_ns, e.handler_ns
+        if (parent := parse_traceparent(e.traceparent)) is not None:
             req.trace_id, req.parent_span_id = parent
 
-    def _on_enqueued(
-        self,
-        request_id: str,
-        child_ids: list[str],
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int,
-        arrival_ns: int,
-        sent_ns: int,
-        stream: bool,
-    ) -> None:
-        req = self._request(request_id, arrival_ns)
-        req.child_ids, req.prompt_token_ids, req.params = child_ids, prompt_token_ids, params
-        req.priority, req.sent_ns, req.stream = priority, sent_ns, stream
-        for seq, child_id in enumerate(child_ids):
+    def _on_enqueued(self, e: Enqueued) -> None:
+        req = self._request(e.request_id, e.arrival_ns)
+        req.child_ids, req.prompt_token_ids, req.params = e.child_ids, e.prompt_token_ids, e.params
+        req.priority, req.sent_ns, req.stream = e.priority, e.sent_ns, e.stream
+        for seq, child_id in enumerate(e.child_ids):
             self._by_child[child_id] = (req, seq)
 
-    def _on_outputs(
-        self, outs: EngineCoreOutputs, received_ns: int, acks: list[EngineCoreOutput]
-    ) -> None:
-        by_child = self._by_child
-        step = outs.step
+    def _on_outputs(self, e: Outputs) -> None:
+        by_child, received_ns = self._by_child, e.received_ns
+        step = e.outs.step
         step_id = step.step_id if step is not None else None
-        for out in [*acks, *outs.outputs]:
+        for out in [*e.acks, *e.outs.outputs]:
             found = by_child.get(out.request_id)
             if found is None:
                 continue
@@ -249,18 +204,28 @@ class Tracer:
             if out.new_token_ids:
                 if not req.first_token_ns:
                     req.first_token_ns = received_ns
+                req.last_token_ns = received_ns
                 req.output_tokens += len(out.new_token_ids)
                 if step_id is not None and (
                     not req.pending_emits or req.pending_emits[-1][0] != step_id
                 ):  # once per step, even for n > 1
                     req.pending_emits.append((step_id, received_ns))
             req.cached_tokens = max(req.cached_tokens, out.num_cached_tokens)
+            if out.finish_reason is not None:
+                freed = out.freed_ns or (step.update_end_ns if step is not None else 0)
+                req.kv_freed_ns = max(req.kv_freed_ns, freed)
             if out.finish_reason == FinishReason.ERROR and out.error:
                 req.error = out.error
         if step is None:
             return
         if self.store is not None:
-            self.store.add("steps", [_step_row(self.run_id, step)])
+            rows: dict[str, list[tuple[Any, ...]]] = {"steps": [_step_row(self.run_id, step)]}
+            if step.gc_pauses:
+                rows["pauses"] = [
+                    (self.run_id, "core", "gc", start, duration, f"gen{gen}")
+                    for start, duration, gen in step.gc_pauses
+                ]
+            self.store.add_all(rows)
         for rid, num_tokens in zip(step.req_ids, step.num_scheduled):
             found = by_child.get(rid)
             if found is not None:
@@ -269,24 +234,27 @@ class Tracer:
             if (found := by_child.get(rid)) is not None:
                 found[0].num_preemptions += 1
 
-    def _on_delivered(self, request_id: str, ns: int) -> None:
-        if (req := self._requests.get(request_id)) is not None:
-            req.delivered(ns)
+    def _on_delivered(self, e: Delivered) -> None:
+        if (req := self._requests.get(e.request_id)) is not None:
+            req.delivered(e.ns)
 
-    def _on_finished(
-        self, request_id: str, status: str, finish_reason: str, ns: int, error: str | None
-    ) -> None:
-        if (req := self._requests.get(request_id)) is not None and req.status is None:
-            req.status, req.finish_reason, req.finished_ns = status, finish_reason, ns
-            req.error = error or req.error
+    def _on_finished(self, e: Finished) -> None:
+        if (req := self._requests.get(e.request_id)) is not None and req.status is None:
+            req.status, req.finish_reason, req.finished_ns = e.status, e.finish_reason, e.ns
+            req.error = e.error or req.error
 
-    def _on_closed(self, request_id: str, ns: int) -> None:
-        req = self._requests.pop(request_id, None)
+    def _on_pause(self, e: Pause) -> None:
+        if self.store is not None:
+            row = (self.run_id, e.process, e.kind, e.start_ns, e.duration_ns, e.detail)
+            self.store.add("pauses", [row])
+
+    def _on_closed(self, e: Closed) -> None:
+        req = self._requests.pop(e.request_id, None)
         if req is None:
             return
         for child_id in req.child_ids:
             self._by_child.pop(child_id, None)
-        req.close(ns)
+        req.close(e.ns, e.http)
         spans = build_spans(req, self.run_id)
         if self.store is not None:
             row = build_request_row(
@@ -296,7 +264,9 @@ class Tracer:
             self.store.add_all({"requests": [row], "spans": spans})  # whole, or not at all
         if self.observe_boundary is not None:
             for span in spans[1:]:
-                self.observe_boundary(span[5], (span[7] - span[6]) / 1e9)
+                self.observe_boundary(span.name, (span.end_ns - span.start_ns) / 1e9)
+        if self.observe_delivery is not None and req.last_token_ns:
+            self.observe_delivery(max(0, req.last_delivered_ns - req.last_token_ns) / 1e9)
         if self.otlp is not None:
             self.otlp.export(spans)
 
@@ -308,6 +278,8 @@ def _step_row(run_id: str, s: Any) -> tuple[Any, ...]:
         s.num_prefill_tokens, s.num_decode_tokens, s.num_preemptions, s.num_kv_blocks_used,
         s.num_kv_blocks_total, s.num_prefix_query_tokens, s.num_prefix_hit_tokens,
         list(s.req_ids), list(s.num_scheduled), list(s.preempted_req_ids),
+        s.update_end_ns or None, s.wait_reason or None, *(s.num_blocks_freed or (0, 0, 0)),
+        s.idle, s.gc_pause_ns,
     )  # fmt: skip
 
 

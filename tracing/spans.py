@@ -2,10 +2,11 @@
 
 Spans follow DESIGN §3 (instants per the clock rule in engine/messages.py):
 
-    llm_request       arrival -> response closed
+    llm_request       the first byte the server read (arrival offline) -> response closed
     frontend.enqueue  arrival -> handed to the engine client (parse, template, tokenize)
     core.receive      handed to the client -> the core dequeued it
-    core.schedule     per step: step began -> decision (the first from core.receive's end)
+    core.queue        dequeued -> its first step began (waiting for a slot, blocks or budget)
+    core.schedule     per step: step began -> decision
     worker.execute    per step: forward + sampling of the batch
     core.output       per step: execute end -> outputs left the core
     frontend.emit     per step with output: outputs received -> delivered to the caller
@@ -16,16 +17,18 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from engine.messages import StepRecord
+from tracing.events import HttpFacts
 from tracing.ids import new_span_id, new_trace_id
 
 BOUNDARIES = (
     "frontend.enqueue",
     "core.receive",
+    "core.queue",
     "core.schedule",
     "worker.execute",
     "core.output",
@@ -33,6 +36,21 @@ BOUNDARIES = (
 )
 ROOT = "llm_request"
 _encode = msgspec.json.encode
+
+
+class Span(NamedTuple):
+    """One row of the spans table (store.SPAN_COLUMNS, in order)."""
+
+    run_id: str
+    request_id: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str | None
+    name: str
+    start_ns: int
+    end_ns: int
+    step_id: int | None
+    attributes: str  # JSON
 
 
 @dataclass
@@ -55,6 +73,9 @@ class RequestTrace:
     trace_id: str = field(default_factory=new_trace_id)
     root_span_id: str = field(default_factory=new_span_id)
     parent_span_id: str | None = None  # from an incoming traceparent
+    http_start_ns: int = 0  # the first byte the server read (0: not over HTTP)
+    handler_ns: int = 0
+    http: HttpFacts | None = None  # what the HTTP layer measured, at close
     # Set when it is handed to the engine.
     sent_ns: int = 0
     child_ids: list[str] = field(default_factory=list)
@@ -67,6 +88,8 @@ class RequestTrace:
     pending_emits: list[tuple[int, int]] = field(default_factory=list)  # (step id, received)
     emits: list[tuple[int, int, int]] = field(default_factory=list)  # (step, received, delivered)
     first_token_ns: int = 0
+    last_token_ns: int = 0
+    kv_freed_ns: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
     num_preemptions: int = 0
@@ -81,7 +104,25 @@ class RequestTrace:
             self.emits += [(step, recv, ns) for step, recv in self.pending_emits]
             self.pending_emits.clear()
 
-    def close(self, ns: int) -> None:
+    @property
+    def start_ns(self) -> int:
+        """Where the recorded life starts: the first byte read, else the arrival."""
+        return min(self.http_start_ns or self.arrival_ns, self.arrival_ns)
+
+    @property
+    def first_delivered_ns(self) -> int:
+        if self.http is not None and self.http.first_delivered_ns:
+            return self.http.first_delivered_ns
+        return self.emits[0][2] if self.emits else 0
+
+    @property
+    def last_delivered_ns(self) -> int:
+        if self.http is not None and self.http.last_delivered_ns:
+            return self.http.last_delivered_ns
+        return self.finished_ns
+
+    def close(self, ns: int, http: HttpFacts | None = None) -> None:
+        self.http = http
         if self.pending_emits:
             if self.stream:
                 self.delivered(ns)
@@ -95,23 +136,19 @@ class RequestTrace:
         self.finished_ns = max(self.finished_ns, ns)
 
 
-def build_spans(req: RequestTrace, run_id: str) -> list[tuple[Any, ...]]:
-    """The request's span rows (columns of store.SPAN_COLUMNS), root first."""
-    rows: list[tuple[Any, ...]] = []
+def build_spans(req: RequestTrace, run_id: str) -> list[Span]:
+    """The request's spans, root first."""
+    rows: list[Span] = []
     trace_id, root, rid = req.trace_id, req.root_span_id, req.request_id
     multi = len(req.child_ids) > 1
 
     def add(name: str, start: int, end: int, step: int | None, attrs: dict[str, Any]) -> None:
-        rows.append(
-            (run_id, rid, trace_id, new_span_id(), root, name, start, max(start, end), step,
-             _encode(attrs).decode())
-        )  # fmt: skip
+        rows.append(Span(run_id, rid, trace_id, new_span_id(), root, name, start,
+                         max(start, end), step, _encode(attrs).decode()))  # fmt: skip
 
     end = max(req.finished_ns, req.arrival_ns)
-    rows.append(
-        (run_id, rid, trace_id, root, req.parent_span_id, ROOT, req.arrival_ns, end, None,
-         _encode(root_attributes(req)).decode())
-    )  # fmt: skip
+    rows.append(Span(run_id, rid, trace_id, root, req.parent_span_id, ROOT, req.start_ns, end,
+                     None, _encode(root_attributes(req)).decode()))  # fmt: skip
     add("frontend.enqueue", req.arrival_ns, req.sent_ns or end, None, {})
     for seq, received in sorted(req.received_ns.items()):
         add("core.receive", req.sent_ns or received, received, None, {"seq": seq} if multi else {})
@@ -121,11 +158,11 @@ def build_spans(req: RequestTrace, run_id: str) -> list[tuple[Any, ...]]:
         if multi:
             attrs["seq"] = v.seq
         s = v.step
-        start = s.schedule_start_ns
         if v.seq not in first_seen:
             first_seen.add(v.seq)
-            start = min(req.received_ns.get(v.seq, start), start)  # includes queue wait
-        add("core.schedule", start, s.schedule_end_ns, s.step_id, attrs)
+            received = req.received_ns.get(v.seq, s.schedule_start_ns)
+            add("core.queue", received, s.schedule_start_ns, None, {"seq": v.seq} if multi else {})
+        add("core.schedule", s.schedule_start_ns, s.schedule_end_ns, s.step_id, attrs)
         add("worker.execute", s.execute_start_ns, s.execute_end_ns, s.step_id, attrs)
         add("core.output", s.execute_end_ns, s.output_ns, s.step_id, attrs)
     for step, recv, delivered in req.emits:
@@ -150,6 +187,8 @@ def root_attributes(req: RequestTrace) -> dict[str, Any]:
         attrs["gen_ai.response.finish_reasons"] = [req.finish_reason]
     if req.first_token_ns:
         attrs["gen_ai.latency.time_to_first_token"] = (req.first_token_ns - req.arrival_ns) / 1e9
+    if first_delivered := req.first_delivered_ns:
+        attrs["lumen.delivered_ttft"] = (first_delivered - req.start_ns) / 1e9
     if p is not None:
         attrs["gen_ai.request.max_tokens"] = p.max_tokens
         attrs["gen_ai.request.temperature"] = p.temperature
@@ -167,9 +206,11 @@ def build_request_row(
 ) -> tuple[Any, ...]:
     """The request's row (columns of store.REQUEST_COLUMNS)."""
     first_schedule = min(
-        (v.step.schedule_end_ns for v in req.visits), default=0
+        (v.step.schedule_start_ns for v in req.visits), default=0
     )  # the end of its queue wait
     received = min(req.received_ns.values(), default=0)
+    http = req.http or HttpFacts()
+    first_delivered = req.first_delivered_ns
     hashes = tokens = None
     if trace_prompts == "hashes" and req.prompt_token_ids:
         hashes = block_hashes(req.prompt_token_ids, block_size)
@@ -200,6 +241,18 @@ def build_request_row(
         block_size if hashes is not None else None,
         hashes,
         tokens,
+        req.http_start_ns or None,
+        req.handler_ns or None,
+        req.sent_ns or None,
+        received or None,
+        first_schedule or None,
+        http.admission_wait_ns if req.http is not None else None,
+        first_delivered or None,
+        req.last_delivered_ns or None,
+        first_delivered - req.start_ns if first_delivered else None,
+        http.send_wait_ns if req.http is not None else None,
+        http.bytes_sent if req.http is not None else None,
+        req.kv_freed_ns or None,
     )
 
 

@@ -54,6 +54,20 @@ REQUEST_COLUMNS = {
     "prompt_block_size": "INTEGER",
     "prompt_block_hashes": "BIGINT[]",
     "prompt_token_ids": "INTEGER[]",
+    # Migration 2: the whole life of a request, from the first byte the server read to the
+    # last byte its socket accepted (NULL where not seen: offline, or never got that far).
+    "http_start_ns": "BIGINT",  # the server read the request's first byte
+    "handler_ns": "BIGINT",  # body read and validated: the route's handler began
+    "sent_ns": "BIGINT",  # handed to the engine client (frontend.enqueue's end)
+    "received_ns": "BIGINT",  # the core dequeued it (core.receive's end)
+    "first_scheduled_ns": "BIGINT",  # its first step began (core.queue's end)
+    "admission_wait_ns": "BIGINT",  # waiting for an admission slot (part of frontend.enqueue)
+    "first_delivered_ns": "BIGINT",  # the first chunk with output was accepted by the transport
+    "last_delivered_ns": "BIGINT",  # the response's last byte was accepted by the transport
+    "delivered_ttft_ns": "BIGINT",  # first_delivered_ns - (http_start_ns or arrival_ns)
+    "send_wait_ns": "BIGINT",  # summed time the server's writes waited for the client's socket
+    "bytes_sent": "BIGINT",
+    "kv_freed_ns": "BIGINT",  # the core freed its KV blocks (finish, abort or error)
 }
 SPAN_COLUMNS = {
     "run_id": "VARCHAR",
@@ -89,6 +103,14 @@ STEP_COLUMNS = {
     "request_ids": "VARCHAR[]",
     "num_scheduled": "INTEGER[]",
     "preempted_request_ids": "VARCHAR[]",
+    # Migration 2.
+    "update_end_ns": "BIGINT",  # outputs built (update_from_output's end); core.output follows
+    "wait_reason": "VARCHAR",  # what held waiting requests back this step (see WAIT_REASONS)
+    "kv_blocks_freed_finish": "INTEGER",  # blocks freed since the previous record, by cause
+    "kv_blocks_freed_abort": "INTEGER",
+    "kv_blocks_freed_preempt": "INTEGER",
+    "idle": "BOOLEAN",  # no batch: a record of the KV state after aborts emptied the engine
+    "gc_pause_ns": "BIGINT",  # the core's garbage-collection pauses in this step
 }
 RUN_COLUMNS = {
     "run_id": "VARCHAR",
@@ -101,11 +123,25 @@ RUN_COLUMNS = {
     "engine_config": "JSON",
     "trace_prompts": "VARCHAR",
 }
+PAUSE_COLUMNS = {
+    "run_id": "VARCHAR",
+    "process": "VARCHAR",  # api | core
+    "kind": "VARCHAR",  # gc | loop_lag
+    "start_ns": "BIGINT",
+    "duration_ns": "BIGINT",
+    "detail": "VARCHAR",  # gc: the generation collected
+}
 TABLES = {
     "runs": RUN_COLUMNS,
     "requests": REQUEST_COLUMNS,
     "spans": SPAN_COLUMNS,
     "steps": STEP_COLUMNS,
+    "pauses": PAUSE_COLUMNS,
+}
+# Columns each migration added to a table that existed before it (so migrations stay replayable).
+_ADDED_IN_2 = {
+    "requests": list(REQUEST_COLUMNS)[list(REQUEST_COLUMNS).index("http_start_ns") :],
+    "steps": list(STEP_COLUMNS)[list(STEP_COLUMNS).index("update_end_ns") :],
 }
 
 
@@ -115,13 +151,23 @@ def _create(table: str) -> str:
 
 
 def _m001_initial(con: duckdb.DuckDBPyConnection) -> None:
-    for table in TABLES:
-        con.execute(_create(table))
+    for table in ("runs", "requests", "spans", "steps"):
+        added = _ADDED_IN_2.get(table, [])
+        cols = ", ".join(f"{n} {t}" for n, t in TABLES[table].items() if n not in added)
+        con.execute(f"CREATE TABLE {table} ({cols})")
+
+
+def _m002_whole_life(con: duckdb.DuckDBPyConnection) -> None:
+    for table, names in _ADDED_IN_2.items():
+        for name in names:
+            con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {TABLES[table][name]}")
+    con.execute(_create("pauses"))
 
 
 # Ordered; each runs once per file, recorded in schema_migrations.
 MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] = [
     (1, "runs, requests, spans and steps", _m001_initial),
+    (2, "a request's whole life, KV frees, idle steps and pauses", _m002_whole_life),
 ]
 
 

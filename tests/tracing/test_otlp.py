@@ -25,7 +25,7 @@ def _request() -> RequestTrace:
     return req
 
 
-@pytest.mark.parametrize(("detail", "count"), [("request", 1), ("boundary", 7), ("step", 15)])
+@pytest.mark.parametrize(("detail", "count"), [("request", 1), ("boundary", 8), ("step", 16)])
 def test_detail_levels(detail: str, count: int) -> None:
     memory = InMemorySpanExporter()
     export = OtlpExport(memory, detail)
@@ -39,18 +39,19 @@ def test_detail_levels(detail: str, count: int) -> None:
     if detail == "boundary":
         schedule = next(s for s in spans if s.name == "core.schedule")
         # First to last occurrence, with the count and summed time.
-        assert (schedule.start_time, schedule.end_time) == (3_000, 30_100)
+        assert (schedule.start_time, schedule.end_time) == (10_000, 30_100)
         assert schedule.attributes["lumen.occurrences"] == 3
-        assert schedule.attributes["lumen.total_duration_s"] == pytest.approx(
-            (10_100 - 3_000 + 100 + 100) / 1e9
-        )
+        assert schedule.attributes["lumen.total_duration_s"] == pytest.approx(300 / 1e9)
+        # Waiting for the first step is core.queue, never scheduler time.
+        queue = next(s for s in spans if s.name == "core.queue")
+        assert (queue.start_time, queue.end_time) == (3_000, 10_000)
     assert export.num_dropped == 0
 
 
 def test_a_full_queue_is_counted_not_waited_for() -> None:
     export = OtlpExport(InMemorySpanExporter(), "step", max_queue=4)
-    export.export(build_spans(_request(), "run"))  # 15 spans, room for 4
-    assert export.num_dropped == 11
+    export.export(build_spans(_request(), "run"))  # 16 spans, room for 4
+    assert export.num_dropped == 12
     export.shutdown(5)
 
 

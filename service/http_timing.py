@@ -1,0 +1,77 @@
+"""When the server read each request's first byte: the start of a request's recorded life.
+
+Hypercorn parses a request before it calls the app, so the app's first
+instant misses the read, the parsing, and any time the event loop was busy
+elsewhere meanwhile. Hypercorn has no hook for it, so ``install`` wraps the
+reader of each connection it accepts (its asyncio TCPServer) and stamps the
+first read of each request: the first read after the previous response on
+that connection ended. ``FrontDoor`` takes the stamp by the connection's peer
+address (``scope["client"]``). Bytes that sat in the kernel before the loop
+got to them stay invisible: event-loop lag (service/monitor.py) covers that.
+Pipelined requests (a second one read while the first is answered) fall back
+to the app's own instant.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+# Peer address -> [first byte of the request in progress (0: none), busy answering].
+_connections: dict[tuple[str, int], list[Any]] = {}
+_installed = False
+
+
+def install() -> None:
+    """Wrap Hypercorn's asyncio connection class (once per process)."""
+    global _installed
+    if _installed:
+        return
+    import hypercorn.asyncio.run as hc_run
+    from hypercorn.asyncio.tcp_server import TCPServer
+
+    class StampingTCPServer(TCPServer):  # type: ignore[misc]
+        def __init__(self, *args: Any) -> None:
+            super().__init__(*args)
+            reader = self.reader
+            peer = self.writer.get_extra_info("peername")
+            key = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
+            if key is None:
+                return
+            state = _connections[key] = [0, False]
+            read = reader.read
+
+            async def stamping_read(n: int = -1) -> bytes:
+                data = await read(n)
+                if data and not state[0] and not state[1]:
+                    state[0] = time.time_ns()
+                return data
+
+            reader.read = stamping_read  # type: ignore[method-assign]
+
+        async def run(self) -> None:
+            try:
+                await super().run()
+            finally:
+                peer = self.writer.get_extra_info("peername")
+                if isinstance(peer, tuple):
+                    _connections.pop((str(peer[0]), int(peer[1])), None)
+
+    hc_run.TCPServer = StampingTCPServer
+    _installed = True
+
+
+def request_started(client: Any) -> int:
+    """The first byte of the request now handled on this connection (0: unknown); the
+    connection is busy until ``request_ended``."""
+    state = _connections.get((str(client[0]), int(client[1]))) if client else None
+    if state is None:
+        return 0
+    first, state[0], state[1] = state[0], 0, True
+    return first
+
+
+def request_ended(client: Any) -> None:
+    state = _connections.get((str(client[0]), int(client[1]))) if client else None
+    if state is not None:
+        state[1] = False

@@ -10,12 +10,20 @@ address (``scope["client"]``). Bytes that sat in the kernel before the loop
 got to them stay invisible: event-loop lag (service/monitor.py) covers that.
 Pipelined requests (a second one read while the first is answered) fall back
 to the app's own instant.
+
+It also bounds each connection's kernel send buffer (``SEND_BUFFER_BYTES``):
+a client that reads slowly then holds little memory, and its slowness shows
+as writes that wait (delivery lag) instead of vanishing into megabytes of
+autotuned buffer, where the server could never see it.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Any
+
+SEND_BUFFER_BYTES = 64 * 1024  # per connection (Linux doubles it for its bookkeeping)
 
 # Peer address -> [first byte of the request in progress (0: none), busy answering].
 _connections: dict[tuple[str, int], list[Any]] = {}
@@ -33,6 +41,9 @@ def install() -> None:
     class StampingTCPServer(TCPServer):  # type: ignore[misc]
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
+            sock = self.writer.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             reader = self.reader
             peer = self.writer.get_extra_info("peername")
             key = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None

@@ -84,6 +84,46 @@ class StalledClient:
         self.close()
 
 
+class SlowReader:
+    """Streams a completion over a raw socket with a tiny receive buffer, and reads slowly:
+    after the first bytes it stops reading for ``stall_s``, then drains the rest.
+
+    The server's writes back up meanwhile (its per-connection send buffer is bounded), as
+    they would for a client on a slow link.
+    """
+
+    def __init__(self, server: LumenServer, body: dict, *, stall_s: float) -> None:
+        self.server, self.body, self.stall_s = server, {**body, "stream": True}, stall_s
+        self.request_id = ""
+        self.num_bytes = 0
+
+    def run(self) -> SlowReader:
+        payload = json.dumps(self.body).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", self.server.port))
+            auth = "".join(f"{k}: {v}\r\n" for k, v in self.server.headers().items())
+            head = (
+                "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(payload)}\r\n{auth}\r\n"
+            )
+            sock.sendall(head.encode() + payload)
+            data = sock.recv(4096)
+            for line in data.split(b"\r\n"):
+                if line.lower().startswith(b"x-request-id:"):
+                    self.request_id = line.split(b":", 1)[1].strip().decode()
+            time.sleep(self.stall_s)
+            sock.settimeout(60)
+            tail = b""
+            while data:
+                self.num_bytes += len(data)
+                tail = (tail + data)[-256:]
+                if b"data: [DONE]" in tail:
+                    break
+                data = sock.recv(65536)
+        return self
+
+
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> float:
     """Seconds until ``predicate()`` held; raises AssertionError after ``timeout``."""
     start = time.monotonic()

@@ -59,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     report.set_defaults(func=_report)
     export = verbs.add_parser("export", help="a run's spans for other tools")
     export.add_argument("db")
-    export.add_argument("--format", default="otel-jsonl", help="otel-jsonl (the one so far)")
-    export.add_argument("--out", required=True)
+    export.add_argument("--format", default="otel-jsonl",
+                        help="otel-jsonl (OTLP-style JSON lines) or perfetto (Chrome trace "
+                             "events for ui.perfetto.dev and chrome://tracing)")  # fmt: skip
+    export.add_argument("--out", required=True, help="the file to write")
     export.add_argument("--run", default=None, help="which run (default: the latest)")
     export.set_defaults(func=_export)
     d = verbs.add_parser("diff", help="two runs side by side, change told from noise")
@@ -214,12 +216,9 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from replay.export import export_otel_jsonl
+    from replay.export import export
 
-    if args.format != "otel-jsonl":
-        raise ValueError(f"--format must be otel-jsonl, not {args.format!r}")
-    n = export_otel_jsonl(args.db, args.out, args.run)
-    print(f"{n} spans -> {args.out}")
+    print(export(args.db, args.out, args.format, args.run))
     return 0
 
 

@@ -1,5 +1,5 @@
-"""`replay report --html`: one self-contained page (inline SVG, no scripts, no server) with
-latency CDFs, the batch-composition and queue-depth timeline, and the TTFT breakdown."""
+"""`replay report --html`: one self-contained page (inline SVG, no scripts, no server) with the
+verdict, percentiles, latency CDFs, the engine timeline, the TTFT breakdown and waterfalls."""
 
 from __future__ import annotations
 
@@ -8,154 +8,176 @@ from pathlib import Path
 
 import numpy as np
 
-from replay.report import PARTS, RequestTimes, attribute_ttft, load_times, summary
+from replay import plots
+from tracing.diagnose import TAIL_PERCENTILE, TTFT_PARTS, RequestDiagnosis, RunDiagnosis
 from tracing.store import open_db
 
-W, H, PAD = 760, 300, 50
-COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2"]
+MAX_WATERFALLS = 5
+METRICS = {
+    "ttft_s": "TTFT",
+    "delivered_ttft_s": "delivered TTFT",
+    "tpot_s": "TPOT",
+    "itl_s": "ITL",
+    "e2e_s": "end to end",
+}
+Span = tuple[str, int, int]  # name, start_ns, end_ns
+STYLE = (
+    "body{font-family:sans-serif;margin:2em auto;max-width:1000px;padding:0 1em;color:#222}"
+    "h2{margin-top:1.6em;border-bottom:1px solid #ddd}"
+    "table{border-collapse:collapse}td,th{padding:3px 12px;text-align:right}"
+    "tr:nth-child(even){background:#f6f6f6}th:first-child{text-align:left}"
+    "pre.verdict{white-space:pre-wrap;background:#f6f6f6;padding:1em;font-size:13px}"
+    "figure{margin:1em 0}figcaption{font-weight:bold;margin-bottom:.3em}"
+    "svg.plot{width:100%;height:auto;display:block}.note{color:#666;font-size:13px}"
+)
 
 
-def _scale(values: list[float], lo_px: float, hi_px: float) -> tuple[float, float, callable]:
-    lo, hi = (min(values), max(values)) if values else (0.0, 1.0)
-    hi = hi if hi > lo else lo + 1.0
-    return lo, hi, lambda v: lo_px + (v - lo) / (hi - lo) * (hi_px - lo_px)
+def render_html(db: str | Path, out: str | Path, run_id: str | None = None) -> None:
+    """Diagnose the run (default: the latest) and write its page to ``out``."""
+    from tracing.diagnose import diagnose_run, render_run
+
+    diag = diagnose_run(db, run_id)
+    spans = load_spans(db, diag.run_id, named_requests(diag))
+    Path(out).write_text(build_page(diag, render_run(diag), spans, source=Path(db).name))
 
 
-def _axes(x_label: str, y_label: str, x: tuple[float, float], y: tuple[float, float]) -> str:
-    return (
-        f'<line x1="{PAD}" y1="{H - PAD}" x2="{W - 10}" y2="{H - PAD}" stroke="#333"/>'
-        f'<line x1="{PAD}" y1="10" x2="{PAD}" y2="{H - PAD}" stroke="#333"/>'
-        f'<text x="{W / 2}" y="{H - 12}" text-anchor="middle">{html.escape(x_label)}</text>'
-        f'<text x="14" y="{H / 2}" transform="rotate(-90 14 {H / 2})" text-anchor="middle">'
-        f"{html.escape(y_label)}</text>"
-        f'<text x="{PAD}" y="{H - PAD + 16}" text-anchor="middle">{x[0]:.3g}</text>'
-        f'<text x="{W - 10}" y="{H - PAD + 16}" text-anchor="end">{x[1]:.3g}</text>'
-        f'<text x="{PAD - 4}" y="{H - PAD}" text-anchor="end">{y[0]:.3g}</text>'
-        f'<text x="{PAD - 4}" y="18" text-anchor="end">{y[1]:.3g}</text>'
-    )
+def named_requests(diag: RunDiagnosis) -> list[str]:
+    """The requests the verdict's findings name, first named first (at most MAX_WATERFALLS)."""
+    ids: dict[str, None] = {}
+    for finding in diag.findings:
+        ids.update(dict.fromkeys(finding.request_ids))
+    return list(ids)[:MAX_WATERFALLS]
 
 
-def line_chart(
-    title: str, series: dict[str, tuple[list[float], list[float]]], x_label: str, y_label: str
-) -> str:
-    xs = [v for x, _ in series.values() for v in x]
-    ys = [v for _, y in series.values() for v in y]
-    x0, x1, sx = _scale(xs, PAD, W - 10)
-    y0, y1, sy = _scale(ys, H - PAD, 10)
-    body = [_axes(x_label, y_label, (x0, x1), (y0, y1))]
-    for i, (name, (x, y)) in enumerate(series.items()):
-        color = COLORS[i % len(COLORS)]
-        points = " ".join(f"{sx(a):.1f},{sy(b):.1f}" for a, b in zip(x, y))
-        body.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" '
-                    f'points="{points}"><title>{html.escape(name)}</title></polyline>')  # fmt: skip
-        body.append(f'<text x="{W - 16}" y="{24 + 16 * i}" text-anchor="end" fill="{color}">'
-                    f"{html.escape(name)}</text>")  # fmt: skip
-    return _figure(title, "".join(body))
-
-
-def bar_chart(title: str, rows: dict[str, dict[str, float]], unit: str) -> str:
-    """Horizontal stacked bars: one per row, one segment per part."""
-    total = max((sum(r.values()) for r in rows.values()), default=1.0) or 1.0
-    body, y = [], 20
-    for label, parts in rows.items():
-        x = 160.0
-        body.append(f'<text x="150" y="{y + 16}" text-anchor="end">{html.escape(label)}</text>')
-        for i, (part, value) in enumerate(parts.items()):
-            width = value / total * (W - 260)
-            body.append(f'<rect x="{x:.1f}" y="{y}" width="{width:.1f}" height="24" '
-                        f'fill="{COLORS[i % len(COLORS)]}"><title>{html.escape(part)}: '
-                        f"{value:.1f} {unit}</title></rect>")  # fmt: skip
-            x += width
-        body.append(f'<text x="{x + 4:.1f}" y="{y + 16}">{sum(parts.values()):.1f} {unit}</text>')
-        y += 40
-    for i, part in enumerate(next(iter(rows.values()), {})):
-        y += 18
-        body.append(f'<text x="160" y="{y}" fill="{COLORS[i % len(COLORS)]}">&#9632; '
-                    f"{html.escape(part)}</text>")  # fmt: skip
-    return _figure(title, "".join(body), height=y + 20)
-
-
-def _figure(title: str, svg: str, height: int = H) -> str:
-    return (f'<figure><figcaption>{html.escape(title)}</figcaption><svg class="plot" '
-            f'width="{W}" height="{height}" font-size="12" font-family="sans-serif">{svg}</svg>'
-            "</figure>")  # fmt: skip
-
-
-def _cdf(values: list[float]) -> tuple[list[float], list[float]]:
-    v = sorted(values)
-    return v, [(i + 1) / len(v) for i in range(len(v))]
-
-
-def render_html(db: str, out: str | Path, run_id: str | None = None) -> None:
-    run_id, times = load_times(db, run_id)
-    if not times:
-        raise ValueError(f"run {run_id} has no finished request")
+def load_spans(db: str | Path, run_id: str, request_ids: list[str]) -> dict[str, list[Span]]:
+    if not request_ids:
+        return {}
     with open_db(db, timeout=10) as con:
-        steps = con.execute(
-            "SELECT schedule_start_ns, num_prefill_tokens, num_decode_tokens, num_waiting, "
-            "num_running FROM steps WHERE run_id = ? ORDER BY schedule_start_ns",
-            [run_id],
+        rows = con.execute(
+            "SELECT request_id, name, start_ns, end_ns FROM spans WHERE run_id = ? "
+            "AND list_contains(?, request_id) ORDER BY start_ns",
+            [run_id, request_ids],
         ).fetchall()
-    figures = [_latency_cdfs(times), _timeline(steps), _breakdown(times)]
-    stats = summary(times)
-    _, verdict = attribute_ttft(times)
-    table = "".join(
-        f"<tr><th>{name.removesuffix('_s').upper()}</th>"
-        + "".join(f"<td>{pct[k] * 1000:.1f} ms</td>" for k in ("p50", "p90", "p99", "max"))
+    spans: dict[str, list[Span]] = {rid: [] for rid in request_ids}
+    for rid, name, start, end in rows:
+        spans[rid].append((name, start, end))
+    return spans
+
+
+def build_page(
+    diag: RunDiagnosis, verdict: str, spans: dict[str, list[Span]], source: str = ""
+) -> str:
+    """The whole page as one string: everything it shows is in it."""
+    e = html.escape
+    t0 = _run_start(diag)
+    ends = [r.arrival_ns + r.e2e_ns for r in diag.requests] + [s.end_ns for s in diag.steps]
+    by_id = {r.request_id: r for r in diag.requests}
+    of = f" of <code>{e(source)}</code>" if source else ""
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>Lumen replay report: {e(diag.run_id)}</title><style>{STYLE}</style></head>",
+        f"<body><h1>Lumen replay report</h1><p>Run <code>{e(diag.run_id)}</code>{of}: ",
+        f"{len(diag.requests):,} requests ({diag.num_ok:,} ok, {diag.num_aborted:,} aborted, ",
+        f"{diag.num_error:,} errors) over {(max(ends, default=t0) - t0) / 1e9:,.1f} s, ",
+        f"{len(diag.steps):,} engine steps.</p>",
+        f"<h2>Verdict</h2><pre class='verdict'>{e(verdict)}</pre>",
+        f"<h2>Latency</h2>{_table(diag.summary)}",
+        _figure("Latency CDFs", plots.latency_cdfs(_latency_series(diag))),
+        "<h2>The engine over time</h2>",
+        _figure(
+            "Batch composition, queue depth and step time",
+            plots.timeline(_step_points(diag, t0)),
+        ),
+        "<h2>Time to first token, by part</h2>",
+        _figure("Where the time to first token went", _breakdown(diag)),
+    ]
+    if spans:
+        parts.append("<h2>Requests the verdict names</h2>")
+        parts += [_waterfall(by_id.get(rid), rid, s) for rid, s in spans.items()]
+    return "".join(parts) + "</body></html>\n"
+
+
+def _figure(caption: str, svg: str) -> str:
+    return f"<figure><figcaption>{html.escape(caption)}</figcaption>{svg}</figure>"
+
+
+def _run_start(diag: RunDiagnosis) -> int:
+    starts = [r.arrival_ns for r in diag.requests] + [s.start_ns for s in diag.steps]
+    return min(starts, default=0)
+
+
+def _table(summary: dict[str, dict[str, float]]) -> str:
+    head = "<tr><th></th><th>p50</th><th>p90</th><th>p99</th><th>max</th></tr>"
+    rows = "".join(
+        f"<tr><th>{name}</th>"
+        + "".join(f"<td>{summary[key][p] * 1e3:,.1f} ms</td>" for p in ("p50", "p90", "p99", "max"))
         + "</tr>"
-        for name, pct in stats.items()
-        if pct
+        for key, name in METRICS.items()
+        if summary.get(key)
     )
-    Path(out).write_text(
-        "<!doctype html><html><head><meta charset='utf-8'><title>Lumen replay report</title>"
-        "<style>body{font-family:sans-serif;margin:2em;max-width:820px}td,th{padding:2px 10px;"
-        "text-align:right}figure{margin:1.5em 0}figcaption{font-weight:bold}</style></head>"
-        f"<body><h1>Replay report</h1><p>{html.escape(db)}, run {html.escape(run_id)}: "
-        f"{len(times)} requests, {len(steps)} engine steps.</p>"
-        f"<table><tr><th></th><th>p50</th><th>p90</th><th>p99</th><th>max</th></tr>{table}"
-        f"</table><p class='verdict'>{html.escape(verdict)}</p>{''.join(figures)}"
-        "</body></html>\n"
-    )
+    return f"<table>{head}{rows}</table>"
 
 
-def _latency_cdfs(times: list[RequestTimes]) -> str:
-    series = {
-        "TTFT": _cdf([t.ttft_ns / 1e9 for t in times]),
-        "end to end": _cdf([t.e2e_ns / 1e9 for t in times]),
+def _latency_series(diag: RunDiagnosis) -> dict[str, list[float]]:
+    reqs = diag.requests
+    return {
+        "TTFT": [r.ttft_ns / 1e9 for r in reqs if r.ttft_ns is not None],
+        "delivered TTFT": [r.delivered_ttft_ns / 1e9 for r in reqs if r.delivered_ttft_ns],
+        "end to end": [r.e2e_ns / 1e9 for r in reqs if r.status == "ok"],
+        "token gaps (ITL)": [g / 1e9 for r in reqs for g in r.gaps_ns],
     }
-    itls = [i / 1e9 for t in times for i in t.itls_ns]
-    if itls:
-        series["ITL"] = _cdf(itls)
-    return line_chart("Latency CDFs", series, "seconds", "fraction of requests (tokens for ITL)")
 
 
-def _timeline(steps: list[tuple]) -> str:
-    if not steps:
-        return _figure("Batch composition and queue depth", "<text x='20' y='40'>no steps</text>")
-    t0 = steps[0][0]
-    t = [(s[0] - t0) / 1e9 for s in steps]
-    return line_chart(
-        "Batch composition and queue depth, per engine step",
-        {
-            "prefill tokens": (t, [float(s[1]) for s in steps]),
-            "decode tokens": (t, [float(s[2]) for s in steps]),
-            "waiting requests x10": (t, [10.0 * s[3] for s in steps]),
-            "running requests x10": (t, [10.0 * s[4] for s in steps]),
-        },
-        "seconds since the first step",
-        "tokens / requests",
-    )
+def _step_points(diag: RunDiagnosis, t0: int) -> list[plots.StepPoint]:
+    return [
+        plots.StepPoint(
+            start_s=(s.start_ns - t0) / 1e9,
+            end_s=(s.end_ns - t0) / 1e9,
+            prefill_tokens=s.prefill_tokens,
+            decode_tokens=s.decode_tokens,
+            running=s.running,
+            waiting=s.waiting,
+            execute_ms=s.execute_ns / 1e6,
+        )
+        for s in diag.steps
+    ]
 
 
-def _breakdown(times: list[RequestTimes]) -> str:
-    ttfts = np.array([t.ttft_ns for t in times])
-    p50, p90 = np.percentile(ttfts, [50, 90])
-    median = min(times, key=lambda t: abs(t.ttft_ns - p50))
-    tail = [t for t in times if t.ttft_ns >= p90]
+def _breakdown(diag: RunDiagnosis) -> str:
+    """The median and the tail's TTFT by part: the verdict's own numbers where it gives them."""
+    tail = f"slowest {100 - TAIL_PERCENTILE}%"
+    stats = diag.parts.get("ttft")
+    if stats:
+        rows = {
+            "median request": {k: s.median_ns / 1e6 for k, s in stats.items()},
+            tail: {k: max(s.median_ns + s.tail_extra_ns, 0.0) / 1e6 for k, s in stats.items()},
+        }
+        return plots.ttft_breakdown(rows, TTFT_PARTS)
+    # Otherwise from the requests: the median one, and the mean of those at or above p90.
+    served = [r for r in diag.requests if r.ttft]
+    if not served:
+        return plots.ttft_breakdown({}, TTFT_PARTS)
+    phase = np.array([sum(r.ttft.values()) for r in served])
+    median = served[int(np.argmin(np.abs(phase - np.percentile(phase, 50))))]
+    slow = [r for r, t in zip(served, phase) if t >= np.percentile(phase, TAIL_PERCENTILE)]
     rows = {
-        "median request": {PARTS[k].split(" (")[0]: median.parts[k] / 1e6 for k in PARTS},
-        "tail (>= p90) mean": {
-            PARTS[k].split(" (")[0]: float(np.mean([t.parts[k] for t in tail])) / 1e6 for k in PARTS
+        "median request": {k: median.ttft.get(k, 0) / 1e6 for k in TTFT_PARTS},
+        f"{tail} (mean of {len(slow)})": {
+            k: sum(r.ttft.get(k, 0) for r in slow) / len(slow) / 1e6 for k in TTFT_PARTS
         },
     }
-    return bar_chart("Time to first token, by boundary", rows, "ms")
+    return plots.ttft_breakdown(rows, TTFT_PARTS)
+
+
+def _waterfall(req: RequestDiagnosis | None, request_id: str, spans: list[Span]) -> str:
+    starts = [s for _, s, _ in spans] + ([req.start_ns, req.arrival_ns] if req else [])
+    t0 = min(starts, default=0)
+    title = f"request {request_id}"
+    if req is not None:
+        ttft = f"TTFT {req.ttft_ns / 1e6:,.1f} ms" if req.ttft_ns is not None else "no token"
+        title += (
+            f": {req.status}, {ttft}, end to end {req.e2e_ns / 1e6:,.1f} ms, "
+            f"{req.prompt_tokens:,} prompt / {req.output_tokens:,} output tokens"
+        )
+    rel = [(name, (s - t0) / 1e9, (e - t0) / 1e9) for name, s, e in spans]
+    return f"<figure>{plots.waterfall(rel, title)}</figure>"

@@ -11,7 +11,7 @@ got to them stay invisible: event-loop lag (service/monitor.py) covers that.
 Pipelined requests (a second one read while the first is answered) fall back
 to the app's own instant.
 
-It also bounds each connection's kernel send buffer (``SEND_BUFFER_BYTES``):
+It also bounds each connection's send buffers (``SEND_BUFFER_BYTES``):
 a client that reads slowly then holds little memory, and its slowness shows
 as writes that wait (delivery lag) instead of vanishing into megabytes of
 autotuned buffer, where the server could never see it.
@@ -23,7 +23,11 @@ import socket
 import time
 from typing import Any
 
-SEND_BUFFER_BYTES = 64 * 1024  # per connection (Linux doubles it for its bookkeeping)
+# Per connection: the kernel's send buffer (Linux doubles it for its bookkeeping) and the
+# transport's own buffer above it. SSE chunks are ~200 bytes, so neither limits a reader that
+# keeps up; together they hold about 80 KiB for one that does not.
+SEND_BUFFER_BYTES = 32 * 1024
+TRANSPORT_BUFFER_BYTES = 16 * 1024
 
 # Peer address -> [first byte of the request in progress (0: none), busy answering].
 _connections: dict[tuple[str, int], list[Any]] = {}
@@ -44,6 +48,7 @@ def install() -> None:
             sock = self.writer.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+                self.writer.transport.set_write_buffer_limits(high=TRANSPORT_BUFFER_BYTES)
             reader = self.reader
             peer = self.writer.get_extra_info("peername")
             key = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None

@@ -1,4 +1,5 @@
-"""`lumen trace show ID` (a request's waterfall) and `lumen trace top` (the slowest requests)."""
+"""`lumen trace show ID` (a request's waterfall), `lumen trace top` (the slowest requests) and
+`lumen trace why ID` (what one request's time went to, in sentences)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,10 @@ def add_parser(nouns: Any) -> None:
     top.add_argument("--limit", type=int, default=10)
     top.add_argument("--by", choices=("e2e", "ttft"), default="e2e")
     top.set_defaults(func=_top)
+    why = verbs.add_parser("why", help="one request's time explained, against its run")
+    why.add_argument("request_id")
+    why.add_argument("--db", default=DEFAULT_DB, help=f"trace db (default {DEFAULT_DB})")
+    why.set_defaults(func=_why)
 
 
 def _ms(ns: int | None) -> str:
@@ -96,27 +101,49 @@ def _waterfall(req: tuple[Any, ...], spans: list[tuple[str, int, int]]) -> None:
     print(f"\nslowest boundary: {slowest}, {total / 1e6:,.1f} ms, {total / e2e:.0%} of e2e{note}\n")
 
 
+def _why(args: argparse.Namespace) -> int:
+    from tracing.diagnose import explain_request, find_request_ids, render_request
+
+    # A completion with several prompts is one engine request per prompt: ID-0, ID-1, ...
+    for i, rid in enumerate(find_request_ids(args.db, args.request_id)):
+        print(("\n" if i else "") + render_request(*explain_request(args.db, rid)))
+    return 0
+
+
+# Per request, its time per boundary. A first core.schedule span that began before its step
+# (traces written before core.queue existed) waited in the queue: that part is core.queue.
+_TOP_SQL = """
+WITH r AS (
+    SELECT * FROM requests WHERE {order} IS NOT NULL ORDER BY {order} DESC LIMIT ?
+),
+s AS (
+    SELECT s.request_id, s.name, s.start_ns, s.end_ns,
+        greatest(s.start_ns, least(coalesce(st.schedule_start_ns, s.start_ns), s.end_ns)) AS cut
+    FROM spans s JOIN r ON s.request_id = r.request_id AND s.trace_id = r.trace_id
+    LEFT JOIN steps st ON s.name = 'core.schedule' AND st.run_id = s.run_id
+        AND st.step_id = s.step_id
+    WHERE s.name <> 'llm_request'
+),
+parts AS (
+    SELECT request_id, name, end_ns - cut AS ns FROM s WHERE name = 'core.schedule'
+    UNION ALL
+    SELECT request_id, 'core.queue', cut - start_ns FROM s WHERE name = 'core.schedule'
+    UNION ALL
+    SELECT request_id, name, end_ns - start_ns FROM s WHERE name <> 'core.schedule'
+),
+b AS (SELECT request_id, name, sum(ns) AS total FROM parts GROUP BY ALL HAVING sum(ns) > 0),
+d AS (SELECT request_id, arg_max(name, total) AS name, max(total) AS total
+      FROM b GROUP BY request_id)
+SELECT r.request_id, r.status, r.e2e_ns, r.ttft_ns, r.prompt_tokens,
+       r.output_tokens, d.name, d.total
+FROM r LEFT JOIN d USING (request_id) ORDER BY r.{order} DESC
+"""
+
+
 def _top(args: argparse.Namespace) -> int:
     order = "e2e_ns" if args.by == "e2e" else "ttft_ns"
     with open_db(args.db) as con:
-        rows = con.execute(
-            f"""
-            WITH r AS (
-                SELECT * FROM requests WHERE {order} IS NOT NULL ORDER BY {order} DESC LIMIT ?
-            ),
-            b AS (
-                SELECT s.request_id, s.name, sum(s.end_ns - s.start_ns) AS total
-                FROM spans s JOIN r ON s.request_id = r.request_id AND s.trace_id = r.trace_id
-                WHERE s.name <> 'llm_request' GROUP BY ALL
-            ),
-            d AS (SELECT request_id, arg_max(name, total) AS name, max(total) AS total
-                  FROM b GROUP BY request_id)
-            SELECT r.request_id, r.status, r.e2e_ns, r.ttft_ns, r.prompt_tokens,
-                   r.output_tokens, d.name, d.total
-            FROM r LEFT JOIN d USING (request_id) ORDER BY r.{order} DESC
-            """,
-            [args.limit],
-        ).fetchall()
+        rows = con.execute(_TOP_SQL.format(order=order), [args.limit]).fetchall()
     if not rows:
         print(f"no requests in {args.db}")
         return 0

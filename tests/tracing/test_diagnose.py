@@ -1,0 +1,490 @@
+"""The diagnosis names the right cause, and none in a healthy run, on small synthetic trace dbs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pytest
+
+from tracing.diagnose import RunDiagnosis, diagnose_run, explain_request, render_run
+from tracing.store import MIGRATIONS, TABLES, TraceStore
+
+RUN = "run-1"
+MS = 1_000_000
+T0 = 1_700_000_000_000_000_000
+BLOCK = 16
+NUM_BLOCKS = 512
+
+
+def row(table: str, **values: Any) -> tuple[Any, ...]:
+    """A row of ``table`` in store.py's column order (columns not named are NULL)."""
+    return tuple(values.get(column) for column in TABLES[table])
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt: int
+    output: int
+    http_start: int
+    sent: int
+    received: int
+    stream: bool = True
+    reader_ns: int = 0  # how long each write waits on a slow reader's socket
+    computed: int = 0
+    first_token: int | None = None
+    emits: list[tuple[int, int, int]] = field(default_factory=list)  # step, received, delivered
+    steps: list[tuple[int, ...]] = field(default_factory=list)  # id and the step's instants
+    status: str | None = None
+    end: int = 0
+    kv_freed: int | None = None
+
+    @property
+    def handler(self) -> int:
+        return self.http_start + MS // 5
+
+
+class Trace:
+    """A run laid out by hand: requests arrive, steps run whom they are told to, rows follow
+    (a request finishes when it has its output tokens)."""
+
+    def __init__(self) -> None:
+        self.now = T0
+        self.reqs: dict[str, Req] = {}
+        self.steps: list[tuple[Any, ...]] = []
+        self.pauses: list[tuple[Any, ...]] = []
+
+    def request(
+        self, rid: str, at_ms: float, *, prompt: int = 32, output: int = 8,
+        frontend_ms: float = 1.0, ipc_ms: float = 0.2, **kw: Any,
+    ) -> None:  # fmt: skip
+        start = T0 + int(at_ms * MS)
+        sent = start + MS // 5 + int(frontend_ms * MS)
+        self.reqs[rid] = Req(rid, prompt, output, start, sent, sent + int(ipc_ms * MS), **kw)
+
+    def step(
+        self, rows: dict[str, int], exec_ms: float, *, at_ms: float = 0.0,
+        schedule_ms: float = 0.2, output_ms: float = 0.2, wait_reason: str = "", waiting: int = 0,
+        preempted: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
+        arrived = max(self.reqs[rid].received for rid in rows)
+        start = max(self.now, arrived, T0 + int(at_ms * MS)) + MS // 10
+        execute = start + int(schedule_ms * MS)
+        executed = execute + int(exec_ms * MS)
+        out = executed + int(output_ms * MS)
+        step_id, prefill = len(self.steps), 0
+        for rid, n in rows.items():
+            r = self.reqs[rid]
+            assert r.status is None, rid
+            r.steps.append((step_id, start, execute, executed, out))
+            prefill += n if r.computed < r.prompt else 0
+            r.computed += n
+            if r.computed >= r.prompt:
+                self._token(r, step_id, out)
+        live = [r for r in self.reqs.values() if r.status is None and r.computed]
+        self.steps.append(row(
+            "steps", run_id=RUN, step_id=step_id, schedule_start_ns=start, schedule_end_ns=execute,
+            execute_start_ns=execute, execute_end_ns=executed, output_ns=out,
+            num_running=len(live), num_waiting=waiting, num_scheduled_tokens=sum(rows.values()),
+            num_prefill_tokens=prefill, num_decode_tokens=sum(rows.values()) - prefill,
+            num_preemptions=0, kv_blocks_used=sum(math.ceil(r.computed / BLOCK) for r in live),
+            kv_blocks_total=NUM_BLOCKS, request_ids=list(rows), num_scheduled=list(rows.values()),
+            preempted_request_ids=list(preempted), update_end_ns=executed + MS // 10,
+            wait_reason=wait_reason, idle=False, gc_pause_ns=0,
+        ))  # fmt: skip
+        self.now = out
+        for r in live:
+            if len(r.emits) >= r.output:
+                self._finish(r, "ok", out)
+
+    def _token(self, r: Req, step_id: int, out: int) -> None:
+        received = out + MS // 10
+        r.first_token = r.first_token or received
+        last = r.emits[-1][2] if r.emits else 0
+        r.emits.append((step_id, received, max(received, last) + MS // 5 + r.reader_ns))
+
+    def _finish(self, r: Req, status: str, at: int) -> None:
+        r.status, r.kv_freed = status, at
+        r.end = max([at, *(d for _, _, d in r.emits)]) + MS // 20
+
+    def abort(self, rid: str, at_ms: float) -> None:
+        self._finish(self.reqs[rid], "aborted", T0 + int(at_ms * MS))
+        self.reqs[rid].kv_freed = self.reqs[rid].end + MS // 2
+
+    def idle(self, at_ms: float, kv_used: int = 0) -> None:
+        """The KV state once aborts emptied the engine."""
+        at = T0 + int(at_ms * MS)
+        self.steps.append(row(
+            "steps", run_id=RUN, step_id=len(self.steps), schedule_start_ns=at,
+            schedule_end_ns=at, execute_start_ns=at, execute_end_ns=at, output_ns=at,
+            num_running=0, num_waiting=0, num_scheduled_tokens=0, num_prefill_tokens=0,
+            num_decode_tokens=0, kv_blocks_used=kv_used, kv_blocks_total=NUM_BLOCKS,
+            request_ids=[], num_scheduled=[], update_end_ns=at, idle=True,
+        ))  # fmt: skip
+
+    def pause(self, process: str, kind: str, at_ms: float, duration_ms: float) -> None:
+        self.pauses.append(row(
+            "pauses", run_id=RUN, process=process, kind=kind, start_ns=T0 + int(at_ms * MS),
+            duration_ns=int(duration_ms * MS),
+        ))  # fmt: skip
+
+    def request_rows(self) -> list[tuple[Any, ...]]:
+        rows = []
+        for r in self.reqs.values():
+            first = r.emits[0][2] if r.emits and r.stream else None
+            rows.append(row(
+                "requests", run_id=RUN, request_id=r.rid, trace_id=f"t-{r.rid}",
+                arrival_ns=r.handler, prompt_tokens=r.prompt, output_tokens=len(r.emits),
+                stream=r.stream, status=r.status, e2e_ns=r.end - r.handler,
+                ttft_ns=r.first_token - r.handler if r.first_token else None,
+                http_start_ns=r.http_start, handler_ns=r.handler, sent_ns=r.sent,
+                received_ns=r.received, first_scheduled_ns=r.steps[0][1] if r.steps else None,
+                first_delivered_ns=first, last_delivered_ns=r.emits[-1][2] if r.emits else None,
+                delivered_ttft_ns=first - r.http_start if first else None,
+                send_wait_ns=r.reader_ns * len(r.emits), bytes_sent=6 * len(r.emits),
+                kv_freed_ns=r.kv_freed,
+            ))  # fmt: skip
+        return rows
+
+    def span_rows(self) -> list[tuple[Any, ...]]:
+        """Spans as the recorder wrote them before core.queue: the first core.schedule span
+        begins when the core received the request."""
+        rows = []
+        for r in self.reqs.values():
+            spans = [("llm_request", r.handler, r.end, None),
+                     ("frontend.enqueue", r.handler, r.sent, None),
+                     ("core.receive", r.sent, r.received, None)]  # fmt: skip
+            for i, (step, start, execute, executed, out) in enumerate(r.steps):
+                spans += [("core.schedule", r.received if i == 0 else start, execute, step),
+                          ("worker.execute", execute, executed, step),
+                          ("core.output", executed, out, step)]  # fmt: skip
+            spans += [("frontend.emit", received, delivered, step)
+                      for step, received, delivered in r.emits]  # fmt: skip
+            rows += [
+                row("spans", run_id=RUN, request_id=r.rid, trace_id=f"t-{r.rid}",
+                    span_id=f"{len(rows) + i:016x}", name=name, start_ns=a, end_ns=b, step_id=step,
+                    attributes="{}")
+                for i, (name, a, b, step) in enumerate(spans)
+            ]  # fmt: skip
+        return rows
+
+    def write(self, path: Path) -> Path:
+        assert all(r.status for r in self.reqs.values()), "every request must end"
+        store = TraceStore(path, max_buffered_rows=10_000_000)
+        store.add_all({"requests": self.request_rows(), "steps": self.steps,
+                       "spans": self.span_rows(), "pauses": self.pauses})  # fmt: skip
+        assert store.flush()
+        store.close()
+        return path
+
+
+def serve_alone(
+    tr: Trace,
+    rid: str,
+    at_ms: float,
+    *,
+    prefill_ms: float = 10.0,
+    decode_ms: float = 5.0,
+    **step_kw: Any,
+) -> None:
+    """One request on its own: a prefill step, then a decode step per further token."""
+    r = tr.reqs[rid]
+    tr.step({rid: r.prompt}, prefill_ms, at_ms=at_ms, **step_kw)
+    while r.status is None:
+        tr.step({rid: 1}, decode_ms, **step_kw)
+
+
+def serial_run(n: int = 12, **req_kw: Any) -> Trace:
+    tr = Trace()
+    for i in range(n):
+        tr.request(f"r{i}", i * 100.0, **req_kw)
+        serve_alone(tr, f"r{i}", i * 100.0 + 2)
+    return tr
+
+
+def kinds(run: RunDiagnosis, kind: str) -> list[str]:
+    return [f.text for f in run.findings if f.kind == kind]
+
+
+def test_healthy_run_has_nothing_that_stands_out(tmp_path: Path) -> None:
+    run = diagnose_run(serial_run().write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    assert not kinds(run, "cause") and not kinds(run, "paid") and not kinds(run, "step")
+    assert "Nothing stands out" in text and "Expected compute" in text
+    # The parts sum to each phase; the text quotes the table's numbers.
+    for r in run.requests:
+        assert sum(r.ttft.values()) == r.delivered_ttft_ns
+        assert r.ttft["unattributed"] == 0 and r.decode["unattributed"] == 0
+    p50 = run.summary["ttft_s"]["p50"] * 1e3
+    assert f"TTFT p50 {p50:,.1f} ms" in text and f"{p50:,.1f} ms" in text.splitlines()[3]
+
+
+def test_a_few_ms_of_spread_is_not_a_cause(tmp_path: Path) -> None:
+    tr = Trace()
+    for i in range(12):
+        tr.request(f"r{i}", i * 100.0, frontend_ms=1.0 + 1.5 * i)  # 1 to 17.5 ms
+        serve_alone(tr, f"r{i}", i * 100.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    assert run.parts["ttft"]["frontend"].tail_extra_ns > 5 * MS
+    assert not kinds(run, "cause") and "Nothing stands out" in render_run(run)
+
+
+def test_frontend_cpu_paid_by_every_request(tmp_path: Path) -> None:
+    run = diagnose_run(serial_run(frontend_ms=63.0).write(tmp_path / "t.db"))
+    paid = [f for f in run.findings if f.kind == "paid"]
+    print(render_run(run))
+    assert [f.part for f in paid] == ["frontend"] and not kinds(run, "cause")
+    assert paid[0].text.startswith(
+        "Every request spent 63.0 ms (85% of the median time to "
+        "first delivered token) in frontend CPU (chat template"
+    )
+
+
+def test_queue_held_by_max_num_seqs(tmp_path: Path) -> None:
+    tr = Trace()
+    for i in range(8):
+        tr.request(f"q{i}", 0.0)
+    for pair in range(4):
+        a, b = f"q{2 * pair}", f"q{2 * pair + 1}"
+        waiting = 6 - 2 * pair
+        reason = "max_num_seqs" if waiting else ""
+        tr.step({a: 32, b: 32}, 10.0, wait_reason=reason, waiting=waiting)
+        while tr.reqs[a].status is None:
+            tr.step({a: 1, b: 1}, 5.0, wait_reason=reason, waiting=waiting)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    print(render_run(run))
+    causes = [f for f in run.findings if f.kind == "cause"]
+    assert [f.part for f in causes] == ["queue"]
+    assert "max_num_seqs" in causes[0].text and "--max-num-seqs" in causes[0].text
+    assert {"q6", "q7"} <= set(causes[0].request_ids)
+    assert run.requests[-1].wait_reason == "max_num_seqs"
+
+
+def test_slow_scheduler(tmp_path: Path) -> None:
+    tr = Trace()
+    for i in range(6):
+        tr.request(f"s{i}", i * 400.0)
+        serve_alone(tr, f"s{i}", i * 400.0 + 2, schedule_ms=8.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    named = [f for f in run.findings if f.part == "schedule"]
+    assert named and "scheduler CPU" in named[0].text
+    assert all(f.part == "schedule" for f in run.findings if f.kind in ("cause", "paid", "step"))
+
+
+def _long_prefill() -> Trace:
+    tr = Trace()
+    for i in range(4):
+        tr.request(f"d{i}", 0.0, output=30)
+    tr.request("long-1", 30.0, prompt=2047, output=4)
+    tr.step({f"d{i}": 32 for i in range(4)}, 10.0)
+    for _ in range(5):
+        tr.step({f"d{i}": 1 for i in range(4)}, 5.0)
+    tr.step({**{f"d{i}": 1 for i in range(4)}, "long-1": 2047}, 600.0)
+    while tr.reqs["long-1"].status is None:
+        tr.step({r: 1 for r in tr.reqs if tr.reqs[r].status is None}, 5.0)
+    while tr.reqs["d0"].status is None:
+        tr.step({f"d{i}": 1 for i in range(4)}, 5.0)
+    return tr
+
+
+def test_long_prefill_stalls_decodes_and_the_neighbour_is_named(tmp_path: Path) -> None:
+    run = diagnose_run(_long_prefill().write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    [stall] = [f for f in run.findings if f.kind == "step"]
+    assert stall.text.startswith(
+        "A 2,047-token prefill chunk of long-1 stalled 4 decoding requests"
+    )
+    assert "--max-num-batched-tokens" in stall.text
+    itl = f"p99 ITL is {run.summary['itl_s']['p99'] * 1e3:,.1f} ms"
+    assert itl in stall.text
+    neighbour = [f for f in run.findings if f.part == "neighbour_prefill" and f.kind != "step"]
+    assert neighbour and "long-1 with 2,047 prefill tokens" in neighbour[0].text
+    assert "queue" not in {f.part for f in run.findings}
+
+
+def test_slow_reader_delivery(tmp_path: Path) -> None:
+    tr = Trace()
+    for i in range(6):
+        tr.request(f"c{i}", i * 200.0, output=10, reader_ns=50 * MS if i == 3 else 0)
+        serve_alone(tr, f"c{i}", i * 200.0 + 2)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    print(render_run(run))
+    [slow] = [f for f in run.findings if f.kind == "cause"]
+    assert slow.part == "delivery" and slow.request_ids == ["c3"]
+    assert "slow reader" in slow.text and "waited 500.0 ms on its socket" in slow.text
+
+
+def _all_aborted(kv_left: int) -> Trace:
+    tr = Trace()
+    for i in range(6):
+        tr.request(f"a{i}", 0.0, output=100)
+    tr.step({f"a{i}": 32 for i in range(6)}, 10.0)
+    for _ in range(3):
+        tr.step({f"a{i}": 1 for i in range(6)}, 5.0)
+    for i in range(6):
+        tr.abort(f"a{i}", 60.0)
+    tr.idle(62.0, kv_used=kv_left)
+    return tr
+
+
+def test_every_request_aborted_is_reported_with_kv_freed(tmp_path: Path) -> None:
+    run = diagnose_run(_all_aborted(0).write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    assert run.num_aborted == 6 and run.num_ok == 0
+    [cancelled] = [f.text for f in run.findings if f.section == "cancellations"]
+    assert cancelled.startswith(
+        "6 requests were cancelled (0 ok, 0 error); KV blocks in use "
+        "after the last cancellation: 0 of 512 (freed within 0.5 ms"
+    )
+    assert not kinds(run, "cause")
+
+
+def test_kv_blocks_held_after_every_request_ended(tmp_path: Path) -> None:
+    run = diagnose_run(_all_aborted(40).write(tmp_path / "t.db"))
+    [held] = [f for f in run.findings if f.kind == "cause"]
+    assert held.text.startswith("40 KV blocks still held after every request ended")
+
+
+def test_cold_first_step(tmp_path: Path) -> None:
+    tr = Trace()
+    for i in range(12):
+        tr.request(f"w{i}", i * 500.0)
+        serve_alone(tr, f"w{i}", i * 500.0 + 2, prefill_ms=400.0 if i == 0 else 10.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    print(render_run(run))
+    [cold] = kinds(run, "step")
+    assert cold.startswith("Cold start: the first step took 400.0 ms against 10.0 ms expected")
+
+
+def test_pauses_are_carved_out_of_the_parts_they_overlap(tmp_path: Path) -> None:
+    tr = serial_run(frontend_ms=10.0)
+    r5, r7 = tr.reqs["r5"], tr.reqs["r7"]
+    prefill_start = r5.steps[0][2]  # r5's prefill executes for 10 ms from here
+    tr.pause("core", "gc", (prefill_start - T0) / MS + 2, 5.0)
+    tr.pause("api", "loop_lag", (r7.handler - T0) / MS + 1, 4.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    print(render_run(run))
+    got = {r.request_id: r for r in run.requests}
+    assert got["r5"].ttft["gc"] == 5 * MS and got["r5"].ttft["own_prefill"] == 5 * MS
+    assert got["r7"].ttft["loop_lag"] == 4 * MS and got["r7"].ttft["frontend"] == 6 * MS
+    for r in (got["r5"], got["r7"]):
+        assert sum(r.ttft.values()) == r.delivered_ttft_ns and r.ttft["unattributed"] == 0
+
+
+def test_time_after_a_preemption(tmp_path: Path) -> None:
+    tr = Trace()
+    tr.request("p0", 0.0, output=6)
+    tr.request("p1", 0.0, output=4)
+    tr.step({"p0": 32}, 10.0)
+    tr.step({"p0": 1}, 5.0)
+    tr.step({"p1": 32}, 10.0, preempted=("p0",))  # p0 gives its blocks to p1
+    while tr.reqs["p1"].status is None:
+        tr.step({"p1": 1}, 5.0)
+    tr.reqs["p0"].computed = 0  # recomputed: its prompt and the tokens it had
+    tr.reqs["p0"].prompt = 34
+    tr.step({"p0": 34}, 12.0)
+    while tr.reqs["p0"].status is None:
+        tr.step({"p0": 1}, 5.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    p0 = next(r for r in run.requests if r.request_id == "p0")
+    # From the step that preempted it to the step that ran it again: p1's four steps.
+    assert p0.decode["preempted"] == (10.5 + 3 * 5.5) * MS
+    assert sum(p0.decode.values()) == p0.end_ns - (p0.start_ns + p0.ttft_phase_ns)
+
+
+def test_an_old_db_still_reports(tmp_path: Path) -> None:
+    tr = serial_run()
+    path = tmp_path / "old.db"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE schema_migrations (version INTEGER, name VARCHAR, applied_ns BIGINT)")
+    MIGRATIONS[0][2](con)
+    con.execute("INSERT INTO schema_migrations VALUES (1, 'initial', 0)")
+    for table, rows in (
+        ("requests", tr.request_rows()),
+        ("steps", tr.steps),
+        ("spans", tr.span_rows()),
+    ):
+        have = [
+            c
+            for (c,) in con.execute(
+                "SELECT column_name FROM information_schema.columns WHERE table_name = ?", [table]
+            ).fetchall()
+        ]
+        index = [list(TABLES[table]).index(c) for c in have]
+        con.executemany(
+            f"INSERT INTO {table} VALUES ({', '.join('?' * len(have))})",
+            [[row[i] for i in index] for row in rows],
+        )
+    con.close()
+    run = diagnose_run(path)
+    text = render_run(run)
+    print(text)
+    assert "Nothing stands out" in text and run.summary["ttft_s"]
+    # The spans stand in for the instants: frontend and IPC parts, delivery from frontend.emit.
+    r = run.requests[0]
+    assert r.ttft["frontend"] == pytest.approx(1.0 * MS) and r.ttft["ipc"] == pytest.approx(
+        0.2 * MS
+    )
+    assert r.ttft["unattributed"] == 0
+
+
+def test_explain_one_request(tmp_path: Path) -> None:
+    path = _long_prefill().write(tmp_path / "t.db")
+    req, sentences = explain_request(path, "d1")
+    text = " ".join(sentences)
+    print("\n".join(sentences))
+    assert req.neighbours == {"long-1": 2047, "d0": 32, "d2": 32, "d3": 32}
+    assert "long-1 with 2,047 prefill tokens in step 6" in text
+    assert "worst token gaps" in text and "carrying a 2,047-token prefill chunk of long-1" in text
+    with pytest.raises(ValueError, match="not in"):
+        explain_request(path, "nope")
+
+
+def test_lumen_trace_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from service.cli import main
+
+    tr = _long_prefill()
+    tr.request("cmpl-7-0", 1500.0)
+    tr.request("cmpl-7-1", 1500.0)
+    tr.step({"cmpl-7-0": 32, "cmpl-7-1": 32}, 10.0, at_ms=1500.5)
+    while tr.reqs["cmpl-7-0"].status is None:
+        tr.step({"cmpl-7-0": 1, "cmpl-7-1": 1}, 5.0)
+    path = str(tr.write(tmp_path / "t.db"))
+    assert main(["trace", "why", "d2", "--db", path]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    assert out.startswith("d2  ok") and "long-1" in out and "run median" in out
+    assert "other requests' prefill in the steps it shared" in out
+    assert main(["trace", "why", "cmpl-7", "--db", path]) == 0
+    out = capsys.readouterr().out
+    assert "cmpl-7-0  ok" in out and "cmpl-7-1  ok" in out
+    assert main(["trace", "why", "nope", "--db", path]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"lumen: error: request 'nope' is not in {path}"
+
+
+def test_trace_top_calls_the_queue_wait_core_queue(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from service.cli import main
+
+    tr = Trace()
+    tr.request("early", 0.0)
+    tr.request("late", 0.0)
+    serve_alone(tr, "early", 1.0, prefill_ms=10.0, decode_ms=40.0, wait_reason="max_num_seqs")
+    serve_alone(tr, "late", 0.0)
+    path = str(tr.write(tmp_path / "t.db"))
+    assert main(["trace", "top", "--db", path]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    late = next(line for line in out.splitlines() if line.startswith("late"))
+    assert "core.queue" in late and "core.schedule" not in out

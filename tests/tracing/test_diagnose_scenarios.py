@@ -1,0 +1,225 @@
+"""One provocation per symptom class (DESIGN §7), through a real server: the report and
+`lumen trace why` must name the cause, and name none for a healthy run.
+
+Each scenario records a run of `lumen serve` on the tiny model, then reads it back as an
+operator would: `replay report` (``diagnose_run``) and `lumen trace why ID`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from service.cli import main as lumen
+from tests.helpers.load import SlowReader, server_idle, stream_chat, wait_until
+from tests.helpers.server import LumenServer
+from tracing.diagnose import RunDiagnosis, diagnose_run, render_run
+from tracing.store import open_db
+
+FAST_FLUSH = ("--trace-flush-interval", "0.2")
+
+
+def _record(
+    tmp: Path, model: Path, provoke: Callable[[LumenServer], list[str]], *args: str, env=None
+) -> tuple[Path, list[str]]:
+    """Run ``provoke`` against a fresh server; returns the trace db once every request is in
+    it, and the request ids ``provoke`` says to explain."""
+    db = tmp / "trace.db"
+    with LumenServer(
+        model, *FAST_FLUSH, "--num-kv-blocks", "512", *args, log_path=tmp / "serve.log",
+        trace_db=db, env=env,
+    ) as server:  # fmt: skip
+        victims = provoke(server)
+        sent = server.metrics()
+        total = sum(v for k, v in sent.items() if k.startswith("lumen:request_success_total"))
+        wait_until(lambda: _num_requests(db) >= total, 30)
+    return db, victims
+
+
+def _num_requests(db: Path) -> int:
+    if not db.exists():
+        return 0
+    with open_db(db, timeout=10) as con:
+        return con.execute("SELECT count(*) FROM requests").fetchone()[0]
+
+
+def _why(db: Path, request_id: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert lumen(["trace", "why", request_id, "--db", str(db)]) == 0
+    return out.getvalue()
+
+
+def _causes(diag: RunDiagnosis) -> list[str]:
+    """What the verdict names: causes of the tail, costs every request paid, and steps."""
+    return [f.part or f.text for f in diag.findings if f.kind in ("cause", "paid", "step")]
+
+
+def _report(db: Path) -> tuple[RunDiagnosis, str]:
+    diag = diagnose_run(db)
+    text = render_run(diag)
+    print(text)
+    return diag, text
+
+
+def _post(server: LumenServer, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    r = httpx.post(server.url(path), json=body, headers=server.headers(), timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _concurrently(n: int, fn: Callable[[int], str]) -> list[str]:
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(fn, range(n)))
+
+
+def test_healthy_run_names_no_cause(tmp_path: Path, tiny_model_path: Path) -> None:
+    def provoke(server: LumenServer) -> list[str]:
+        ids = []
+        for i in range(6):
+            r = _post(server, {"prompt": f"Question {i}", "max_tokens": 12, "ignore_eos": True})
+            ids.append(r.headers["x-request-id"])
+            time.sleep(0.05)
+        return ids
+
+    db, ids = _record(tmp_path, tiny_model_path, provoke)
+    diag, text = _report(db)
+    assert _causes(diag) == [], text
+    assert "nothing stands out" in text.lower()
+    assert "nothing stands out" in _why(db, ids[-1]).lower()
+
+
+def test_http_parse_is_named_while_the_model_idles(tmp_path: Path, tiny_model_path: Path) -> None:
+    """Bodies that are costly to parse (an unknown field holding 300,000 numbers, which the
+    server must still read and decode) keep the API process busy; the model has almost
+    nothing to do."""
+    padding = list(range(300_000))
+
+    def provoke(server: LumenServer) -> list[str]:
+        def one(i: int) -> str:
+            body = {"prompt": f"Hi {i}", "max_tokens": 4, "padding": padding}
+            return _post(server, body).headers["x-request-id"]
+
+        return _concurrently(12, one)
+
+    db, ids = _record(tmp_path, tiny_model_path, provoke)
+    diag, text = _report(db)
+    causes = _causes(diag)
+    assert causes and set(causes) & {"http", "frontend", "loop_lag"}, text
+    assert not set(causes) & {"queue", "neighbour_prefill", "schedule"}, text
+    why = _why(db, ids[0])
+    assert "HTTP" in why or "frontend" in why or "event-loop" in why, why
+
+
+def test_queue_names_the_limit_that_held_it(tmp_path: Path, tiny_model_path: Path) -> None:
+    def provoke(server: LumenServer) -> list[str]:
+        def one(i: int) -> str:
+            body = {"prompt": f"Tell me {i}", "max_tokens": 40, "ignore_eos": True}
+            return _post(server, body).headers["x-request-id"]
+
+        return _concurrently(10, one)
+
+    db, _ = _record(tmp_path, tiny_model_path, provoke, "--max-num-seqs", "2")
+    diag, text = _report(db)
+    assert "queue" in _causes(diag), text
+    assert "max_num_seqs" in text or "--max-num-seqs" in text
+    slowest = max(diag.requests, key=lambda r: r.ttft_ns or 0).request_id
+    assert "max_num_seqs" in _why(db, slowest) or "--max-num-seqs" in _why(db, slowest)
+
+
+def test_slow_scheduler_is_named(tmp_path: Path, tiny_model_path: Path) -> None:
+
+    def provoke(server: LumenServer) -> list[str]:
+        def one(i: int) -> str:
+            body = {"prompt": f"Step {i}", "max_tokens": 16, "ignore_eos": True}
+            return _post(server, body).headers["x-request-id"]
+
+        return _concurrently(4, one)
+
+    env = {"LUMEN_DEBUG_SCHEDULE_DELAY": "0.03"}
+    db, ids = _record(tmp_path, tiny_model_path, provoke, env=env)
+    diag, text = _report(db)
+    assert "schedule" in _causes(diag) or "scheduler" in text.lower(), text
+    assert not set(_causes(diag)) & {"queue", "http", "frontend"}, text
+    assert "scheduler" in _why(db, ids[0]).lower()
+
+
+def test_long_prefill_names_the_noisy_neighbour(tmp_path: Path, tiny_model_path: Path) -> None:
+    """Decoding streams share steps with two long prompts' prefill: their token gaps grow,
+    and the verdict names the long requests, not queueing."""
+
+    def provoke(server: LumenServer) -> list[str]:
+        victims: list[str] = []
+
+        def decoder(i: int) -> None:
+            r = _post(server, {"prompt": f"Go {i}", "max_tokens": 200, "ignore_eos": True})
+            victims.append(r.headers["x-request-id"])
+
+        threads = [threading.Thread(target=decoder, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        neighbours = _concurrently(
+            2, lambda i: _post(server, {"prompt": [100 + i] * 1900, "max_tokens": 2}).headers[
+                "x-request-id"]
+        )  # fmt: skip
+        for t in threads:
+            t.join()
+        return victims + neighbours
+
+    db, ids = _record(tmp_path, tiny_model_path, provoke, "--max-num-batched-tokens", "4096")
+    diag, text = _report(db)
+    neighbours = ids[-2:]
+    assert "neighbour_prefill" in _causes(diag) or "prefill chunk" in text, text
+    assert "queue" not in _causes(diag), text
+    assert any(n in text for n in neighbours), text
+    why = _why(db, ids[0])
+    assert any(n in why for n in neighbours), why
+
+
+def test_slow_reader_is_named_as_delivery(tmp_path: Path, tiny_model_path: Path) -> None:
+    """Two clients stop reading for longer than their whole generation takes; two read
+    normally. The slow ones' last bytes are accepted long after their last token."""
+    body = {"prompt": ["a", "b", "c", "d", "e", "f", "g", "h"], "max_tokens": 150,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+
+    def provoke(server: LumenServer) -> list[str]:
+        slow = [SlowReader(server, body, stall_s=5.0) for _ in range(2)]
+        threads = [threading.Thread(target=s.run) for s in slow]
+        for t in threads:
+            t.start()
+        for _ in range(2):
+            stream_chat(server, {"messages": [{"role": "user", "content": "hi"}],
+                                 "max_tokens": 150, "ignore_eos": True})  # fmt: skip
+        for t in threads:
+            t.join()
+        return [s.request_id for s in slow]
+
+    db, slow_ids = _record(tmp_path, tiny_model_path, provoke)
+    diag, text = _report(db)
+    assert "delivery" in _causes(diag), text
+    why = _why(db, slow_ids[0] + "-0")
+    assert "read" in why.lower() and "deliver" in why.lower(), why
+
+
+def test_cancelled_run_reports_kv_freed(tmp_path: Path, tiny_model_path: Path) -> None:
+    def provoke(server: LumenServer) -> list[str]:
+        body = {"messages": [{"role": "user", "content": "Talk"}], "max_tokens": 500,
+                "ignore_eos": True}  # fmt: skip
+        _concurrently(12, lambda i: str(stream_chat(server, body, stop_after=5).num_chunks))
+        wait_until(lambda: server_idle(server), 20)
+        return []
+
+    db, _ = _record(tmp_path, tiny_model_path, provoke)
+    diag, text = _report(db)
+    assert diag.num_aborted == 12 and diag.num_ok == 0
+    assert "cancel" in text.lower()
+    # Every block back once the aborts were processed (recorded though no step followed).
+    assert "0 of 512" in " ".join(text.split()), text

@@ -1,0 +1,59 @@
+"""Pause intervals (GC, event-loop lag) and how much of them lies inside a window: what
+`tracing.diagnose` carves out of a request's parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class Intervals:
+    """Disjoint time intervals (merged on build): how much of them lies inside a window."""
+
+    def __init__(self, spans: list[tuple[int, int]]) -> None:
+        merged: list[list[int]] = []
+        for a, b in sorted(spans):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        arr = np.array(merged, dtype=np.int64).reshape(-1, 2)
+        self.starts, self.ends = arr[:, 0], arr[:, 1]
+        self.cum = np.cumsum(self.ends - self.starts)
+
+    def before(self, t: np.ndarray | int) -> np.ndarray:
+        """Time inside the intervals before instant(s) t."""
+        t = np.asarray(t, dtype=np.int64)
+        if not len(self.starts):
+            return np.zeros_like(t)
+        i = np.searchsorted(self.starts, t, side="right") - 1
+        j = np.maximum(i, 0)
+        inside = self.cum[j] - np.maximum(self.ends[j] - t, 0)
+        return np.where(i < 0, 0, inside)
+
+    def within(self, a: int, b: int) -> int:
+        return int(self.before(b) - self.before(a)) if b > a else 0
+
+
+@dataclass
+class Pauses:
+    """One process's pauses: GC, and event-loop lag (what GC does not already explain)."""
+
+    gc: Intervals
+    lag: Intervals
+
+    def within(self, a: int, b: int) -> int:
+        return self.gc.within(a, b)
+
+    def carve(self, parts: dict[str, int], a: int, b: int) -> int:
+        """[a, b]'s length less the pauses inside it, which are added to parts gc / loop_lag."""
+        g = self.gc.within(a, b)
+        lag = min(self.lag.within(a, b), max(b - a - g, 0))
+        parts["gc"] += g
+        parts["loop_lag"] += lag
+        return max(b - a, 0) - g - lag
+
+
+def no_pauses() -> Pauses:
+    return Pauses(Intervals([]), Intervals([]))

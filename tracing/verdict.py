@@ -1,0 +1,298 @@
+"""The verdict on a diagnosed run, in sentences an operator acts on.
+
+The rule. Per phase (TTFT; decode per output token) and part: what every request pays is the
+median over the phase's requests; what the tail pays extra is the mean over the requests at or
+above the phase's TAIL_PERCENTILE (90) minus that median. A part is named
+
+- as a cause when the tail's extra time is at least MIN_CAUSE_NS (20 ms) and at least
+  MIN_CAUSE_SHARE (10%) of the median request's phase time;
+- as paid by every request when its median passes the same two bars.
+
+In the decode phase the values are per output token, and the absolute bar applies to them times
+the median request's number of decode tokens (what a typical request pays over its decode).
+Parts in EXPECTED_PARTS (the model doing the request's own work) are reported as expected
+compute, never as a cause. Delivery is judged per request (a slow reader is one client): named
+when a request's delivery passes both bars against its own time. Steps, pauses and cancellations
+have their own checks (``tracing.verdict_steps``). A run where nothing passes (no cause, no cost
+every request pays, no step) gets "Nothing stands out" with its expected compute.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from tracing import verdict_steps
+from tracing.diagnose import (
+    DECODE_PARTS,
+    EXPECTED_PARTS,
+    MIN_CAUSE_NS,
+    MIN_CAUSE_SHARE,
+    TAIL_PERCENTILE,
+    TTFT_PARTS,
+    Finding,
+    PartStat,
+    RequestDiagnosis,
+    RunDiagnosis,
+    StepFacts,
+)
+from tracing.words import QUEUE_LIMITS, WHAT, count, ms, tokens_of
+
+PHASE_PARTS = {"ttft": TTFT_PARTS, "decode": DECODE_PARTS}
+JUDGED_APART = {"delivery"}  # per request, below
+NAMED = ("cause", "paid", "step")  # the kinds of finding that name what made requests slow
+
+
+def phase_requests(run: RunDiagnosis, phase: str) -> list[RequestDiagnosis]:
+    if phase == "ttft":
+        return [r for r in run.requests if r.ttft_ns is not None and r.ttft_phase_ns > 0]
+    return [
+        r
+        for r in run.requests
+        if r.status == "ok" and r.output_tokens >= 2 and r.decode_phase_ns > 0
+    ]
+
+
+def part_matrix(reqs: list[RequestDiagnosis], phase: str) -> np.ndarray:
+    """Requests x parts, ns; the decode phase per output token."""
+    keys = list(PHASE_PARTS[phase])
+    if phase == "ttft":
+        return np.array([[r.ttft.get(k, 0) for k in keys] for r in reqs], dtype=float)
+    per = np.array([max(r.output_tokens - 1, 1) for r in reqs], dtype=float)[:, None]
+    return np.array([[r.decode.get(k, 0) for k in keys] for r in reqs], dtype=float) / per
+
+
+def part_stats(
+    matrix: np.ndarray, keys: list[str]
+) -> tuple[dict[str, PartStat], float, np.ndarray]:
+    """Per part the median and the tail's extra; the median phase time; the tail's rows."""
+    totals = matrix.sum(axis=1)
+    tail = totals >= np.percentile(totals, TAIL_PERCENTILE)
+    median = np.median(matrix, axis=0)
+    extra = matrix[tail].mean(axis=0) - median
+    stats = {k: PartStat(float(m), float(e)) for k, m, e in zip(keys, median, extra)}
+    return stats, float(np.median(totals)), tail
+
+
+def passes(value_ns: float, phase_median_ns: float, scale: float = 1.0) -> bool:
+    """The two bars: large in absolute terms and against the phase."""
+    return value_ns * scale >= MIN_CAUSE_NS and value_ns >= MIN_CAUSE_SHARE * phase_median_ns
+
+
+def judge(run: RunDiagnosis) -> None:
+    """Fill run.parts, run.phase_median_ns and run.findings."""
+    findings: list[Finding] = []
+    for phase in ("ttft", "decode"):
+        reqs = phase_requests(run, phase)
+        if not reqs:
+            continue
+        keys = list(PHASE_PARTS[phase])
+        stats, median, tail = part_stats(part_matrix(reqs, phase), keys)
+        run.parts[phase], run.phase_median_ns[phase] = stats, median
+        scale = float(np.median([r.output_tokens - 1 for r in reqs])) if phase == "decode" else 1.0
+        tail_reqs = [r for r, t in zip(reqs, tail) if t]
+        findings += _part_findings(run, phase, reqs, tail_reqs, scale)
+    findings.sort(key=lambda f: (f.kind != "cause", -f.ms))  # the largest cause first
+    findings += _slow_readers(run)
+    findings += verdict_steps.step_findings(run, findings)
+    findings += verdict_steps.cancellations(run)
+    findings += _expected(run, findings)
+    run.findings = findings
+
+
+def _part_findings(
+    run: RunDiagnosis,
+    phase: str,
+    reqs: list[RequestDiagnosis],
+    tail: list[RequestDiagnosis],
+    scale: float,
+) -> list[Finding]:
+    """A cause where the tail pays extra; else paid, where every request pays."""
+    out = []
+    stats, median = run.parts[phase], run.phase_median_ns[phase]
+    for part, stat in stats.items():
+        if part in EXPECTED_PARTS or part in JUDGED_APART:
+            continue
+        what, action = WHAT[part]
+        paid = passes(stat.median_ns, median, scale)
+        if passes(stat.tail_extra_ns, median, scale) and len(tail) < len(reqs):
+            detail, action = describe(run, phase, part, tail, action, stat.tail_extra_ns * scale)
+            text = _tail_text(phase, stat.tail_extra_ns, scale, what + detail)
+            if paid:
+                text += (
+                    f", on top of the {_amount(phase, stat.median_ns, scale)} every request paid"
+                )
+            out.append(
+                Finding(
+                    "cause",
+                    f"{text}: {action}.",
+                    ms=stat.tail_extra_ns * scale / 1e6,
+                    part=part,
+                    request_ids=[r.request_id for r in tail],
+                )
+            )
+        elif paid:
+            detail, action = describe(run, phase, part, reqs, action, stat.median_ns * scale)
+            text = _paid_text(phase, stat.median_ns, scale, median, what + detail)
+            out.append(
+                Finding(
+                    "paid",
+                    f"{text}: {action}.",
+                    ms=stat.median_ns * scale / 1e6,
+                    part=part,
+                    section="paid",
+                )
+            )
+    return out
+
+
+def _amount(phase: str, v: float, scale: float) -> str:
+    return ms(v) if phase == "ttft" else f"{ms(v)} per token ({ms(v * scale)})"
+
+
+def _paid_text(phase: str, v: float, scale: float, median: float, what: str) -> str:
+    if phase == "ttft":
+        return (
+            f"Every request spent {ms(v)} ({v / median:.0%} of the median time to first "
+            f"delivered token) in {what}"
+        )
+    return (
+        f"Every request spent {ms(v)} per output token ({ms(v * scale)} over the median "
+        f"request's {scale:.0f} decode tokens) in {what}"
+    )
+
+
+def _tail_text(phase: str, v: float, scale: float, what: str) -> str:
+    if phase == "ttft":
+        return (
+            f"The slowest {100 - TAIL_PERCENTILE}% of requests by time to first token spent "
+            f"{ms(v)} more than the median request in {what}"
+        )
+    return (
+        f"The slowest {100 - TAIL_PERCENTILE}% of requests by time per output token spent "
+        f"{ms(v)} per token more than the median ({ms(v * scale)} over {scale:.0f} tokens) "
+        f"in {what}"
+    )
+
+
+def describe(
+    run: RunDiagnosis, phase: str, part: str, reqs: list[RequestDiagnosis], action: str,
+    amount_ns: float,
+) -> tuple[str, str]:  # fmt: skip
+    """What the words add for these requests: the limit, the neighbours, the step in flight
+    (named when it explains at least half of ``amount_ns``)."""
+    step = None
+    if part in ("queue", "ipc", "between_steps"):
+        step = verdict_steps.longest_step_during(run, reqs, phase)
+        step = step if step is not None and step.execute_ns >= amount_ns / 2 else None
+    if part == "queue":
+        held = Counter(r.wait_reason for r in reqs if r.ttft.get("queue", 0) > 0)
+        limit = held.most_common(1)[0][0] if held else None
+        words, action = QUEUE_LIMITS.get(limit, QUEUE_LIMITS[None])
+        return f", held by {words}" + (_busy(run, step) if step and not limit else ""), action
+    if part == "admission":
+        return ", held by the admission limit (--max-concurrent-requests)", action
+    if part == "neighbour_prefill":
+        names = neighbour_names(reqs, phase)
+        return (f", mostly {names}" if names else ""), action
+    if step is not None:
+        return _busy(run, step), action
+    return "", action
+
+
+def _busy(run: RunDiagnosis, step: StepFacts) -> str:
+    carried = f" with {verdict_steps.prefill_of(run, step)}" if step.prefill_tokens else ""
+    return f", while the core was busy in step {step.step_id} for {ms(step.execute_ns)}{carried}"
+
+
+def neighbour_names(reqs: list[RequestDiagnosis], phase: str | None = None, limit: int = 3) -> str:
+    """The requests whose prefill shared these requests' steps (in a phase), most tokens first."""
+    tokens: Counter[str] = Counter()
+    steps: dict[str, set[int]] = {}
+    for r in reqs:
+        for ph, found in r.neighbour_steps.items():
+            if phase not in (None, ph):
+                continue
+            for other, (n, step_ids) in found.items():
+                tokens[other] = max(tokens[other], n)
+                steps.setdefault(other, set()).update(step_ids)
+
+    def steps_of(rid: str) -> str:
+        ids = sorted(steps[rid])
+        more = f" and {len(ids) - 4} more" if len(ids) > 4 else ""
+        return f"step{'s' if len(ids) > 1 else ''} " + ", ".join(map(str, ids[:4])) + more
+
+    named = ", ".join(
+        f"{rid} with {tokens_of(n)} prefill tokens in {steps_of(rid)}"
+        for rid, n in tokens.most_common(limit)
+    )
+    return named + (f" (of {count(len(tokens), 'request')})" if len(tokens) > limit else "")
+
+
+def _slow_readers(run: RunDiagnosis) -> list[Finding]:
+    slow = []
+    for r in run.requests:
+        delivery = r.ttft.get("delivery", 0) + r.decode.get("delivery", 0)
+        life = r.ttft_phase_ns + r.decode_phase_ns
+        if passes(delivery, life):
+            slow.append((delivery, r))
+    if not slow:
+        return []
+    slow.sort(key=lambda x: -x[0])
+    listed = "; ".join(
+        f"{r.request_id} {ms(d)} (the server's writes waited {ms(r.send_wait_ns or 0)} on its "
+        f"socket, {tokens_of(r.bytes_sent or 0)} bytes sent)"
+        for d, r in slow[:5]
+    )
+    n = len(slow)
+    text = (
+        f"{count(n, 'request')} {'was' if n == 1 else 'were'} delivered late to a slow reader "
+        f"after the engine had produced the output: {listed}. The client reads slowly (its "
+        "network or a busy consumer); the engine is not the cause."
+    )
+    return [
+        Finding(
+            "cause",
+            text,
+            ms=slow[0][0] / 1e6,
+            part="delivery",
+            request_ids=[r.request_id for _, r in slow],
+        )
+    ]
+
+
+def _expected(run: RunDiagnosis, findings: list[Finding]) -> list[Finding]:
+    said = []
+    if (prefill := run.parts.get("ttft", {}).get("own_prefill")) and prefill.median_ns > 0:
+        said.append(f"a request's own prefill took {ms(prefill.median_ns)} at the median")
+    if (decode := run.parts.get("decode", {}).get("decode")) and decode.median_ns > 0:
+        said.append(f"decode took {ms(decode.median_ns)} per output token at the median")
+    out = []
+    if not any(f.kind in NAMED for f in findings):
+        out.append(
+            Finding(
+                "info",
+                "Nothing stands out: no part of any request's time, no cost every request "
+                f"pays and no step passes {ms(MIN_CAUSE_NS)} and {MIN_CAUSE_SHARE:.0%} of the "
+                "phase.",
+            )
+        )
+    if said:
+        out.append(Finding("expected", "Expected compute: " + "; ".join(said) + "."))
+    return out
+
+
+def headline(run: RunDiagnosis) -> str:
+    """The percentiles the text quotes: the same numbers as the table."""
+    s = run.summary
+    said = []
+    for key, label in (
+        ("ttft_s", "TTFT"),
+        ("delivered_ttft_s", "delivered TTFT"),
+        ("tpot_s", "TPOT"),
+        ("itl_s", "ITL"),
+    ):
+        if s.get(key):
+            said.append(f"{label} p50 {ms(s[key]['p50'] * 1e9)}, p99 {ms(s[key]['p99'] * 1e9)}")
+    return ("; ".join(said) + ".") if said else "No request got a token."

@@ -1,0 +1,301 @@
+"""Verdicts from the steps table: cold and outlier steps (against a fitted cost of their shape),
+long prefill chunks stalling decodes, scheduler and output CPU, batch growth, pauses, and what
+cancellations left in the KV cache."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tracing.diagnose import (
+    MIN_CAUSE_NS,
+    MIN_CAUSE_SHARE,
+    Finding,
+    RequestDiagnosis,
+    RunDiagnosis,
+    StepFacts,
+)
+from tracing.diagnose_load import COLD_STEPS, MIN_FIT_STEPS
+from tracing.words import WHAT, count, ms, tokens_of
+
+OUTLIER_FACTOR = 3.0  # a step this many times its shape's expected time is an outlier
+STALL_FACTOR = 2.0  # a mixed step this many times the median decode-only step stalls decodes
+MIN_STEP_CPU_NS = 2_000_000  # scheduler / output CPU per step worth naming (with the share)
+
+
+def busy_steps(run: RunDiagnosis) -> list[StepFacts]:
+    return [s for s in run.steps if not s.idle and s.prefill_tokens + s.decode_tokens > 0]
+
+
+def prefill_of(run: RunDiagnosis, step: StepFacts) -> str:
+    """'a 2,047-token prefill chunk of REQ' for the largest prefill in the step."""
+    members = run.prefill_members.get(step.step_id)
+    if not members:
+        return f"{tokens_of(step.prefill_tokens)} prefill tokens"
+    rid, n = max(members, key=lambda m: m[1])
+    more = f" and {count(len(members) - 1, 'other prefill')}" if len(members) > 1 else ""
+    return f"a {tokens_of(n)}-token prefill chunk of {rid}{more}"
+
+
+def step_findings(run: RunDiagnosis, said: list[Finding]) -> list[Finding]:
+    busy = busy_steps(run)
+    if not busy:
+        return []
+    named = {f.part for f in said}
+    coef = shape_model(busy)
+    stalls, typical = stall_steps(busy, coef)
+    out = _cold_and_outliers(busy, coef, {s.step_id for s in stalls})
+    out += _stalls(run, stalls, typical)
+    out += _cpu(run, busy, named)
+    out += _growth(busy, coef)
+    out += _pauses(run)
+    return out
+
+
+def shape_model(busy: list[StepFacts]) -> np.ndarray | None:
+    """Execute time = a + b * prefill tokens + c * rows, fitted (least squares, clipped at 0)
+    on the run's steps after the first few."""
+    fit = busy[COLD_STEPS:]
+    if len(fit) < MIN_FIT_STEPS:
+        return None
+    x = np.array([[1.0, s.prefill_tokens, s.rows or s.running] for s in fit])
+    y = np.array([s.execute_ns for s in fit], dtype=float)
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    return np.clip(coef, 0.0, None)
+
+
+def expected_ns(coef: np.ndarray, s: StepFacts) -> float:
+    return float(coef @ np.array([1.0, s.prefill_tokens, s.rows or s.running]))
+
+
+def _slow_for_shape(s: StepFacts, coef: np.ndarray) -> bool:
+    want = expected_ns(coef, s)
+    return s.execute_ns >= OUTLIER_FACTOR * want and s.execute_ns - want >= MIN_CAUSE_NS
+
+
+def _step(text: str, ms_: float, part: str | None = None, ids: list[str] | None = None) -> Finding:
+    return Finding("step", text, ms=ms_, part=part, request_ids=ids or [], section="steps")
+
+
+def _cold_and_outliers(
+    busy: list[StepFacts], coef: np.ndarray | None, stalled: set[int]
+) -> list[Finding]:
+    if coef is None:
+        return []
+    out = []
+    cold = [s for s in busy[:COLD_STEPS] if _slow_for_shape(s, coef)]
+    if cold:
+        first, want = cold[0], expected_ns(coef, cold[0])
+        shape = (
+            f"{tokens_of(first.prefill_tokens)} prefill tokens, "
+            f"{count(first.rows or first.running, 'request')}"
+        )
+        took = "; ".join(
+            f"step {s.step_id}: {ms(s.execute_ns)} against {ms(expected_ns(coef, s))}" for s in cold
+        )
+        text = (
+            f"Cold start: the first step took {ms(first.execute_ns)} against {ms(want)} "
+            f"expected for its shape ({shape})"
+            + (f" ({took})" if len(cold) > 1 else "")
+            + ": send a warm-up request before taking traffic (the first step compiles and "
+            "allocates)."
+        )
+        out.append(_step(text, (first.execute_ns - want) / 1e6))
+    late = [s for s in busy[COLD_STEPS:] if s.step_id not in stalled and _slow_for_shape(s, coef)]
+    if late:
+        worst = max(late, key=lambda s: s.execute_ns - expected_ns(coef, s))
+        want = expected_ns(coef, worst)
+        text = (
+            f"{count(len(late), 'step')} took at least {OUTLIER_FACTOR:g}x the time expected "
+            f"for their shape (worst: step {worst.step_id}, {ms(worst.execute_ns)} against "
+            f"{ms(want)}): a pause (GC), CPU contention or a kernel compiled for a new "
+            "shape; see the pauses table."
+        )
+        out.append(_step(text, (worst.execute_ns - want) / 1e6))
+    return out
+
+
+def stall_steps(
+    busy: list[StepFacts], coef: np.ndarray | None = None
+) -> tuple[list[StepFacts], float]:
+    """Steps whose prefill held up decodes, and the median decode-only step.
+
+    With the run's shape model, the prefill itself must account for the time (its tokens at
+    the fitted cost per prefill token pass MIN_CAUSE_NS): a step slow for another reason is
+    an outlier, not a stall."""
+    decode_only = [s.execute_ns for s in busy if s.prefill_tokens == 0 and s.decode_tokens > 0]
+    if not decode_only:
+        return [], 0.0
+    typical = float(np.median(decode_only))
+    stalls = [
+        s
+        for s in busy
+        if s.prefill_tokens
+        and s.decode_tokens
+        and s.execute_ns >= MIN_CAUSE_NS
+        and s.execute_ns >= STALL_FACTOR * typical
+        and (coef is None or coef[1] * s.prefill_tokens >= MIN_CAUSE_NS)
+    ]
+    return stalls, typical
+
+
+def _stalls(run: RunDiagnosis, stalls: list[StepFacts], typical: float) -> list[Finding]:
+    if not stalls:
+        return []
+    worst = max(stalls, key=lambda s: s.execute_ns)
+    more = f"; {count(len(stalls) - 1, 'more such step')}" if len(stalls) > 1 else ""
+    itl = run.summary.get("itl_s", {}).get("p99")
+    quoted = f" p99 ITL is {ms(itl * 1e9)}." if itl is not None else ""
+    chunk = prefill_of(run, worst)
+    text = (
+        f"{chunk[0].upper()}{chunk[1:]} stalled "
+        f"{count(worst.decode_tokens, 'decoding request')} for {ms(worst.execute_ns)} "
+        f"(step {worst.step_id}; decode-only steps take {ms(typical)}){more}.{quoted} "
+        "--max-num-batched-tokens caps the chunk."
+    )
+    ids = [rid for rid, _ in run.prefill_members.get(worst.step_id, [])]
+    return [_step(text, worst.execute_ns / 1e6, "neighbour_prefill", ids)]
+
+
+def _cpu(run: RunDiagnosis, busy: list[StepFacts], named: set[str | None]) -> list[Finding]:
+    """Scheduler CPU, and output building and sending, per step."""
+    out = []
+    step_ns = float(np.median([s.end_ns - s.start_ns for s in busy])) or 1.0
+    sched = np.array([s.schedule_ns for s in busy], dtype=float)
+    per_request = [r.ttft.get("schedule", 0) + r.decode.get("schedule", 0) for r in run.requests]
+    summed = float(np.median(per_request)) if per_request else 0.0
+    typical = float(np.median(sched))
+    large = typical >= MIN_STEP_CPU_NS and typical >= MIN_CAUSE_SHARE * step_ns
+    if "schedule" not in named and large:  # summed per request: the part rule (verdict)
+        worst = busy[int(np.argmax(sched))]
+        text = (
+            f"Scheduler CPU: the scheduler took {ms(typical)} of each {ms(step_ns)} step "
+            f"at the median ({typical / step_ns:.0%}), up to {ms(worst.schedule_ns)} at "
+            f"{count(worst.running, 'running request')} (step {worst.step_id}); "
+            f"{ms(summed)} over a request's steps at the median: {WHAT['schedule'][1]}."
+        )
+        out.append(_step(text, typical / 1e6, "schedule"))
+    output = float(np.median([s.output_ns for s in busy]))
+    if "output" not in named and output >= MIN_STEP_CPU_NS and output >= MIN_CAUSE_SHARE * step_ns:
+        builds = [s.build_ns for s in busy if s.build_ns is not None]
+        split = ""
+        if builds:
+            build = float(np.median(builds))
+            split = f": {ms(build)} building them, {ms(max(output - build, 0))} sending them"
+        text = (
+            f"Core output: a step's outputs took {ms(output)} to build and send at the "
+            f"median ({output / step_ns:.0%} of the step{split}): {WHAT['output'][1]}."
+        )
+        out.append(_step(text, output / 1e6, "output"))
+    return out
+
+
+def _growth(busy: list[StepFacts], coef: np.ndarray | None) -> list[Finding]:
+    """How execute time grows with the batch (information, not a cause)."""
+    if coef is None:
+        return []
+    rows = [s.rows or s.running for s in busy]
+    lo, hi = min(rows), max(rows)
+    if coef[2] * (hi - lo) < MIN_CAUSE_NS:
+        return []
+
+    def at(n: int) -> str:
+        return ms(coef[0] + coef[2] * n)
+
+    text = (
+        f"Execution grows with the batch: each running request adds {ms(coef[2])} to a step "
+        f"({at(hi)} at {count(hi, 'request')} against {at(lo)} at {lo}, fitted over "
+        f"{count(len(busy), 'step')})."
+    )
+    return [Finding("info", text, ms=coef[2] * (hi - lo) / 1e6, section="steps")]
+
+
+WAITING_PARTS = ("http", "frontend", "admission", "loop_lag", "ipc", "queue")
+PAUSE_WORDS = {"gc": "garbage collection", "loop_lag": "event-loop lag"}
+
+
+def _pauses(run: RunDiagnosis) -> list[Finding]:
+    """Pauses while requests were in flight (start-up's are not theirs)."""
+    if not run.requests:
+        return []
+    lo = min(r.start_ns for r in run.requests)
+    hi = max(r.end_ns for r in run.requests)
+    out = []
+    for process in ("api", "core"):
+        for kind, words in PAUSE_WORDS.items():
+            durations = [
+                d
+                for p, k, s, d in run.pauses
+                if p == process and k == kind and s < hi and s + d > lo
+            ]
+            if durations and max(durations) >= MIN_CAUSE_NS:
+                text = (
+                    f"The {process} process paused for {words} "
+                    f"{count(len(durations), 'time')}, {ms(sum(durations))} in all, the "
+                    f"longest {ms(max(durations))}: {WHAT[kind][1]}."
+                )
+                out.append(_step(text, max(durations) / 1e6, kind))
+    return out
+
+
+def longest_step_during(
+    run: RunDiagnosis, reqs: list[RequestDiagnosis], phase: str
+) -> StepFacts | None:
+    """The longest step that ran while these requests waited outside a step of their own
+    (TTFT: before their first step; decode: steps they sat out)."""
+    busy = busy_steps(run)
+    if not busy:
+        return None
+    starts = np.array([s.start_ns for s in busy])
+    ends = np.array([s.end_ns for s in busy])
+    execute = np.array([s.execute_ns for s in busy])
+    ids = np.array([s.step_id for s in busy])
+    best: int | None = None
+    for r in reqs:
+        if phase == "ttft":
+            lo, hi = r.start_ns, r.start_ns + sum(r.ttft.get(k, 0) for k in WAITING_PARTS)
+        else:
+            lo, hi = r.start_ns + r.ttft_phase_ns, r.end_ns
+        first, last = int(np.searchsorted(ends, lo)), int(np.searchsorted(starts, hi))
+        if last <= first:
+            continue
+        during = np.where(np.isin(ids[first:last], r.step_ids), -1, execute[first:last])
+        i = first + int(np.argmax(during))
+        if during.max() >= 0 and (best is None or execute[i] > execute[best]):
+            best = i
+    return None if best is None else busy[best]
+
+
+def cancellations(run: RunDiagnosis) -> list[Finding]:
+    """How many were cancelled, and the KV blocks in use once the last cancellation was done."""
+    if not run.num_aborted:
+        return []
+    n = run.num_aborted
+    text = (
+        f"{count(n, 'request')} {'was' if n == 1 else 'were'} cancelled ({run.num_ok} ok, "
+        f"{run.num_error} error)"
+    )
+    aborted = [r for r in run.requests if r.status == "aborted"]
+    last_abort = max(r.arrival_ns + r.e2e_ns for r in aborted)
+    last_end = max(r.arrival_ns + r.e2e_ns for r in run.requests)
+    after = [s for s in run.steps if s.start_ns >= last_abort]
+    if not after:
+        text += "; no step record follows the last cancellation: the KV state after it is unknown."
+        return [Finding("info", text, section="cancellations")]
+    last = max(after, key=lambda s: (s.start_ns, s.step_id))
+    if last.kv_blocks_used and last.start_ns >= last_end:
+        leak = (
+            f"{last.kv_blocks_used} KV blocks still held after every request ended (of "
+            f"{last.kv_blocks_total}, step record {last.step_id}): blocks leak on abort "
+            "(abort propagation, finished ids or block refcounts)."
+        )
+        return [
+            Finding("info", text + ".", section="cancellations"),
+            Finding("cause", leak, part="kv", section="cancellations"),
+        ]
+    freed = [r.kv_freed_ns - (r.arrival_ns + r.e2e_ns) for r in aborted if r.kv_freed_ns]
+    within = f" (freed within {ms(max(max(freed), 0))}: requests.kv_freed_ns)" if freed else ""
+    text += (
+        f"; KV blocks in use after the last cancellation: {last.kv_blocks_used} of "
+        f"{last.kv_blocks_total}{within}."
+    )
+    return [Finding("info", text, section="cancellations")]

@@ -11,7 +11,7 @@ from typing import Any
 from engine import __version__
 from replay.formats import TraceRecord
 from tracing.ids import new_span_id, new_trace_id
-from tracing.store import TraceStore, open_db
+from tracing.store import TraceStore, open_db, row
 
 
 def write_trace_db(
@@ -27,18 +27,22 @@ def write_trace_db(
     run_id = "import-" + uuid.uuid4().hex[:10]
     store = TraceStore(out)
     block_sizes = {r.block_size for r in records if r.block_size}
-    store.add("runs", [(
-        run_id, time.time_ns(), f"import:{source['format']}", __version__, None, None,
-        block_sizes.pop() if len(block_sizes) == 1 else None, json.dumps(source), "hashes",
+    store.add("runs", [row(
+        "runs", run_id=run_id, started_ns=time.time_ns(), model=f"import:{source['format']}",
+        version=__version__, block_size=block_sizes.pop() if len(block_sizes) == 1 else None,
+        engine_config=json.dumps(source), trace_prompts="hashes",
     )])  # fmt: skip
     rows = []
     for i, r in enumerate(records):
         params = {"max_tokens": r.output_tokens, "ignore_eos": True, "temperature": 0.0}
-        rows.append((
-            run_id, f"{source['format']}-{i:06d}", new_trace_id(), new_span_id(), None,
-            "import", "", start_ns + round(r.arrival_s * 1e9), r.prompt_tokens, r.output_tokens,
-            0, 0, json.dumps(params), True, 0, "length", "ok", None, None, None, None,
-            r.block_size, list(r.block_hashes) if r.block_hashes is not None else None, None,
+        rows.append(row(
+            "requests", run_id=run_id, request_id=f"{source['format']}-{i:06d}",
+            trace_id=new_trace_id(), root_span_id=new_span_id(), endpoint="import", model="",
+            arrival_ns=start_ns + round(r.arrival_s * 1e9), prompt_tokens=r.prompt_tokens,
+            output_tokens=r.output_tokens, cached_tokens=0, num_preemptions=0,
+            params=json.dumps(params), stream=True, priority=0, finish_reason="length",
+            status="ok", prompt_block_size=r.block_size,
+            prompt_block_hashes=list(r.block_hashes) if r.block_hashes is not None else None,
         ))  # fmt: skip
     store.add("requests", rows)
     if not store.flush():

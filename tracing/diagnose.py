@@ -323,6 +323,9 @@ def _decompose(row: dict[str, Any], run: load.LoadedRun) -> RequestDiagnosis:
 
 
 def _delivered_ttft(row: dict[str, Any], start: int, stream: bool) -> int | None:
+    """Streams only: a whole response's one write is not a first token its client saw."""
+    if not stream:
+        return None
     if row["delivered_ttft_ns"] is not None:
         return row["delivered_ttft_ns"]
     if stream and row["first_delivered_ns"] is not None and row["ttft_ns"] is not None:

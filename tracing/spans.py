@@ -187,7 +187,7 @@ def root_attributes(req: RequestTrace) -> dict[str, Any]:
         attrs["gen_ai.response.finish_reasons"] = [req.finish_reason]
     if req.first_token_ns:
         attrs["gen_ai.latency.time_to_first_token"] = (req.first_token_ns - req.arrival_ns) / 1e9
-    if first_delivered := req.first_delivered_ns:
+    if req.stream and (first_delivered := req.first_delivered_ns):
         attrs["lumen.delivered_ttft"] = (first_delivered - req.start_ns) / 1e9
     if p is not None:
         attrs["gen_ai.request.max_tokens"] = p.max_tokens
@@ -249,7 +249,8 @@ def build_request_row(
         http.admission_wait_ns if req.http is not None else None,
         first_delivered or None,
         req.last_delivered_ns or None,
-        first_delivered - req.start_ns if first_delivered else None,
+        # A whole response's one write is no first token to its client: streams only.
+        first_delivered - req.start_ns if first_delivered and req.stream else None,
         http.send_wait_ns if req.http is not None else None,
         http.bytes_sent if req.http is not None else None,
         req.kv_freed_ns or None,

@@ -145,6 +145,14 @@ _ADDED_IN_2 = {
 }
 
 
+def row(table: str, **values: Any) -> tuple[Any, ...]:
+    """A row of ``table`` in column order, by column name (columns not named are NULL)."""
+    unknown = set(values) - set(TABLES[table])
+    if unknown:
+        raise ValueError(f"{table} has no column {', '.join(sorted(unknown))}")
+    return tuple(values.get(column) for column in TABLES[table])
+
+
 def _create(table: str) -> str:
     cols = ", ".join(f"{name} {typ}" for name, typ in TABLES[table].items())
     return f"CREATE TABLE {table} ({cols})"

@@ -17,7 +17,7 @@ def explain(req: RequestDiagnosis, run: RunDiagnosis) -> list[str]:
     out += _beyond_median(req, run, "ttft")
     if req.ttft.get("own_prefill"):
         out.append(
-            f"Its own prefill ({tokens_of(req.prompt_tokens)} prompt tokens) took "
+            f"Its own prefill ({count(req.prompt_tokens, 'prompt token')}) took "
             f"{ms(req.ttft['own_prefill'])} of compute: expected."
         )
     if req.neighbours:

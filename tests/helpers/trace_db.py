@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from tracing.diagnose import Finding, RequestDiagnosis, RunDiagnosis, StepFacts
-from tracing.store import TABLES, TraceStore
+from tracing.store import TraceStore, row
 
 RUN = "run-a"
 T0 = 1_700_000_000_000_000_000  # a realistic Unix-epoch start, so relative times are tested
@@ -28,10 +28,6 @@ REQUESTS = {
     "r2": (8, 300, 3, 475, 535),
     "r3": (4995, 300, 2, 70, 100),
 }
-
-
-def row(table: str, **values: Any) -> tuple[Any, ...]:
-    return tuple(values.get(column) for column in TABLES[table])
 
 
 def _step_row(step_id: int, start_ms: int, prefill: int, decode: int, running: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -265,3 +266,30 @@ def test_models_health_and_metrics(tiny_server: LumenServer, tiny_model_path: Pa
     for gauge in ("lumen:num_requests_running", "lumen:kv_cache_usage_perc"):
         assert metric(after, gauge) == 0.0, gauge
     assert API_KEY not in httpx.get(tiny_server.url("/metrics")).text
+
+
+def _server_timing(header: str) -> dict[str, float]:
+    parts = (p.strip().split(";dur=") for p in header.split(","))
+    return {name: float(dur) for name, dur in parts}
+
+
+def test_server_timing_for_the_caller(tiny_server: LumenServer) -> None:
+    """A non-streamed response carries Server-Timing; a stream that asks gets the same figures
+    in its last chunk. Both fit inside what the client itself measured."""
+    body = {"prompt": ["one", "two"], "max_tokens": 12, "ignore_eos": True, "n": 2}
+    started = time.monotonic()
+    r = httpx.post(tiny_server.url("/v1/completions"), json=body, headers=tiny_server.headers())
+    client_ms = (time.monotonic() - started) * 1000
+    timing = _server_timing(r.headers["server-timing"])
+    assert set(timing) == {"queue", "prefill", "decode", "total"}
+    assert 0 < timing["decode"] < timing["total"] <= client_ms
+    assert timing["prefill"] > 0 and timing["queue"] >= 0
+    print(f"\nclient {client_ms:.1f} ms, server {timing}")
+
+    stream = {**body, "stream": True, "stream_options": {"include_timing": True}}
+    chunks = [json.loads(e) for e in _sse_events(tiny_server, "/v1/completions", stream)[:-1]]
+    last = chunks[-1]
+    assert last["choices"] == [] and "usage" not in last
+    assert set(last["timing"]) == {"queue", "prefill", "decode", "total"}
+    assert last["timing"]["decode"] > 0
+    assert all("timing" not in c for c in chunks[:-1])

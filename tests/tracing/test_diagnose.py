@@ -11,18 +11,13 @@ import duckdb
 import pytest
 
 from tracing.diagnose import RunDiagnosis, diagnose_run, explain_request, render_run
-from tracing.store import MIGRATIONS, TABLES, TraceStore
+from tracing.store import MIGRATIONS, TABLES, TraceStore, row
 
 RUN = "run-1"
 MS = 1_000_000
 T0 = 1_700_000_000_000_000_000
 BLOCK = 16
 NUM_BLOCKS = 512
-
-
-def row(table: str, **values: Any) -> tuple[Any, ...]:
-    """A row of ``table`` in store.py's column order (columns not named are NULL)."""
-    return tuple(values.get(column) for column in TABLES[table])
 
 
 @dataclass

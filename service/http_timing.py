@@ -6,8 +6,11 @@ elsewhere meanwhile. Hypercorn has no hook for it, so ``install`` wraps the
 reader of each connection it accepts (its asyncio TCPServer) and stamps the
 first read of each request: the first read after the previous response on
 that connection ended. ``FrontDoor`` takes the stamp by the connection's peer
-address (``scope["client"]``). Bytes that sat in the kernel before the loop
-got to them stay invisible: event-loop lag (service/monitor.py) covers that.
+address (``scope["client"]``). Bytes can sit in the kernel a long while before
+a busy event loop reads them, so on Linux the stamp goes back to the last time
+the kernel received data on the socket before that read (``tcpi_last_data_recv``
+of TCP_INFO, in ms): the request was there at least that early. Event-loop lag
+(service/monitor.py) shows why it waited.
 Pipelined requests (a second one read while the first is answered) fall back
 to the app's own instant.
 
@@ -20,6 +23,7 @@ autotuned buffer, where the server could never see it.
 from __future__ import annotations
 
 import socket
+import struct
 import time
 from typing import Any
 
@@ -60,7 +64,8 @@ def install() -> None:
             async def stamping_read(n: int = -1) -> bytes:
                 data = await read(n)
                 if data and not state[0] and not state[1]:
-                    state[0] = time.time_ns()
+                    now = time.time_ns()
+                    state[0] = now - _waited_in_kernel_ns(sock)
                 return data
 
             reader.read = stamping_read  # type: ignore[method-assign]
@@ -75,6 +80,21 @@ def install() -> None:
 
     hc_run.TCPServer = StampingTCPServer
     _installed = True
+
+
+_TCP_INFO_LAST_DATA_RECV = 52  # offset of tcpi_last_data_recv (ms) in Linux's struct tcp_info
+
+
+def _waited_in_kernel_ns(sock: socket.socket | None) -> int:
+    """How long ago the kernel last received data on ``sock`` (0 where it cannot tell)."""
+    if sock is None or not hasattr(socket, "TCP_INFO"):
+        return 0
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        (ms,) = struct.unpack_from("I", info, _TCP_INFO_LAST_DATA_RECV)
+    except (OSError, struct.error):
+        return 0
+    return ms * 1_000_000 if ms < 60_000 else 0  # a minute or more: not this request's bytes
 
 
 def request_started(client: Any) -> int:

@@ -12,6 +12,7 @@ import gc
 import time
 
 GC_PAUSE_MIN_NS = 1_000_000  # pauses listed one by one; shorter ones are only summed
+_NONE: list[tuple[int, int, int]] = []  # shared, never appended to
 
 
 class GcPauses:
@@ -35,7 +36,10 @@ class GcPauses:
         self._start_ns = 0
 
     def take(self) -> tuple[list[tuple[int, int, int]], int]:
-        """The listed pauses and the summed pause time since the last call."""
+        """The listed pauses and the summed pause time since the last call (once a step: no
+        new list when there was no pause)."""
+        if not self.total_ns:
+            return _NONE, 0
         pauses, total = self.pauses, self.total_ns
         self.pauses, self.total_ns = [], 0
         return pauses, total

@@ -11,19 +11,11 @@ from typing import Any
 
 import duckdb
 
+from tracing.spans import BOUNDARIES, ROOT
 from tracing.store import latest_run, open_db
 
 # Tracks of the perfetto export, top to bottom; span names not listed follow, sorted.
-BOUNDARY_TRACKS = (
-    "llm_request",
-    "frontend.enqueue",
-    "core.receive",
-    "core.queue",
-    "core.schedule",
-    "worker.execute",
-    "core.output",
-    "frontend.emit",
-)
+BOUNDARY_TRACKS = (ROOT, *BOUNDARIES)
 STEP_TRACK = "engine steps"
 # A step's slice is named by its kind, not its id: Perfetto colours slices by name.
 STEP_KINDS = {(True, True): "prefill + decode", (True, False): "prefill", (False, True): "decode",

@@ -1,11 +1,13 @@
 """The frontend's tracer: cheap calls on the hot path, everything else on a writer thread.
 
 The engine core only stamps instants into its outputs (StepRecord, received_ns).
-Frontends (AsyncLLM, LLM) hand each output batch and a few lifecycle events to
-``Tracer``, which only puts them on a queue. The writer thread turns them into
-spans and rows, appends them to the DuckDB store in batches, exports OTLP and
-feeds the boundary-latency metric. Nothing here ever blocks serving: a full
-store buffer or a slow collector drops data and counts it.
+``Tracer`` is the engine front's observer (engine/frontend.py: Enqueued, each
+output batch, delivered, Finished, closed) and takes the server's own events
+(tracing/events.py: Start, HttpFacts at close, Pause). Each call only puts a
+typed event on a queue; the writer thread dispatches them by type, turns them
+into spans and rows, appends them to the DuckDB store in batches, exports OTLP
+and feeds the boundary and delivery metrics. Nothing here ever blocks serving:
+a full store buffer or a slow collector drops data and counts it.
 """
 
 from __future__ import annotations

@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import html
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from replay import plots
 from replay.html import render_html
+from tests.helpers.browser import render_page
 from tests.helpers.trace_db import build_trace_db, make_diagnosis
 from tracing.diagnose import PartStat
 
 VERDICT = "The TTFT tail: r1 and r2 waited 400 ms in the core's queue behind r0's prefill."
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]  # fmt: skip
 
 
 @pytest.fixture
@@ -121,21 +117,8 @@ def test_latency_cdfs_use_a_log_scale_for_wide_spans() -> None:
 
 
 def test_the_page_renders_in_a_browser(page: str, tmp_path: Path) -> None:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("chromium not installed (Debian package chromium)")
     report = tmp_path / "page.html"
     report.write_text(page)
-    base = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium'}"]
-    shot = tmp_path / "report.png"
-    subprocess.run(
-        [*base, f"--screenshot={shot}", "--window-size=1200,3000", report.as_uri()],
-        capture_output=True, timeout=120, check=True,
-    )  # fmt: skip
-    png = shot.read_bytes()
+    png, dom = render_page(report, tmp_path)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 50_000  # a page with drawings
-    dom = subprocess.run(
-        [*base, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120,
-        check=True,
-    ).stdout  # fmt: skip
     assert dom.count('<svg class="plot"') == 5

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -13,6 +11,7 @@ import httpx
 import pytest
 
 from replay.cli import main
+from tests.helpers.browser import render_page
 from tests.helpers.load import stream_chat, wait_until
 from tests.helpers.server import LumenServer
 from tracing.store import open_db
@@ -106,30 +105,12 @@ def test_record_replay_report(
     _check_html_report(out, tmp_path)
 
 
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                  "--no-first-run", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync"]  # fmt: skip
-
-
 def _check_html_report(db: Path, tmp_path: Path) -> None:
     """The HTML report opens in a browser with no server, and its three plots are drawn."""
     report = tmp_path / "report.html"
     assert main(["report", str(db), "--html", str(report)]) == 0
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        pytest.skip("chromium not installed (Debian package chromium; .ci/run installs it)")
-    base = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium'}"]
-    shot = tmp_path / "report.png"
-    subprocess.run(
-        [*base, f"--screenshot={shot}", "--window-size=900,1500", report.as_uri()],
-        capture_output=True, timeout=120, check=True,
-    )  # fmt: skip
-    png = shot.read_bytes()
+    png, dom = render_page(report, tmp_path, window="900,1500")
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000  # a page with drawings
-    dom = subprocess.run(
-        [*base, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120,
-        check=True,
-    ).stdout  # fmt: skip
     assert dom.count('<svg class="plot"') >= 3  # CDFs, timeline, breakdown (+ waterfalls)
     assert dom.count("<path") >= 20 and "<text" in dom  # drawn, with text labels
     for caption in ("Latency CDFs", "Batch composition", "Time to first token, by part"):

@@ -65,7 +65,7 @@ def test_what_if_a_smaller_kv_pool_preempts_more(tmp_path: Path) -> None:
 
 
 def test_calibration_fits_measured_steps(tmp_path: Path) -> None:
-    from tracing.store import TraceStore
+    from tracing.store import TraceStore, row
 
     db = tmp_path / "steps.db"
     store = TraceStore(db)
@@ -73,8 +73,14 @@ def test_calibration_fits_measured_steps(tmp_path: Path) -> None:
     for i in range(40):
         prefill, decode, reqs = (i * 37) % 500, i % 16, 1 + i % 9
         ns = int((0.01 + prefill * 2e-4 + decode * 1e-3 + reqs * 5e-4) * 1e9)
-        rows.append(("r", i, 1000, 0, 0, 0, 1000 + ns, reqs, 0, prefill + decode, prefill,
-                     decode, 0, 0, 0, 0, 0, ["x"] * reqs, [1] * reqs, []))  # fmt: skip
+        rows.append(row(
+            "steps", run_id="r", step_id=i, schedule_start_ns=1000, schedule_end_ns=0,
+            execute_start_ns=0, execute_end_ns=0, output_ns=1000 + ns, num_running=reqs,
+            num_waiting=0, num_scheduled_tokens=prefill + decode, num_prefill_tokens=prefill,
+            num_decode_tokens=decode, num_preemptions=0, kv_blocks_used=0, kv_blocks_total=0,
+            prefix_query_tokens=0, prefix_hit_tokens=0, request_ids=["x"] * reqs,
+            num_scheduled=[1] * reqs, preempted_request_ids=[],
+        ))  # fmt: skip
     store.add("steps", rows)
     assert store.flush()
     cost = StepCostModel.calibrate(db)

@@ -205,6 +205,11 @@ def test_otlp_over_grpc_with_request_detail(tmp_path: Path, tiny_model_path: Pat
             ids = [stream_chat(server, {"messages": MESSAGES, "max_tokens": 4}) for _ in range(3)]
             assert all(r.events[-1] == "[DONE]" for r in ids)
             wait_until(lambda: len(receiver.spans) >= 3, 30)
+            # No trace db, yet /metrics has every boundary and the delivery lag.
+            m = server.metrics()
+            for boundary in BOUNDARIES:
+                assert metric(m, "lumen:boundary_latency_seconds_count", boundary=boundary) > 0
+            assert metric(m, "lumen:delivery_lag_seconds_count") == 3
     # request detail: the root span only, one per request.
     assert {s.name for s in receiver.spans} == {"llm_request"}
     assert len({s.attributes["gen_ai.request.id"] for s in receiver.spans}) == 3

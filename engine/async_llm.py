@@ -107,6 +107,7 @@ class AsyncLLM:
         self._dead = asyncio.Event()  # set when the output loop fails for good
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
+        self.client.on_output = self._wake.set
         self._task = asyncio.create_task(self._output_loop(), name="async-llm-output")
 
     @property
@@ -213,7 +214,7 @@ class AsyncLLM:
     async def _pump_outputs(self) -> None:
         last_stall_check = time.monotonic()
         while True:
-            if not self._streams and not self.client.state.has_open():
+            if not self._streams and not self.client.has_pending():
                 self._wake.clear()
                 await self._wake.wait()
                 continue

@@ -12,6 +12,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -293,13 +294,22 @@ class AsyncMPClient(_MPClient):
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         # Set the moment the core (or a worker) dies, even while nothing is open.
         self.dead_event = asyncio.Event()
+        # Called when outputs are queued: a reader that sleeps while nothing is open wakes
+        # for records that come after the last request (the KV state after aborts).
+        self.on_output: Callable[[], Any] | None = None
         self.core.start(lambda item: self._loop.call_soon_threadsafe(self._deliver, item))
+
+    def has_pending(self) -> bool:
+        """Requests open, or outputs queued that nobody has read yet."""
+        return self.state.has_open() or not self._queue.empty()
 
     def _deliver(self, item: Any) -> None:
         if item is _DEAD:
             self.dead_event.set()
         if self._route(item):
             self._queue.put_nowait(item)
+            if self.on_output is not None:
+                self.on_output()
 
     async def _send(self, kind: RequestType, obj: Any) -> None:
         while not self.core.send(kind, obj, block=False):

@@ -50,6 +50,13 @@ def _num_requests(db: Path) -> int:
         return con.execute("SELECT count(*) FROM requests").fetchone()[0]
 
 
+def _num_idle_records(db: Path) -> int:
+    if not db.exists():
+        return 0
+    with open_db(db, timeout=10) as con:
+        return con.execute("SELECT count(*) FROM steps WHERE idle").fetchone()[0]
+
+
 def _why(db: Path, request_id: str) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -215,6 +222,8 @@ def test_cancelled_run_reports_kv_freed(tmp_path: Path, tiny_model_path: Path) -
                 "ignore_eos": True}  # fmt: skip
         _concurrently(12, lambda i: str(stream_chat(server, body, stop_after=5).num_chunks))
         wait_until(lambda: server_idle(server), 20)
+        # No step follows the aborts, yet the KV state after them is recorded (an idle row).
+        wait_until(lambda: _num_idle_records(server.trace_db) > 0, 20)
         return []
 
     db, _ = _record(tmp_path, tiny_model_path, provoke)

@@ -93,7 +93,13 @@ def _beyond_median(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list
     out = [f"{text}: {action}." if action else f"{text}." for _, text, action in
            sorted(beyond, reverse=True)[:3] + sorted(shared, reverse=True)[:2]]  # fmt: skip
     if phase == "ttft" and not beyond:
-        out.insert(0, "Nothing stands out in its time to first token against the run's median.")
+        out.insert(
+            0,
+            "Its time to first token was no worse than the run's median request's; what it "
+            "paid, the median request paid too:"
+            if shared
+            else "Nothing stands out in its time to first token.",
+        )
     return out
 
 

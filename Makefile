@@ -26,6 +26,8 @@ serve: model
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	# The floors of the request path (pyproject.toml [tool.importlinter]): no arrow the wrong way.
+	$(VENV)/bin/lint-imports
 
 test: model lint
 	$(VENV)/bin/pytest

@@ -24,7 +24,7 @@ TARGETS = {"mfu": 0.70, "decode_over_weights_pass": 1.3, "model_time": 0.90}
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
-    from service.cli import add_engine_options
+    from engine.arg_utils import add_engine_options
 
     p = verbs.add_parser("mfu", help="achieved model FLOP/s over a measured matmul ceiling")
     p.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
@@ -47,9 +47,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from engine import LLM
+    from engine.arg_utils import engine_options
     from engine.config import EngineConfig, ModelConfig
     from engine.model_files import resolve_model
-    from service.cli import engine_options
 
     batches = parse_ints(args.decode_batches, "--decode-batches")
     contexts = parse_ints(args.decode_contexts, "--decode-contexts")

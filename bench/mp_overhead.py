@@ -10,7 +10,7 @@ from bench.throughput import ENGINE_SKIP, make_workload, run_lumen, warmup_workl
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
-    from service.cli import add_engine_options
+    from engine.arg_utils import add_engine_options
 
     p = verbs.add_parser(
         "mp-overhead", help="throughput with the core in this process vs in its own process"
@@ -25,9 +25,9 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine import LLM
+    from engine.arg_utils import engine_options
     from engine.config import ModelConfig
     from engine.model_files import resolve_model
-    from service.cli import engine_options
 
     if args.num_requests < 1 or args.rounds < 1:
         raise ValueError("--num-requests and --rounds must be at least 1")

@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.core.scheduler_output import NewRequestData, SchedulerOutput
 from engine.messages import StepRecord
 from engine.sampling_params import SamplingParams
+from engine.worker.messages import NewRequestData, SchedulerOutput
 
 
 def best_time(

@@ -17,9 +17,9 @@ import time
 from bench.common import check_json_path, parse_ints, print_table, write_json
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import ModelRunnerOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.worker.messages import ModelRunnerOutput
 
 TARGET_US = 20.0  # per running request per step, at 256 running
 

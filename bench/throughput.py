@@ -53,7 +53,7 @@ class Result:
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
-    from service.cli import add_engine_options
+    from engine.arg_utils import add_engine_options
 
     p = verbs.add_parser(
         "throughput", help="offline tokens/s, Lumen vs Hugging Face generate and generate_batch"
@@ -193,7 +193,7 @@ def _validate(args: argparse.Namespace) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from service.cli import engine_options
+    from engine.arg_utils import engine_options
 
     batch_sizes = _validate(args)
     if args.threads is not None:

@@ -136,12 +136,3 @@ class InprocClient:
         if not self.state.closed:
             self.state.closed = True
             self.core.shutdown()
-
-
-def make_client(config: EngineConfig, model_path: str) -> EngineCoreClient:
-    """The blocking client LLM uses: in this process, or the core in its own (core_process)."""
-    if config.core_process:
-        from engine.mp_client import SyncMPClient
-
-        return SyncMPClient(config, model_path)
-    return InprocClient(config, model_path)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from engine.client import make_client
+from engine.client import EngineCoreClient, InprocClient
 from engine.config import EngineConfig
 from engine.errors import RequestError
 from engine.frontend import Frontend
@@ -230,3 +230,12 @@ def _per_prompt(
     if len(params) != num:
         raise ValueError(f"got {len(params)} sampling_params for {num} prompts")
     return params
+
+
+def make_client(config: EngineConfig, model_path: str) -> EngineCoreClient:
+    """The blocking client LLM uses: in this process, or the core in its own (core_process)."""
+    if config.core_process:
+        from engine.mp_client import SyncMPClient
+
+        return SyncMPClient(config, model_path)
+    return InprocClient(config, model_path)

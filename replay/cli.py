@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--block-size", type=int, default=16, help="the engine's KV block size")
     imp.add_argument("--seed", type=int, default=0, help="seed of --spread")
     imp.set_defaults(func=_import)
-    from service.cli import add_engine_options
+    from engine.arg_utils import add_engine_options
 
     run = verbs.add_parser("run", help="recorded requests through the real engine")
     run.add_argument("db", help="trace db to replay (a recording or an import)")
@@ -116,11 +116,11 @@ def _run(args: argparse.Namespace) -> int:
         return _run_http(args)
     import asyncio
 
+    from engine.arg_utils import engine_options
     from engine.config import EngineConfig
     from replay.formats import parse_window
     from replay.report import render_text
     from replay.runner import run_replay, summarize
-    from service.cli import engine_options
 
     out = args.out or str(args.db).removesuffix(".db") + ".replay.db"
     config = EngineConfig(**engine_options(args, skip=("core_process",)), core_process=True)

@@ -13,8 +13,8 @@ import numpy as np
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.request import Request
+from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
 from replay.report import percentiles
 from replay.workload import ReplayRequest
 from tracing.store import open_db

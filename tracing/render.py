@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import textwrap
 
-from tracing.diagnose import (
+from tracing.diagnosis import (
     DECODE_PARTS,
     TAIL_PERCENTILE,
     TTFT_PARTS,

@@ -24,7 +24,7 @@ from collections import Counter
 import numpy as np
 
 from tracing import verdict_steps
-from tracing.diagnose import (
+from tracing.diagnosis import (
     DECODE_PARTS,
     EXPECTED_PARTS,
     MIN_CAUSE_NS,

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tracing.diagnose import (
+from tracing.diagnose_load import COLD_STEPS, MIN_FIT_STEPS
+from tracing.diagnosis import (
     MIN_CAUSE_NS,
     MIN_CAUSE_SHARE,
     Finding,
@@ -14,7 +15,6 @@ from tracing.diagnose import (
     RunDiagnosis,
     StepFacts,
 )
-from tracing.diagnose_load import COLD_STEPS, MIN_FIT_STEPS
 from tracing.words import WHAT, count, ms, tokens_of
 
 OUTLIER_FACTOR = 3.0  # a step this many times its shape's expected time is an outlier

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from tracing import verdict_steps
-from tracing.diagnose import EXPECTED_PARTS, MIN_CAUSE_NS, RequestDiagnosis, RunDiagnosis
+from tracing.diagnosis import EXPECTED_PARTS, MIN_CAUSE_NS, RequestDiagnosis, RunDiagnosis
 from tracing.verdict import JUDGED_APART, describe, neighbour_names, passes
 from tracing.words import WHAT, count, ms, tokens_of
 

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from engine import __version__, envs
+from engine import envs
 from engine.config import EngineConfig, ModelConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
@@ -26,6 +26,7 @@ from engine.messages import (
     UtilityResult,
 )
 from engine.request import Request, RequestStatus
+from engine.version import __version__
 
 logger = logging.getLogger(__name__)
 

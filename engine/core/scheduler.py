@@ -7,9 +7,9 @@ import time
 
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request_queue import FCFSQueue, PriorityQueue
-from engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.messages import EngineCoreOutput
 from engine.request import Request, RequestStatus
+from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 FREED_FINISH, FREED_ABORT, FREED_PREEMPT = 0, 1, 2

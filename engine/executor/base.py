@@ -1,13 +1,10 @@
-"""The Executor interface between the EngineCore and its workers, and how one is chosen."""
+"""The Executor interface between the EngineCore and its workers."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
-import torch
-
-from engine.config import EngineConfig, ModelConfig
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
 
 
 class Executor(Protocol):
@@ -44,19 +41,3 @@ class Executor(Protocol):
 
 class WorkerDeadError(RuntimeError):
     """A worker process died; the engine cannot go on."""
-
-
-def make_executor(
-    config: EngineConfig,
-    model_config: ModelConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_model_len: int,
-) -> Executor:
-    if config.tensor_parallel_size == 1:
-        from engine.executor.uniproc import UniProcExecutor
-
-        return UniProcExecutor(config, model_config, device, dtype, max_model_len)
-    from engine.executor.multiproc import MultiprocExecutor
-
-    return MultiprocExecutor(config, model_config, device, dtype, max_model_len)

@@ -11,29 +11,29 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import msgspec
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.executor.base import WorkerDeadError
 from engine.worker.llama import check_tensor_parallel
-from engine.worker.worker import (
+from engine.worker.messages import (
     Done,
     ExecuteModel,
     Failed,
     InitKVCache,
+    ModelRunnerOutput,
     Ready,
     ReleaseKVCache,
+    SchedulerOutput,
     Shutdown,
     StartProfile,
     StopProfile,
     WorkerArgs,
     WorkerReply,
     WorkerRequest,
-    run_worker,
 )
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ class MultiprocExecutor:
                 os.getpid(),
             )
             proc = ctx.Process(
-                target=run_worker, args=(args, child_end), name=f"lumen-tp{rank}", daemon=False
+                target=_run_worker, args=(args, child_end), name=f"lumen-tp{rank}", daemon=False
             )
             proc.start()
             # Only the child keeps its end, so the worker's death reads as EOF here.
@@ -274,3 +274,10 @@ def _stop_workers(
             proc.join(1.0)
     for conn in conns:
         conn.close()
+
+
+def _run_worker(args: WorkerArgs, conn: Any) -> None:
+    """The spawned rank's entry point: only the rank loads the worker's process module."""
+    from engine.worker.worker import run_worker
+
+    run_worker(args, conn)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 from engine.worker.profiler import Profiler
 

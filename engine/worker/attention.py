@@ -13,13 +13,26 @@ attending causally to its cached context plus itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from engine.worker.decode_cache import DecodePlan
+
+class DecodeAttention(Protocol):
+    """Attention of a step's decode rows read from elsewhere than the paged cache
+    (decode_cache.DecodePlan: a contiguous mirror)."""
+
+    def attention(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor: ...
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -45,7 +58,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] long
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] 0 / -inf
     prefills: list[PrefillChunk]
-    decode_plan: DecodePlan | None = None  # set: decode rows read the contiguous mirror
+    decode_plan: DecodeAttention | None = None  # set: decode rows read the contiguous mirror
 
 
 def paged_attention(

@@ -8,10 +8,10 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask
 from engine.worker.decode_cache import DecodeCache
 from engine.worker.llama import LlamaForCausalLM, Rotary, Shard
+from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.worker.sampler import Sampler, SamplingRow
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,6 @@ import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -30,82 +29,28 @@ import msgspec
 import torch
 import torch.distributed as dist
 
-from engine.config import ModelConfig
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.worker.llama import Shard
+from engine.worker.messages import (
+    Done,
+    ExecuteModel,
+    Failed,
+    InitKVCache,
+    ModelRunnerOutput,
+    Ready,
+    ReleaseKVCache,
+    Shutdown,
+    StartProfile,
+    StopProfile,
+    WorkerArgs,
+    WorkerReply,
+    WorkerRequest,
+)
 from engine.worker.model_runner import ModelRunner
 from engine.worker.profiler import Profiler
 
 logger = logging.getLogger(__name__)
 
 _PARENT_POLL_S = 0.2
-
-
-# -- executor -> worker ---------------------------------------------------------
-
-
-class ExecuteModel(msgspec.Struct, tag=True):
-    sched: SchedulerOutput
-
-
-class InitKVCache(msgspec.Struct, tag=True):
-    num_blocks: int
-
-
-class ReleaseKVCache(msgspec.Struct, tag=True):
-    pass
-
-
-class StartProfile(msgspec.Struct, tag=True):
-    path: str  # the executor's path; each rank writes rank_path(path, rank)
-
-
-class StopProfile(msgspec.Struct, tag=True):
-    pass
-
-
-class Shutdown(msgspec.Struct, tag=True):
-    pass
-
-
-WorkerRequest = ExecuteModel | InitKVCache | ReleaseKVCache | StartProfile | StopProfile | Shutdown
-
-
-# -- worker -> executor ---------------------------------------------------------
-
-
-class Ready(msgspec.Struct, tag=True):
-    block_bytes: int
-    device: str
-
-
-class Done(msgspec.Struct, tag=True):
-    output: ModelRunnerOutput | None = None
-
-
-class Failed(msgspec.Struct, tag=True):
-    error: str  # "ValueError: the checkpoint has no tensor ..."
-    traceback: str
-    user_error: bool = False  # a ValueError (bad weights, bad path): re-raised as one
-
-
-WorkerReply = Ready | Done | Failed
-
-
-@dataclass(frozen=True)
-class WorkerArgs:
-    """What a rank needs to start; pickled once by multiprocessing's spawn."""
-
-    model_config: ModelConfig
-    device_type: str
-    dtype: torch.dtype
-    max_model_len: int
-    block_size: int
-    seed: int
-    rank: int
-    world_size: int
-    init_method: str
-    parent_pid: int
 
 
 def rank_path(path: str, rank: int) -> str:

@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.scheduler import Scheduler
-from engine.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from engine.messages import EngineCoreOutput, FinishReason
 from engine.request import Request, RequestStatus
+from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
 from tests.helpers.factories import make_request, make_scheduler
 
 ABORTED = RequestStatus.FINISHED_ABORTED

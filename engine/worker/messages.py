@@ -1,9 +1,21 @@
-"""What the scheduler hands the workers each step, and what they hand back."""
+"""Every message between the EngineCore and its executor and workers (one step's batch and its
+result), and the executor <-> worker-process link that carries them.
+
+Both sides import this module from below: the core, executors and workers
+share these types and nothing else of each other. SchedulerOutput and
+ModelRunnerOutput are plain dataclasses in-process (UniprocExecutor) and cross
+a worker's pipe as msgpack inside the tagged structs below (never pickle);
+WorkerArgs alone is pickled once, by multiprocessing's spawn.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+import torch
+
+from engine.config import ModelConfig
 from engine.messages import Logprobs
 from engine.sampling_params import SamplingParams
 
@@ -63,3 +75,70 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+
+
+# -- executor -> worker ---------------------------------------------------------
+
+
+class ExecuteModel(msgspec.Struct, tag=True):
+    sched: SchedulerOutput
+
+
+class InitKVCache(msgspec.Struct, tag=True):
+    num_blocks: int
+
+
+class ReleaseKVCache(msgspec.Struct, tag=True):
+    pass
+
+
+class StartProfile(msgspec.Struct, tag=True):
+    path: str  # the executor's path; each rank writes rank_path(path, rank)
+
+
+class StopProfile(msgspec.Struct, tag=True):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag=True):
+    pass
+
+
+WorkerRequest = ExecuteModel | InitKVCache | ReleaseKVCache | StartProfile | StopProfile | Shutdown
+
+
+# -- worker -> executor ---------------------------------------------------------
+
+
+class Ready(msgspec.Struct, tag=True):
+    block_bytes: int
+    device: str
+
+
+class Done(msgspec.Struct, tag=True):
+    output: ModelRunnerOutput | None = None
+
+
+class Failed(msgspec.Struct, tag=True):
+    error: str  # "ValueError: the checkpoint has no tensor ..."
+    traceback: str
+    user_error: bool = False  # a ValueError (bad weights, bad path): re-raised as one
+
+
+WorkerReply = Ready | Done | Failed
+
+
+@dataclass(frozen=True)
+class WorkerArgs:
+    """What a rank needs to start; pickled once by multiprocessing's spawn."""
+
+    model_config: ModelConfig
+    device_type: str
+    dtype: torch.dtype
+    max_model_len: int
+    block_size: int
+    seed: int
+    rank: int
+    world_size: int
+    init_method: str
+    parent_pid: int

@@ -1,0 +1,57 @@
+"""Config dataclasses as command-line options: every field a flag, the dataclass the only source
+of defaults. The `lumen`, `replay` and bench commands all build their options here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from engine.config import EngineConfig
+
+
+def add_options(
+    parser: argparse.ArgumentParser, cls: type, title: str, *, skip: tuple[str, ...] = ()
+) -> None:
+    """One flag per field of a config dataclass; the dataclass is the only source of defaults."""
+    hints = get_type_hints(cls)
+    group = parser.add_argument_group(title)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ = _base_type(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        if typ is bool and f.name.startswith("no_"):
+            group.add_argument(flag, action="store_true", help=help_text)
+        elif typ is bool:
+            group.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
+        else:
+            group.add_argument(
+                flag, type=typ, default=f.default, help=help_text, metavar=f.name.upper()
+            )
+
+
+def add_engine_options(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
+    add_options(parser, EngineConfig, "engine options", skip=skip)
+
+
+def options(cls: type, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    return {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(cls)
+        if f.name not in skip and hasattr(args, f.name)
+    }
+
+
+def engine_options(args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    return options(EngineConfig, args, skip=skip)
+
+
+def _base_type(hint: Any) -> type:
+    if get_origin(hint) in (Union, types.UnionType):
+        hint = next(a for a in get_args(hint) if a is not type(None))
+    return hint

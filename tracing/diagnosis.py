@@ -1,0 +1,181 @@
+"""What a diagnosis is made of: the parts a request's time is cut into, the rule's bars, and the
+records `tracing.diagnose` fills in and `tracing.verdict`, `tracing.why`, `tracing.render` and
+`replay` read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# What a request's time to its first delivered token is made of (keys of RequestDiagnosis.ttft).
+TTFT_PARTS = {
+    "http": "HTTP receive and parse before the handler",
+    "frontend": "frontend CPU (chat template, tokenize)",
+    "admission": "waiting for an admission slot (--max-concurrent-requests)",
+    "loop_lag": "event-loop lag in the API process",
+    "ipc": "IPC to the core and its input queue",
+    "queue": "waiting in the core's queue",
+    "own_prefill": "its own prefill compute",
+    "neighbour_prefill": "other requests' prefill in the steps it shared",
+    "decode": "other requests' decode rows in the steps it shared",
+    "chunk_wait": "waiting between its prefill chunks",
+    "schedule": "scheduler CPU",
+    "output": "output building and sending in the core",
+    "gc": "garbage-collection pauses",
+    "emit": "IPC back, detokenize and emit",
+    "delivery": "delivery to the client (its socket accepting the bytes)",
+    "unattributed": "time between recorded boundaries that no record explains",
+}
+# What its time after the first token is made of (keys of RequestDiagnosis.decode).
+DECODE_PARTS = {
+    "decode": "decode compute (its own and the batch's decode rows)",
+    "neighbour_prefill": "other requests' prefill in the steps it shared",
+    "schedule": "scheduler CPU",
+    "output": "output building and sending in the core",
+    "between_steps": "the core between its steps (new requests, steps it sat out)",
+    "preempted": "waiting after a preemption (recompute)",
+    "gc": "garbage-collection pauses",
+    "loop_lag": "event-loop lag in the API process",
+    "emit": "IPC back, detokenize and emit",
+    "delivery": "delivery to the client (its socket accepting the bytes)",
+    "unattributed": "time between recorded boundaries that no record explains",
+}
+# Parts that are the model doing the request's own work: reported, never named as a cause.
+EXPECTED_PARTS = {"own_prefill", "decode"}
+
+# The verdict's rule (tracing.verdict): a part is named only when the time is large in absolute
+# terms AND relative to the phase: at least MIN_CAUSE_NS and at least MIN_CAUSE_SHARE of the
+# median request's phase time. "The tail" is the requests at or above TAIL_PERCENTILE.
+MIN_CAUSE_NS = 20_000_000
+MIN_CAUSE_SHARE = 0.10
+TAIL_PERCENTILE = 90
+
+
+@dataclass
+class RequestDiagnosis:
+    request_id: str
+    status: str  # ok | aborted | error
+    arrival_ns: int
+    start_ns: int  # the first byte the server read (arrival_ns where not recorded)
+    prompt_tokens: int
+    output_tokens: int
+    ttft_ns: int | None  # vLLM's meaning: arrival -> first output at the frontend
+    delivered_ttft_ns: int | None  # first byte read -> first chunk accepted by the transport
+    e2e_ns: int
+    ttft: dict[str, int] = field(default_factory=dict)  # ns per TTFT_PARTS key
+    decode: dict[str, int] = field(default_factory=dict)  # ns per DECODE_PARTS key
+    gaps_ns: list[int] = field(default_factory=list)  # token gaps as delivered
+    # Other requests whose prefill shared its steps: request id -> their prefill tokens there.
+    neighbours: dict[str, int] = field(default_factory=dict)
+    wait_reason: str | None = None  # the limit that held it in the queue
+    num_preemptions: int = 0
+    # Added: evidence the words quote.
+    stream: bool = True
+    end_ns: int = 0  # the last byte accepted (or finish / abort at the frontend)
+    gap_step_ids: list[int | None] = field(default_factory=list)  # the step ending each gap
+    # Per phase (ttft | decode): neighbour -> (its prefill tokens, the shared step ids).
+    neighbour_steps: dict[str, dict[str, tuple[int, list[int]]]] = field(default_factory=dict)
+    step_ids: list[int] = field(default_factory=list)  # every step it took part in
+    send_wait_ns: int | None = None
+    bytes_sent: int | None = None
+    kv_freed_ns: int | None = None
+    # Set by explain_request: the run's median per part (phase -> part -> ns; decode per token).
+    run_medians: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    @property
+    def ttft_phase_ns(self) -> int:
+        return sum(self.ttft.values())
+
+    @property
+    def decode_phase_ns(self) -> int:
+        return sum(self.decode.values())
+
+
+@dataclass
+class Finding:
+    """One sentence of a verdict."""
+
+    kind: str  # cause (beyond the threshold) | paid (every request) | step | info
+    text: str
+    ms: float = 0.0
+    part: str | None = None
+    request_ids: list[str] = field(default_factory=list)
+    section: str = "causes"  # causes | paid | steps | cancellations
+
+
+@dataclass
+class StepFacts:
+    step_id: int
+    start_ns: int
+    end_ns: int
+    schedule_ns: int
+    execute_ns: int
+    output_ns: int
+    prefill_tokens: int
+    decode_tokens: int
+    running: int
+    waiting: int
+    preemptions: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    idle: bool
+    wait_reason: str | None
+    rows: int = 0  # requests in the batch
+    build_ns: int | None = None  # building outputs (update_end - execute_end), where recorded
+    gc_pause_ns: int = 0
+
+
+@dataclass
+class PartStat:
+    """One part over a phase's requests (ns; the decode phase per output token)."""
+
+    median_ns: float
+    tail_extra_ns: float
+
+
+@dataclass
+class RunDiagnosis:
+    run_id: str
+    requests: list[RequestDiagnosis]
+    steps: list[StepFacts]
+    # ttft_s, delivered_ttft_s, tpot_s, itl_s, e2e_s -> p50/p90/p99/max (seconds): the one set of
+    # numbers the table, the text and the page all use.
+    summary: dict[str, dict[str, float]]
+    findings: list[Finding]  # empty of causes: "nothing stands out"
+    num_ok: int = 0
+    num_aborted: int = 0
+    num_error: int = 0
+    # phase (ttft | decode) -> part -> median and the tail's extra; decode per output token.
+    parts: dict[str, dict[str, PartStat]] = field(default_factory=dict)
+    phase_median_ns: dict[str, float] = field(default_factory=dict)
+    # step id -> the requests prefilling in it and their tokens there.
+    prefill_members: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
+    pauses: list[tuple[str, str, int, int]] = field(default_factory=list)  # process, kind, ns
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    a = np.asarray(values, dtype=float)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "max": float(a.max())}
+
+
+def summarize(requests: list[RequestDiagnosis]) -> dict[str, dict[str, float]]:
+    ok = [r for r in requests if r.status == "ok"]
+    return {
+        "ttft_s": percentiles([r.ttft_ns / 1e9 for r in requests if r.ttft_ns is not None]),
+        "delivered_ttft_s": percentiles(
+            [r.delivered_ttft_ns / 1e9 for r in requests if r.delivered_ttft_ns is not None]
+        ),
+        "tpot_s": percentiles(
+            [
+                (r.e2e_ns - r.ttft_ns) / (r.output_tokens - 1) / 1e9
+                for r in ok
+                if r.ttft_ns is not None and r.output_tokens >= 2
+            ]
+        ),
+        "itl_s": percentiles([g / 1e9 for r in requests for g in r.gaps_ns]),
+        "e2e_s": percentiles([r.e2e_ns / 1e9 for r in ok]),
+    }

@@ -132,6 +132,13 @@ class EngineConfig:
     transport: str = field(
         default="ipc", metadata={"help": "frontend <-> core sockets: ipc (private folder) or tcp"}
     )
+    warmup: bool = field(
+        default=True,
+        metadata={
+            "help": "run one short prefill and decode before reporting ready, so the first "
+            "requests do not pay the first step's start-up (--no-warmup: a cold start)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):

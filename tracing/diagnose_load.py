@@ -19,6 +19,7 @@ from tracing.pauses import Intervals, Pauses, no_pauses
 
 COLD_STEPS = 3  # the first steps, judged against a fit of the others
 MIN_FIT_STEPS = 8  # fewer steps than this: no fit (no cold or outlier verdict, token shares)
+MIN_PRICED_PREFILL = 64  # prefill tokens some step must carry before a token gets its own price
 
 
 class Window(NamedTuple):
@@ -241,8 +242,7 @@ j AS (
         -- shared by its rows, its prefill tokens, and (token shares) its decode tokens.
         greatest($a + $b * s.num_prefill_tokens + $c * len(s.request_ids)
             + $d * s.num_decode_tokens, 1e-9) AS nst,
-        $a / greatest(len(s.request_ids), 1) + $c AS per_row,
-        greatest(len(s.request_ids) - s.num_decode_tokens, 0) AS prefill_rows
+        $a / greatest(len(s.request_ids), 1) + $c AS per_row
     FROM m JOIN st s ON s.step_id = m.step_id
     JOIN _lumen_w w ON w.request_id = m.request_id
     LEFT JOIN _lumen_g g ON g.step_id = s.step_id
@@ -267,26 +267,49 @@ q AS (
         CASE WHEN phase = 'ttft' THEN (exe - ge) * least(($b * tokens + per_row) / nst, 1)
             ELSE 0 END AS own,
         (exe - ge) * least(($b * greatest(num_prefill_tokens
-            - CASE WHEN phase = 'ttft' THEN tokens ELSE 0 END, 0) + per_row
-            * greatest(prefill_rows - CASE WHEN phase = 'ttft' THEN 1 ELSE 0 END, 0)) / nst,
-            1) AS nb
+            - CASE WHEN phase = 'ttft' THEN tokens ELSE 0 END, 0)) / nst, 1) AS nb
     FROM p
 )
 """
 
 
+def fit_step_shape(prefill: np.ndarray, rows: np.ndarray, execute: np.ndarray) -> np.ndarray | None:
+    """Execute time = a + b * prefill tokens + c * rows, fitted on a run's busy steps after the
+    first COLD_STEPS (None with fewer than MIN_FIT_STEPS).
+
+    Least squares, then again without the steps it misses by more than 3 robust deviations
+    (a step slowed by contention or a pause must not set the price of a token); coefficients
+    clipped at 0, and a prefill token never priced above a whole row (it is the same matmul
+    work, batched). Where no step carried MIN_PRICED_PREFILL prefill tokens, a prefill token's
+    own price cannot be told from noise: b is 0 and steps cost by their rows."""
+    x = np.column_stack([np.ones(len(prefill)), prefill, rows]).astype(float)[COLD_STEPS:]
+    y = np.asarray(execute, dtype=float)[COLD_STEPS:]
+    if len(y) < MIN_FIT_STEPS:
+        return None
+    if x[:, 1].max() < MIN_PRICED_PREFILL:
+        x[:, 1] = 0.0
+    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    residual = y - x @ coef
+    spread = 1.4826 * float(np.median(np.abs(residual - np.median(residual)))) or 1.0
+    keep = np.abs(residual) <= 3 * spread
+    if keep.sum() >= MIN_FIT_STEPS:
+        coef = np.linalg.lstsq(x[keep], y[keep], rcond=None)[0]
+    a, b, c = np.clip(coef, 0.0, None)
+    return np.array([a, min(b, c) if c > 0 else b, c])
+
+
 def step_weights(steps: list[tuple[Any, ...]]) -> dict[str, float]:
-    """What a step's execute time is made of, fitted on the run's own busy steps (least
-    squares, clipped at 0): a (fixed) + b * prefill tokens + c * rows. A request's share of a
-    step is then its tokens at b against the whole, so a few prefill tokens in a step that
-    is mostly fixed cost take little of it. Too few steps: plain token shares (b = d = 1)."""
-    busy = [s for s in steps[COLD_STEPS:] if not s[13] and s[4] is not None]
-    if len(busy) >= MIN_FIT_STEPS:
-        x = np.array([[1.0, s[6], s[15]] for s in busy])
-        y = np.array([s[4] for s in busy], dtype=float)
-        a, b, c = np.clip(np.linalg.lstsq(x, y, rcond=None)[0], 0.0, None)
-        if b > 0 and (a + b + c) > 0:
-            return {"a": float(a), "b": float(b), "c": float(c), "d": 0.0}
+    """What a step's execute time is made of (fit_step_shape on the run's busy steps). A
+    request's share of a step is then its tokens at b against the whole, so a few prefill
+    tokens in a step that is mostly fixed cost take little of it. No fit: plain token shares
+    (b = d = 1)."""
+    busy = [s for s in steps if not s[13] and s[4] is not None]
+    coef = fit_step_shape(
+        np.array([s[6] for s in busy]), np.array([s[15] for s in busy]),
+        np.array([s[4] for s in busy]),
+    )  # fmt: skip
+    if coef is not None and coef.sum() > 0:
+        return {"a": float(coef[0]), "b": float(coef[1]), "c": float(coef[2]), "d": 0.0}
     return {"a": 0.0, "b": 1.0, "c": 0.0, "d": 1.0}
 
 

@@ -18,7 +18,7 @@ TTFT_PARTS = {
     "queue": "waiting in the core's queue",
     "own_prefill": "its own prefill compute",
     "neighbour_prefill": "other requests' prefill in the steps it shared",
-    "decode": "other requests' decode rows in the steps it shared",
+    "decode": "the batch's other rows in the steps it shared (decode, per-request cost)",
     "chunk_wait": "waiting between its prefill chunks",
     "schedule": "scheduler CPU",
     "output": "output building and sending in the core",
@@ -29,7 +29,7 @@ TTFT_PARTS = {
 }
 # What its time after the first token is made of (keys of RequestDiagnosis.decode).
 DECODE_PARTS = {
-    "decode": "decode compute (its own and the batch's decode rows)",
+    "decode": "decode compute (its own and the batch's other rows)",
     "neighbour_prefill": "other requests' prefill in the steps it shared",
     "schedule": "scheduler CPU",
     "output": "output building and sending in the core",

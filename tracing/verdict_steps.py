@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tracing.diagnose_load import COLD_STEPS, MIN_FIT_STEPS
+from tracing.diagnose_load import COLD_STEPS, fit_step_shape
 from tracing.diagnosis import (
     MIN_CAUSE_NS,
     MIN_CAUSE_SHARE,
@@ -18,6 +18,8 @@ from tracing.diagnosis import (
 from tracing.words import WHAT, count, ms, tokens_of
 
 OUTLIER_FACTOR = 3.0  # a step this many times its shape's expected time is an outlier
+# Slow-for-shape steps are named only when more than this share of the requests met them.
+MIN_OUTLIER_SHARE = 0.10
 STALL_FACTOR = 2.0  # a mixed step this many times the median decode-only step stalls decodes
 MIN_STEP_CPU_NS = 2_000_000  # scheduler / output CPU per step worth naming (with the share)
 
@@ -43,7 +45,7 @@ def step_findings(run: RunDiagnosis, said: list[Finding]) -> list[Finding]:
     named = {f.part for f in said}
     coef = shape_model(busy)
     stalls, typical = stall_steps(busy, coef)
-    out = _cold_and_outliers(busy, coef, {s.step_id for s in stalls})
+    out = _cold_and_outliers(run, busy, coef, {s.step_id for s in stalls})
     out += _stalls(run, stalls, typical)
     out += _cpu(run, busy, named)
     out += _growth(busy, coef)
@@ -52,15 +54,12 @@ def step_findings(run: RunDiagnosis, said: list[Finding]) -> list[Finding]:
 
 
 def shape_model(busy: list[StepFacts]) -> np.ndarray | None:
-    """Execute time = a + b * prefill tokens + c * rows, fitted (least squares, clipped at 0)
-    on the run's steps after the first few."""
-    fit = busy[COLD_STEPS:]
-    if len(fit) < MIN_FIT_STEPS:
-        return None
-    x = np.array([[1.0, s.prefill_tokens, s.rows or s.running] for s in fit])
-    y = np.array([s.execute_ns for s in fit], dtype=float)
-    coef = np.linalg.lstsq(x, y, rcond=None)[0]
-    return np.clip(coef, 0.0, None)
+    """Execute time = a + b * prefill tokens + c * rows (diagnose_load.fit_step_shape)."""
+    return fit_step_shape(
+        np.array([s.prefill_tokens for s in busy]),
+        np.array([s.rows or s.running for s in busy]),
+        np.array([s.execute_ns for s in busy]),
+    )
 
 
 def expected_ns(coef: np.ndarray, s: StepFacts) -> float:
@@ -77,7 +76,7 @@ def _step(text: str, ms_: float, part: str | None = None, ids: list[str] | None 
 
 
 def _cold_and_outliers(
-    busy: list[StepFacts], coef: np.ndarray | None, stalled: set[int]
+    run: RunDiagnosis, busy: list[StepFacts], coef: np.ndarray | None, stalled: set[int]
 ) -> list[Finding]:
     if coef is None:
         return []
@@ -97,20 +96,25 @@ def _cold_and_outliers(
             f"expected for its shape ({shape})"
             + (f" ({took})" if len(cold) > 1 else "")
             + ": send a warm-up request before taking traffic (the first step compiles and "
-            "allocates)."
+            "allocates; lumen serve warms up unless --no-warmup)."
         )
         out.append(_step(text, (first.execute_ns - want) / 1e6))
     late = [s for s in busy[COLD_STEPS:] if s.step_id not in stalled and _slow_for_shape(s, coef)]
     if late:
         worst = max(late, key=lambda s: s.execute_ns - expected_ns(coef, s))
         want = expected_ns(coef, worst)
+        slow = {s.step_id for s in late}
+        met = sum(bool(slow.intersection(r.step_ids)) for r in run.requests)
         text = (
             f"{count(len(late), 'step')} took at least {OUTLIER_FACTOR:g}x the time expected "
             f"for their shape (worst: step {worst.step_id}, {ms(worst.execute_ns)} against "
-            f"{ms(want)}): a pause (GC), CPU contention or a kernel compiled for a new "
-            "shape; see the pauses table."
+            f"{ms(want)}), met by {count(met, 'request')}: a pause (GC), CPU contention or a "
+            "kernel compiled for a new shape; see the pauses table."
         )
-        out.append(_step(text, (worst.execute_ns - want) / 1e6))
+        finding = _step(text, (worst.execute_ns - want) / 1e6)
+        if met <= MIN_OUTLIER_SHARE * len(run.requests):
+            finding.kind = "info"  # a lone hiccup: reported, within the run's noise
+        out.append(finding)
     return out
 
 

@@ -33,7 +33,7 @@ WHAT = {
         "other requests' prefill in the steps it shared",
         "a smaller --max-num-batched-tokens caps how much prefill one step carries",
     ),
-    "decode": ("other requests' decode rows in the steps it shared", ""),
+    "decode": ("the batch's other rows in the steps it shared", ""),
     "own_prefill": ("its own prefill", ""),
     "chunk_wait": (
         "waiting between its prefill chunks",

@@ -26,7 +26,9 @@ from engine.messages import (
     UtilityResult,
 )
 from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
 from engine.version import __version__
+from engine.worker.messages import NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class EngineCore:
             raise
         self.executor = executor
         self.num_blocks = num_blocks
+        self.warmup_s = _warm_up(executor, config, num_blocks) if config.warmup else 0.0
         self.sleeping = False
         self.max_model_len = max_model_len
         self.vocab_size = model_config.vocab_size
@@ -73,13 +76,15 @@ class EngineCore:
             version=__version__,
         )
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d",
+            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
+            "warm-up %.2fs",
             model_path,
             device,
             self.info.dtype,
             num_blocks,
             config.block_size,
             max_model_len,
+            self.warmup_s,
         )
 
     def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
@@ -290,3 +295,44 @@ def _size_kv_cache(
         logger.warning("max_model_len lowered to %d, what the KV cache holds", capacity)
         max_model_len = capacity
     return num_blocks, max_model_len
+
+
+WARMUP_PROMPT_TOKENS = 32
+WARMUP_DECODE_STEPS = 2
+
+
+def _warm_up(executor: Executor, config: EngineConfig, num_blocks: int) -> float:
+    """One short prefill and a few decode steps through the real executor, before READY.
+
+    The first forward pays one-time costs (kernel selection, allocator growth, lazy init)
+    that would otherwise land on the first requests as a cold first step. It bypasses the
+    scheduler: its blocks are free ones the KV cache manager hands out later (their stale
+    contents are overwritten before any read), and the runner forgets the request at the end.
+    Returns the seconds it took.
+    """
+    started = time.monotonic()
+    rid = "lumen-warmup"
+    num_tokens = WARMUP_PROMPT_TOKENS + WARMUP_DECODE_STEPS
+    num_needed = -(-num_tokens // config.block_size)
+    if num_needed > num_blocks:
+        return 0.0
+    blocks = list(range(num_needed))
+    prompt = [1 + i % 100 for i in range(WARMUP_PROMPT_TOKENS)]
+    params = SamplingParams(temperature=0.0, max_tokens=WARMUP_DECODE_STEPS + 1)
+    new = NewRequestData(rid, prompt, params, frozenset())
+    out = executor.execute_model(
+        SchedulerOutput(
+            -1, [new], [rid], [prompt], [0], [blocks], [True], num_prefill_tokens=len(prompt)
+        )
+    )
+    position = len(prompt)
+    for _ in range(WARMUP_DECODE_STEPS):
+        token = out.sampled_token_ids[0] if out.sampled_token_ids else 1
+        out = executor.execute_model(
+            SchedulerOutput(
+                -1, [], [rid], [[token]], [position], [blocks], [True], num_decode_tokens=1
+            )
+        )
+        position += 1
+    executor.execute_model(SchedulerOutput(-1, finished_req_ids=[rid]))
+    return time.monotonic() - started

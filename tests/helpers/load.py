@@ -86,14 +86,23 @@ class StalledClient:
 
 class SlowReader:
     """Streams a completion over a raw socket with a tiny receive buffer, and reads slowly:
-    after the first bytes it stops reading for ``stall_s``, then drains the rest.
+    after the first bytes it stops reading until ``until()`` holds (if given), then for
+    ``stall_s`` more, then drains the rest.
 
     The server's writes back up meanwhile (its per-connection send buffer is bounded), as
     they would for a client on a slow link.
     """
 
-    def __init__(self, server: LumenServer, body: dict, *, stall_s: float) -> None:
+    def __init__(
+        self,
+        server: LumenServer,
+        body: dict,
+        *,
+        stall_s: float,
+        until: Callable[[], bool] | None = None,
+    ) -> None:
         self.server, self.body, self.stall_s = server, {**body, "stream": True}, stall_s
+        self.until = until
         self.request_id = ""
         self.num_bytes = 0
 
@@ -112,6 +121,8 @@ class SlowReader:
             for line in data.split(b"\r\n"):
                 if line.lower().startswith(b"x-request-id:"):
                     self.request_id = line.split(b":", 1)[1].strip().decode()
+            if self.until is not None:
+                wait_until(self.until, 120, interval=0.1)
             time.sleep(self.stall_s)
             sock.settimeout(60)
             tail = b""

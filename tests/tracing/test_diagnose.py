@@ -352,12 +352,14 @@ def test_kv_blocks_held_after_every_request_ended(tmp_path: Path) -> None:
 def test_cold_first_step(tmp_path: Path) -> None:
     tr = Trace()
     for i in range(12):
-        tr.request(f"w{i}", i * 500.0)
-        serve_alone(tr, f"w{i}", i * 500.0 + 2, prefill_ms=400.0 if i == 0 else 10.0)
+        tr.request(f"w{i}", i * 500.0, prompt=64 + 8 * i)  # long enough to price a token
+        prefill_ms = 400.0 if i == 0 else 5.0 + 5.0 * (64 + 8 * i) / 64  # 5 ms + 5 ms / 64 tokens
+        serve_alone(tr, f"w{i}", i * 500.0 + 2, prefill_ms=prefill_ms)
     run = diagnose_run(tr.write(tmp_path / "t.db"))
     print(render_run(run))
     [cold] = kinds(run, "step")
-    assert cold.startswith("Cold start: the first step took 400.0 ms against 10.0 ms expected")
+    expected = "Cold start: the first step took 400.0 ms against 10.0 ms expected"
+    assert cold.startswith(expected), cold
 
 
 def test_pauses_are_carved_out_of_the_parts_they_overlap(tmp_path: Path) -> None:

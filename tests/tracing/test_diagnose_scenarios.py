@@ -19,7 +19,7 @@ import httpx
 
 from service.cli import main as lumen
 from tests.helpers.load import SlowReader, server_idle, stream_chat, wait_until
-from tests.helpers.server import LumenServer
+from tests.helpers.server import LumenServer, metric
 from tracing.diagnose import RunDiagnosis, diagnose_run, render_run
 from tracing.store import open_db
 
@@ -90,7 +90,7 @@ def _concurrently(n: int, fn: Callable[[int], str]) -> list[str]:
 def test_healthy_run_names_no_cause(tmp_path: Path, tiny_model_path: Path) -> None:
     def provoke(server: LumenServer) -> list[str]:
         ids = []
-        for i in range(6):
+        for i in range(24):
             r = _post(server, {"prompt": f"Question {i}", "max_tokens": 12, "ignore_eos": True})
             ids.append(r.headers["x-request-id"])
             time.sleep(0.05)
@@ -192,13 +192,17 @@ def test_long_prefill_names_the_noisy_neighbour(tmp_path: Path, tiny_model_path:
 
 
 def test_slow_reader_is_named_as_delivery(tmp_path: Path, tiny_model_path: Path) -> None:
-    """Two clients stop reading for longer than their whole generation takes; two read
-    normally. The slow ones' last bytes are accepted long after their last token."""
+    """Two clients stop reading until every request has finished generating, and a second
+    more; two read normally. The slow ones' last bytes are accepted long after their last
+    token, however fast the machine generates."""
     body = {"prompt": ["a", "b", "c", "d", "e", "f", "g", "h"], "max_tokens": 150,
             "temperature": 0, "ignore_eos": True}  # fmt: skip
 
     def provoke(server: LumenServer) -> list[str]:
-        slow = [SlowReader(server, body, stall_s=5.0) for _ in range(2)]
+        def generated() -> bool:
+            return metric(server.metrics(), "lumen:num_requests_running") == 0
+
+        slow = [SlowReader(server, body, stall_s=1.0, until=generated) for _ in range(2)]
         threads = [threading.Thread(target=s.run) for s in slow]
         for t in threads:
             t.start()

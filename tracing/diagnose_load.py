@@ -280,8 +280,9 @@ def fit_step_shape(prefill: np.ndarray, rows: np.ndarray, execute: np.ndarray) -
     Least squares, then again without the steps it misses by more than 3 robust deviations
     (a step slowed by contention or a pause must not set the price of a token); coefficients
     clipped at 0, and a prefill token never priced above a whole row (it is the same matmul
-    work, batched). Where no step carried MIN_PRICED_PREFILL prefill tokens, a prefill token's
-    own price cannot be told from noise: b is 0 and steps cost by their rows."""
+    work, batched). Where no step carried MIN_PRICED_PREFILL prefill tokens, or the price is
+    within 3 standard errors of 0, a prefill token's own price cannot be told from noise: b is
+    0 and steps cost by their rows."""
     x = np.column_stack([np.ones(len(prefill)), prefill, rows]).astype(float)[COLD_STEPS:]
     y = np.asarray(execute, dtype=float)[COLD_STEPS:]
     if len(y) < MIN_FIT_STEPS:
@@ -293,9 +294,23 @@ def fit_step_shape(prefill: np.ndarray, rows: np.ndarray, execute: np.ndarray) -
     spread = 1.4826 * float(np.median(np.abs(residual - np.median(residual)))) or 1.0
     keep = np.abs(residual) <= 3 * spread
     if keep.sum() >= MIN_FIT_STEPS:
-        coef = np.linalg.lstsq(x[keep], y[keep], rcond=None)[0]
+        x, y = x[keep], y[keep]
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    if not _beyond_noise(x, y, coef, 1):  # a price the steps cannot tell from noise: none
+        x[:, 1] = 0.0
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
     a, b, c = np.clip(coef, 0.0, None)
     return np.array([a, min(b, c) if c > 0 else b, c])
+
+
+def _beyond_noise(x: np.ndarray, y: np.ndarray, coef: np.ndarray, i: int) -> bool:
+    """Whether coefficient i is at least 3 standard errors above 0."""
+    dof = len(y) - x.shape[1]
+    if dof < 1 or not x[:, i].any():
+        return False
+    sigma2 = float(np.sum((y - x @ coef) ** 2)) / dof
+    cov = sigma2 * np.linalg.pinv(x.T @ x)
+    return coef[i] > 3 * np.sqrt(max(cov[i, i], 0.0))
 
 
 def step_weights(steps: list[tuple[Any, ...]]) -> dict[str, float]:

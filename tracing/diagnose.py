@@ -8,11 +8,13 @@ the store's instants; what no record covers is kept in ``unattributed``, never s
             frontend, the final write belongs to the decode phase)
     decode  the end of the TTFT phase -> the response's last byte accepted
 
-Steps a request took part in are split by token share: its own prefill, other requests'
-prefill (its "neighbours", named), and decode rows. Pauses (GC, event-loop lag) are carved out
+Steps a request took part in are split by the run's own step-cost model (diagnose_load.
+fit_step_shape): its own prefill and row, other requests' prefill (its "neighbours", named),
+and the batch's other rows. Pauses (GC, event-loop lag) are carved out
 of the parts of their process that they overlap. Columns an older trace lacks, or a request
 never reached, count as 0 or fall back to the spans. The run verdict and the words live in
-``tracing.verdict``; its rule is described there (MIN_CAUSE_NS, MIN_CAUSE_SHARE below).
+``tracing.verdict``; its rule is described there (MIN_CAUSE_NS, MIN_CAUSE_SHARE in
+``tracing.diagnosis``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """What `tracing.diagnose` reads from a trace db: requests, steps and who took part in each, per
-request the steps' parts by token share (in SQL), neighbours, queue limits and pauses.
+request the steps' parts by the run's step-cost model (in SQL), neighbours, queue limits and
+pauses.
 
 Older dbs (migration 1 only) lack the columns of migration 2 and the pauses table: they read as
 NULL, and the spans stand in where they can (sent, received, first and last delivery).

@@ -129,10 +129,6 @@ class AsyncLLM:
         """Report every request's events to ``observer`` (the tracer)."""
         self.frontend.observe(observer)
 
-    @property
-    def observed(self) -> bool:
-        return self.frontend.observer is not None
-
     def add_stat_logger(self, stat_logger: StatLogger) -> None:
         self.frontend.stat_loggers = (*self.frontend.stat_loggers, stat_logger)
 

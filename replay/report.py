@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from tracing.diagnose import (
     TTFT_PARTS,
     RequestDiagnosis,
@@ -15,17 +13,13 @@ from tracing.diagnose import (
     render_run,
 )
 from tracing.store import latest_run, open_db
-from tracing.verdict import PHASE_PARTS, part_stats, passes
-from tracing.words import WHAT, ms
 
 __all__ = [
     "PARTS",
     "RequestTimes",
-    "attribute_ttft",
     "load_times",
     "percentiles",
     "render_text",
-    "summary",
 ]
 
 # What a request's time to its first delivered token is made of (ns per part; see diagnose).
@@ -76,38 +70,6 @@ def load_times(db: str, run_id: str | None = None) -> tuple[str, list[RequestTim
     run = diagnose_run(db, run_id)
     served = [r for r in run.requests if r.status == "ok" and r.ttft_ns is not None]
     return run.run_id, [RequestTimes.of(r) for r in served]
-
-
-def summary(times: list[RequestTimes]) -> dict[str, dict[str, float]]:
-    return {
-        "ttft_s": percentiles([t.ttft_ns / 1e9 for t in times]),
-        "tpot_s": percentiles([t.tpot_ns / 1e9 for t in times if t.tpot_ns is not None]),
-        "itl_s": percentiles([i / 1e9 for t in times for i in t.itls_ns]),
-        "e2e_s": percentiles([t.e2e_ns / 1e9 for t in times]),
-    }
-
-
-def attribute_ttft(times: list[RequestTimes]) -> tuple[dict[str, float], str]:
-    """Per part, its share of the TTFT tail's extra time over the median; a verdict by the
-    diagnosis's rule (tracing.verdict), which names nothing below its thresholds."""
-    if not times:
-        return {}, "No request got a token."
-    keys = list(PHASE_PARTS["ttft"])
-    matrix = np.array([[t.parts.get(k, 0) for k in keys] for t in times], dtype=float)
-    stats, median, _ = part_stats(matrix, keys)
-    extra = {k: max(s.tail_extra_ns, 0.0) for k, s in stats.items()}
-    gap = sum(extra.values()) or 1.0
-    shares = {k: v / gap for k, v in extra.items()}
-    named = [
-        k
-        for k, s in stats.items()
-        if k in WHAT and k not in ("own_prefill", "decode") and passes(s.tail_extra_ns, median)
-    ]
-    if not named:
-        return shares, "Nothing stands out in the TTFT tail."
-    return shares, "The TTFT tail's extra time: " + "; ".join(
-        f"{ms(stats[k].tail_extra_ns)} in {WHAT[k][0]}" for k in named
-    ) + "."
 
 
 def render_text(db: str, run_id: str | None = None) -> str:

@@ -108,12 +108,12 @@ class StepTimer:
         (and blocks for ``extra`` more)."""
         blocks_each = [-(-(s + n + extra) // self.block_size) for s, n in zip(starts, lens)]
         self._ensure_blocks(sum(blocks_each))
-        sched = SchedulerOutput(step_id=0)
+        sched, news = SchedulerOutput(step_id=0), []
         first = 0
         for n, start, nb in zip(lens, starts, blocks_each):
             req_id = f"timer-{self._next_id}"
             self._next_id += 1
-            self.runner._add_request(
+            news.append(
                 NewRequestData(
                     req_id, [11] * max(start, 1), SamplingParams(temperature=0), frozenset()
                 )
@@ -124,6 +124,7 @@ class StepTimer:
             sched.block_tables.append(list(range(first, first + nb)))
             sched.sample.append(True)
             first += nb
+        self.runner.execute_model(SchedulerOutput(step_id=0, new_requests=news))  # adds them
         return sched
 
     def decode_step(self, batch: int, context: int, steps: int = 9) -> float:

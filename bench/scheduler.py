@@ -1,9 +1,9 @@
 """lumen bench scheduler: the cost of one engine step outside the model, per running request.
 
-The real Scheduler and KVCacheManager, with a stand-in model that samples
-token 1 for every row at once. For each size N, N requests are admitted
-(prompts of --prompt-len tokens) and prefilled; then --steps decode steps
-are timed, each ``schedule()`` + the stand-in's output + ``update_from_output()``,
+The engine's VirtualCore (the real Scheduler and KVCacheManager) with its
+stand-in model, which samples token 1 for every row at once. For each size
+N, N requests are admitted (prompts of --prompt-len tokens) and prefilled;
+then --steps decode steps are timed, each ``schedule()`` + the stand-in's output + ``update_from_output()``,
 which is the whole of a step's core-side bookkeeping: block allocation as
 requests cross block boundaries, block tables, stop checks, outputs.
 """
@@ -15,11 +15,10 @@ import gc
 import time
 
 from bench.common import check_json_path, parse_ints, print_table, write_json
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.scheduler import Scheduler
-from engine.request import Request
+from engine.config import EngineConfig
+from engine.core.virtual import VirtualCore
+from engine.messages import EngineCoreRequest
 from engine.sampling_params import SamplingParams
-from engine.worker.messages import ModelRunnerOutput
 
 TARGET_US = 20.0  # per running request per step, at 256 running
 
@@ -45,24 +44,21 @@ def step_cost(
     max_tokens = steps + -(-num_running * prompt_len // (budget - num_running)) + 2
     max_len = prompt_len + max_tokens
     blocks = num_running * (-(-max_len // block_size) + 1)
-    sched = Scheduler(
-        KVCacheManager(blocks, block_size, caching),
-        max_num_batched_tokens=budget,
-        max_num_seqs=num_running,
-        max_model_len=max_len + 1,
-    )
+    core = VirtualCore(
+        EngineConfig(
+            num_kv_blocks=blocks, block_size=block_size, enable_prefix_caching=caching,
+            max_num_batched_tokens=budget, max_num_seqs=num_running, max_model_len=max_len + 1,
+        ),
+        token=1,
+    )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(num_running):
         # Distinct prompts: no prefix hits, every request holds its own blocks.
         prompt = [(i * 7919 + j) % 30000 + 1 for j in range(prompt_len)]
-        sched.add_request(Request(f"r{i}", prompt, params))
+        core.add_request(EngineCoreRequest(f"r{i}", prompt, params, [], arrival_ns=0))
+    one_step = core.step
 
-    def one_step() -> None:
-        out = sched.schedule()
-        rows = [r for r, s in zip(out.req_ids, out.sample) if s]
-        sched.update_from_output(out, ModelRunnerOutput(rows, [1] * len(rows)))
-
-    while len(sched.running) < num_running or sched.num_waiting:
+    while core.num_running < num_running or core.num_waiting:
         one_step()  # admission and prefill, untimed
     gc.collect()
     gc.disable()  # a collection in one step is noise, not the scheduler's cost
@@ -74,8 +70,8 @@ def step_cost(
             times.append(time.perf_counter() - t0)
     finally:
         gc.enable()
-    if len(sched.running) != num_running:
-        raise RuntimeError(f"{num_running - len(sched.running)} requests ended early")
+    if core.num_running != num_running:
+        raise RuntimeError(f"{num_running - core.num_running} requests ended early")
     return sorted(times)[len(times) // 2]
 
 

@@ -12,9 +12,18 @@ from engine.config import EngineConfig
 
 
 def add_options(
-    parser: argparse.ArgumentParser, cls: type, title: str, *, skip: tuple[str, ...] = ()
+    parser: argparse.ArgumentParser,
+    cls: type,
+    title: str,
+    *,
+    skip: tuple[str, ...] = (),
+    only_given: bool = False,
 ) -> None:
-    """One flag per field of a config dataclass; the dataclass is the only source of defaults."""
+    """One flag per field of a config dataclass; the dataclass is the only source of defaults.
+
+    ``only_given``: a flag the user did not give is left out of the parsed arguments (and of
+    ``options``), so the caller can take its value from elsewhere, such as a recording.
+    """
     hints = get_type_hints(cls)
     group = parser.add_argument_group(title)
     for f in dataclasses.fields(cls):
@@ -23,20 +32,23 @@ def add_options(
         flag = "--" + f.name.replace("_", "-")
         typ = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
+        default = argparse.SUPPRESS if only_given else f.default
         if typ is bool and f.name.startswith("no_"):
-            group.add_argument(flag, action="store_true", help=help_text)
+            group.add_argument(flag, action="store_true", help=help_text, default=default)
         elif typ is bool:
             group.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
             )
         else:
             group.add_argument(
-                flag, type=typ, default=f.default, help=help_text, metavar=f.name.upper()
+                flag, type=typ, default=default, help=help_text, metavar=f.name.upper()
             )
 
 
-def add_engine_options(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
-    add_options(parser, EngineConfig, "engine options", skip=skip)
+def add_engine_options(
+    parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = (), only_given: bool = False
+) -> None:
+    add_options(parser, EngineConfig, "engine options", skip=skip, only_given=only_given)
 
 
 def options(cls: type, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:

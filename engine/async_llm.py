@@ -7,15 +7,17 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.frontend import Frontend, FrontendObserver
-from engine.messages import EngineStats, UtilityMethod
+from engine.messages import EngineInfo, EngineStats, UtilityMethod
 from engine.model_files import resolve_model
 from engine.mp_client import AsyncMPClient
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.processor import InputProcessor, PromptType
+from engine.request_ids import new_request_id
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger
 
@@ -133,8 +135,29 @@ class AsyncLLM:
         self.frontend.stat_loggers = (*self.frontend.stat_loggers, stat_logger)
 
     @property
+    def info(self) -> EngineInfo:
+        """What the core reported when it started (model, KV blocks, dtype, device...)."""
+        return self.client.info
+
+    @property
     def max_model_len(self) -> int:
         return self.client.info.max_model_len
+
+    @property
+    def num_backpressure(self) -> int:
+        """How many times the core's output socket was full (the frontend read too slowly)."""
+        return self.client.core.num_backpressure
+
+    # Input processing, for callers that check a request before they generate (the server
+    # answers 400 before it admits anything).
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        return self.processor.tokenize(prompt)
+
+    def apply_chat_template(self, messages: list[dict], **options: Any) -> list[int]:
+        return self.processor.apply_chat_template(messages, **options)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.processor.validate(prompt_token_ids, params)
 
     async def generate(
         self,
@@ -159,7 +182,7 @@ class AsyncLLM:
             raise self.dead_error or EngineDeadError(self.client.core.dead_reason)
         text, ids = self.processor.tokenize(prompt)
         self.processor.validate(ids, params)
-        request_id = request_id or self.processor.new_request_id()
+        request_id = request_id or new_request_id()
         frontend = self.frontend
         requests = frontend.add(
             request_id, text, ids, params, priority=priority, arrival_ns=arrival_ns,

@@ -62,8 +62,7 @@ class ClientState:
     def added(self, request_id: str) -> None:
         if self.closed:
             raise EngineDeadError("the engine client is shut down")
-        if request_id in self.open_ids:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        # Unique already: the output processor checked it (the one check, engine/frontend.py).
         self.open_ids.add(request_id)
 
     def aborting(self, request_ids: list[str]) -> None:

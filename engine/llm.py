@@ -18,6 +18,7 @@ from engine.messages import EngineStats, StepRecord, UtilityMethod
 from engine.model_files import resolve_model
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PromptType
+from engine.request_ids import new_request_id
 from engine.sampling_params import SamplingParams
 from engine.stats import IterationStats
 
@@ -131,7 +132,7 @@ class LLM:
         frontend = self.frontend
         order: dict[str, int] = {}
         for i, ((text, ids), p, prio) in enumerate(zip(tokenized, params, priorities)):
-            request_id = self.processor.new_request_id()
+            request_id = new_request_id()
             order[request_id] = i
             requests = frontend.add(
                 request_id, text, ids, p, priority=prio, arrival_ns=arrival_ns, stream=False,

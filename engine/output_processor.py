@@ -9,6 +9,7 @@ from tokenizers import Tokenizer
 from engine.detokenizer import IncrementalDetokenizer
 from engine.messages import EngineCoreOutput, Logprobs, StepRecord
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.request_ids import child_id as _child_id
 from engine.sampling_params import SamplingParams
 from engine.stats import FinishedRequest, IterationStats
 
@@ -144,7 +145,8 @@ class _Parent:
 
 
 def child_request_id(index: int, request_id: str, n: int) -> str:
-    return request_id if n == 1 else f"{index}_{request_id}"
+    """The core id of sample ``index``: the request's own id when it has one sample."""
+    return request_id if n == 1 else _child_id(request_id, index)
 
 
 def child_params(params: SamplingParams, index: int) -> SamplingParams:

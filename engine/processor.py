@@ -1,10 +1,8 @@
-"""Input processing: validate, apply the chat template, tokenize, give the request an id."""
+"""Input processing: validate, apply the chat template, tokenize."""
 
 from __future__ import annotations
 
-import itertools
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,8 +41,6 @@ class InputProcessor:
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
             eos.append(tokenizer.eos_token_id)
         self.eos_token_ids = eos
-        self._counter = itertools.count()
-        self._prefix = uuid.uuid4().hex[:8]
 
     @classmethod
     def for_model(cls, path: str, info: EngineInfo) -> InputProcessor:
@@ -56,10 +52,6 @@ class InputProcessor:
             vocab_size=model_config.vocab_size,
             eos_token_ids=model_config.eos_token_ids,
         )
-
-    def new_request_id(self, kind: str = "cmpl") -> str:
-        # Unique per process run and never reused.
-        return f"{kind}-{self._prefix}{next(self._counter):08x}"
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--server", default=None, metavar="URL",
                      help="replay over HTTP against a running `lumen serve` instead")  # fmt: skip
     run.add_argument("--api-key", default=None, help="--server: its API key")
-    add_engine_options(run, skip=("core_process",))
+    # Unset flags take the recorded run's configuration (or the defaults for an imported trace).
+    add_engine_options(run, skip=("core_process",), only_given=True)
     run.set_defaults(func=_run)
     cal = verbs.add_parser("calibrate", help="fit a step-cost model to a trace db's steps")
     cal.add_argument("db")
@@ -117,13 +118,15 @@ def _run(args: argparse.Namespace) -> int:
     import asyncio
 
     from engine.arg_utils import engine_options
-    from engine.config import EngineConfig
     from replay.formats import parse_window
     from replay.report import render_text
     from replay.runner import run_replay, summarize
+    from replay.workload import replay_config
 
     out = args.out or str(args.db).removesuffix(".db") + ".replay.db"
-    config = EngineConfig(**engine_options(args, skip=("core_process",)), core_process=True)
+    given = engine_options(args, skip=("core_process",))
+    config, used = replay_config(args.db, args.run, given, core_process=True)
+    print(used)
     result = asyncio.run(
         run_replay(args.db, out, config, speed=args.speed, limit=args.limit, run_id=args.run,
                    window=parse_window(args.window))
@@ -143,8 +146,8 @@ def _run_http(args: argparse.Namespace) -> int:
 
     result, client_s = asyncio.run(
         run_replay_http(
-            args.db, args.server, model=args.model, api_key=args.api_key, speed=args.speed,
-            limit=args.limit, run_id=args.run, window=parse_window(args.window),
+            args.db, args.server, model=getattr(args, "model", None), api_key=args.api_key,
+            speed=args.speed, limit=args.limit, run_id=args.run, window=parse_window(args.window),
         )
     )  # fmt: skip
     print(summarize(result))
@@ -158,14 +161,16 @@ def _run_http(args: argparse.Namespace) -> int:
 
 
 def _run_virtual(args: argparse.Namespace) -> int:
+    import dataclasses
     import json
     from pathlib import Path
 
     import numpy as np
 
+    from engine.arg_utils import engine_options
     from replay.formats import parse_window
-    from replay.virtual import StepCostModel, VirtualEngine, render, run_virtual
-    from replay.workload import load_workload, recorded_engine
+    from replay.virtual import StepCostModel, render, run_virtual
+    from replay.workload import load_workload, replay_config
 
     if args.cost_model and Path(args.cost_model).exists():
         cost = StepCostModel.load(args.cost_model)
@@ -179,15 +184,14 @@ def _run_virtual(args: argparse.Namespace) -> int:
         args.db, vocab=np.arange(1, 32000), run_id=args.run, limit=args.limit,
         window=parse_window(args.window),
     )  # fmt: skip
-    recorded = recorded_engine(args.db, run_id)
-    engine = VirtualEngine(
-        num_kv_blocks=args.num_kv_blocks or recorded.get("num_kv_blocks") or 4096,
-        block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len or recorded.get("max_model_len") or 8192,
-        enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy,
+    engine, used = replay_config(args.db, run_id, engine_options(args))
+    print(used)
+    # No memory to size a KV pool from and no model to read a context length from: an imported
+    # trace, with neither flag, gets 4,096 blocks and 8K.
+    engine = dataclasses.replace(
+        engine,
+        num_kv_blocks=engine.num_kv_blocks or 4096,
+        max_model_len=engine.max_model_len or 8192,
     )
     result = run_virtual(work, engine, cost, speed=args.speed)
     print(render(result, engine, cost))

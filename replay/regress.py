@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from replay.formats import read_trace, transform
 from replay.importer import write_trace_db
 from replay.runner import run_replay
-from replay.virtual import StepCostModel, VirtualEngine, run_virtual
+from replay.virtual import StepCostModel, run_virtual
 from replay.workload import load_workload
 from tracing.store import open_db
 
@@ -32,8 +32,8 @@ DEFAULT_DIR = Path("regress")
 EXCERPT = "mooncake-excerpt.jsonl"
 # How the gate scales the excerpt and what it simulates; part of the baseline's meaning.
 IMPORT = {"scale_lengths": 0.02, "max_prompt_len": 256, "spread": 3.0, "block_size": 16}
-VIRTUAL = VirtualEngine(num_kv_blocks=64, block_size=16, max_num_batched_tokens=256,
-                        max_num_seqs=32, max_model_len=2048)  # fmt: skip
+VIRTUAL = EngineConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=256,
+                       max_num_seqs=32, max_model_len=2048)  # fmt: skip
 # The virtual layer replays 10x faster than recorded, so queues form and policy matters.
 VIRTUAL_SPEED = 10.0
 MEASURED = {"limit": 32, "speed": 2.0}

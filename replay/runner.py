@@ -69,7 +69,7 @@ async def run_replay(
     )
     engine = AsyncLLM(engine_config)
     tracer = Tracer(
-        TracingConfig(trace_db=out, trace_prompts="hashes"), engine.client.info,
+        TracingConfig(trace_db=out, trace_prompts="hashes"), engine.info,
         engine_config=engine_config,
     )  # fmt: skip
     engine.observe(tracer)

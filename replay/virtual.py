@@ -1,7 +1,7 @@
-"""`replay run --virtual`: the real Scheduler and KVCacheManager on a simulated clock, with a
-step-cost model calibrated from measured steps. No model runs, so a run takes seconds and
-its report is identical every time; it answers what-if questions (another token budget,
-fewer KV blocks, a faster model)."""
+"""`replay run --virtual`: the engine's VirtualCore (its real scheduler and KV cache) on a
+simulated clock, with a step-cost model calibrated from measured steps. No model runs, so a
+run takes seconds and its report is identical every time; it answers what-if questions
+(another token budget, fewer KV blocks, a faster model)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.scheduler import Scheduler
-from engine.request import Request
-from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
+from engine.config import EngineConfig
+from engine.core.virtual import VirtualCore
+from engine.messages import EngineCoreRequest
+from engine.worker.messages import SchedulerOutput
 from replay.report import percentiles
 from replay.workload import ReplayRequest
 from tracing.store import open_db
@@ -71,19 +71,6 @@ class StepCostModel:
 
 
 @dataclass
-class VirtualEngine:
-    """What the virtual run simulates: the scheduler's limits and the KV pool."""
-
-    num_kv_blocks: int
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    max_model_len: int = 8192
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
-
-
-@dataclass
 class VirtualResult:
     num_requests: int
     num_steps: int
@@ -121,36 +108,33 @@ class VirtualResult:
 
 
 def run_virtual(
-    work: list[ReplayRequest], engine: VirtualEngine, cost: StepCostModel, *, speed: float = 1.0
+    work: list[ReplayRequest], config: EngineConfig, cost: StepCostModel, *, speed: float = 1.0
 ) -> VirtualResult:
-    scheduler = Scheduler(
-        KVCacheManager(engine.num_kv_blocks, engine.block_size, engine.enable_prefix_caching),
-        max_num_batched_tokens=engine.max_num_batched_tokens,
-        max_num_seqs=engine.max_num_seqs,
-        max_model_len=engine.max_model_len,
-        policy=engine.scheduling_policy,
-    )
+    """The workload through a VirtualCore built from ``config`` (its KV blocks, context length,
+    token budget, max_num_seqs, prefix caching and policy), each step priced by ``cost``."""
+    core = VirtualCore(config)
+    max_model_len = core.max_model_len
     arrival = {f"v{i}": r.offset_s / speed for i, r in enumerate(work)}
     token_times: dict[str, list[float]] = {rid: [] for rid in arrival}
     clock, i = 0.0, 0
     result = VirtualResult(len(work), 0, 0, 0.0)
-    while i < len(work) or scheduler.has_requests():
+    while i < len(work) or core.has_requests():
         while i < len(work) and work[i].offset_s / speed <= clock:
             r = work[i]
-            room = engine.max_model_len - len(r.prompt_token_ids)
+            room = max_model_len - len(r.prompt_token_ids)
             if room < 1:
                 raise ValueError(f"a prompt of {len(r.prompt_token_ids)} tokens does not fit "
-                                 f"max_model_len {engine.max_model_len}")  # fmt: skip
+                                 f"max_model_len {max_model_len}")  # fmt: skip
             params = r.params.clone(max_tokens=min(r.params.max_tokens or room, room))
-            scheduler.add_request(
-                Request(f"v{i}", r.prompt_token_ids, params, priority=r.priority,
-                        arrival_ns=int(clock * 1e9), max_model_len=engine.max_model_len)
+            core.add_request(
+                EngineCoreRequest(f"v{i}", r.prompt_token_ids, params, [],
+                                  arrival_ns=int(clock * 1e9), priority=r.priority)
             )  # fmt: skip
             i += 1
-        if not scheduler.has_requests():
+        if not core.has_requests():
             clock = work[i].offset_s / speed
             continue
-        out = scheduler.schedule()
+        out, outputs = core.step()
         if not out.req_ids:
             if i < len(work):  # blocked until more arrive (or something frees)
                 clock = max(clock, work[i].offset_s / speed)
@@ -164,8 +148,7 @@ def run_virtual(
         result.num_decode_tokens += out.num_decode_tokens
         result.num_prefix_hit_tokens += out.num_prefix_hit_tokens
         result.max_step_tokens = max(result.max_step_tokens, out.num_scheduled_tokens)
-        sampled = [rid for rid, s in zip(out.req_ids, out.sample) if s]
-        for o in scheduler.update_from_output(out, ModelRunnerOutput(sampled, [0] * len(sampled))):
+        for o in outputs:
             token_times[o.request_id].append(clock)
     result.seconds = clock
     for rid, times in token_times.items():
@@ -179,7 +162,7 @@ def run_virtual(
     return result
 
 
-def render(result: VirtualResult, engine: VirtualEngine, cost: StepCostModel) -> str:
+def render(result: VirtualResult, engine: EngineConfig, cost: StepCostModel) -> str:
     data = result.to_json()
     lines = [
         f"virtual run: {result.num_requests} requests, {result.num_steps} steps, "

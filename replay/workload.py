@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from tracing.store import latest_run, open_db
 
@@ -100,12 +103,51 @@ def synthetic_prompt(
     return out[:num_tokens]
 
 
-def recorded_engine(db: str, run_id: str) -> dict:
-    """What the recorded run's engine was (KV blocks, context), where the db knows it."""
+# What a replay takes from the recording's engine configuration; the rest (the model's
+# files, the process layout, sockets) belongs to the machine that replays.
+REPLAYED_OPTIONS = ("dtype", "block_size", "enable_prefix_caching", "max_num_batched_tokens",
+                    "max_num_seqs", "scheduling_policy", "seed", "warmup")  # fmt: skip
+
+
+def recorded_config(db: str, run_id: str) -> dict[str, Any]:
+    """The recorded run's engine options (``REPLAYED_OPTIONS``) and the KV blocks and context
+    length its core ended up with; {} for an imported trace, which recorded no engine."""
     with open_db(db, timeout=10) as con:
         row = con.execute(
-            "SELECT num_kv_blocks, max_model_len, block_size FROM runs WHERE run_id = ?", [run_id]
-        ).fetchone()
+            "SELECT num_kv_blocks, max_model_len, block_size, engine_config, model FROM runs "
+            "WHERE run_id = ?", [run_id],
+        ).fetchone()  # fmt: skip
     if row is None:
         return {}
-    return {k: v for k, v in zip(("num_kv_blocks", "max_model_len", "block_size"), row) if v}
+    num_kv_blocks, max_model_len, block_size, engine_config, model = row
+    recorded = json.loads(engine_config) if engine_config else {}
+    out = {k: recorded[k] for k in REPLAYED_OPTIONS if recorded.get(k) is not None}
+    if engine_config and model and Path(model).is_dir():
+        out["model"] = model  # the recorded model folder, where this machine has it too
+    for name, value in (("num_kv_blocks", num_kv_blocks), ("max_model_len", max_model_len),
+                        ("block_size", block_size)):  # fmt: skip
+        if value:
+            out[name] = value
+    return out
+
+
+def replay_config(
+    db: str, run_id: str | None, given: dict[str, Any], **fixed: Any
+) -> tuple[EngineConfig, str]:
+    """The engine configuration a replay of ``run_id`` uses: the recording's, then the flags the
+    user gave (``given``), then ``fixed``; and a line that says where each setting came from."""
+    if run_id is None:
+        with open_db(db, timeout=10) as con:
+            run_id = latest_run(con)
+    recorded = recorded_config(db, run_id)
+    config = EngineConfig(**{**recorded, **given, **fixed})
+    shown = ("model", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
+             "max_model_len", "enable_prefix_caching", "scheduling_policy")  # fmt: skip
+    cells = []
+    for name in shown:
+        value = getattr(config, name)
+        source = "flag" if name in given else "recorded" if name in recorded else "default"
+        value = Path(value).name if name == "model" and value else value
+        cells.append(f"{name} {'auto' if value is None else value} ({source})")
+    where = "recorded" if recorded else "no engine recorded (an imported trace)"
+    return config, f"engine configuration, {where}: " + ", ".join(cells)

@@ -20,6 +20,7 @@ from engine import __version__
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.model_files import served_name
+from engine.request_ids import new_request_id
 from service import http_timing
 from service.admission import Admission
 from service.config import ServerConfig
@@ -62,7 +63,7 @@ class FrontDoor:
         client = scope.get("client")
         http_start_ns = http_timing.request_started(client) or arrival_ns
         kind = _ID_KINDS.get(scope["path"], "req")
-        request_id = self.serving.engine.processor.new_request_id(kind)
+        request_id = new_request_id(kind)
         state = scope.setdefault("state", {})
         state["request_id"], state["arrival_ns"] = request_id, arrival_ns
         state["http_start_ns"] = min(http_start_ns, arrival_ns)
@@ -235,7 +236,7 @@ def build_app(serving: Serving) -> FastAPI:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(2.0):
                     stats = await engine.get_stats()
-                m.set_engine_stats(stats, engine.client.core.num_backpressure)
+                m.set_engine_stats(stats, engine.num_backpressure)
         if (tracer := serving.tracer) is not None:
             t = tracer.stats()
             m.set_tracer_stats(t.num_dropped_rows, t.num_dropped_spans)
@@ -279,7 +280,7 @@ async def serve(
     engine.add_stat_logger(metrics)
     # Always a tracer, even with no store or collector: it feeds /metrics' boundary histograms.
     tracer = Tracer(
-        tracing or TracingConfig(no_trace_db=True), engine.client.info,
+        tracing or TracingConfig(no_trace_db=True), engine.info,
         engine_config=engine_config, observe_boundary=metrics.observe_boundary,
         observe_delivery=metrics.observe_delivery,
     )  # fmt: skip

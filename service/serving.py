@@ -19,6 +19,7 @@ from engine.async_llm import AsyncLLM, StreamStalledError
 from engine.errors import EngineDeadError
 from engine.frontend import Finished
 from engine.outputs import RequestOutput
+from engine.request_ids import child_id
 from engine.sampling_params import SamplingParams
 from service.admission import Admission, AdmissionRefused
 from service.errors import APIError, error_body
@@ -58,7 +59,7 @@ class Prepared:
         """The engine request of each prompt."""
         if len(self.prompts) == 1:
             return [self.head.id]
-        return [f"{self.head.id}-{i}" for i in range(len(self.prompts))]
+        return [child_id(self.head.id, i) for i in range(len(self.prompts))]
 
 
 class Serving:
@@ -90,7 +91,7 @@ class Serving:
         self.check_model(body.model)
         try:
             body.check_supported()
-            ids = self.engine.processor.apply_chat_template(
+            ids = self.engine.apply_chat_template(
                 body.plain_messages(), add_generation_prompt=body.add_generation_prompt
             )
             return self._prepare(
@@ -104,7 +105,7 @@ class Serving:
         self.check_model(body.model)
         try:
             body.check_supported()
-            prompts = [self.engine.processor.tokenize(p) for p in _as_prompts(body.prompts())]
+            prompts = [self.engine.tokenize(p) for p in _as_prompts(body.prompts())]
             return self._prepare(body, request, prompts, body.max_tokens, body.logprobs, False)
         except _INPUT_ERRORS as e:
             raise APIError(400, str(e)) from None
@@ -121,7 +122,7 @@ class Serving:
         longest = max(len(ids) for _, ids in prompts)
         params = body.sampling_params(self._max_tokens(longest, max_tokens), num_logprobs)
         for _, ids in prompts:
-            self.engine.processor.validate(ids, params)
+            self.engine.validate(ids, params)
         head = ResponseHead(
             id=request.state.request_id,
             created=int(time.time()),

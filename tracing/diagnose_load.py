@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 import duckdb
 import numpy as np
 
+from engine.request_ids import CHILD_SUFFIX, OLD_SAMPLE_PREFIX
 from tracing.pauses import Intervals, Pauses, no_pauses
 
 COLD_STEPS = 3  # the first steps, judged against a fit of the others
@@ -214,7 +215,8 @@ def _step_gc(steps: list[tuple[Any, ...]], gc: Intervals) -> dict[str, np.ndarra
 
 
 # Who took part in each step, mapped to request rows (one row per request and step): a core id
-# is the request id itself, or "{i}_{id}" for sample i of an n > 1 request. A row is in its
+# is the request id itself, or "{id}-{i}" for sample i of an n > 1 request ("{i}_{id}" in trace
+# dbs recorded before engine/request_ids.py). A row is in its
 # TTFT phase until the step whose output reached the frontend as its first token.
 _MEMBERS = """
 WITH m0 AS (
@@ -222,10 +224,11 @@ WITH m0 AS (
     FROM steps WHERE run_id = $run AND request_ids IS NOT NULL
 ),
 m AS (
-    SELECT m0.step_id, coalesce(a.request_id, b.request_id) AS request_id,
+    SELECT m0.step_id, coalesce(a.request_id, b.request_id, c.request_id) AS request_id,
         sum(coalesce(m0.tokens, 0)) AS tokens
     FROM m0 LEFT JOIN _lumen_w a ON a.request_id = m0.core_id
-    LEFT JOIN _lumen_w b ON b.request_id = regexp_replace(m0.core_id, '^[0-9]+_', '')
+    LEFT JOIN _lumen_w b ON b.request_id = regexp_replace(m0.core_id, $child, '')
+    LEFT JOIN _lumen_w c ON c.request_id = regexp_replace(m0.core_id, $old_sample, '')
     GROUP BY ALL
 ),
 st AS (
@@ -330,7 +333,10 @@ def step_weights(steps: list[tuple[Any, ...]]) -> dict[str, float]:
 
 
 def _load_memberships(con: duckdb.DuckDBPyConnection, run_id: str, run: LoadedRun) -> None:
-    params: dict[str, Any] = {"run": run_id, **step_weights(run.steps)}
+    params: dict[str, Any] = {
+        "run": run_id, "child": CHILD_SUFFIX, "old_sample": OLD_SAMPLE_PREFIX,
+        **step_weights(run.steps),
+    }  # fmt: skip
     parts = con.execute(
         _MEMBERS
         + """
@@ -410,9 +416,11 @@ def _load_queue_and_preemptions(
             FROM steps WHERE run_id = $run AND len(preempted_request_ids) > 0
         ),
         pr AS (
-            SELECT p0.step_id, p0.t0, coalesce(a.request_id, b.request_id) AS request_id
+            SELECT p0.step_id, p0.t0,
+                coalesce(a.request_id, b.request_id, c.request_id) AS request_id
             FROM p0 LEFT JOIN _lumen_w a ON a.request_id = p0.core_id
-            LEFT JOIN _lumen_w b ON b.request_id = regexp_replace(p0.core_id, '^[0-9]+_', '')
+            LEFT JOIN _lumen_w b ON b.request_id = regexp_replace(p0.core_id, $child, '')
+            LEFT JOIN _lumen_w c ON c.request_id = regexp_replace(p0.core_id, $old_sample, '')
         )
         SELECT pr.request_id, pr.t0,
             coalesce(min(j.schedule_start_ns) FILTER (WHERE j.step_id > pr.step_id),

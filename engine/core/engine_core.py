@@ -9,7 +9,6 @@ import torch
 
 from engine import envs
 from engine.config import EngineConfig, ModelConfig
-from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.scheduler import Scheduler
 from engine.executor import Executor, make_executor
 from engine.gc_pauses import GcPauses
@@ -57,13 +56,7 @@ class EngineCore:
         self.sleeping = False
         self.max_model_len = max_model_len
         self.vocab_size = model_config.vocab_size
-        self.scheduler = Scheduler(
-            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=max_model_len,
-            policy=config.scheduling_policy,
-        )
+        self.scheduler = Scheduler.from_config(config, num_blocks, max_model_len)
         self.scheduler.debug_delay_s = float(envs.LUMEN_DEBUG_SCHEDULE_DELAY.get() or 0)
         self.gc_pauses = GcPauses()
         self.info = EngineInfo(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
+from engine.config import EngineConfig
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request_queue import FCFSQueue, PriorityQueue
 from engine.messages import EngineCoreOutput
@@ -51,11 +52,20 @@ class Scheduler:
         self.num_freed_blocks = [0, 0, 0]
         self.debug_delay_s = 0.0  # a test-only slowdown (LUMEN_DEBUG_SCHEDULE_DELAY)
 
+    @classmethod
+    def from_config(cls, config: EngineConfig, num_blocks: int, max_model_len: int) -> Scheduler:
+        """The scheduler of a core (real or virtual) with ``num_blocks`` KV blocks."""
+        return cls(
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+            policy=config.scheduling_policy,
+        )
+
     # -- requests in and out -------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.add(request)
         self._new_req_ids.add(request.request_id)

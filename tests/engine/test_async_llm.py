@@ -87,6 +87,33 @@ def test_leaving_a_stream_aborts_the_request(tiny_model_path: Path) -> None:
     asyncio.run(main())
 
 
+def test_a_request_id_in_use_is_refused_and_the_first_request_loses_nothing(
+    tiny_model_path: Path,
+) -> None:
+    async def main() -> None:
+        llm = AsyncLLM(_config(tiny_model_path))
+        try:
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
+            first = llm.generate(PROMPTS[0], params, request_id="req")
+            outs = [await first.__anext__()]
+            # The id itself, and the id its second sample runs under in the core ("req-1").
+            for taken in ("req", "req-1"):
+                with pytest.raises(ValueError, match="already in use"):
+                    async for _ in llm.generate(PROMPTS[1], SamplingParams(max_tokens=2),
+                                                request_id=taken):  # fmt: skip
+                        pass
+            outs += [o async for o in first]
+            tokens = {c.index: 0 for o in outs for c in o.outputs}
+            for o in outs:
+                for c in o.outputs:
+                    tokens[c.index] += len(c.token_ids)
+            assert tokens == {0: 12, 1: 12}
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+
+
 def test_a_stalled_reader_is_aborted_and_slows_no_one(tiny_model_path: Path) -> None:
     async def main() -> None:
         llm = AsyncLLM(_config(tiny_model_path), stall_timeout=0.5)

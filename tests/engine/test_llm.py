@@ -161,9 +161,9 @@ def test_child_ids_of_parallel_samples_cannot_be_taken_over() -> None:
     from engine.output_processor import OutputProcessor
 
     proc = OutputProcessor(Tokenizer.from_str(_TINY_TOKENIZER))
-    assert proc.add_request("x", None, [1, 2], SamplingParams(n=2)) == ["0_x", "1_x"]
+    assert proc.add_request("x", None, [1, 2], SamplingParams(n=2)) == ["x-0", "x-1"]
     with pytest.raises(ValueError, match="already in use"):
-        proc.add_request("0_x", None, [1, 2], SamplingParams())
+        proc.add_request("x-1", None, [1, 2], SamplingParams())
 
 
 _TINY_TOKENIZER = (

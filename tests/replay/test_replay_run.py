@@ -48,7 +48,8 @@ def _requests(db: Path, run_id: str | None = None) -> list[tuple]:
         ).fetchall()
 
 
-ARGS = ["--trace-flush-interval", "0.2", "--num-kv-blocks", "512"]
+ARGS = ["--trace-flush-interval", "0.2", "--num-kv-blocks", "512", "--max-num-seqs", "3",
+        "--max-num-batched-tokens", "384"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -68,11 +69,24 @@ def test_record_replay_report(
     assert len(recorded) == 6 and sum(r[3] == "aborted" for r in recorded) == 1
 
     out = tmp_path / "replay.db"
-    code = main(["run", str(recording), "--out", str(out), "--model", str(tiny_model_path),
-                 "--speed", "2", "--num-kv-blocks", "512"])  # fmt: skip
+    # No engine flags: the replay takes the recording's configuration and says so.
+    code = main(["run", str(recording), "--out", str(out), "--speed", "2", "--seed", "7"])
     assert code == 0
     printed = capsys.readouterr().out
     print(printed)
+    for used in (f"model {tiny_model_path.name} (recorded)", "max_num_seqs 3 (recorded)",
+                 "max_num_batched_tokens 384 (recorded)", "num_kv_blocks 512 (recorded)"):  # fmt: skip
+        assert used in printed
+    with open_db(out) as con:
+        [(config, blocks)] = con.execute("SELECT engine_config, num_kv_blocks FROM runs").fetchall()
+    config = json.loads(config)
+    assert (config["max_num_seqs"], config["max_num_batched_tokens"], config["seed"]) == (3, 384, 7)
+    assert blocks == 512
+    # The virtual run too; a flag overrides the recording, and says so.
+    assert main(["run", str(recording), "--virtual", "--max-num-seqs", "2"]) == 0
+    virtual = capsys.readouterr().out
+    assert "max_num_seqs 2 (flag)" in virtual and "num_kv_blocks 512 (recorded)" in virtual
+    assert "max 2 running" in virtual
     replayed = _requests(out)
     # Every request, with its recorded lengths, in arrival order, at half the spacing.
     assert [(r[1], r[2]) for r in replayed] == [(r[1], r[2]) for r in recorded]

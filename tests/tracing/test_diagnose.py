@@ -305,6 +305,19 @@ def test_long_prefill_stalls_decodes_and_the_neighbour_is_named(tmp_path: Path) 
     assert "queue" not in {f.part for f in run.findings}
 
 
+@pytest.mark.parametrize("core_id", ["long-1-0", "0_long-1"], ids=["child", "old-sample"])
+def test_a_sample_is_counted_as_its_request(tmp_path: Path, core_id: str) -> None:
+    """The core runs sample 0 of an n > 1 request as "ID-0" (before: "0_ID")."""
+    path = _long_prefill().write(tmp_path / "t.db")
+    con = duckdb.connect(str(path))
+    con.execute("UPDATE steps SET request_ids = list_transform(request_ids, "
+                "lambda x: CASE WHEN x = 'long-1' THEN ? ELSE x END)", [core_id])  # fmt: skip
+    con.close()
+    run = diagnose_run(path)
+    neighbour = [f for f in run.findings if f.part == "neighbour_prefill" and f.kind != "step"]
+    assert neighbour and "long-1 with 2,047 prefill tokens" in neighbour[0].text
+
+
 def test_slow_reader_delivery(tmp_path: Path) -> None:
     tr = Trace()
     for i in range(6):

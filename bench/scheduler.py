@@ -3,9 +3,10 @@
 The engine's VirtualCore (the real Scheduler and KVCacheManager) with its
 stand-in model, which samples token 1 for every row at once. For each size
 N, N requests are admitted (prompts of --prompt-len tokens) and prefilled;
-then --steps decode steps are timed, each ``schedule()`` + the stand-in's output + ``update_from_output()``,
-which is the whole of a step's core-side bookkeeping: block allocation as
-requests cross block boundaries, block tables, stop checks, outputs.
+then --steps decode steps are timed, each ``schedule()`` + the stand-in's
+output + ``update_from_output()``, which is the whole of a step's core-side
+bookkeeping: block allocation as requests cross block boundaries, block
+tables, stop checks, outputs.
 """
 
 from __future__ import annotations

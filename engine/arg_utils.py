@@ -67,3 +67,19 @@ def _base_type(hint: Any) -> type:
     if get_origin(hint) in (Union, types.UnionType):
         hint = next(a for a in get_args(hint) if a is not type(None))
     return hint
+
+
+def option_flags(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
+    """The command-line flags that make ``config`` (a config dataclass): one per field that
+    differs from its default, so ``lumen serve`` can be started as a config says."""
+    flags: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in skip or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags

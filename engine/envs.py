@@ -24,13 +24,30 @@ LUMEN_DEVICE = EnvVar("LUMEN_DEVICE", "", "force the device (cpu or cuda); empty
 
 LUMEN_API_KEY = EnvVar("LUMEN_API_KEY", "", "bearer key `lumen serve` requires (--api-key)")
 
-LUMEN_DEBUG_SCHEDULE_DELAY = EnvVar(
-    "LUMEN_DEBUG_SCHEDULE_DELAY",
-    "0",
-    "testing only: seconds every scheduler step sleeps (proves the regression gate catches it)",
+LUMEN_DEBUG_DELAY = EnvVar(
+    "LUMEN_DEBUG_DELAY",
+    "",
+    "testing only: SITE=SECONDS[,SITE=SECONDS] sleeps injected once per step at a site: "
+    "schedule (the scheduler's schedule()), output (the core's output path, after "
+    "update_from_output), emit (the frontend's processing of each step's outputs); they prove "
+    "the regression gate and the diagnosis catch a slower path",
 )
+DEBUG_DELAY_SITES = ("schedule", "output", "emit")
 
-ALL = (LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_SCHEDULE_DELAY)
+ALL = (LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY)
+
+
+def debug_delay(site: str) -> float:
+    """Seconds LUMEN_DEBUG_DELAY injects at ``site`` (0 when unset)."""
+    assert site in DEBUG_DELAY_SITES, site
+    for item in filter(None, LUMEN_DEBUG_DELAY.get().split(",")):
+        name, _, value = item.partition("=")
+        if name.strip() not in DEBUG_DELAY_SITES:
+            raise ValueError(f"LUMEN_DEBUG_DELAY: unknown site {name!r} "
+                             f"(one of {', '.join(DEBUG_DELAY_SITES)})")  # fmt: skip
+        if name.strip() == site:
+            return float(value)
+    return 0.0
 
 
 def lumen_home() -> Path:

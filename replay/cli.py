@@ -45,13 +45,50 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--server", default=None, metavar="URL",
                      help="replay over HTTP against a running `lumen serve` instead")  # fmt: skip
     run.add_argument("--api-key", default=None, help="--server: its API key")
+    run.add_argument("--in-process", action="store_true",
+                     help="a server recording through the engine in this process, not "
+                          "through a `lumen serve` started for the replay")  # fmt: skip
     # Unset flags take the recorded run's configuration (or the defaults for an imported trace).
     add_engine_options(run, skip=("core_process",), only_given=True)
     run.set_defaults(func=_run)
     cal = verbs.add_parser("calibrate", help="fit a step-cost model to a trace db's steps")
     cal.add_argument("db")
     cal.add_argument("--out", required=True, help="the model file (JSON)")
+    cal.add_argument("--run", default=None, help="fit one run's steps (default: every run's)")
     cal.set_defaults(func=_calibrate)
+    val = verbs.add_parser(
+        "validate", help="does replay reproduce the recording? (virtual vs real vs recorded, "
+        "and the cost model on steps it never saw)",
+    )  # fmt: skip
+    val.add_argument("db", help="a recording (or an imported trace)")
+    val.add_argument("--run", default=None, help="which run of DB (default: the latest)")
+    val.add_argument("--real-runs", type=int, default=3, help="real replays (their spread is "
+                     "the noise floor)")  # fmt: skip
+    val.add_argument("--speed", type=float, default=1.0, help="2 = arrivals twice as fast")
+    val.add_argument("--limit", type=int, default=None, help="the first N requests")
+    val.add_argument("--window", default=None, help="START:END seconds of the run")
+    val.add_argument("--in-process", action="store_true",
+                     help="real replays through the engine in this process, even for a server "
+                          "recording")  # fmt: skip
+    val.add_argument("--keep", default=None, metavar="DIR",
+                     help="keep the real replays' trace dbs in DIR")  # fmt: skip
+    val.add_argument("--json", default=None, metavar="PATH", help="the figures as JSON")
+    add_engine_options(val, skip=("core_process",), only_given=True)
+    val.set_defaults(func=_validate)
+    cap = verbs.add_parser("capacity", help="the highest arrival rate at which the recorded "
+                           "mix meets latency targets (virtual; --check: real)")  # fmt: skip
+    cap.add_argument("db", help="a recording (its steps calibrate the cost model)")
+    cap.add_argument("--target", action="append", required=True, metavar="METRIC:PCT:SECONDS",
+                     help="e.g. ttft:p90:2 or tpot:p90:0.1; repeat for several")  # fmt: skip
+    cap.add_argument("--run", default=None, help="which run of DB (default: the latest)")
+    cap.add_argument("--limit", type=int, default=None, help="the first N requests")
+    cap.add_argument("--window", default=None, help="START:END seconds of the run")
+    cap.add_argument("--cost-model", default=None, metavar="PATH",
+                     help="step-cost model file (default: fitted on DB's steps)")  # fmt: skip
+    cap.add_argument("--check", action="store_true",
+                     help="replay for real at the predicted rate and at 1.1x it")  # fmt: skip
+    add_engine_options(cap, skip=("core_process",), only_given=True)
+    cap.set_defaults(func=_capacity)
     report = verbs.add_parser("report", help="percentiles and where the tail's time went")
     report.add_argument("db")
     report.add_argument("--run", default=None, help="which run (default: the latest)")
@@ -120,17 +157,21 @@ def _run(args: argparse.Namespace) -> int:
     from engine.arg_utils import engine_options
     from replay.formats import parse_window
     from replay.report import render_text
-    from replay.runner import run_replay, summarize
-    from replay.workload import replay_config
+    from replay.runner import run_replay, run_replay_served, summarize
+    from replay.workload import is_server_recording, replay_config
 
     out = args.out or str(args.db).removesuffix(".db") + ".replay.db"
     given = engine_options(args, skip=("core_process",))
     config, used = replay_config(args.db, args.run, given, core_process=True)
     print(used)
-    result = asyncio.run(
-        run_replay(args.db, out, config, speed=args.speed, limit=args.limit, run_id=args.run,
-                   window=parse_window(args.window))
-    )  # fmt: skip
+    options = dict(speed=args.speed, limit=args.limit, run_id=args.run,
+                   window=parse_window(args.window))  # fmt: skip
+    if is_server_recording(args.db, args.run) and not args.in_process:
+        print("replaying through a `lumen serve` started with it, over HTTP, each request "
+              "streamed or not as recorded (--in-process: the engine in this process)")  # fmt: skip
+        result, _ = run_replay_served(args.db, out, config, **options)
+    else:
+        result = asyncio.run(run_replay(args.db, out, config, **options))
     print(summarize(result))
     print(f"trace of the replay: {out} (run {result.run_id})\n")
     print(render_text(out, result.run_id))
@@ -203,13 +244,50 @@ def _run_virtual(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from replay.virtual import StepCostModel
 
-    cost = StepCostModel.calibrate(args.db)
+    cost = StepCostModel.calibrate(args.db, run_id=args.run)
     cost.save(args.out)
-    print(f"step cost from {cost.num_steps} steps: {cost.base_s * 1e3:.3f} ms + "
-          f"{cost.prefill_token_s * 1e6:.2f} us/prefill token + "
-          f"{cost.decode_token_s * 1e6:.2f} us/decode token + "
-          f"{cost.request_s * 1e6:.2f} us/request -> {args.out}")  # fmt: skip
+    print(f"step cost: {cost.describe()}")
+    print(cost.describe_fit())
+    print("a what-if beyond that range extrapolates (`replay run --virtual` says when it does)")
+    print(f"-> {args.out}")
     return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from engine.arg_utils import engine_options
+    from replay.formats import parse_window
+    from replay.validate import render, validate
+
+    with tempfile.TemporaryDirectory(prefix="lumen-validate-") as tmp:
+        workdir = Path(args.keep or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        result = validate(
+            args.db, workdir, run_id=args.run, real_runs=args.real_runs,
+            given=engine_options(args, skip=("core_process",)), speed=args.speed,
+            limit=args.limit, window=parse_window(args.window), in_process=args.in_process,
+        )  # fmt: skip
+    print(render(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result.to_json(), indent=2, sort_keys=True) + "\n")
+    return 0
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    from engine.arg_utils import engine_options
+    from replay.capacity import capacity_report
+    from replay.formats import parse_window
+
+    text, met = capacity_report(
+        args.db, args.target, run_id=args.run, limit=args.limit,
+        window=parse_window(args.window), cost_model=args.cost_model,
+        given=engine_options(args, skip=("core_process",)), check=args.check,
+    )  # fmt: skip
+    print(text)
+    return 0 if met else 1
 
 
 def _diff(args: argparse.Namespace) -> int:

@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -19,6 +22,7 @@ from engine.model_files import resolve_model
 from replay.workload import ReplayRequest, load_workload
 from tracing.config import TracingConfig
 from tracing.recorder import Tracer
+from tracing.store import latest_run, open_db
 
 logger = logging.getLogger(__name__)
 
@@ -159,15 +163,18 @@ async def run_replay_http(
         body = {
             "prompt": req.prompt_token_ids, "max_tokens": p.max_tokens, "ignore_eos": True,
             "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed, "n": p.n,
-            "priority": req.priority, "stream": True,
-            "stream_options": {"include_usage": True},
+            "priority": req.priority, "stream": req.stream,
         }  # fmt: skip
+        if req.stream:
+            body["stream_options"] = {"include_usage": True}
         first = 0.0
         try:
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                 async for line in r.aiter_lines():
+                    if not req.stream:
+                        line = "data: " + line  # one JSON body: its usage is all there is
                     if line.startswith('data: {"id"') and not first and '"text":"' in line:
                         first = time.monotonic()
                     if '"usage":{' in line:
@@ -190,3 +197,42 @@ async def run_replay_http(
     return RunResult("(the server's)", source_run, len(work), failed, seconds, tokens, errors), (
         client_s
     )
+
+
+def run_replay_served(
+    db: str,
+    out: str,
+    config: EngineConfig,
+    *,
+    speed: float = 1.0,
+    limit: int | None = None,
+    run_id: str | None = None,
+    window: tuple[float, float] = (0.0, float("inf")),
+    progress: bool = True,
+) -> tuple[RunResult, dict[str, list[float]]]:
+    """The replay through a real `lumen serve` that this starts with ``config`` (as the
+    recording's server ran) and stops when done; the server records it into ``out``."""
+    from engine.arg_utils import option_flags
+    from replay.server import LumenServer
+
+    model = str(resolve_model(config.model))
+    flags = option_flags(config, skip=("model", "core_process"))
+    with tempfile.TemporaryDirectory(prefix="lumen-replay-") as tmp:
+        log = Path(tmp) / "serve.log"
+        with LumenServer(model, *flags, log_path=log, trace_db=Path(out)) as server:
+            result, client_s = asyncio.run(
+                run_replay_http(db, server.base_url, model=model, speed=speed, limit=limit,
+                                run_id=run_id, window=window, progress=progress)
+            )  # fmt: skip
+    with open_db(out, timeout=10) as con:
+        result.run_id = latest_run(con)
+    return result, client_s
+
+
+def replay_for_real(
+    db: str, out: str, config: EngineConfig, *, served: bool, **options: Any
+) -> RunResult:
+    """One real replay: through a `lumen serve` started for it (``served``) or in-process."""
+    if served:
+        return run_replay_served(db, out, config, **options)[0]
+    return asyncio.run(run_replay(db, out, config, **options))

@@ -5,69 +5,18 @@ run takes seconds and its report is identical every time; it answers what-if que
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.config import EngineConfig
 from engine.core.virtual import VirtualCore
 from engine.messages import EngineCoreRequest
-from engine.worker.messages import SchedulerOutput
+from replay.cost_model import StepCostModel, scheduled_features
 from replay.report import percentiles
 from replay.workload import ReplayRequest
-from tracing.store import open_db
 
-
-@dataclass(frozen=True)
-class StepCostModel:
-    """Seconds per step = base + prefill tokens * a + decode tokens * b + requests * c."""
-
-    base_s: float
-    prefill_token_s: float
-    decode_token_s: float
-    request_s: float
-    num_steps: int = 0  # how many measured steps it was fitted on
-
-    def cost(self, out: SchedulerOutput) -> float:
-        return (
-            self.base_s
-            + out.num_prefill_tokens * self.prefill_token_s
-            + out.num_decode_tokens * self.decode_token_s
-            + len(out.req_ids) * self.request_s
-        )
-
-    @classmethod
-    def calibrate(cls, db: str | Path) -> StepCostModel:
-        """Least squares over the steps of every run in ``db`` (negative terms dropped)."""
-        with open_db(db, timeout=10) as con:
-            rows = con.execute(
-                "SELECT output_ns - schedule_start_ns, num_prefill_tokens, num_decode_tokens, "
-                "len(request_ids) FROM steps WHERE num_scheduled_tokens > 0"
-            ).fetchall()
-        if len(rows) < 8:
-            raise ValueError(f"{db} has {len(rows)} measured steps; calibration needs 8 or more")
-        a = np.array(rows, dtype=float)
-        y, x = a[:, 0] / 1e9, np.column_stack([np.ones(len(a)), a[:, 1:]])
-        active = [0, 1, 2, 3]
-        while True:  # non-negative least squares, by dropping the most negative term
-            coef = np.zeros(4)
-            coef[active] = np.linalg.lstsq(x[:, active], y, rcond=None)[0]
-            if (coef >= 0).all():
-                break
-            active.remove(int(np.argmin(coef)))
-        return cls(*(float(c) for c in coef), num_steps=len(rows))
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> StepCostModel:
-        try:
-            return cls(**json.loads(Path(path).read_text()))
-        except (OSError, ValueError, TypeError) as e:
-            raise ValueError(f"{path} is not a step-cost model ({e})") from None
+__all__ = ["StepCostModel", "VirtualResult", "render", "run_virtual"]
 
 
 @dataclass
@@ -84,6 +33,8 @@ class VirtualResult:
     tpot_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     e2e_s: list[float] = field(default_factory=list)
+    # The range of steps the run held, as the cost model counts it (rows, prefill tokens...).
+    seen: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {
@@ -113,6 +64,7 @@ def run_virtual(
     """The workload through a VirtualCore built from ``config`` (its KV blocks, context length,
     token budget, max_num_seqs, prefix caching and policy), each step priced by ``cost``."""
     core = VirtualCore(config)
+    coef = cost.coef
     max_model_len = core.max_model_len
     arrival = {f"v{i}": r.offset_s / speed for i, r in enumerate(work)}
     token_times: dict[str, list[float]] = {rid: [] for rid in arrival}
@@ -141,7 +93,9 @@ def run_virtual(
                 continue
             raise ValueError("the virtual engine cannot schedule anything: is the KV pool "
                              "smaller than one request?")  # fmt: skip
-        clock += cost.cost(out)
+        features = scheduled_features(out)
+        clock += float(coef @ features)
+        _widen(result.seen, features)
         result.num_steps += 1
         result.num_preemptions += out.num_preemptions
         result.num_prefill_tokens += out.num_prefill_tokens
@@ -162,15 +116,22 @@ def run_virtual(
     return result
 
 
+def _widen(seen: dict[str, int], f: np.ndarray) -> None:
+    for key, value in zip(("rows", "prefill_tokens", "decode_tokens", "context_per_row"),
+                          (f[3], f[1], f[2], f[4] / max(f[2], 1))):  # fmt: skip
+        seen[key] = max(seen.get(key, 0), int(value))
+
+
 def render(result: VirtualResult, engine: EngineConfig, cost: StepCostModel) -> str:
     data = result.to_json()
     lines = [
         f"virtual run: {result.num_requests} requests, {result.num_steps} steps, "
         f"{result.num_preemptions} preemptions, {result.seconds:.3f} simulated s",
         f"engine: {engine.num_kv_blocks} KV blocks of {engine.block_size}, token budget "
-        f"{engine.max_num_batched_tokens}, max {engine.max_num_seqs} running; step cost "
-        f"{cost.base_s * 1e3:.3f} ms + {cost.prefill_token_s * 1e6:.2f} us/prefill token + "
-        f"{cost.decode_token_s * 1e6:.2f} us/decode token + {cost.request_s * 1e6:.2f} us/request",
+        f"{engine.max_num_batched_tokens}, max {engine.max_num_seqs} running",
+        f"step cost: {cost.describe()}",
+        cost.describe_fit(),
+        *(f"EXTRAPOLATED: the run held {w}" for w in cost.extrapolation(result.seen)),
         "",
         f"{'':<8}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}",
     ]

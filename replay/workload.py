@@ -26,6 +26,7 @@ class ReplayRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    stream: bool = True  # how the client asked (a server recording; offline ones stream)
 
 
 def load_workload(
@@ -46,7 +47,7 @@ def load_workload(
         run_id = run_id or latest_run(con)
         rows = con.execute(
             "SELECT request_id, arrival_ns, prompt_tokens, output_tokens, params, priority, "
-            "prompt_block_size, prompt_block_hashes, prompt_token_ids FROM requests "
+            "prompt_block_size, prompt_block_hashes, prompt_token_ids, stream FROM requests "
             "WHERE run_id = ? AND prompt_tokens > 0 AND params IS NOT NULL "
             "ORDER BY arrival_ns, request_id",
             [run_id],
@@ -61,13 +62,19 @@ def load_workload(
         raise ValueError(f"no request of run {run_id} falls in the window")
     first = rows[0][1]
     out = []
-    for i, (rid, arrival, n_prompt, n_out, params, prio, block, hashes, ids) in enumerate(rows):
+    for i, row in enumerate(rows):
+        rid, arrival, n_prompt, n_out, params, prio, block, hashes, ids, stream = row
         if ids is None:
             ids = synthetic_prompt(n_prompt, block, hashes, vocab, seed=seed + i)
         recorded = json.loads(params)
         out.append(
             ReplayRequest(
-                rid, (arrival - first) / 1e9, list(ids), _params(recorded, n_out), prio or 0
+                rid,
+                (arrival - first) / 1e9,
+                list(ids),
+                _params(recorded, n_out),
+                prio or 0,
+                stream is not False,
             )
         )
     return run_id, out
@@ -107,6 +114,17 @@ def synthetic_prompt(
 # files, the process layout, sockets) belongs to the machine that replays.
 REPLAYED_OPTIONS = ("dtype", "block_size", "enable_prefix_caching", "max_num_batched_tokens",
                     "max_num_seqs", "scheduling_policy", "seed", "warmup")  # fmt: skip
+
+
+def is_server_recording(db: str, run_id: str | None = None) -> bool:
+    """Whether the run's requests came over HTTP (a `lumen serve` recording)."""
+    with open_db(db, timeout=10) as con:
+        run_id = run_id or latest_run(con)
+        [(served,)] = con.execute(
+            "SELECT count(*) FROM requests WHERE run_id = ? AND starts_with(endpoint, '/v1/')",
+            [run_id],
+        ).fetchall()
+    return served > 0
 
 
 def recorded_config(db: str, run_id: str) -> dict[str, Any]:

@@ -57,7 +57,8 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.vocab_size = model_config.vocab_size
         self.scheduler = Scheduler.from_config(config, num_blocks, max_model_len)
-        self.scheduler.debug_delay_s = float(envs.LUMEN_DEBUG_SCHEDULE_DELAY.get() or 0)
+        self.scheduler.debug_delay_s = envs.debug_delay("schedule")
+        self.debug_output_delay_s = envs.debug_delay("output")
         self.gc_pauses = GcPauses()
         self.info = EngineInfo(
             model=model_path,
@@ -141,6 +142,8 @@ class EngineCore:
         t_executed = time.time_ns()
         outputs = self.scheduler.update_from_output(sched, runner_out)
         t_updated = time.time_ns()
+        if self.debug_output_delay_s:
+            time.sleep(self.debug_output_delay_s)
         kv = self.scheduler.kv_cache
         gc_pauses, gc_pause_ns = self.gc_pauses.take()
         step = StepRecord(

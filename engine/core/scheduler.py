@@ -50,7 +50,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         # KV blocks released since the last step record, by cause (finish, abort, preemption).
         self.num_freed_blocks = [0, 0, 0]
-        self.debug_delay_s = 0.0  # a test-only slowdown (LUMEN_DEBUG_SCHEDULE_DELAY)
+        self.debug_delay_s = 0.0  # a test-only slowdown (LUMEN_DEBUG_DELAY=schedule=S)
 
     @classmethod
     def from_config(cls, config: EngineConfig, num_blocks: int, max_model_len: int) -> Scheduler:

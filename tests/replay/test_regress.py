@@ -50,18 +50,28 @@ def test_the_virtual_layer_fails_on_a_policy_change(
     assert "REGRESSION" in table and "ttft_s.p" in table and "baseline" in table
 
 
-def test_the_measured_layer_fails_on_a_slower_schedule_path(
+def test_the_measured_layer_names_each_slower_path(
     folder: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Unchanged code passes; a sleep at each site (the scheduler, the core's output path, the
+    frontend's emit path) fails, naming that site's figure, confirmed by re-measuring."""
     model = str(tiny_model_path)
     baseline = regress.update_baseline(folder, model, FAST)
-    noise = {k: round(v["tolerance"], 3) for k, v in baseline["measured"].items()}
-    print(f"\nbaseline tolerances (from 3 runs): {noise}")
-    passed, table = regress.check(folder, model)  # unchanged code passes
-    print(table)
-    assert passed, table
-    monkeypatch.setenv("LUMEN_DEBUG_SCHEDULE_DELAY", "0.05")
+    noise = {
+        k: v["tolerance"] and round(v["tolerance"], 3) for k, v in baseline["measured"].items()
+    }
+    step_ms = baseline["measured"]["execute_ms"]["value"]
+    print(f"\nbaseline tolerances (from 3 runs): {noise}; median step {step_ms:.2f} ms")
     passed, table = regress.check(folder, model)
     print(table)
-    assert not passed
-    assert "step_overhead_over_execute: baseline" in table and "tolerance" in table
+    assert passed, table
+    for site, figure in (("schedule", "schedule_over_execute"),
+                         ("output", "core.output_over_execute"),
+                         ("emit", "frontend.emit_over_execute")):  # fmt: skip
+        # Two of the tiny model's steps: its overheads are a large, noisy share of a step (the
+        # gate's sensitivity on the real model is in regress/README.md).
+        monkeypatch.setenv("LUMEN_DEBUG_DELAY", f"{site}={max(2 * step_ms, 3.0) / 1e3:.4f}")
+        passed, table = regress.check(folder, model)
+        print(table)
+        assert not passed
+        assert f"{figure}: baseline" in table and "median of 3 runs" in table

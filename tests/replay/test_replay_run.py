@@ -74,9 +74,9 @@ def test_record_replay_report(
     assert code == 0
     printed = capsys.readouterr().out
     print(printed)
-    for used in (f"model {tiny_model_path.name} (recorded)", "max_num_seqs 3 (recorded)",
-                 "max_num_batched_tokens 384 (recorded)", "num_kv_blocks 512 (recorded)"):  # fmt: skip
-        assert used in printed
+    used = (f"model {tiny_model_path.name} (recorded)", "max_num_seqs 3 (recorded)",
+            "max_num_batched_tokens 384 (recorded)", "num_kv_blocks 512 (recorded)")  # fmt: skip
+    assert all(u in printed for u in used)
     with open_db(out) as con:
         [(config, blocks)] = con.execute("SELECT engine_config, num_kv_blocks FROM runs").fetchall()
     config = json.loads(config)
@@ -145,3 +145,44 @@ def test_replay_over_http(tmp_path: Path, tiny_model_path: Path, recording: Path
     assert "0 failed" in printed and "client-side TTFT" in printed
     recorded = [(r[1], r[2]) for r in _requests(recording) if r[3] != "error"]
     assert [(r[1], r[2]) for r in _requests(db)] == recorded
+
+
+def test_validate_sets_virtual_against_real_against_recorded(
+    tmp_path: Path, recording: Path, capsys
+) -> None:
+    figures = tmp_path / "validate.json"
+    assert main(["validate", str(recording), "--real-runs", "2", "--json", str(figures)]) == 0
+    printed = capsys.readouterr().out
+    print(printed)
+    data = json.loads(figures.read_text())
+    assert data["served"] and len(data["real"]) == 2
+    # The recorded requests were not streamed: no recorded ITL (the replays stream none either).
+    for compared, metrics in (("virtual_vs_real", ("ttft", "tpot", "e2e")),
+                              ("real_vs_recorded", ("ttft", "tpot", "e2e"))):  # fmt: skip
+        cells = data["errors"][compared]
+        assert {m: set(cells[m]) for m in metrics} == {m: {"p50", "p90", "p99"} for m in metrics}
+        assert all(cells[m][p] is not None for m in metrics for p in cells[m])
+    assert set(data["verdicts"]) == {"virtual_vs_real", "real_vs_recorded"}
+    assert {"r2", "err_p50", "err_p90", "err_p99"} <= set(data["held_out_fit"])
+    for text in ("held-out steps", "TTFT p50", "E2E p99", "virtual vs real:", "through a `lumen"):
+        assert text in printed
+
+
+def test_capacity_finds_the_rate_that_meets_a_target(
+    tmp_path: Path, recording: Path, capsys
+) -> None:
+    assert main(["capacity", str(recording), "--target", "tpot:p90:nope"]) == 2
+    assert "METRIC:PERCENTILE:SECONDS" in capsys.readouterr().err
+    # A TPOT target 3x what one request alone takes: met at some rate, missed at a higher one.
+    with open_db(recording) as con:
+        [(alone,)] = con.execute(
+            "SELECT min((e2e_ns - ttft_ns) / (output_tokens - 1)) FROM requests "
+            "WHERE status = 'ok' AND output_tokens > 1"
+        ).fetchall()
+    target = f"tpot:p90:{3 * alone / 1e9:.4f}"
+    code = main(["capacity", str(recording), "--target", target, "--check"])
+    printed = capsys.readouterr().out
+    print(printed)
+    assert code in (0, 1)  # the tiny model's real replays are noisy: agreement is not asserted
+    assert "The highest rate that meets TPOT p90" in printed
+    assert printed.count("  virtual at ") == 2 and printed.count("  real at ") == 2

@@ -89,3 +89,62 @@ def test_calibration_fits_measured_steps(tmp_path: Path) -> None:
     assert cost.decode_token_s == pytest.approx(1e-3, rel=1e-3)
     assert cost.request_s == pytest.approx(5e-4, rel=1e-3)
     assert cost.num_steps == 39  # the empty step is left out
+
+
+def test_the_cost_model_prices_context_and_reports_its_fit(tmp_path: Path) -> None:
+    """Decode steps whose rows read longer and longer contexts: the fit finds the price of a
+    context token, says how well it fits, and what range of steps it saw."""
+    from tracing.store import TraceStore, row
+
+    db = tmp_path / "ctx.db"
+    store = TraceStore(db)
+    price = {"base": 0.005, "decode": 4e-4, "context": 2e-6}
+    rows, step = [], 0
+    for wave in range(6):  # waves of 2..12 requests: a 64-token prefill, then 40 decodes
+        ids = [f"w{wave}-{j}" for j in range(2 + 2 * wave)]
+        for k in range(41):
+            n = 64 if k == 0 else 1
+            context = 0 if n > 1 else sum(64 + k for _ in ids)
+            prefill = n * len(ids) if n > 1 else 0
+            decode = 0 if n > 1 else len(ids)
+            seconds = price["base"] + decode * price["decode"] + context * price["context"]
+            seconds += prefill * 1e-4
+            rows.append(row(
+                "steps", run_id="r", step_id=step, schedule_start_ns=0,
+                output_ns=int(seconds * 1e9),
+                num_scheduled_tokens=prefill + decode, num_prefill_tokens=prefill,
+                num_decode_tokens=decode, request_ids=ids, num_scheduled=[n] * len(ids),
+                preempted_request_ids=[],
+            ))  # fmt: skip
+            step += 1
+    store.add("steps", rows)
+    assert store.flush()
+    store.close()
+    cost = StepCostModel.calibrate(db)
+    print("\n" + cost.describe() + "\n" + cost.describe_fit())
+    assert cost.context_token_s == pytest.approx(price["context"], rel=0.05)
+    assert cost.decode_token_s == pytest.approx(price["decode"], rel=0.05)
+    assert cost.fit["r2"] > 0.99 and cost.fit["err_p90"] < 0.02
+    assert cost.fit["covers"]["rows"] == 12
+    assert "R² " in cost.describe_fit() and "covers steps of up to 12 rows" in cost.describe_fit()
+    # A what-if with bigger batches than it saw says that it extrapolates.
+    path = tmp_path / "cost.json"
+    cost.save(path)
+    assert StepCostModel.load(path) == cost
+    out = _virtual(_trace(tmp_path), path, tmp_path / "v.json", "--max-num-seqs", "40")
+    assert out["num_steps"] > 0
+
+
+def test_a_what_if_beyond_the_fitted_range_says_it_extrapolates(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    fitted = StepCostModel(0.02, 0.0004, 0.0015, 0.0002, fit={
+        "r2": 0.9, "err_p50": 0.05, "err_p90": 0.1, "err_p99": 0.2, "num_steps": 100,
+        "covers": {"rows": 4, "prefill_tokens": 256, "decode_tokens": 4, "context_per_row": 300},
+    })  # fmt: skip
+    path = tmp_path / "cost.json"
+    fitted.save(path)
+    _virtual(_trace(tmp_path), path, tmp_path / "v.json", "--num-kv-blocks", "1024")
+    printed = capsys.readouterr().out
+    print(printed)
+    assert "EXTRAPOLATED: the run held" in printed and "(the fit saw at most 4)" in printed

@@ -150,7 +150,7 @@ def test_slow_scheduler_is_named(tmp_path: Path, tiny_model_path: Path) -> None:
 
         return _concurrently(4, one)
 
-    env = {"LUMEN_DEBUG_SCHEDULE_DELAY": "0.03"}
+    env = {"LUMEN_DEBUG_DELAY": "schedule=0.03"}
     db, ids = _record(tmp_path, tiny_model_path, provoke, env=env)
     diag, text = _report(db)
     assert "schedule" in _causes(diag) or "scheduler" in text.lower(), text

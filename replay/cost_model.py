@@ -1,0 +1,207 @@
+"""The step-cost model of virtual replay: what one engine step costs, from what it holds.
+
+Seconds per step = base
+    + prefill tokens x a + decode tokens x b + rows x c
+    + context tokens the decode rows read x d (each decode row attends to its whole context)
+    + (query, key) pairs of the prefill rows x e (a chunk of n tokens after s cached ones
+      attends to n s + n (n + 1) / 2 pairs).
+
+It is fitted (least squares, no negative term) to the measured steps of a trace db, from
+schedule to output, so the scheduler's and the output path's time is in it. The fit keeps its
+own quality (R², relative error percentiles) and the range it saw (most rows in a step, most
+prefill tokens, longest context), so a what-if beyond that range is told it extrapolates.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.worker.messages import SchedulerOutput
+from tracing.store import open_db
+
+TERMS = ("base_s", "prefill_token_s", "decode_token_s", "request_s", "context_token_s",
+         "prefill_pair_s")  # fmt: skip
+# What each term is priced per, for people.
+UNITS = {"base_s": ("ms", 1e3, "per step"), "prefill_token_s": ("us", 1e6, "per prefill token"),
+         "decode_token_s": ("us", 1e6, "per decode token"), "request_s": ("us", 1e6, "per row"),
+         "context_token_s": ("ns", 1e9, "per context token a decode row reads"),
+         "prefill_pair_s": ("ns", 1e9, "per prefill (query, key) pair")}  # fmt: skip
+MIN_STEPS = 8
+TRIM_SHARE = 0.02  # the slowest residuals refitted without: pauses, not the step's shape
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    base_s: float
+    prefill_token_s: float
+    decode_token_s: float
+    request_s: float
+    context_token_s: float = 0.0
+    prefill_pair_s: float = 0.0
+    num_steps: int = 0  # how many measured steps it was fitted on
+    # r2, err_p50/p90/p99 (|predicted - measured| / measured), covers: the range it saw.
+    fit: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def coef(self) -> np.ndarray:
+        return np.array([getattr(self, t) for t in TERMS])
+
+    def cost(self, out: SchedulerOutput) -> float:
+        return float(self.coef @ scheduled_features(out))
+
+    def predict(self, features: np.ndarray) -> np.ndarray:
+        return features @ self.coef
+
+    @classmethod
+    def calibrate(cls, db: str | Path, *, run_id: str | None = None) -> StepCostModel:
+        """Fitted to every measured step of ``db`` (or of one run)."""
+        x, y = step_features(db, run_id)
+        return cls.fit_steps(x, y)
+
+    @classmethod
+    def fit_steps(cls, x: np.ndarray, y: np.ndarray) -> StepCostModel:
+        if len(y) < MIN_STEPS:
+            raise ValueError(
+                f"{len(y)} measured steps; calibration needs {MIN_STEPS} or more "
+                "(an imported trace has none: replay it for real first)"
+            )
+        coef = _nnls(x, y)
+        resid = y - x @ coef
+        keep = resid <= np.quantile(resid, 1 - TRIM_SHARE) if len(y) >= 50 else resid == resid
+        coef = _nnls(x[keep], y[keep])
+        model = cls(*(float(c) for c in coef), num_steps=len(y))
+        return cls(*(float(c) for c in coef), num_steps=len(y), fit=model.quality(x, y))
+
+    def quality(self, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
+        """R² and relative errors on the steps (x, y), and the range those steps cover."""
+        pred = self.predict(x)
+        ss_tot = float(((y - y.mean()) ** 2).sum())
+        r2 = 1 - float(((y - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else 1.0
+        err = np.abs(pred - y) / np.maximum(y, 1e-9)
+        p50, p90, p99 = (float(v) for v in np.percentile(err, [50, 90, 99]))
+        return {"r2": r2, "err_p50": p50, "err_p90": p90, "err_p99": p99,
+                "num_steps": len(y), "covers": _covers(x)}  # fmt: skip
+
+    def describe(self) -> str:
+        parts = []
+        for t in TERMS:
+            unit, scale, what = UNITS[t]
+            if getattr(self, t) or t == "base_s":
+                parts.append(f"{getattr(self, t) * scale:.3f} {unit} {what}")
+        return " + ".join(parts)
+
+    def describe_fit(self) -> str:
+        f = self.fit
+        if not f:
+            return "fit: not recorded (a model file from before fits were saved)"
+        c = f["covers"]
+        return (
+            f"fit on {f['num_steps']} steps: R² {f['r2']:.3f}; |error| p50 {f['err_p50']:.1%}, "
+            f"p90 {f['err_p90']:.1%}, p99 {f['err_p99']:.1%}; covers steps of up to "
+            f"{c['rows']} rows, {c['prefill_tokens']:,} prefill tokens, {c['decode_tokens']} "
+            f"decode rows, decode context {c['context_per_row']:,} tokens"
+        )
+
+    def extrapolation(self, seen: dict[str, int]) -> list[str]:
+        """What a run (``seen``, as ``_covers`` counts it) held beyond the fitted range."""
+        covers = self.fit.get("covers")
+        if not covers:
+            return []
+        words = {"rows": "rows in a step", "prefill_tokens": "prefill tokens in a step",
+                 "decode_tokens": "decode rows in a step",
+                 "context_per_row": "tokens of context in a decode row"}  # fmt: skip
+        return [
+            f"{seen[k]:,} {w} (the fit saw at most {covers[k]:,})"
+            for k, w in words.items()
+            if seen.get(k, 0) > 1.25 * covers[k]
+        ]
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepCostModel:
+        try:
+            return cls(**json.loads(Path(path).read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"{path} is not a step-cost model ({e})") from None
+
+
+def scheduled_features(out: SchedulerOutput) -> np.ndarray:
+    """The features of one scheduled step (the virtual core's), in TERMS order."""
+    context = pairs = 0
+    for ids, start in zip(out.token_ids, out.num_computed_tokens):
+        n = len(ids)
+        if n == 1:
+            context += start + 1
+        else:
+            pairs += n * start + n * (n + 1) // 2
+    return np.array([1.0, out.num_prefill_tokens, out.num_decode_tokens, len(out.req_ids),
+                     context, pairs])  # fmt: skip
+
+
+def step_features(db: str | Path, run_id: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Features (rows in TERMS order) and seconds, schedule to output, of measured steps.
+
+    A row's context is what its request computed in earlier steps of the run (a preempted
+    request starts again from zero; a prefix-cache hit is not known per request, so a row
+    after one is counted from zero as well).
+    """
+    with open_db(db, timeout=10) as con:
+        where = "AND run_id = $run" if run_id else ""
+        steps = con.execute(
+            "SELECT run_id, output_ns - schedule_start_ns, num_prefill_tokens, "
+            "num_decode_tokens, request_ids, num_scheduled, preempted_request_ids FROM steps "
+            f"WHERE num_scheduled_tokens > 0 AND NOT coalesce(idle, false) {where} "
+            "ORDER BY run_id, step_id",
+            {"run": run_id} if run_id else {},
+        ).fetchall()
+    x, y = np.zeros((len(steps), len(TERMS))), np.zeros(len(steps))
+    computed: dict[tuple[str, str], int] = {}
+    for i, (run, seconds_ns, prefill, decode, rids, nums, preempted) in enumerate(steps):
+        for rid in preempted or ():
+            computed.pop((run, rid), None)
+        context = pairs = 0
+        for rid, n in zip(rids or (), nums or ()):
+            start = computed.get((run, rid), 0)
+            computed[(run, rid)] = start + n
+            if n == 1:
+                context += start + 1
+            else:
+                pairs += n * start + n * (n + 1) // 2
+        x[i] = (1.0, prefill, decode, len(rids or ()), context, pairs)
+        y[i] = seconds_ns / 1e9
+    return x, y
+
+
+def _covers(x: np.ndarray) -> dict[str, int]:
+    """The range of steps x holds: most rows, prefill tokens, decode rows, context per row."""
+    if not len(x):
+        return {"rows": 0, "prefill_tokens": 0, "decode_tokens": 0, "context_per_row": 0}
+    per_row = x[:, 4] / np.maximum(x[:, 2], 1)
+    return {"rows": int(x[:, 3].max()), "prefill_tokens": int(x[:, 1].max()),
+            "decode_tokens": int(x[:, 2].max()), "context_per_row": int(per_row.max())}  # fmt: skip
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with no negative coefficient: drop the most negative term and refit.
+
+    Columns are scaled to unit norm first, so terms of very different sizes (per step, per
+    pair) are weighed alike.
+    """
+    norms = np.linalg.norm(x, axis=0)
+    norms[norms == 0] = 1.0
+    xs = x / norms
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j])]
+    while True:
+        coef = np.zeros(x.shape[1])
+        if active:
+            coef[active] = np.linalg.lstsq(xs[:, active], y, rcond=None)[0]
+        if (coef >= 0).all():
+            return coef / norms
+        active.remove(int(np.argmin(coef)))

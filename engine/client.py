@@ -62,7 +62,7 @@ class ClientState:
     def added(self, request_id: str) -> None:
         if self.closed:
             raise EngineDeadError("the engine client is shut down")
-        # Unique already: the output processor checked it (the one check, engine/frontend.py).
+        # Unique already: OutputProcessor.add_request is the one place that checks.
         self.open_ids.add(request_id)
 
     def aborting(self, request_ids: list[str]) -> None:

@@ -327,7 +327,9 @@ def _regress(args: argparse.Namespace) -> int:
     if args.update_baseline:
         baseline = update_baseline(folder, args.model)
         for name, m in baseline["measured"].items():
-            print(f"{name:<40} {m['value']:.3f} +- {m['tolerance']:.3f} (runs {m['runs']})")
+            tolerance = "not gated" if m["tolerance"] is None else f"+ {m['tolerance']:.3f}"
+            runs = ", ".join(f"{r:.3f}" for r in m["runs"])
+            print(f"{name:<36} {m['value']:>8.3f} {tolerance:>11} (runs {runs})")
         print(f"baseline written to {folder} in {time.monotonic() - start:.0f} s")
         return 0
     passed, table = check(folder, args.model, measured=not args.virtual_only)

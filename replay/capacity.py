@@ -145,12 +145,12 @@ def capacity_report(
             [*lines, f"no arrival rate meets {wanted}: one request alone misses"]
         ), False
     lines.append(f"{len(work)} requests, recorded at {cap.recorded_rate:.2f} req/s. The highest "
-                 f"rate that meets {wanted}: {cap.rate:.2f} req/s ({cap.speed:.2f}x the "
+                 f"rate that meets {wanted}: {cap.rate:.2f} req/s ({cap.speed:.3f}x the "
                  "recorded rate)")  # fmt: skip
     above = min((s for s in cap.measured if s > cap.speed), default=None)
     for speed in (cap.speed, above):
         if speed is not None:
-            lines.append(f"  virtual at {speed:.2f}x: {_shown(cap.measured[speed], targets)}")
+            lines.append(f"  virtual at {speed:.3f}x: {_shown(cap.measured[speed], targets)}")
     agreed = True
     if check:
         served = is_server_recording(db, run_id)
@@ -165,7 +165,7 @@ def capacity_report(
             figures = {f"{m}_{p}": v for m, row in lat.items() for p, v in row.items()}
             met = meets(figures, targets)
             agreed &= met == want
-            lines.append(f"  real at {speed:.2f}x: {'meets' if met else 'misses'} "
+            lines.append(f"  real at {speed:.3f}x: {'meets' if met else 'misses'} "
                          f"({_shown(figures, targets)})")  # fmt: skip
         lines.append("the real replays " + ("agree" if agreed else "DISAGREE") +
                      ": met at the answer, missed at 1.1x it")  # fmt: skip

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="--virtual: step-cost model file (made from DB's steps if missing)",
     )  # fmt: skip
     run.add_argument("--json", default=None, metavar="PATH", help="--virtual: figures as JSON")
+    run.add_argument("--step-noise", action="store_true",
+                     help="--virtual: scale each step by a seeded draw from the measured "
+                          "spread around the cost model (default: its prediction)")  # fmt: skip
     run.add_argument("--server", default=None, metavar="URL",
                      help="replay over HTTP against a running `lumen serve` instead")  # fmt: skip
     run.add_argument("--api-key", default=None, help="--server: its API key")
@@ -234,7 +237,7 @@ def _run_virtual(args: argparse.Namespace) -> int:
         num_kv_blocks=engine.num_kv_blocks or 4096,
         max_model_len=engine.max_model_len or 8192,
     )
-    result = run_virtual(work, engine, cost, speed=args.speed)
+    result = run_virtual(work, engine, cost, speed=args.speed, step_noise=args.step_noise)
     print(render(result, engine, cost))
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=2, sort_keys=True) + "\n")

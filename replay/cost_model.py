@@ -6,15 +6,22 @@ Seconds per step = base
     + (query, key) pairs of the prefill rows x e (a chunk of n tokens after s cached ones
       attends to n s + n (n + 1) / 2 pairs).
 
-It is fitted (least squares, no negative term) to the measured steps of a trace db, from
-schedule to output, so the scheduler's and the output path's time is in it. The fit keeps its
-own quality (R², relative error percentiles) and the range it saw (most rows in a step, most
-prefill tokens, longest context), so a what-if beyond that range is told it extrapolates.
+It is fitted to the measured steps of a trace db, from schedule to output, so the scheduler's
+and the output path's time is in it: least squares (so the predicted time of a run's steps
+adds up to the measured time), no negative term. The fit keeps its own quality (R², relative
+error percentiles), the range it saw (most rows in a step, most prefill tokens, longest
+context), so a what-if beyond that range is told it extrapolates, and the spread of measured
+over predicted step times: on a shared CPU the same step shape can take 1x or 2x. With
+``step_noise`` a virtual run draws each step's factor from that spread (seeded: the same run
+gives the same report), weighted by step time so the factors average to 1 over time. It is
+off by default: measured on three recordings, i.i.d. noise widened queues more than the real
+runs' (time-correlated) noise did, and the plain prediction came closer at every percentile.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +39,7 @@ UNITS = {"base_s": ("ms", 1e3, "per step"), "prefill_token_s": ("us", 1e6, "per 
          "context_token_s": ("ns", 1e9, "per context token a decode row reads"),
          "prefill_pair_s": ("ns", 1e9, "per prefill (query, key) pair")}  # fmt: skip
 MIN_STEPS = 8
-TRIM_SHARE = 0.02  # the slowest residuals refitted without: pauses, not the step's shape
+NUM_RATIOS = 100  # quantiles of measured / predicted kept for the virtual run's noise
 
 
 @dataclass(frozen=True)
@@ -70,12 +77,21 @@ class StepCostModel:
                 f"{len(y)} measured steps; calibration needs {MIN_STEPS} or more "
                 "(an imported trace has none: replay it for real first)"
             )
+        # Every step counts, slow ones too (a pause is part of the run's time): with a fixed
+        # term, the predicted time of the steps adds up to their measured time.
         coef = _nnls(x, y)
-        resid = y - x @ coef
-        keep = resid <= np.quantile(resid, 1 - TRIM_SHARE) if len(y) >= 50 else resid == resid
-        coef = _nnls(x[keep], y[keep])
         model = cls(*(float(c) for c in coef), num_steps=len(y))
-        return cls(*(float(c) for c in coef), num_steps=len(y), fit=model.quality(x, y))
+        fit = model.quality(x, y)
+        fit["ratios"] = _time_weighted_ratios(y, model.predict(x))
+        return cls(*(float(c) for c in coef), num_steps=len(y), fit=fit)
+
+    def noise(self, seed: int = 0) -> Callable[[], float] | None:
+        """A draw of measured / predicted for one step, seeded (None: no spread recorded)."""
+        ratios = self.fit.get("ratios")
+        if not ratios:
+            return None
+        table, rng = np.asarray(ratios), np.random.default_rng(seed)
+        return lambda: float(table[rng.integers(len(table))])
 
     def quality(self, x: np.ndarray, y: np.ndarray) -> dict[str, Any]:
         """R² and relative errors on the steps (x, y), and the range those steps cover."""
@@ -177,6 +193,18 @@ def step_features(db: str | Path, run_id: str | None = None) -> tuple[np.ndarray
         x[i] = (1.0, prefill, decode, len(rids or ()), context, pairs)
         y[i] = seconds_ns / 1e9
     return x, y
+
+
+def _time_weighted_ratios(measured: np.ndarray, predicted: np.ndarray) -> list[float]:
+    """NUM_RATIOS quantiles of measured / predicted, each step weighted by its predicted time
+    (a 3 s step's factor counts 50 times a 60 ms one's): drawn per step, they keep a run's
+    expected time what the fit predicts."""
+    predicted = np.maximum(predicted, 1e-9)
+    ratios = np.clip(measured / predicted, 0.2, 5.0)
+    order = np.argsort(ratios)
+    cdf = np.cumsum(predicted[order]) / predicted.sum()
+    at = np.searchsorted(cdf, (np.arange(NUM_RATIOS) + 0.5) / NUM_RATIOS)
+    return [round(float(r), 4) for r in ratios[order][np.minimum(at, len(ratios) - 1)]]
 
 
 def _covers(x: np.ndarray) -> dict[str, int]:

@@ -95,11 +95,17 @@ async def run_replay(
         errors.append(time.monotonic() - due)
         max_room = engine.max_model_len - len(req.prompt_token_ids)
         params = req.params.clone(max_tokens=min(req.params.max_tokens or max_room, max_room))
+        stream = engine.generate(
+            {"prompt_token_ids": req.prompt_token_ids}, params, priority=req.priority
+        )
+        got = 0
         try:
-            async for o in engine.generate(
-                {"prompt_token_ids": req.prompt_token_ids}, params, priority=req.priority
-            ):
-                tokens += sum(len(c.token_ids) for c in o.outputs)
+            async for o in stream:
+                got += sum(len(c.token_ids) for c in o.outputs)
+                if req.hang_up_after and got >= req.hang_up_after:
+                    break  # the recorded client left here: closing the stream aborts it
+            tokens += got
+            await stream.aclose()
         except Exception as e:
             failed += 1
             logger.warning("replayed request %s failed: %s", req.request_id, e)
@@ -137,8 +143,12 @@ async def run_replay_http(
     window: tuple[float, float] = (0.0, float("inf")),
     progress: bool = True,
 ) -> tuple[RunResult, dict[str, list[float]]]:
-    """The same open-loop replay against a running server (`/v1/completions`, streamed, the
-    prompts as token ids). The server records the trace; the client times TTFT and e2e."""
+    """The same open-loop replay against a running server (`/v1/completions`, the prompts as
+    token ids), each client as recorded: streamed or not, hanging up after the tokens it read,
+    reading slowly through a small receive buffer. The server records the trace; the client
+    times TTFT and e2e."""
+    import socket
+
     import httpx
 
     if speed <= 0:
@@ -153,8 +163,9 @@ async def run_replay_http(
     client_s: dict[str, list[float]] = {"ttft_s": [], "e2e_s": []}
     failed = tokens = 0
 
-    async def one(client: httpx.AsyncClient, req: ReplayRequest, start: float) -> None:
+    async def one(clients: dict[bool, httpx.AsyncClient], req: ReplayRequest, start: float) -> None:
         nonlocal failed, tokens
+        client = clients[req.read_interval_s > 0]
         due = start + req.offset_s / speed
         await asyncio.sleep(max(0.0, due - time.monotonic()))
         sent = time.monotonic()
@@ -162,12 +173,15 @@ async def run_replay_http(
         p = req.params
         body = {
             "prompt": req.prompt_token_ids, "max_tokens": p.max_tokens, "ignore_eos": True,
-            "temperature": p.temperature, "top_p": p.top_p, "seed": p.seed, "n": p.n,
-            "priority": req.priority, "stream": req.stream,
+            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
+            "seed": p.seed, "n": p.n, "logprobs": p.logprobs,
+            "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty,
+            "repetition_penalty": p.repetition_penalty, "priority": req.priority,
+            "stream": req.stream,
         }  # fmt: skip
         if req.stream:
             body["stream_options"] = {"include_usage": True}
-        first = 0.0
+        first, got = 0.0, 0
         try:
             async with client.stream("POST", "/v1/completions", json=body) as r:
                 if r.status_code != 200:
@@ -175,8 +189,13 @@ async def run_replay_http(
                 async for line in r.aiter_lines():
                     if not req.stream:
                         line = "data: " + line  # one JSON body: its usage is all there is
-                    if line.startswith('data: {"id"') and not first and '"text":"' in line:
-                        first = time.monotonic()
+                    if line.startswith('data: {"id"') and '"text":"' in line:
+                        first, got = first or time.monotonic(), got + 1
+                        if req.hang_up_after and got >= req.hang_up_after:
+                            tokens += got
+                            break  # the recorded client disconnected here
+                        if req.read_interval_s:
+                            await asyncio.sleep(req.read_interval_s)
                     if '"usage":{' in line:
                         tokens += int(line.split('"completion_tokens":')[1].split(",")[0])
             client_s["ttft_s"].append((first or time.monotonic()) - sent)
@@ -187,11 +206,17 @@ async def run_replay_http(
         bar.update()
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(
-        base_url=url.rstrip("/"), headers=headers, timeout=None, limits=limits
-    ) as client:
+    # Slow readers read through a 4 KiB receive buffer, so the server's writes wait on them.
+    small = httpx.AsyncHTTPTransport(
+        limits=limits, socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)]
+    )
+    options = dict(base_url=url.rstrip("/"), headers=headers, timeout=None)
+    async with (
+        httpx.AsyncClient(limits=limits, **options) as fast,
+        httpx.AsyncClient(transport=small, **options) as slow,
+    ):
         start = time.monotonic() + 0.2
-        await asyncio.gather(*(one(client, r, start) for r in work))
+        await asyncio.gather(*(one({False: fast, True: slow}, r, start) for r in work))
         seconds = time.monotonic() - start
     bar.close()
     return RunResult("(the server's)", source_run, len(work), failed, seconds, tokens, errors), (

@@ -191,11 +191,37 @@ def validate(
                             window=window)  # fmt: skip
     virtual = virtual_latencies(run_virtual(work, virtual_config, cost, speed=speed))
     recorded = latencies_of(db, run_id) if speed == 1.0 and not limit else None
-    notes = []
+    notes = _busy_machine(db, run_id, outs)
     if recorded is None:
         notes.append("no recorded latencies to compare with (an imported trace, or --speed / "
                      "--limit changed the load)")  # fmt: skip
     return Validation(line, served, held_out, cost, recorded, real, virtual, steps_from, notes)
+
+
+def _busy_machine(db: str, run_id: str, outs: list[tuple[str, str]]) -> list[str]:
+    """A note for each run whose median model step differs by over 30% from the others':
+    the same steps on a machine that was busier (or quieter) then."""
+    medians = {}
+    runs = [("the recording", db, run_id)]
+    runs += [(f"real replay {k + 1}", path, run) for k, (path, run) in enumerate(outs)]
+    for name, path, run in runs:
+        with open_db(path, timeout=10) as con:
+            [(ms,)] = con.execute(
+                "SELECT median(execute_end_ns - execute_start_ns) / 1e6 FROM steps "
+                "WHERE run_id = ? AND num_prefill_tokens = 0 AND NOT coalesce(idle, false)",
+                [run],
+            ).fetchall()
+        if ms:
+            medians[name] = ms
+    if len(medians) < 2:
+        return []
+    typical = statistics.median(medians.values())
+    return [
+        f"{name}'s median decode step took {ms:.1f} ms against {typical:.1f} ms in the others: "
+        "the machine was not the same then (another load?), so its latencies are not comparable"
+        for name, ms in medians.items()
+        if not 1 / 1.3 <= ms / typical <= 1.3
+    ]
 
 
 def render(v: Validation) -> str:

@@ -59,12 +59,19 @@ class VirtualResult:
 
 
 def run_virtual(
-    work: list[ReplayRequest], config: EngineConfig, cost: StepCostModel, *, speed: float = 1.0
+    work: list[ReplayRequest],
+    config: EngineConfig,
+    cost: StepCostModel,
+    *,
+    speed: float = 1.0,
+    step_noise: bool = False,
 ) -> VirtualResult:
     """The workload through a VirtualCore built from ``config`` (its KV blocks, context length,
-    token budget, max_num_seqs, prefix caching and policy), each step priced by ``cost``."""
+    token budget, max_num_seqs, prefix caching and policy), each step priced by ``cost`` and,
+    with ``step_noise``, scaled by a seeded draw from the fit's measured / predicted spread."""
     core = VirtualCore(config)
     coef = cost.coef
+    noise = cost.noise() if step_noise else None
     max_model_len = core.max_model_len
     arrival = {f"v{i}": r.offset_s / speed for i, r in enumerate(work)}
     token_times: dict[str, list[float]] = {rid: [] for rid in arrival}
@@ -77,7 +84,9 @@ def run_virtual(
             if room < 1:
                 raise ValueError(f"a prompt of {len(r.prompt_token_ids)} tokens does not fit "
                                  f"max_model_len {max_model_len}")  # fmt: skip
-            params = r.params.clone(max_tokens=min(r.params.max_tokens or room, room))
+            # A client that hung up after k tokens: the request ends there (the core aborts it).
+            wanted = r.hang_up_after or r.params.max_tokens or room
+            params = r.params.clone(max_tokens=min(wanted, room))
             core.add_request(
                 EngineCoreRequest(f"v{i}", r.prompt_token_ids, params, [],
                                   arrival_ns=int(clock * 1e9), priority=r.priority)
@@ -94,7 +103,8 @@ def run_virtual(
             raise ValueError("the virtual engine cannot schedule anything: is the KV pool "
                              "smaller than one request?")  # fmt: skip
         features = scheduled_features(out)
-        clock += float(coef @ features)
+        seconds = float(coef @ features)
+        clock += seconds * noise() if noise is not None else seconds
         _widen(result.seen, features)
         result.num_steps += 1
         result.num_preemptions += out.num_preemptions

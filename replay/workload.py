@@ -26,7 +26,16 @@ class ReplayRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
-    stream: bool = True  # how the client asked (a server recording; offline ones stream)
+    # How the recorded client behaved (server recordings; offline ones stream and read fast).
+    stream: bool = True
+    hang_up_after: int | None = None  # tokens read before the client disconnected
+    read_interval_s: float = 0.0  # a slow reader: time between reads of the stream
+
+
+# A recorded client was a slow reader when its writes waited at least this long, and this
+# share of its time from first to last token.
+SLOW_READER_WAIT_S = 0.010
+SLOW_READER_SHARE = 0.05
 
 
 def load_workload(
@@ -47,7 +56,8 @@ def load_workload(
         run_id = run_id or latest_run(con)
         rows = con.execute(
             "SELECT request_id, arrival_ns, prompt_tokens, output_tokens, params, priority, "
-            "prompt_block_size, prompt_block_hashes, prompt_token_ids, stream FROM requests "
+            "prompt_block_size, prompt_block_hashes, prompt_token_ids, stream, status, "
+            "send_wait_ns, first_delivered_ns, last_delivered_ns FROM requests "
             "WHERE run_id = ? AND prompt_tokens > 0 AND params IS NOT NULL "
             "ORDER BY arrival_ns, request_id",
             [run_id],
@@ -63,18 +73,27 @@ def load_workload(
     first = rows[0][1]
     out = []
     for i, row in enumerate(rows):
-        rid, arrival, n_prompt, n_out, params, prio, block, hashes, ids, stream = row
+        rid, arrival, n_prompt, n_out, params, prio, block, hashes, ids, stream = row[:10]
+        status, send_wait, first_delivered, last_delivered = row[10:]
         if ids is None:
             ids = synthetic_prompt(n_prompt, block, hashes, vocab, seed=seed + i)
         recorded = json.loads(params)
+        hang_up = n_out if status == "aborted" and stream is not False and n_out else None
+        params_ = _params(recorded, n_out)
+        if hang_up is not None:  # generate as the recorded request would have, had it stayed
+            params_ = params_.clone(max_tokens=recorded.get("max_tokens") or n_out + 64)
+        span = (last_delivered - first_delivered) / 1e9 if last_delivered and first_delivered else 0
+        slow = (send_wait or 0) / 1e9 >= max(SLOW_READER_WAIT_S, SLOW_READER_SHARE * span)
         out.append(
             ReplayRequest(
                 rid,
                 (arrival - first) / 1e9,
                 list(ids),
-                _params(recorded, n_out),
+                params_,
                 prio or 0,
                 stream is not False,
+                hang_up,
+                span / max(n_out - 1, 1) if slow and stream is not False else 0.0,
             )
         )
     return run_id, out

@@ -12,7 +12,7 @@ import pytest
 
 from replay.cli import main
 from tests.helpers.browser import render_page
-from tests.helpers.load import stream_chat, wait_until
+from tests.helpers.load import SlowReader, stream_chat, wait_until
 from tests.helpers.server import LumenServer
 from tracing.store import open_db
 
@@ -20,7 +20,8 @@ SYSTEM = "You are a careful assistant. Answer in full sentences. " * 6
 
 
 def _record(server: LumenServer) -> None:
-    """Different lengths, a shared system prompt, one abort, one invalid request."""
+    """Different lengths, a shared system prompt, one abort, one invalid request, and one slow
+    reader (fat chunks: logprobs) whose socket backs the server's writes up."""
     url = server.url("/v1/chat/completions")
     for i, n in enumerate((4, 12, 7, 20, 9, 15)):
         messages = [{"role": "user", "content": f"Question {i}: " + "why? " * (i * 5)}]
@@ -33,6 +34,9 @@ def _record(server: LumenServer) -> None:
             assert httpx.post(url, json=body, timeout=60).status_code == 200
         time.sleep(0.15)
     assert httpx.post(url, json={"messages": []}).status_code == 400
+    fat = {"prompt": "Count with me: " * 8, "max_tokens": 300, "ignore_eos": True,
+           "temperature": 0, "logprobs": 5}  # fmt: skip
+    SlowReader(server, fat, stall_s=1.0).run()
 
 
 def _requests(db: Path, run_id: str | None = None) -> list[tuple]:
@@ -58,7 +62,7 @@ def recording(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path) -
     db = tmp / "recording.db"
     with LumenServer(tiny_model_path, *ARGS, log_path=tmp / "serve.log", trace_db=db) as server:
         _record(server)
-        wait_until(lambda: len(_requests(db)) == 7, 20)
+        wait_until(lambda: len(_requests(db)) == 8, 20)
     return db
 
 
@@ -66,7 +70,7 @@ def test_record_replay_report(
     tmp_path: Path, tiny_model_path: Path, recording: Path, capsys
 ) -> None:
     recorded = [r for r in _requests(recording) if r[3] != "error"]
-    assert len(recorded) == 6 and sum(r[3] == "aborted" for r in recorded) == 1
+    assert len(recorded) == 7 and sum(r[3] == "aborted" for r in recorded) == 1
 
     out = tmp_path / "replay.db"
     # No engine flags: the replay takes the recording's configuration and says so.
@@ -88,9 +92,24 @@ def test_record_replay_report(
     assert "max_num_seqs 2 (flag)" in virtual and "num_kv_blocks 512 (recorded)" in virtual
     assert "max 2 running" in virtual
     replayed = _requests(out)
-    # Every request, with its recorded lengths, in arrival order, at half the spacing.
-    assert [(r[1], r[2]) for r in replayed] == [(r[1], r[2]) for r in recorded]
-    assert all(r[3] == "ok" for r in replayed)
+    # Every request, with its recorded lengths, in arrival order, at half the spacing; the
+    # client that hung up hangs up again, after the tokens it had.
+    assert [r[1] for r in replayed] == [r[1] for r in recorded]
+    assert [r[3] for r in replayed] == [r[3] for r in recorded]
+    for again, was in zip(replayed, recorded):
+        assert again[2] == was[2] if was[3] == "ok" else again[2] >= was[2]
+    # The slow reader reads slowly again: the server's writes wait on it, and on no one else.
+    waits = []
+    for db in (recording, out):
+        with open_db(db) as con:
+            waits.append(con.execute(
+                "SELECT output_tokens = 300, send_wait_ns FROM requests WHERE run_id = "
+                "(SELECT run_id FROM requests ORDER BY arrival_ns DESC LIMIT 1) AND status = 'ok'"
+            ).fetchall())  # fmt: skip
+    print(f"send waits, recorded and replayed (slow reader first): {waits}")
+    for rows in waits:
+        assert [w >= 10e6 for slow, w in sorted(rows, reverse=True)][:1] == [True]
+        assert all(w < 10e6 for slow, w in rows if not slow)
     gaps = [(b[0] - a[0]) / 1e9 for a, b in itertools.pairwise(recorded)]
     replay_gaps = [(b[0] - a[0]) / 1e9 for a, b in itertools.pairwise(replayed)]
     for g, rg in zip(gaps, replay_gaps):
@@ -109,7 +128,7 @@ def test_record_replay_report(
     spans = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert len(spans) == num_spans
     roots = {s["spanId"] for s in spans if s["name"] == "llm_request"}
-    assert len(roots) == 6
+    assert len(roots) == 7
     assert all(s["parentSpanId"] in roots for s in spans if s["name"] != "llm_request")
     # The recording against its replay, side by side.
     capsys.readouterr()
@@ -139,12 +158,12 @@ def test_replay_over_http(tmp_path: Path, tiny_model_path: Path, recording: Path
         args = ["run", str(recording), "--server", server.base_url, "--api-key", "k",
                 "--model", str(tiny_model_path), "--speed", "4"]  # fmt: skip
         assert main(args) == 0
-        wait_until(lambda: len(_requests(db)) == 6, 20)
+        wait_until(lambda: len(_requests(db)) == 7, 20)
     printed = capsys.readouterr().out
     print(printed)
     assert "0 failed" in printed and "client-side TTFT" in printed
-    recorded = [(r[1], r[2]) for r in _requests(recording) if r[3] != "error"]
-    assert [(r[1], r[2]) for r in _requests(db)] == recorded
+    recorded = [(r[1], r[3]) for r in _requests(recording) if r[3] != "error"]
+    assert [(r[1], r[3]) for r in _requests(db)] == recorded
 
 
 def test_validate_sets_virtual_against_real_against_recorded(

@@ -186,5 +186,6 @@ def replay_config(
         source = "flag" if name in given else "recorded" if name in recorded else "default"
         value = Path(value).name if name == "model" and value else value
         cells.append(f"{name} {'auto' if value is None else value} ({source})")
-    where = "recorded" if recorded else "no engine recorded (an imported trace)"
+    # An import records the block size of its hashes, and no engine.
+    where = "recorded" if "max_num_seqs" in recorded else "no engine recorded (an imported trace)"
     return config, f"engine configuration, {where}: " + ", ".join(cells)

@@ -225,18 +225,11 @@ async def run_replay_http(
 
 
 def run_replay_served(
-    db: str,
-    out: str,
-    config: EngineConfig,
-    *,
-    speed: float = 1.0,
-    limit: int | None = None,
-    run_id: str | None = None,
-    window: tuple[float, float] = (0.0, float("inf")),
-    progress: bool = True,
+    db: str, out: str, config: EngineConfig, **options: Any
 ) -> tuple[RunResult, dict[str, list[float]]]:
     """The replay through a real `lumen serve` that this starts with ``config`` (as the
-    recording's server ran) and stops when done; the server records it into ``out``."""
+    recording's server ran) and stops when done; the server records it into ``out``.
+    ``options``: run_replay_http's (speed, limit, run_id, window, progress)."""
     from engine.arg_utils import option_flags
     from replay.server import LumenServer
 
@@ -246,9 +239,8 @@ def run_replay_served(
         log = Path(tmp) / "serve.log"
         with LumenServer(model, *flags, log_path=log, trace_db=Path(out)) as server:
             result, client_s = asyncio.run(
-                run_replay_http(db, server.base_url, model=model, speed=speed, limit=limit,
-                                run_id=run_id, window=window, progress=progress)
-            )  # fmt: skip
+                run_replay_http(db, server.base_url, model=model, **options)
+            )
     with open_db(out, timeout=10) as con:
         result.run_id = latest_run(con)
     return result, client_s

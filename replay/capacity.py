@@ -64,9 +64,6 @@ class Capacity:
     recorded_rate: float
     measured: dict[float, dict[str, float]] = field(default_factory=dict)  # speed -> figures
 
-    def figures_at(self, speed: float) -> dict[str, float]:
-        return self.measured[speed]
-
 
 def meets(figures: dict[str, float], targets: list[Target]) -> bool:
     return all(figures[f"{t.metric}_{t.percentile}"] <= t.seconds for t in targets)

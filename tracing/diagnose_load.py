@@ -282,7 +282,11 @@ def fit_step_shape(prefill: np.ndarray, rows: np.ndarray, execute: np.ndarray) -
     first COLD_STEPS (None with fewer than MIN_FIT_STEPS).
 
     Least squares, then again without the steps it misses by more than 3 robust deviations
-    (a step slowed by contention or a pause must not set the price of a token); coefficients
+    (a step slowed by contention or a pause must not set the price of a token), except steps
+    that carried MIN_PRICED_PREFILL prefill tokens: in a run of decodes the few long prefills
+    are the only steps that price a prefill token, and the first fit (which the decodes
+    dominate) misses exactly them; dropped, every long prefill would read as contention.
+    Coefficients
     clipped at 0, and a prefill token never priced above a whole row (it is the same matmul
     work, batched). Where no step carried MIN_PRICED_PREFILL prefill tokens, or the price is
     within 3 standard errors of 0, a prefill token's own price cannot be told from noise: b is
@@ -293,18 +297,31 @@ def fit_step_shape(prefill: np.ndarray, rows: np.ndarray, execute: np.ndarray) -
         return None
     if x[:, 1].max() < MIN_PRICED_PREFILL:
         x[:, 1] = 0.0
-    coef = np.linalg.lstsq(x, y, rcond=None)[0]
+    coef = _nonnegative_fit(x, y)
     residual = y - x @ coef
     spread = 1.4826 * float(np.median(np.abs(residual - np.median(residual)))) or 1.0
-    keep = np.abs(residual) <= 3 * spread
+    keep = (np.abs(residual) <= 3 * spread) | (x[:, 1] >= MIN_PRICED_PREFILL)
     if keep.sum() >= MIN_FIT_STEPS:
         x, y = x[keep], y[keep]
-        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        coef = _nonnegative_fit(x, y)
     if not _beyond_noise(x, y, coef, 1):  # a price the steps cannot tell from noise: none
         x[:, 1] = 0.0
-        coef = np.linalg.lstsq(x, y, rcond=None)[0]
-    a, b, c = np.clip(coef, 0.0, None)
+        coef = _nonnegative_fit(x, y)
+    a, b, c = coef
     return np.array([a, min(b, c) if c > 0 else b, c])
+
+
+def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with no negative coefficient: a column whose coefficient comes out
+    negative is dropped and the rest refitted (clipping alone would leave the others fitted
+    against it: rows nearly constant across a run give a = 94 ms and c = -22 ms per row)."""
+    x = x.copy()
+    while True:
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        worst = int(np.argmin(coef))
+        if coef[worst] >= 0 or not x[:, worst].any():
+            return np.clip(coef, 0.0, None)
+        x[:, worst] = 0.0
 
 
 def _beyond_noise(x: np.ndarray, y: np.ndarray, coef: np.ndarray, i: int) -> bool:
@@ -321,7 +338,9 @@ def step_weights(steps: list[tuple[Any, ...]]) -> dict[str, float]:
     """What a step's execute time is made of (fit_step_shape on the run's busy steps). A
     request's share of a step is then its tokens at b against the whole, so a few prefill
     tokens in a step that is mostly fixed cost take little of it. No fit: plain token shares
-    (b = d = 1)."""
+    (b = d = 1), unless no step carried MIN_PRICED_PREFILL prefill tokens: then, as in the fit,
+    a prefill token cannot be priced and steps cost by their rows (a step slowed by contention
+    must not be blamed on the few prompt tokens it happened to carry)."""
     busy = [s for s in steps if not s[13] and s[4] is not None]
     coef = fit_step_shape(
         np.array([s[6] for s in busy]), np.array([s[15] for s in busy]),
@@ -329,6 +348,8 @@ def step_weights(steps: list[tuple[Any, ...]]) -> dict[str, float]:
     )  # fmt: skip
     if coef is not None and coef.sum() > 0:
         return {"a": float(coef[0]), "b": float(coef[1]), "c": float(coef[2]), "d": 0.0}
+    if max((s[6] or 0 for s in busy), default=0) < MIN_PRICED_PREFILL:
+        return {"a": 0.0, "b": 0.0, "c": 1.0, "d": 0.0}
     return {"a": 0.0, "b": 1.0, "c": 0.0, "d": 1.0}
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tracing.diagnose_load import COLD_STEPS, fit_step_shape
+from tracing.diagnose_load import COLD_STEPS, MIN_PRICED_PREFILL, fit_step_shape
 from tracing.diagnosis import (
     MIN_CAUSE_NS,
     MIN_CAUSE_SHARE,
@@ -125,7 +125,9 @@ def stall_steps(
 
     With the run's shape model, the prefill itself must account for the time (its tokens at
     the fitted cost per prefill token pass MIN_CAUSE_NS): a step slow for another reason is
-    an outlier, not a stall."""
+    an outlier, not a stall. Without one (too few steps), the prefill must at least be one a
+    fit could price (MIN_PRICED_PREFILL tokens): a few prompt tokens in a step slowed by
+    contention stall nothing."""
     decode_only = [s.execute_ns for s in busy if s.prefill_tokens == 0 and s.decode_tokens > 0]
     if not decode_only:
         return [], 0.0
@@ -137,7 +139,11 @@ def stall_steps(
         and s.decode_tokens
         and s.execute_ns >= MIN_CAUSE_NS
         and s.execute_ns >= STALL_FACTOR * typical
-        and (coef is None or coef[1] * s.prefill_tokens >= MIN_CAUSE_NS)
+        and (
+            s.prefill_tokens >= MIN_PRICED_PREFILL
+            if coef is None
+            else coef[1] * s.prefill_tokens >= MIN_CAUSE_NS
+        )
     ]
     return stalls, typical
 

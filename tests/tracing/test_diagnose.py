@@ -305,6 +305,54 @@ def test_long_prefill_stalls_decodes_and_the_neighbour_is_named(tmp_path: Path) 
     assert "queue" not in {f.part for f in run.findings}
 
 
+def test_two_long_prefills_among_many_decodes_are_priced_not_dropped(tmp_path: Path) -> None:
+    """A run of decodes with two steps of long prefill (as recorded: 1,900 tokens in one,
+    5,700 in the next): the fit misses both, and trimmed as outliers they would leave a
+    prefill token priced at 0 and both steps called contention."""
+    tr = Trace()
+    for i in range(4):
+        tr.request(f"d{i}", 0.0, prompt=8, output=80)
+    tr.step({f"d{i}": 8 for i in range(4)}, 8.0)
+    for k in range(30):
+        tr.step({f"d{i}": 1 for i in range(4)}, 6.0 + 0.4 * (k % 3))
+    tr.request("long-0", tr.now / MS - T0 / MS, prompt=1900, output=2)
+    tr.step({**{f"d{i}": 1 for i in range(4)}, "long-0": 1900}, 33.0)
+    for j in (1, 2, 3):
+        tr.request(f"long-{j}", tr.now / MS - T0 / MS, prompt=1900, output=2)
+    tr.step({**{r: 1 for r in tr.reqs if tr.reqs[r].status is None and tr.reqs[r].computed},
+             **{f"long-{j}": 1900 for j in (1, 2, 3)}}, 65.0)  # fmt: skip
+    k = 0
+    while any(r.status is None for r in tr.reqs.values()):
+        tr.step({r: 1 for r in tr.reqs if tr.reqs[r].status is None}, 6.0 + 0.4 * (k % 3))
+        k += 1
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    assert "stalled 4 decoding requests" in text, text
+    assert "expected for their shape" not in text, text
+
+
+def test_a_short_run_does_not_blame_a_few_prompt_tokens(tmp_path: Path) -> None:
+    """Too few steps for a fit, and one step slowed by contention that happened to carry four
+    4-token prompts beside a decode: not a prefill stall, not neighbours' prefill (seen in CI,
+    where parsing large bodies in the API process slowed the core's step)."""
+    tr = Trace()
+    tr.request("r0", 0.0, prompt=3, output=6)
+    tr.step({"r0": 3}, 150.0)
+    for i in range(1, 5):
+        tr.request(f"r{i}", 10.0, prompt=4, output=4)
+    tr.step({"r0": 1, **{f"r{i}": 4 for i in range(1, 5)}}, 130.0)
+    while any(r.status is None for r in tr.reqs.values()):
+        tr.step({rid: 1 for rid, r in tr.reqs.items() if r.status is None}, 20.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    assert len(run.steps) < 11  # no fit of the steps' shape: the fallback decides
+    named = {f.part for f in run.findings if f.kind in ("cause", "paid", "step")}
+    assert "neighbour_prefill" not in named, text
+    assert "stalled" not in text, text
+
+
 @pytest.mark.parametrize("core_id", ["long-1-0", "0_long-1"], ids=["child", "old-sample"])
 def test_a_sample_is_counted_as_its_request(tmp_path: Path, core_id: str) -> None:
     """The core runs sample 0 of an n > 1 request as "ID-0" (before: "0_ID")."""

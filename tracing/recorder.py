@@ -31,8 +31,11 @@ from tracing.ids import parse_traceparent
 from tracing.spans import (
     RequestTrace,
     StepVisit,
+    boundary_durations,
     build_request_row,
-    build_spans,
+    child_rows,
+    request_spans,
+    step_spans,
 )
 from tracing.store import TraceStore
 
@@ -257,20 +260,23 @@ class Tracer:
         for child_id in req.child_ids:
             self._by_child.pop(child_id, None)
         req.close(e.ns, e.http)
-        spans = build_spans(req, self.run_id)
+        spans, stored = request_spans(req, self.run_id)  # once: some ids are random
         if self.store is not None:
             row = build_request_row(
                 req, self.run_id, trace_prompts=self.config.trace_prompts,
                 block_size=self.block_size,
             )  # fmt: skip
-            self.store.add_all({"requests": [row], "spans": spans})  # whole, or not at all
+            self.store.add_all({  # whole, or not at all; per-step spans are the steps' rows
+                "requests": [row], "span_rows": stored,
+                "request_children": child_rows(req, self.run_id),
+            })  # fmt: skip
         if self.observe_boundary is not None:
-            for span in spans[1:]:
-                self.observe_boundary(span.name, (span.end_ns - span.start_ns) / 1e9)
+            for name, ns in boundary_durations(req):
+                self.observe_boundary(name, ns / 1e9)
         if self.observe_delivery is not None and req.last_token_ns:
             self.observe_delivery(max(0, req.last_delivered_ns - req.last_token_ns) / 1e9)
         if self.otlp is not None:
-            self.otlp.export(spans)
+            self.otlp.export([*spans, *step_spans(req, self.run_id)])
 
 
 def _step_row(run_id: str, s: Any) -> tuple[Any, ...]:
@@ -294,5 +300,5 @@ def _run_row(
         cfg = None
     return (
         run_id, time.time_ns(), info.model, info.version, info.max_model_len, info.num_kv_blocks,
-        info.block_size, cfg, config.trace_prompts,
+        info.block_size, cfg, config.trace_prompts, "steps",
     )  # fmt: skip

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
 
 from engine.messages import StepRecord
 from tracing.events import HttpFacts
@@ -105,6 +106,14 @@ class RequestTrace:
             self.pending_emits.clear()
 
     @property
+    def first_steps(self) -> dict[int, int]:
+        """Per sequence, when its first step began (its core.queue's end)."""
+        first: dict[int, int] = {}
+        for v in self.visits:
+            first.setdefault(v.seq, v.step.schedule_start_ns)
+        return first
+
+    @property
     def start_ns(self) -> int:
         """Where the recorded life starts: the first byte read, else the arrival."""
         return min(self.http_start_ns or self.arrival_ns, self.arrival_ns)
@@ -136,38 +145,95 @@ class RequestTrace:
         self.finished_ns = max(self.finished_ns, ns)
 
 
-def build_spans(req: RequestTrace, run_id: str) -> list[Span]:
-    """The request's spans, root first."""
+# Boundaries numbered as in their span ids (span_id_of) and the spans view.
+BOUNDARY_CODES = {
+    "core.schedule": 1, "worker.execute": 2, "core.output": 3, "frontend.emit": 4,
+    "frontend.enqueue": 5, "core.receive": 6, "core.queue": 7,
+}  # fmt: skip
+
+
+def span_id_of(root_span_id: str, name: str, step_id: int = -1, seq: int = 0) -> str:
+    """A span's id: its root's XOR (step id + 1, sequence, boundary). The store keeps no row
+    for it (store.SPANS_VIEW derives the same id), so OTLP and SQL agree without storing 8
+    random bytes per span."""
+    mix = ((step_id + 1) << 16) | (seq << 4) | BOUNDARY_CODES[name]
+    return format(int(root_span_id, 16) ^ mix, "016x")
+
+
+def request_spans(req: RequestTrace, run_id: str) -> tuple[list[Span], list[Span]]:
+    """The request's own spans (the root, frontend.enqueue, per sequence core.receive and
+    core.queue), and those of them the store keeps as rows: the per-sequence ones of a request
+    that ran as several (the view derives the rest from the request row)."""
     rows: list[Span] = []
+    stored: list[Span] = []
     trace_id, root, rid = req.trace_id, req.root_span_id, req.request_id
     multi = len(req.child_ids) > 1
 
-    def add(name: str, start: int, end: int, step: int | None, attrs: dict[str, Any]) -> None:
-        rows.append(Span(run_id, rid, trace_id, new_span_id(), root, name, start,
-                         max(start, end), step, _encode(attrs).decode()))  # fmt: skip
+    def add(name: str, start: int, end: int, seq: int | None = None) -> None:
+        if seq is None:
+            span_id, attrs = span_id_of(root, name), "{}"
+        else:
+            span_id, attrs = new_span_id(), _encode({"seq": seq}).decode()
+        span = Span(run_id, rid, trace_id, span_id, root, name, start, max(start, end), None,
+                    attrs)  # fmt: skip
+        rows.append(span)
+        if seq is not None:
+            stored.append(span)
 
     end = max(req.finished_ns, req.arrival_ns)
     rows.append(Span(run_id, rid, trace_id, root, req.parent_span_id, ROOT, req.start_ns, end,
                      None, _encode(root_attributes(req)).decode()))  # fmt: skip
-    add("frontend.enqueue", req.arrival_ns, req.sent_ns or end, None, {})
+    add("frontend.enqueue", req.arrival_ns, req.sent_ns or end)
     for seq, received in sorted(req.received_ns.items()):
-        add("core.receive", req.sent_ns or received, received, None, {"seq": seq} if multi else {})
-    first_seen: set[int] = set()
+        add("core.receive", req.sent_ns or received, received, seq if multi else None)
+    for seq, first in sorted(req.first_steps.items()):
+        received = req.received_ns.get(seq, first)
+        add("core.queue", received, first, seq if multi else None)
+    return rows, stored
+
+
+def step_spans(req: RequestTrace, run_id: str) -> list[Span]:
+    """The per-step spans (for OTLP; the store derives them: store.SPANS_VIEW)."""
+    rows: list[Span] = []
+    trace_id, root, rid = req.trace_id, req.root_span_id, req.request_id
+    multi = len(req.child_ids) > 1
+
+    def add(name: str, start: int, end: int, step: int, seq: int, attrs: str) -> None:
+        rows.append(Span(run_id, rid, trace_id, span_id_of(root, name, step, seq), root, name,
+                         start, max(start, end), step, attrs))  # fmt: skip
+
     for v in req.visits:
-        attrs: dict[str, Any] = {"tokens": v.num_tokens}
-        if multi:
-            attrs["seq"] = v.seq
         s = v.step
-        if v.seq not in first_seen:
-            first_seen.add(v.seq)
-            received = req.received_ns.get(v.seq, s.schedule_start_ns)
-            add("core.queue", received, s.schedule_start_ns, None, {"seq": v.seq} if multi else {})
-        add("core.schedule", s.schedule_start_ns, s.schedule_end_ns, s.step_id, attrs)
-        add("worker.execute", s.execute_start_ns, s.execute_end_ns, s.step_id, attrs)
-        add("core.output", s.execute_end_ns, s.output_ns, s.step_id, attrs)
+        attrs = {"tokens": v.num_tokens, "seq": v.seq} if multi else {"tokens": v.num_tokens}
+        text = _encode(attrs).decode()
+        add("core.schedule", s.schedule_start_ns, s.schedule_end_ns, s.step_id, v.seq, text)
+        add("worker.execute", s.execute_start_ns, s.execute_end_ns, s.step_id, v.seq, text)
+        add("core.output", s.execute_end_ns, s.output_ns, s.step_id, v.seq, text)
     for step, recv, delivered in req.emits:
-        add("frontend.emit", recv, delivered, step, {})
+        add("frontend.emit", recv, delivered, step, 0, "{}")
     return rows
+
+
+def build_spans(req: RequestTrace, run_id: str) -> list[Span]:
+    """Every span of the request, root first."""
+    return [*request_spans(req, run_id)[0], *step_spans(req, run_id)]
+
+
+def boundary_durations(req: RequestTrace) -> list[tuple[str, int]]:
+    """(boundary, ns) for each span but the root, without building the spans."""
+    out = [("frontend.enqueue", max(0, (req.sent_ns or req.finished_ns) - req.arrival_ns))]
+    out += [("core.receive", max(0, r - (req.sent_ns or r))) for r in req.received_ns.values()]
+    out += [
+        ("core.queue", max(0, first - req.received_ns.get(seq, first)))
+        for seq, first in req.first_steps.items()
+    ]
+    for v in req.visits:
+        s = v.step
+        out.append(("core.schedule", max(0, s.schedule_end_ns - s.schedule_start_ns)))
+        out.append(("worker.execute", max(0, s.execute_end_ns - s.execute_start_ns)))
+        out.append(("core.output", max(0, s.output_ns - s.execute_end_ns)))
+    out += [("frontend.emit", max(0, delivered - recv)) for _, recv, delivered in req.emits]
+    return out
 
 
 def root_attributes(req: RequestTrace) -> dict[str, Any]:
@@ -211,6 +277,7 @@ def build_request_row(
     received = min(req.received_ns.values(), default=0)
     http = req.http or HttpFacts()
     first_delivered = req.first_delivered_ns
+    first_step = req.visits[0].step.step_id if req.visits else None
     hashes = tokens = None
     if trace_prompts == "hashes" and req.prompt_token_ids:
         hashes = block_hashes(req.prompt_token_ids, block_size)
@@ -254,7 +321,34 @@ def build_request_row(
         http.send_wait_ns if req.http is not None else None,
         http.bytes_sent if req.http is not None else None,
         req.kv_freed_ns or None,
+        req.parent_span_id,
+        first_step,
+        req.visits[-1].step.step_id if req.visits else None,
+        *_emit_lists(req, first_step or 0),
     )
+
+
+def _emit_lists(req: RequestTrace, first_step: int) -> tuple[Any, Any, Any]:
+    """The emits as store.REQUEST_COLUMNS keeps them: step deltas, received deltas (us, the
+    first after the arrival) and delivery times (us)."""
+    if not req.emits:
+        return None, None, None
+    steps, received, delivered = (np.array(c, dtype=np.int64) for c in zip(*req.emits))
+    received_us = received // 1000
+    return (
+        np.diff(steps, prepend=first_step).tolist(),
+        np.diff(received_us, prepend=req.arrival_ns // 1000).tolist(),
+        ((delivered - received) // 1000).tolist(),
+    )
+
+
+def child_rows(req: RequestTrace, run_id: str) -> list[tuple[Any, ...]]:
+    """request_children rows: the core ids that are not the request id itself."""
+    return [
+        (run_id, child, req.request_id, seq)
+        for seq, child in enumerate(req.child_ids)
+        if child != req.request_id
+    ]
 
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[int]:

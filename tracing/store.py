@@ -27,6 +27,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+BLOCK_SIZE = 65536  # bytes per storage block of a store this writer creates (16 and 32 KiB
+# blocks store integers uncompressed in DuckDB 2.0)
 
 REQUEST_COLUMNS = {
     "run_id": "VARCHAR",
@@ -68,6 +70,15 @@ REQUEST_COLUMNS = {
     "send_wait_ns": "BIGINT",  # summed time the server's writes waited for the client's socket
     "bytes_sent": "BIGINT",
     "kv_freed_ns": "BIGINT",  # the core freed its KV blocks (finish, abort or error)
+    # Migration 3: the first and last step the trace writer saw it in (the spans view derives
+    # the steps between), and each output step's frontend.emit, together and small (integers
+    # that bit-pack to a few bits each; the spans view adds them back up):
+    "parent_span_id": "VARCHAR",  # the root span's parent (an incoming traceparent)
+    "first_step_id": "BIGINT",
+    "last_step_id": "BIGINT",
+    "emit_step_deltas": "INTEGER[]",  # the emit's step, after the previous (first_step_id)
+    "emit_received_us": "BIGINT[]",  # the frontend received it, us after the previous (arrival)
+    "emit_delivery_us": "INTEGER[]",  # from received to delivered to the caller, us
 }
 SPAN_COLUMNS = {
     "run_id": "VARCHAR",
@@ -122,6 +133,17 @@ RUN_COLUMNS = {
     "block_size": "INTEGER",
     "engine_config": "JSON",
     "trace_prompts": "VARCHAR",
+    # Migration 3. "steps": the run's per-step spans live in steps and requests.emit_*, and the
+    # spans view derives them; NULL: every span is a row of span_rows (runs recorded before).
+    "span_layout": "VARCHAR",
+}
+# Migration 3: the core ids of a request that ran as several ("ID-i": prompts and samples),
+# so that the steps table's request_ids map to requests. A lone core id is the request id.
+CHILD_COLUMNS = {
+    "run_id": "VARCHAR",
+    "core_id": "VARCHAR",
+    "request_id": "VARCHAR",
+    "seq": "INTEGER",
 }
 PAUSE_COLUMNS = {
     "run_id": "VARCHAR",
@@ -134,14 +156,28 @@ PAUSE_COLUMNS = {
 TABLES = {
     "runs": RUN_COLUMNS,
     "requests": REQUEST_COLUMNS,
-    "spans": SPAN_COLUMNS,
+    "span_rows": SPAN_COLUMNS,  # the spans stored as rows; users query the spans view
     "steps": STEP_COLUMNS,
     "pauses": PAUSE_COLUMNS,
+    "request_children": CHILD_COLUMNS,
 }
+
+
+def _from(columns: dict[str, str], first: str, last: str | None = None) -> list[str]:
+    names = list(columns)
+    return names[names.index(first) : names.index(last) + 1 if last else None]
+
+
 # Columns each migration added to a table that existed before it (so migrations stay replayable).
-_ADDED_IN_2 = {
-    "requests": list(REQUEST_COLUMNS)[list(REQUEST_COLUMNS).index("http_start_ns") :],
-    "steps": list(STEP_COLUMNS)[list(STEP_COLUMNS).index("update_end_ns") :],
+_ADDED_IN = {
+    2: {
+        "requests": _from(REQUEST_COLUMNS, "http_start_ns", "kv_freed_ns"),
+        "steps": _from(STEP_COLUMNS, "update_end_ns"),
+    },
+    3: {
+        "requests": _from(REQUEST_COLUMNS, "parent_span_id"),
+        "runs": _from(RUN_COLUMNS, "span_layout"),
+    },
 }
 
 
@@ -159,23 +195,124 @@ def _create(table: str) -> str:
 
 
 def _m001_initial(con: duckdb.DuckDBPyConnection) -> None:
-    for table in ("runs", "requests", "spans", "steps"):
-        added = _ADDED_IN_2.get(table, [])
-        cols = ", ".join(f"{n} {t}" for n, t in TABLES[table].items() if n not in added)
-        con.execute(f"CREATE TABLE {table} ({cols})")
+    for table, name in (("runs", "runs"), ("requests", "requests"), ("span_rows", "spans"),
+                        ("steps", "steps")):  # fmt: skip
+        later = {n for added in _ADDED_IN.values() for n in added.get(table, [])}
+        cols = ", ".join(f"{n} {t}" for n, t in TABLES[table].items() if n not in later)
+        con.execute(f"CREATE TABLE {name} ({cols})")
+
+
+def _add_columns(con: duckdb.DuckDBPyConnection, version: int) -> None:
+    for table, names in _ADDED_IN[version].items():
+        for name in names:
+            con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {TABLES[table][name]}")
 
 
 def _m002_whole_life(con: duckdb.DuckDBPyConnection) -> None:
-    for table, names in _ADDED_IN_2.items():
-        for name in names:
-            con.execute(f"ALTER TABLE {table} ADD COLUMN {name} {TABLES[table][name]}")
+    _add_columns(con, 2)
     con.execute(_create("pauses"))
+
+
+def _m003_compact(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute("ALTER TABLE spans RENAME TO span_rows")
+    _add_columns(con, 3)
+    con.execute(_create("request_children"))
+    con.execute(SPANS_VIEW)
+
+
+# The spans users query (DESIGN §3): the stored rows, and for runs with span_layout 'steps' the
+# spans derived from the request rows (llm_request, frontend.enqueue, and core.receive and
+# core.queue of a request that ran as one sequence; a request of several keeps those as rows),
+# from the steps each request took part in (core.schedule, worker.execute, core.output) and from
+# its emit_* lists (frontend.emit). A derived span's id is its request's root span id XOR (step
+# id + 1, sequence, boundary): the ids OTLP exports (tracing.spans.span_id_of).
+SPANS_VIEW = """
+CREATE VIEW spans AS
+SELECT * FROM span_rows
+UNION ALL
+SELECT r.run_id, r.request_id, r.trace_id,
+    CASE b.code WHEN 0 THEN r.root_span_id
+        ELSE format('{:016x}', xor(('0x' || r.root_span_id)::UBIGINT, b.code::UBIGINT)) END,
+    CASE b.code WHEN 0 THEN r.parent_span_id ELSE r.root_span_id END,
+    b.name,
+    CASE b.code WHEN 0 THEN least(coalesce(r.http_start_ns, r.arrival_ns), r.arrival_ns)
+        WHEN 5 THEN r.arrival_ns WHEN 6 THEN coalesce(r.sent_ns, r.received_ns)
+        ELSE coalesce(r.received_ns, r.first_scheduled_ns) END,
+    CASE b.code WHEN 0 THEN r.arrival_ns + r.e2e_ns
+        WHEN 5 THEN greatest(coalesce(r.sent_ns, r.arrival_ns + r.e2e_ns), r.arrival_ns)
+        WHEN 6 THEN greatest(r.received_ns, coalesce(r.sent_ns, r.received_ns))
+        ELSE greatest(r.first_scheduled_ns, coalesce(r.received_ns, r.first_scheduled_ns)) END,
+    NULL,
+    CASE b.code WHEN 0 THEN json_object(
+        'gen_ai.request.id', r.request_id, 'gen_ai.response.model', r.model,
+        'gen_ai.usage.prompt_tokens', r.prompt_tokens,
+        'gen_ai.usage.completion_tokens', r.output_tokens,
+        'gen_ai.latency.e2e', r.e2e_ns / 1e9, 'lumen.endpoint', r.endpoint,
+        'lumen.status', r.status, 'lumen.stream', r.stream,
+        'gen_ai.response.finish_reasons', CASE WHEN r.finish_reason IS NOT NULL
+            THEN [r.finish_reason] END,
+        'gen_ai.latency.time_to_first_token', r.ttft_ns / 1e9,
+        'lumen.delivered_ttft', CASE WHEN r.stream THEN r.delivered_ttft_ns / 1e9 END,
+        -- params omit SamplingParams' defaults
+        'gen_ai.request.max_tokens', coalesce(r.params->'max_tokens', '16'::JSON),
+        'gen_ai.request.temperature', coalesce(r.params->'temperature', '1.0'::JSON),
+        'gen_ai.request.top_p', coalesce(r.params->'top_p', '1.0'::JSON),
+        'gen_ai.request.n', coalesce(r.params->'n', '1'::JSON),
+        'lumen.client_request_id', r.client_request_id, 'lumen.error', r.error)::VARCHAR
+    ELSE '{}' END
+FROM requests r JOIN runs USING (run_id)
+CROSS JOIN (VALUES (0, 'llm_request'), (5, 'frontend.enqueue'), (6, 'core.receive'),
+    (7, 'core.queue')) b(code, name)
+WHERE runs.span_layout = 'steps' AND (b.code IN (0, 5) OR (
+    CASE b.code WHEN 6 THEN r.received_ns ELSE r.first_scheduled_ns END IS NOT NULL
+    AND NOT EXISTS (SELECT 1 FROM request_children c
+                    WHERE c.run_id = r.run_id AND c.request_id = r.request_id)))
+UNION ALL
+SELECT r.run_id, r.request_id, r.trace_id,
+    format('{:016x}', xor(('0x' || r.root_span_id)::UBIGINT,
+        ((m.step_id + 1)::UBIGINT << 16) | (coalesce(c.seq, 0)::UBIGINT << 4) | b.code)),
+    r.root_span_id, b.name,
+    CASE b.code WHEN 1 THEN m.schedule_start_ns WHEN 2 THEN m.execute_start_ns
+        ELSE m.execute_end_ns END,
+    CASE b.code WHEN 1 THEN m.schedule_end_ns WHEN 2 THEN m.execute_end_ns
+        ELSE greatest(m.output_ns, m.execute_end_ns) END,
+    m.step_id,
+    CASE WHEN c.seq IS NULL THEN json_object('tokens', m.tokens)
+        ELSE json_object('tokens', m.tokens, 'seq', c.seq) END
+FROM (
+    SELECT s.*, unnest(s.request_ids) AS core_id, unnest(s.num_scheduled) AS tokens
+    FROM steps s JOIN runs USING (run_id) WHERE runs.span_layout = 'steps'
+) m
+LEFT JOIN request_children c ON c.run_id = m.run_id AND c.core_id = m.core_id
+JOIN requests r ON r.run_id = m.run_id AND r.request_id = coalesce(c.request_id, m.core_id)
+    AND m.step_id BETWEEN r.first_step_id AND r.last_step_id
+CROSS JOIN (VALUES (1, 'core.schedule'), (2, 'worker.execute'), (3, 'core.output')) b(code, name)
+UNION ALL
+SELECT e.run_id, e.request_id, e.trace_id,
+    format('{:016x}', xor(('0x' || e.root_span_id)::UBIGINT,
+        ((e.step + 1)::UBIGINT << 16) | 4::UBIGINT)),
+    e.root_span_id, 'frontend.emit', e.received, e.received + e.delivery, e.step, '{}'
+FROM (
+    SELECT run_id, request_id, trace_id, root_span_id,
+        (coalesce(first_step_id, 0) + sum(ds) OVER w)::BIGINT AS step,
+        ((arrival_ns // 1000 + sum(dr) OVER w) * 1000)::BIGINT AS received,
+        greatest(dd, 0)::BIGINT * 1000 AS delivery
+    FROM (
+        SELECT run_id, request_id, trace_id, root_span_id, first_step_id, arrival_ns,
+            unnest(emit_step_deltas) AS ds, unnest(emit_received_us) AS dr,
+            unnest(emit_delivery_us) AS dd, generate_subscripts(emit_step_deltas, 1) AS i
+        FROM requests WHERE emit_step_deltas IS NOT NULL
+    )
+    WINDOW w AS (PARTITION BY run_id, request_id ORDER BY i)
+) e
+"""
 
 
 # Ordered; each runs once per file, recorded in schema_migrations.
 MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] = [
     (1, "runs, requests, spans and steps", _m001_initial),
     (2, "a request's whole life, KV frees, idle steps and pauses", _m002_whole_life),
+    (3, "per-step facts once per step, emits in the request row: spans a view", _m003_compact),
 ]
 
 
@@ -242,6 +379,8 @@ class TraceStore:
 
     def _migrate(self, timeout: float = 30.0) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.exists():
+            _create_file(self.path)
         with open_db(self.path, read_only=False, timeout=timeout) as con:
             migrate(con)
         self._migrated = True
@@ -297,6 +436,18 @@ class TraceStore:
 
     def close(self) -> None:
         self._con.close()
+
+
+def _create_file(path: Path) -> None:
+    """A new store in BLOCK_SIZE blocks: DuckDB's default 256 KiB blocks, several of them
+    partly used per table and column, cost a short run more than its rows do (`lumen bench
+    overhead`'s 49,152 tokens: 4.0 MiB at 256 KiB, 1.3 MiB at 64 KiB)."""
+    con = duckdb.connect(":memory:")
+    try:
+        con.execute(f"ATTACH ? AS new_store (BLOCK_SIZE {BLOCK_SIZE})", [str(path)])
+        con.execute("DETACH new_store")
+    finally:
+        con.close()
 
 
 def _while_locked(action: Callable[[], T], timeout: float) -> T:

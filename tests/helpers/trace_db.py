@@ -63,7 +63,7 @@ def _spans(rid: str) -> list[tuple[Any, ...]]:
                 ("frontend.emit", start + 2 + execute_ms, start + 3 + execute_ms, step_id),
             ]
     return [
-        row("spans", run_id=RUN, request_id=rid, trace_id=f"{rid:0>32}",
+        row("span_rows", run_id=RUN, request_id=rid, trace_id=f"{rid:0>32}",
             span_id=f"{rid}{i:014x}", parent_span_id=None if name == "llm_request" else f"{rid}0",
             name=name, start_ns=T0 + a * MS, end_ns=T0 + b * MS, step_id=step, attributes="{}")
         for i, (name, a, b, step) in enumerate(spans)
@@ -78,7 +78,7 @@ def build_trace_db(path: Path, *, with_pauses: bool = True) -> Path:
             output_tokens=o, status="ok", ttft_ns=ttft * MS, e2e_ns=e2e * MS)
         for rid, (a, p, o, ttft, e2e) in REQUESTS.items()
     ])  # fmt: skip
-    store.add("spans", [s for rid in REQUESTS for s in _spans(rid)])
+    store.add("span_rows", [s for rid in REQUESTS for s in _spans(rid)])
     store.add("steps", [_step_row(*s) for s in STEPS])
     if with_pauses:
         store.add("pauses", [

@@ -34,10 +34,34 @@ def test_migrations_run_once(tmp_path: Path) -> None:
     assert {"runs", "requests", "spans", "steps"} <= tables
 
 
+def test_an_old_file_migrates_and_keeps_its_spans(tmp_path: Path) -> None:
+    """A store written before migration 3 (spans a table) opens at 3: its span rows are in the
+    spans view, alongside what a new run writes."""
+    import duckdb
+
+    db = tmp_path / "old.db"
+    con = duckdb.connect(str(db))
+    con.execute("CREATE TABLE schema_migrations (version INTEGER, name VARCHAR, applied_ns BIGINT)")
+    for version, name, apply in MIGRATIONS[:2]:
+        apply(con)
+        con.execute("INSERT INTO schema_migrations VALUES (?, ?, 0)", [version, name])
+    con.executemany("INSERT INTO spans VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [_span(i) for i in range(3)])  # fmt: skip
+    con.close()
+    TraceStore(db)
+    with open_db(db) as con:
+        assert con.execute("SELECT max(version) FROM schema_migrations").fetchone() == (3,)
+        assert con.execute("SELECT count(*) FROM spans").fetchone() == (3,)
+        kind = con.execute(
+            "SELECT table_type FROM information_schema.tables WHERE table_name = 'spans'"
+        ).fetchone()
+    assert kind == ("VIEW",)
+
+
 def test_a_reader_in_another_process_defers_a_flush_without_losing_rows(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     store = TraceStore(db)
-    store.add("spans", [_span(i) for i in range(100)])
+    store.add("span_rows", [_span(i) for i in range(100)])
     reader = subprocess.Popen(
         [sys.executable, "-c", HOLD, str(db), "1.5"], stdout=subprocess.PIPE, text=True
     )
@@ -47,7 +71,7 @@ def test_a_reader_in_another_process_defers_a_flush_without_losing_rows(tmp_path
     print(f"\nbusy flush gave up after {(time.monotonic() - start) * 1000:.0f} ms")
     assert time.monotonic() - start < 1.0
     reader.wait()
-    store.add("spans", [_span(i) for i in range(100, 150)])
+    store.add("span_rows", [_span(i) for i in range(100, 150)])
     assert store.flush() is True
     with open_db(db) as con:
         assert con.execute("SELECT count(*) FROM spans").fetchone() == (150,)
@@ -56,8 +80,8 @@ def test_a_reader_in_another_process_defers_a_flush_without_losing_rows(tmp_path
 
 def test_a_full_buffer_drops_and_counts(tmp_path: Path) -> None:
     store = TraceStore(tmp_path / "t.db", max_buffered_rows=10)
-    store.add("spans", [_span(i) for i in range(8)])
-    store.add("spans", [_span(i) for i in range(8, 16)])  # would overflow: dropped whole
+    store.add("span_rows", [_span(i) for i in range(8)])
+    store.add("span_rows", [_span(i) for i in range(8, 16)])  # would overflow: dropped whole
     assert store.num_dropped_rows == 8
     assert store.flush()
     with open_db(tmp_path / "t.db") as con:

@@ -1,0 +1,316 @@
+"""lumen bench overhead: what the serving stack costs per token, with a model that costs nothing.
+
+The tiny random Llama (2 layers, hidden 64: bench.tiny_model, as in the test suite) is served
+by `lumen serve` with tracing on (the default trace db), by `lumen serve --no-trace-db`, and by
+`transformers serve --continuous-batching`. Each gets the same closed-loop streaming load at
+each level of concurrent streams, levels interleaved across the servers. Per server and level:
+delivered tokens per second, and CPU per delivered token of the server (all its processes,
+from /proc through psutil) and of this client (a raw-socket HTTP/1.1 client, as light as one
+gets in Python: on 2 cores it competes with the server). At the end the traced server's trace
+db, checkpointed, in bytes per generated token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench.common import check_json_path, machine, parse_ints, print_table, write_json
+from bench.server import LumenServer, TransformersServer
+
+PROMPT = "Write a long story about a lighthouse keeper and the sea."
+
+
+def add_parser(verbs: argparse._SubParsersAction) -> None:
+    p = verbs.add_parser(
+        "overhead",
+        help="server CPU per token and tokens/s with a model that costs nothing, against "
+        "transformers serve",
+    )
+    p.add_argument("--streams", default="16,64,256", help="concurrent streams, per level")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request")
+    p.add_argument("--tokens-per-level", type=int, default=16384,
+                   help="tokens each server generates per level (rounded up to whole requests "
+                        "per stream)")  # fmt: skip
+    p.add_argument("--rounds", type=int, default=1, help="times each level is run per server")
+    p.add_argument("--skip-hf", action="store_true", help="no transformers serve baseline")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Level:
+    system: str
+    streams: int
+    seconds: float
+    tokens: int
+    requests: int
+    errors: list[str]
+    server_cpu_s: float
+    client_cpu_s: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        per = max(self.tokens, 1)
+        return {
+            "system": self.system,
+            "streams": self.streams,
+            "seconds": self.seconds,
+            "tokens": self.tokens,
+            "requests": self.requests,
+            "errors": len(self.errors),
+            "tok_s": self.tokens / self.seconds if self.seconds else math.nan,
+            "server_cpu_us_per_token": self.server_cpu_s / per * 1e6,
+            "client_cpu_us_per_token": self.client_cpu_s / per * 1e6,
+        }
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process and every live descendant."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class _Stream:
+    """One keep-alive HTTP/1.1 connection issuing streamed chats one after another."""
+
+    def __init__(self, port: int, body: dict[str, Any]) -> None:
+        self.port = port
+        payload = json.dumps(body).encode()
+        self.request = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+            + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def one(self) -> tuple[int, str | None]:
+        """Tokens delivered (the usage chunk's count, else content chunks) and an error."""
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        reader, writer = self.reader, self.writer
+        assert reader is not None
+        writer.write(self.request)
+        status = await reader.readline()
+        headers: dict[bytes, bytes] = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower()] = value.strip().lower()
+        if headers.get(b"transfer-encoding") == b"chunked":
+            body = await _chunked(reader)
+        elif b"content-length" in headers:
+            body = await reader.readexactly(int(headers[b"content-length"]))
+        else:
+            body = await reader.read()
+        if headers.get(b"connection") == b"close" or (
+            b"content-length" not in headers and (headers.get(b"transfer-encoding") != b"chunked")
+        ):
+            writer.close()
+        if b" 200 " not in status:
+            return 0, f"{status.decode().strip()}: {body[:200]!r}"
+        content, usage = 0, None
+        for event in body.split(b"\n\n"):
+            if not event.startswith(b"data: {"):
+                continue
+            if b'"usage":{' in event:
+                usage = json.loads(event[6:])["usage"]["completion_tokens"]
+            if b'"content":"' in event and b'"content":""' not in event:
+                content += 1
+        return (usage if usage is not None else content), None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def _chunked(reader: asyncio.StreamReader) -> bytes:
+    parts = []
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            await reader.readline()
+            return b"".join(parts)
+        parts.append(await reader.readexactly(size))
+        await reader.readline()
+
+
+async def _load(port: int, body: dict[str, Any], streams: int, per_stream: int):
+    async def stream(k: int) -> tuple[int, list[str]]:
+        conn = _Stream(port, body)
+        tokens, errors = 0, []
+        try:
+            for _ in range(per_stream):
+                n, error = await conn.one()
+                tokens += n
+                if error:
+                    errors.append(error)
+        finally:
+            conn.close()
+        return tokens, errors
+
+    t0 = time.perf_counter()
+    done = await asyncio.gather(*(stream(k) for k in range(streams)))
+    return time.perf_counter() - t0, sum(t for t, _ in done), [e for _, es in done for e in es]
+
+
+def _body(server: LumenServer, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if isinstance(server, TransformersServer):
+        body["model"] = server.model
+        body["generation_config"] = json.dumps({"do_sample": False, "eos_token_id": -1})
+    else:
+        body["ignore_eos"] = True
+    return body
+
+
+def measure(
+    name: str, server: LumenServer, streams: int, per_stream: int, max_tokens: int
+) -> Level:
+    body = _body(server, max_tokens)
+    cpu0, client0 = tree_cpu_seconds(server.proc.pid), time.process_time()
+    seconds, tokens, errors = asyncio.run(_load(server.port, body, streams, per_stream))
+    return Level(
+        name, streams, seconds, tokens, streams * per_stream, errors,
+        tree_cpu_seconds(server.proc.pid) - cpu0, time.process_time() - client0,
+    )  # fmt: skip
+
+
+def store_bytes_per_token(trace_db: Path) -> dict[str, float]:
+    """The trace db after a checkpoint: bytes, generated tokens, and the ratio."""
+    import duckdb
+
+    con = duckdb.connect(str(trace_db))
+    try:
+        con.execute("CHECKPOINT")
+        tokens = con.execute("SELECT coalesce(sum(output_tokens), 0) FROM requests").fetchone()[0]
+    finally:
+        con.close()
+    size = trace_db.stat().st_size
+    return {"bytes": size, "tokens": int(tokens), "bytes_per_token": size / max(tokens, 1)}
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.tiny_model import build_tiny_llama
+    from engine.model_files import resolve_model
+
+    levels = parse_ints(args.streams, "--streams")
+    if min(args.max_tokens, args.tokens_per_level, args.rounds) < 1:
+        raise ValueError("--max-tokens, --tokens-per-level and --rounds must be >= 1")
+    check_json_path(args.json)
+    results: list[Level] = []
+    with tempfile.TemporaryDirectory(prefix="lumen-overhead-") as tmp_dir:
+        tmp = Path(tmp_dir)
+        model = build_tiny_llama(tmp / "tiny-llama", resolve_model(None))
+        top = str(max(levels))
+        common = ("--max-num-seqs", top, "--max-concurrent-requests", str(4 * max(levels)))
+        servers: list[tuple[str, LumenServer]] = []
+        try:
+            servers.append(
+                (
+                    "lumen (traced)",
+                    LumenServer(
+                        model, *common, log_path=tmp / "traced.log", trace_db=tmp / "trace.db"
+                    ),
+                )
+            )
+            servers.append(("lumen (no trace db)", LumenServer(
+                model, *common, "--no-trace-db", log_path=tmp / "untraced.log")))  # fmt: skip
+            if not args.skip_hf:
+                servers.append(("transformers serve", TransformersServer(
+                    model, log_path=tmp / "hf.log")))  # fmt: skip
+            for _, server in servers:  # the first requests pay one-off costs
+                asyncio.run(_load(server.port, _body(server, 8), 4, 1))
+            for _ in range(args.rounds):
+                for streams in levels:
+                    per_stream = math.ceil(args.tokens_per_level / (streams * args.max_tokens))
+                    for name, server in servers:
+                        level = measure(name, server, streams, per_stream, args.max_tokens)
+                        results.append(level)
+                        s = level.summary()
+                        print(f"  {name}, {streams} streams: {s['tok_s']:,.0f} tok/s, server "
+                              f"{s['server_cpu_us_per_token']:.0f} us/token, client "
+                              f"{s['client_cpu_us_per_token']:.0f} us/token, "
+                              f"errors {s['errors']}", flush=True)  # fmt: skip
+                        if level.errors:
+                            print(f"    first error: {level.errors[0]}")
+        finally:
+            for _, server in servers:
+                server.stop()
+        store = store_bytes_per_token(tmp / "trace.db")
+    summaries = [r.summary() for r in results]
+    _print(summaries, store)
+    ratios = _ratios(summaries, levels)
+    for key, value in ratios.items():
+        print(f"{key}: {value:.3f}")
+    write_json(args.json, {"max_tokens": args.max_tokens, "levels": summaries, "store": store,
+                           **ratios, "machine": machine()})  # fmt: skip
+    return 0
+
+
+def _median_by(summaries: list[dict[str, Any]], key: str) -> dict[tuple[str, int], float]:
+    import statistics
+
+    groups: dict[tuple[str, int], list[float]] = {}
+    for s in summaries:
+        groups.setdefault((s["system"], s["streams"]), []).append(s[key])
+    return {k: statistics.median(v) for k, v in groups.items()}
+
+
+def _print(summaries: list[dict[str, Any]], store: dict[str, float]) -> None:
+    tok = _median_by(summaries, "tok_s")
+    cpu = _median_by(summaries, "server_cpu_us_per_token")
+    client = _median_by(summaries, "client_cpu_us_per_token")
+    rows = [
+        [system, str(streams), f"{tok[system, streams]:,.0f}", f"{cpu[system, streams]:.0f}",
+         f"{client[system, streams]:.0f}"]
+        for system, streams in tok
+    ]  # fmt: skip
+    print()
+    print_table(["server", "streams", "tok/s", "server us/token", "client us/token"], rows)
+    print(f"trace db: {store['bytes']:,} bytes for {store['tokens']:,} generated tokens, "
+          f"{store['bytes_per_token']:.1f} bytes per token (after a checkpoint)")  # fmt: skip
+
+
+def _ratios(summaries: list[dict[str, Any]], levels: list[int]) -> dict[str, float]:
+    tok = _median_by(summaries, "tok_s")
+    cpu = _median_by(summaries, "server_cpu_us_per_token")
+    out: dict[str, float] = {}
+    lumen, hf = "lumen (traced)", "transformers serve"
+    for streams in levels:
+        if (hf, streams) in cpu:
+            out[f"cpu_per_token_lumen_over_hf_at_{streams}"] = (
+                cpu[lumen, streams] / cpu[hf, streams]
+            )
+            out[f"tok_s_lumen_over_hf_at_{streams}"] = tok[lumen, streams] / tok[hf, streams]
+    lo, hi = min(levels), max(levels)
+    if lo != hi:
+        out[f"cpu_per_token_lumen_{hi}_over_{lo}"] = cpu[lumen, hi] / cpu[lumen, lo]
+    return out

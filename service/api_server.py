@@ -76,14 +76,8 @@ class FrontDoor:
         id_header = (b"x-request-id", request_id.encode())
         status = 0
 
-        async def send_with_id(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                extra = [id_header, *state.get("extra_headers", ())]
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
-                await send(message)
-                return
+        async def deliver(message: Message) -> None:
+            """A body message, straight to the server, its delivery measured."""
             started = time.time_ns()
             await send(message)  # returns once the transport took it (a slow reader blocks it)
             ended = time.time_ns()
@@ -93,6 +87,19 @@ class FrontDoor:
             if not facts.first_delivered_ns and state.get("stream") is False:
                 facts.first_delivered_ns = ended  # a whole response: one write
 
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                extra = [id_header, *state.get("extra_headers", ())]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+                await send(message)
+                return
+            await deliver(message)
+
+        # A stream's events skip the app's middleware on the way out (streaming.EventStream):
+        # they only look at the response's start.
+        state["deliver"] = deliver
         try:
             await self._handle(scope, receive, send_with_id, headers)
         finally:

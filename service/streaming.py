@@ -75,8 +75,13 @@ class EventStream(Response):
         self.on_end = on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        writer = asyncio.ensure_future(self._write(send))
+        deliver = scope.get("state", {}).get("deliver", send)
+        writer = asyncio.ensure_future(self._write(send, deliver))
         watcher = asyncio.ensure_future(wait_disconnect(receive))
+        self._sending_since: float | None = None
+        self._stalled = False
+        loop = asyncio.get_running_loop()
+        self._check_handle = loop.call_later(self.send_timeout / 4, self._check_stall, loop, writer)
         reason = "done"
         try:
             await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -85,10 +90,11 @@ class EventStream(Response):
                 writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
-        except TimeoutError:
-            reason = "stalled"
-            logger.warning("a stream was not read for %.0f s: closing it", self.send_timeout)
+            if self._stalled:
+                reason = "stalled"
+                logger.warning("a stream was not read for %.0f s: closing it", self.send_timeout)
         finally:
+            self._check_handle.cancel()
             watcher.cancel()
             writer.cancel()
             try:
@@ -100,7 +106,17 @@ class EventStream(Response):
                 if self.on_end is not None:
                     self.on_end(reason)
 
-    async def _write(self, send: Send) -> None:
+    def _check_stall(self, loop: asyncio.AbstractEventLoop, writer: asyncio.Future) -> None:
+        """One timer per stream, not one per event: a write waiting longer than the send
+        timeout ends the stream."""
+        since = self._sending_since
+        if since is not None and loop.time() - since >= self.send_timeout:
+            self._stalled = True
+            writer.cancel()
+            return
+        self._check_handle = loop.call_later(self.send_timeout / 4, self._check_stall, loop, writer)
+
+    async def _write(self, send: Send, deliver: Send) -> None:
         await send(
             {
                 "type": "http.response.start",
@@ -112,10 +128,9 @@ class EventStream(Response):
                 ],
             }
         )
+        loop = asyncio.get_running_loop()
         async for event in self.events:
-            message = {"type": "http.response.body", "body": event, "more_body": True}
-            # asyncio.timeout, not wait_for: wait_for can swallow a cancellation (a client
-            # that left) when the send completes at the same moment, and the stream runs on.
-            async with asyncio.timeout(self.send_timeout):
-                await send(message)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            self._sending_since = loop.time()
+            await deliver({"type": "http.response.body", "body": event, "more_body": True})
+            self._sending_since = None
+        await deliver({"type": "http.response.body", "body": b"", "more_body": False})

@@ -129,6 +129,9 @@ class ModelRunner:
             key=lambda i: not (len(sched.token_ids[i]) == 1 and sched.num_computed_tokens[i] > 0),
         )
         token_ids: list[int] = []
+        # Decode rows in plain ints (numpy costs microseconds per call, per row); prefill rows
+        # as arrays after them.
+        decode_slots: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
         logits_indices: list[int] = []
@@ -145,17 +148,21 @@ class ModelRunner:
                 sched.block_tables[i],
             )
             n = len(ids)
-            pos = np.arange(start, start + n)
-            table_np = np.asarray(table, dtype=np.int64)
             row0 = len(token_ids)
             token_ids.extend(ids)
-            positions.append(pos)
-            slots.append(table_np[pos // bs] * bs + pos % bs)
             if n == 1 and start > 0:
+                decode_slots.append(table[start // bs] * bs + start % bs)
                 decode_tables.append(table)
                 decode_starts.append(start)
                 decode_req_ids.append(sched.req_ids[i])
-            elif start == 0:
+                if sched.sample[i] and self.is_driver:
+                    logits_indices.append(row0)
+                    sample_req_ids.append(sched.req_ids[i])
+                continue
+            pos = np.arange(start, start + n)
+            positions.append(pos)
+            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
+            if start == 0:
                 prefills.append(PrefillChunk(row0, row0 + n, 0, None, None))
             else:
                 prefills.append(self._chunk_with_context(row0, n, start, table))
@@ -163,6 +170,8 @@ class ModelRunner:
                 logits_indices.append(row0 + n - 1)
                 sample_req_ids.append(sched.req_ids[i])
         dev = self.device
+        positions.insert(0, np.array(decode_starts, dtype=np.int64))
+        slots.insert(0, np.array(decode_slots, dtype=np.int64))
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             num_decodes=len(decode_tables),

@@ -43,6 +43,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
                         "per stream)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="times each level is run per server")
     p.add_argument("--skip-hf", action="store_true", help="no transformers serve baseline")
+    p.add_argument("--model", default=None,
+                   help="serve this model instead of building the tiny one")  # fmt: skip
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     p.set_defaults(func=run)
 
@@ -56,6 +58,7 @@ class Level:
     requests: int
     errors: list[str]
     server_cpu_s: float
+    children_cpu_s: float  # of server_cpu_s: Lumen's engine core (and workers)
     client_cpu_s: float
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -70,25 +73,27 @@ class Level:
             "errors": len(self.errors),
             "tok_s": self.tokens / self.seconds if self.seconds else math.nan,
             "server_cpu_us_per_token": self.server_cpu_s / per * 1e6,
+            "children_cpu_us_per_token": self.children_cpu_s / per * 1e6,
             "client_cpu_us_per_token": self.client_cpu_s / per * 1e6,
         }
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process and every live descendant."""
+def tree_cpu_seconds(pid: int) -> tuple[float, float]:
+    """User + system CPU of a process, and of its live descendants."""
     try:
         root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
+        children = root.children(recursive=True)
     except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for proc in procs:
+        return 0.0, 0.0
+
+    def cpu(proc: psutil.Process) -> float:
         try:
             t = proc.cpu_times()
-            total += t.user + t.system
         except psutil.NoSuchProcess:
-            pass
-    return total
+            return 0.0
+        return t.user + t.system
+
+    return cpu(root), sum(cpu(c) for c in children)
 
 
 class _Stream:
@@ -195,11 +200,12 @@ def measure(
     name: str, server: LumenServer, streams: int, per_stream: int, max_tokens: int
 ) -> Level:
     body = _body(server, max_tokens)
-    cpu0, client0 = tree_cpu_seconds(server.proc.pid), time.process_time()
+    (top0, kids0), client0 = tree_cpu_seconds(server.proc.pid), time.process_time()
     seconds, tokens, errors = asyncio.run(_load(server.port, body, streams, per_stream))
+    top, kids = tree_cpu_seconds(server.proc.pid)
     return Level(
         name, streams, seconds, tokens, streams * per_stream, errors,
-        tree_cpu_seconds(server.proc.pid) - cpu0, time.process_time() - client0,
+        top + kids - top0 - kids0, kids - kids0, time.process_time() - client0,
     )  # fmt: skip
 
 
@@ -228,7 +234,8 @@ def run(args: argparse.Namespace) -> int:
     results: list[Level] = []
     with tempfile.TemporaryDirectory(prefix="lumen-overhead-") as tmp_dir:
         tmp = Path(tmp_dir)
-        model = build_tiny_llama(tmp / "tiny-llama", resolve_model(None))
+        model = (Path(args.model) if args.model
+                 else build_tiny_llama(tmp / "tiny-llama", resolve_model(None)))  # fmt: skip
         top = str(max(levels))
         common = ("--max-num-seqs", top, "--max-concurrent-requests", str(4 * max(levels)))
         servers: list[tuple[str, LumenServer]] = []
@@ -287,14 +294,17 @@ def _median_by(summaries: list[dict[str, Any]], key: str) -> dict[tuple[str, int
 def _print(summaries: list[dict[str, Any]], store: dict[str, float]) -> None:
     tok = _median_by(summaries, "tok_s")
     cpu = _median_by(summaries, "server_cpu_us_per_token")
+    kids = _median_by(summaries, "children_cpu_us_per_token")
     client = _median_by(summaries, "client_cpu_us_per_token")
     rows = [
-        [system, str(streams), f"{tok[system, streams]:,.0f}", f"{cpu[system, streams]:.0f}",
-         f"{client[system, streams]:.0f}"]
-        for system, streams in tok
+        [system, str(streams), f"{tok[key]:,.0f}", f"{cpu[key]:.0f}",
+         f"{cpu[key] - kids[key]:.0f} / {kids[key]:.0f}", f"{client[key]:.0f}"]
+        for key in tok
+        for system, streams in [key]
     ]  # fmt: skip
     print()
-    print_table(["server", "streams", "tok/s", "server us/token", "client us/token"], rows)
+    print_table(["server", "streams", "tok/s", "server us/token", "of which main / children",
+                 "client us/token"], rows)  # fmt: skip
     print(f"trace db: {store['bytes']:,} bytes for {store['tokens']:,} generated tokens, "
           f"{store['bytes_per_token']:.1f} bytes per token (after a checkpoint)")  # fmt: skip
 
@@ -306,11 +316,9 @@ def _ratios(summaries: list[dict[str, Any]], levels: list[int]) -> dict[str, flo
     lumen, hf = "lumen (traced)", "transformers serve"
     for streams in levels:
         if (hf, streams) in cpu:
-            out[f"cpu_per_token_lumen_over_hf_at_{streams}"] = (
-                cpu[lumen, streams] / cpu[hf, streams]
-            )
-            out[f"tok_s_lumen_over_hf_at_{streams}"] = tok[lumen, streams] / tok[hf, streams]
+            out[f"s{streams}_cpu_per_token_ratio"] = cpu[lumen, streams] / cpu[hf, streams]
+            out[f"s{streams}_tok_s_ratio"] = tok[lumen, streams] / tok[hf, streams]
     lo, hi = min(levels), max(levels)
-    if lo != hi:
-        out[f"cpu_per_token_lumen_{hi}_over_{lo}"] = cpu[lumen, hi] / cpu[lumen, lo]
+    if lo != hi:  # flat in load: Lumen's own cost at the most streams over the fewest
+        out[f"cpu_per_token_s{hi}_over_s{lo}_ratio"] = cpu[lumen, hi] / cpu[lumen, lo]
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from engine.outputs import CompletionOutput, Logprob
 
 
@@ -101,6 +103,7 @@ class ResponseHead:
     chat: bool
     num_logprobs: int = 0
     include_usage: bool = False
+    _text_parts: tuple[bytes, bytes, bytes] | None = field(default=None, repr=False)
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         body = {
@@ -113,6 +116,27 @@ class ResponseHead:
         if self.include_usage:
             body["usage"] = None
         return body
+
+    def text_event(self, index: int, text: str) -> bytes:
+        """The SSE event of a delta that is only text (no logprobs, not the last): the bytes
+        ``sse(encode(self.chunk([self.delta_choice(...)])))`` gives, without building and
+        encoding the dicts: most events of a stream are this one."""
+        if self._text_parts is None:
+            head = self.chunk([])
+            del head["choices"]
+            prefix = msgspec.json.encode(head)[:-1]  # {"id":...,"model":"..."  (no "}")
+            if self.include_usage:
+                prefix = prefix[: -len(b',"usage":null')]
+            key = b'"delta":{"content":' if self.chat else b'"text":'
+            close = b"}" if self.chat else b""
+            tail = b',"usage":null}' if self.include_usage else b"}"
+            self._text_parts = (
+                b"data: " + prefix + b',"choices":[{"index":',
+                b"," + key,
+                close + b',"logprobs":null,"finish_reason":null}]' + tail + b"\n\n",
+            )
+        start, middle, end = self._text_parts
+        return b"".join((start, str(index).encode(), middle, msgspec.json.encode(text), end))
 
     def usage_chunk(self, num_prompt_tokens: int, num_completion_tokens: int) -> dict[str, Any]:
         body = self.chunk([])

@@ -259,8 +259,11 @@ class Serving:
                         if not (c.text or c.finish_reason or c.logprobs):
                             continue
                         index = p * n + c.index
-                        chunk = head.chunk([head.delta_choice(index, c, offsets[index])])
-                        yield sse(_encode(chunk))
+                        if c.text and c.finish_reason is None and c.logprobs is None:
+                            yield head.text_event(index, c.text)
+                        else:
+                            chunk = head.chunk([head.delta_choice(index, c, offsets[index])])
+                            yield sse(_encode(chunk))
                         if not facts.first_delivered_ns and c.token_ids:
                             facts.first_delivered_ns = time.time_ns()  # the transport took it
                         offsets[index] += len(c.text)

@@ -3,8 +3,9 @@
 The engine core only stamps instants into its outputs (StepRecord, received_ns).
 ``Tracer`` is the engine front's observer (engine/frontend.py: Enqueued, each
 output batch, delivered, Finished, closed) and takes the server's own events
-(tracing/events.py: Start, HttpFacts at close, Pause). Each call only puts a
-typed event on a queue; the writer thread dispatches them by type, turns them
+(tracing/events.py: Start, HttpFacts at close, Pause). Each call only appends a
+typed event to a deque (no lock, no thread woken: the writer polls every few
+ms while events come); the writer thread dispatches them by type, turns them
 into spans and rows, appends them to the DuckDB store in batches, exports OTLP
 and feeds the boundary and delivery metrics. Nothing here ever blocks serving:
 a full store buffer or a slow collector drops data and counts it.
@@ -12,8 +13,8 @@ a full store buffer or a slow collector drops data and counts it.
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
 import uuid
@@ -41,6 +42,7 @@ from tracing.store import TraceStore
 
 logger = logging.getLogger(__name__)
 _STOP = object()
+POLL_S = 0.002  # the writer's poll interval after an event; idle, up to 25x this
 BoundaryObserver = Callable[[str, float], None]
 DeliveryObserver = Callable[[float], None]
 
@@ -73,7 +75,10 @@ class Tracer:
         self.block_size = info.block_size
         self.observe_boundary = observe_boundary
         # Bounded: if the writer falls behind, events are dropped and counted, never waited for.
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queued_events)
+        # A deque, not a queue.Queue: an append takes no lock and wakes no thread (the writer
+        # polls), which matters at several events per token.
+        self._events: collections.deque[Any] = collections.deque()
+        self.max_queued_events = max_queued_events
         self.num_dropped_events = 0
         self._requests: dict[str, RequestTrace] = {}
         self._by_child: dict[str, tuple[RequestTrace, int]] = {}
@@ -84,6 +89,8 @@ class Tracer:
         from tracing.otlp import make_exporter  # the SDK loads only when tracing is on
 
         self.otlp = make_exporter(config)
+        # Each request's every step, as objects: only OTLP's per-step spans need them.
+        self._keep_visits = self.otlp is not None and self.otlp.detail != "request"
         self._thread = threading.Thread(target=self._run, name="lumen-trace-writer", daemon=True)
         self._thread.start()
 
@@ -120,12 +127,12 @@ class Tracer:
         self._put(event)
 
     def _put(self, event: Any) -> None:
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
-            if not self.num_dropped_events:
-                logger.error("trace writer is behind: dropping trace events (counted)")
-            self.num_dropped_events += 1
+        if len(self._events) < self.max_queued_events:
+            self._events.append(event)
+            return
+        if not self.num_dropped_events:
+            logger.error("trace writer is behind: dropping trace events (counted)")
+        self.num_dropped_events += 1
 
     def stats(self) -> TracerStats:
         return TracerStats(
@@ -138,7 +145,7 @@ class Tracer:
         """Finish what is queued, flush the store, flush OTLP (bounded by ``timeout``)."""
         if not self._thread.is_alive():
             return
-        self._queue.put(_STOP)  # waits for room: shutdown is not the hot path
+        self._events.append(_STOP)  # past the bound: shutdown is not the hot path
         self._thread.join(timeout)
         if self.otlp is not None:
             self.otlp.shutdown(timeout)
@@ -148,22 +155,28 @@ class Tracer:
     def _run(self) -> None:
         interval = self.config.trace_flush_interval
         next_flush = time.monotonic() + interval
+        events, handlers, idle = self._events, self._handlers, 0
         while True:
-            try:
-                item = self._queue.get(timeout=max(0.0, next_flush - time.monotonic()))
-            except queue.Empty:
-                item = None
-            if item is _STOP:
-                break
-            if item is not None:
+            if not events:  # poll: more often while events keep coming
+                idle = min(idle + 1, 25)
+                time.sleep(POLL_S * idle)
+            while events:
+                idle = 0
+                item = events.popleft()
+                if item is _STOP:
+                    self._flush()
+                    if self.store is not None:
+                        self.store.close()
+                    return
                 try:
-                    self._handlers[type(item)](item)
+                    handlers[type(item)](item)
                 except Exception:
                     logger.exception("trace writer: %s failed", type(item).__name__)
+                if time.monotonic() >= next_flush:
+                    break
             if time.monotonic() >= next_flush:
                 next_flush = time.monotonic() + interval
                 self._flush()
-        self._flush()
         if self.store is not None:
             self.store.close()
 
@@ -231,10 +244,26 @@ class Tracer:
                     for start, duration, gen in step.gc_pauses
                 ]
             self.store.add_all(rows)
+        if self.observe_boundary is not None and not step.idle:  # once a step, not per row
+            self.observe_boundary(
+                "core.schedule", (step.schedule_end_ns - step.schedule_start_ns) / 1e9
+            )
+            self.observe_boundary(
+                "worker.execute", (step.execute_end_ns - step.execute_start_ns) / 1e9
+            )
+            self.observe_boundary("core.output", max(0, step.output_ns - step.execute_end_ns) / 1e9)
+        keep_visits, step_id, started = self._keep_visits, step.step_id, step.schedule_start_ns
         for rid, num_tokens in zip(step.req_ids, step.num_scheduled):
             found = by_child.get(rid)
             if found is not None:
-                found[0].visits.append(StepVisit(found[1], step, num_tokens))
+                req, seq = found
+                if seq not in req.first_steps:
+                    req.first_steps[seq] = started
+                    if req.first_step_id is None:
+                        req.first_step_id = step_id
+                req.last_step_id = step_id
+                if keep_visits:
+                    req.visits.append(StepVisit(seq, step, num_tokens))
         for rid in step.preempted_req_ids:
             if (found := by_child.get(rid)) is not None:
                 found[0].num_preemptions += 1

@@ -85,6 +85,11 @@ class RequestTrace:
     priority: int = 0
     # What the engine's outputs tell.
     received_ns: dict[int, int] = field(default_factory=dict)  # per seq
+    # The steps it took part in: per sequence when its first began, the first and last step
+    # ids, and (only where OTLP exports per-step spans) every visit.
+    first_steps: dict[int, int] = field(default_factory=dict)
+    first_step_id: int | None = None
+    last_step_id: int | None = None
     visits: list[StepVisit] = field(default_factory=list)
     pending_emits: list[tuple[int, int]] = field(default_factory=list)  # (step id, received)
     emits: list[tuple[int, int, int]] = field(default_factory=list)  # (step, received, delivered)
@@ -104,14 +109,6 @@ class RequestTrace:
         if self.stream:
             self.emits += [(step, recv, ns) for step, recv in self.pending_emits]
             self.pending_emits.clear()
-
-    @property
-    def first_steps(self) -> dict[int, int]:
-        """Per sequence, when its first step began (its core.queue's end)."""
-        first: dict[int, int] = {}
-        for v in self.visits:
-            first.setdefault(v.seq, v.step.schedule_start_ns)
-        return first
 
     @property
     def start_ns(self) -> int:
@@ -220,18 +217,14 @@ def build_spans(req: RequestTrace, run_id: str) -> list[Span]:
 
 
 def boundary_durations(req: RequestTrace) -> list[tuple[str, int]]:
-    """(boundary, ns) for each span but the root, without building the spans."""
+    """(boundary, ns) for the request's own boundaries and its emits, without building spans
+    (the per-step boundaries are observed once per step: tracing.recorder)."""
     out = [("frontend.enqueue", max(0, (req.sent_ns or req.finished_ns) - req.arrival_ns))]
     out += [("core.receive", max(0, r - (req.sent_ns or r))) for r in req.received_ns.values()]
     out += [
         ("core.queue", max(0, first - req.received_ns.get(seq, first)))
         for seq, first in req.first_steps.items()
     ]
-    for v in req.visits:
-        s = v.step
-        out.append(("core.schedule", max(0, s.schedule_end_ns - s.schedule_start_ns)))
-        out.append(("worker.execute", max(0, s.execute_end_ns - s.execute_start_ns)))
-        out.append(("core.output", max(0, s.output_ns - s.execute_end_ns)))
     out += [("frontend.emit", max(0, delivered - recv)) for _, recv, delivered in req.emits]
     return out
 
@@ -271,13 +264,11 @@ def build_request_row(
     req: RequestTrace, run_id: str, *, trace_prompts: str, block_size: int
 ) -> tuple[Any, ...]:
     """The request's row (columns of store.REQUEST_COLUMNS)."""
-    first_schedule = min(
-        (v.step.schedule_start_ns for v in req.visits), default=0
-    )  # the end of its queue wait
+    first_schedule = min(req.first_steps.values(), default=0)  # the end of its queue wait
     received = min(req.received_ns.values(), default=0)
     http = req.http or HttpFacts()
     first_delivered = req.first_delivered_ns
-    first_step = req.visits[0].step.step_id if req.visits else None
+    first_step = req.first_step_id
     hashes = tokens = None
     if trace_prompts == "hashes" and req.prompt_token_ids:
         hashes = block_hashes(req.prompt_token_ids, block_size)
@@ -323,7 +314,7 @@ def build_request_row(
         req.kv_freed_ns or None,
         req.parent_span_id,
         first_step,
-        req.visits[-1].step.step_id if req.visits else None,
+        req.last_step_id,
         *_emit_lists(req, first_step or 0),
     )
 

@@ -142,6 +142,32 @@ def test_serve_bench_against_transformers_serve(tmp_path: Path, tiny_model_path:
     print(r.stdout)
 
 
+def test_overhead_bench_counts_every_token_and_the_store(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    out = tmp_path / "overhead.json"
+    r = lumen_bench(
+        "overhead", "--model", str(tiny_model_path), "--streams", "2,5", "--max-tokens", "8",
+        "--tokens-per-level", "40", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    print(r.stdout)
+    doc = json.loads(out.read_text())
+    systems = ("lumen (traced)", "lumen (no trace db)", "transformers serve")
+    assert {(x["system"], x["streams"]) for x in doc["levels"]} == {
+        (s, n) for s in systems for n in (2, 5)
+    }
+    for x in doc["levels"]:  # 40 tokens a level: 3 requests a stream at 2 streams, 1 at 5
+        assert x["errors"] == 0 and x["tokens"] == 8 * x["requests"], x
+        assert x["server_cpu_us_per_token"] > 0
+    # Every traced token is in the store, whose size is reported per token.
+    traced = sum(x["tokens"] for x in doc["levels"] if x["system"] == "lumen (traced)")
+    assert doc["store"]["tokens"] >= traced and doc["store"]["bytes_per_token"] > 0
+    assert {"s2_cpu_per_token_ratio", "s5_tok_s_ratio", "cpu_per_token_s5_over_s2_ratio"} <= set(
+        ratio_keys(doc)
+    )
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -149,6 +175,7 @@ def test_serve_bench_against_transformers_serve(tmp_path: Path, tiny_model_path:
         (("scheduler", "--sizes", "0"), "--sizes takes integers >= 1"),
         (("serve", "--rates", "-1"), "--rates must be positive"),
         (("mfu", "--json", "/nonexistent-folder/x.json"), "does not exist"),
+        (("overhead", "--streams", "16,0"), "--streams takes integers >= 1"),
     ],
 )
 def test_bad_input_is_one_clear_line(args: tuple[str, ...], message: str) -> None:

@@ -19,6 +19,7 @@ def _request() -> RequestTrace:
         record = StepRecord(step, base, base + 100, base + 200, base + 900, base + 950,
                             *[0] * 10)  # fmt: skip
         req.visits.append(StepVisit(0, record, 5 if step == 0 else 1))
+        req.first_steps.setdefault(0, record.schedule_start_ns)
         req.emits.append((step, base + 960, base + 990))
     req.status, req.finish_reason = "ok", "length"
     req.close(40_000)

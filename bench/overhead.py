@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from bench.common import check_json_path, machine, parse_ints, print_table, write_json
-from bench.server import LumenServer, TransformersServer
+from bench.server import LumenServer, TransformersServer, streamed_chat
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -181,19 +181,7 @@ async def _load(port: int, body: dict[str, Any], streams: int, per_stream: int):
 
 
 def _body(server: LumenServer, max_tokens: int) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": PROMPT}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if isinstance(server, TransformersServer):
-        body["model"] = server.model
-        body["generation_config"] = json.dumps({"do_sample": False, "eos_token_id": -1})
-    else:
-        body["ignore_eos"] = True
-    return body
+    return streamed_chat(server, PROMPT, max_tokens)
 
 
 def measure(

@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 
 from bench.common import check_json_path, machine, parse_ints, percentiles, print_table, write_json
-from bench.server import LumenServer, TransformersServer
+from bench.server import LumenServer, TransformersServer, streamed_chat
 
 TOPICS = ("rivers", "mountains", "the sea", "forests", "cities", "deserts", "rain", "bridges")
 
@@ -102,19 +102,7 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 
 def _body(server: LumenServer, i: int, max_tokens: int) -> dict[str, Any]:
     topic = TOPICS[i % len(TOPICS)]
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": f"Write a long story about {topic}. ({i})"}],
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if isinstance(server, TransformersServer):
-        body["model"] = server.model
-        body["generation_config"] = json.dumps({"do_sample": False, "eos_token_id": -1})
-    else:
-        body["ignore_eos"] = True
-    return body
+    return streamed_chat(server, f"Write a long story about {topic}. ({i})", max_tokens)
 
 
 async def _one(client: httpx.AsyncClient, body: dict[str, Any]) -> Sample:

@@ -3,14 +3,42 @@ transformers baseline, and their metrics."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from replay.server import ROOT, LumenServer, free_port, metric, parse_metrics
 
-__all__ = ["ROOT", "LumenServer", "TransformersServer", "free_port", "metric", "parse_metrics"]
+__all__ = [
+    "ROOT",
+    "LumenServer",
+    "TransformersServer",
+    "free_port",
+    "metric",
+    "parse_metrics",
+    "streamed_chat",
+]  # fmt: skip
+
+
+def streamed_chat(server: LumenServer, content: str, max_tokens: int) -> dict[str, Any]:
+    """A greedy streamed chat of exactly ``max_tokens`` tokens, as each server takes it
+    (transformers serve ignores EOS through its generation_config)."""
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if isinstance(server, TransformersServer):
+        body["model"] = server.model
+        body["generation_config"] = json.dumps({"do_sample": False, "eos_token_id": -1})
+    else:
+        body["ignore_eos"] = True
+    return body
 
 
 class TransformersServer(LumenServer):

@@ -47,12 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = nouns.add_parser("bench", help="benchmarks, side by side with baselines")
     bench_verbs = bench.add_subparsers(dest="verb", required=True)
-    from bench import mfu, mp_overhead, overhead, scheduler, serve, throughput, tracing_overhead
+    from bench import (
+        cold_start,
+        mfu,
+        mp_overhead,
+        overhead,
+        scheduler,
+        serve,
+        throughput,
+        tracing_overhead,
+    )
 
     throughput.add_parser(bench_verbs)
     serve.add_parser(bench_verbs)
     tracing_overhead.add_parser(bench_verbs)
     overhead.add_parser(bench_verbs)
+    cold_start.add_parser(bench_verbs)
     scheduler.add_parser(bench_verbs)
     mfu.add_parser(bench_verbs)
     mp_overhead.add_parser(bench_verbs)

@@ -52,9 +52,7 @@ class EngineCore:
             raise
         self.executor = executor
         self.num_blocks = num_blocks
-        self.warmup_s = (
-            _warm_up(executor, config, num_blocks, max_model_len) if config.warmup else 0.0
-        )
+        self.warmup_s = _warm_up(executor, config, num_blocks) if config.warmup else 0.0
         self.sleeping = False
         self.max_model_len = max_model_len
         self.vocab_size = model_config.vocab_size
@@ -295,66 +293,42 @@ def _size_kv_cache(
     return num_blocks, max_model_len
 
 
-WARMUP_PROMPT_TOKENS = 4  # per row of the decode batch warm-up
+WARMUP_PROMPT_TOKENS = 32
 WARMUP_DECODE_STEPS = 2
 
 
-def _warm_up(
-    executor: Executor, config: EngineConfig, num_blocks: int, max_model_len: int
-) -> float:
-    """The shapes serving will run, through the real executor, before READY: the largest
-    prefill chunk one step carries (the token budget), then the largest decode batch
-    (max_num_seqs rows, as many as the KV cache holds), each followed by decode steps.
+def _warm_up(executor: Executor, config: EngineConfig, num_blocks: int) -> float:
+    """One short prefill and a few decode steps through the real executor, before READY.
 
-    The first forward of a shape pays one-time costs (kernel selection, allocator growth, lazy
-    init) that would otherwise land on the first requests as a cold first step. It bypasses
-    the scheduler: its blocks are free ones the KV cache manager hands out later (their stale
-    contents are overwritten before any read), and the runner forgets the requests at the end.
+    The first forward pays one-time costs (kernel selection, allocator growth, lazy init)
+    that would otherwise land on the first requests as a cold first step. It bypasses the
+    scheduler: its blocks are free ones the KV cache manager hands out later (their stale
+    contents are overwritten before any read), and the runner forgets the request at the end.
     Returns the seconds it took.
     """
     started = time.monotonic()
-    bs = config.block_size
-    steps = WARMUP_DECODE_STEPS
-    chunk = min(config.max_num_batched_tokens, max_model_len - steps - 1, num_blocks * bs - steps)
-    if chunk > 0:
-        _warm_batch(executor, [chunk], bs, steps)
-    per_row = -(-(WARMUP_PROMPT_TOKENS + steps) // bs)
-    rows = min(
-        config.max_num_seqs,
-        num_blocks // per_row,
-        config.max_num_batched_tokens // WARMUP_PROMPT_TOKENS,
-    )
-    if rows > 1:
-        _warm_batch(executor, [WARMUP_PROMPT_TOKENS] * rows, bs, steps)
-    return time.monotonic() - started
-
-
-def _warm_batch(executor: Executor, lengths: list[int], block_size: int, steps: int) -> None:
-    """One prefill step of prompts of these lengths, then ``steps`` decode steps of them all."""
-    rids = [f"lumen-warmup-{i}" for i in range(len(lengths))]
-    prompts = [[1 + (i + j) % 100 for j in range(n)] for i, n in enumerate(lengths)]
-    tables, next_block = [], 0
-    for n in lengths:
-        need = -(-(n + steps) // block_size)
-        tables.append(list(range(next_block, next_block + need)))
-        next_block += need
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1)
-    rows = len(rids)
+    rid = "lumen-warmup"
+    num_tokens = WARMUP_PROMPT_TOKENS + WARMUP_DECODE_STEPS
+    num_needed = -(-num_tokens // config.block_size)
+    if num_needed > num_blocks:
+        return 0.0
+    blocks = list(range(num_needed))
+    prompt = [1 + i % 100 for i in range(WARMUP_PROMPT_TOKENS)]
+    params = SamplingParams(temperature=0.0, max_tokens=WARMUP_DECODE_STEPS + 1)
+    new = NewRequestData(rid, prompt, params, frozenset())
     out = executor.execute_model(
         SchedulerOutput(
-            -1, [NewRequestData(r, p, params, frozenset()) for r, p in zip(rids, prompts)],
-            rids, prompts, [0] * rows, tables, [True] * rows, num_prefill_tokens=sum(lengths),
+            -1, [new], [rid], [prompt], [0], [blocks], [True], num_prefill_tokens=len(prompt)
         )
-    )  # fmt: skip
-    positions = list(lengths)
-    for _ in range(steps):
-        sampled = out.sampled_token_ids or [1] * rows
-        tokens = [[sampled[i] if i < len(sampled) else 1] for i in range(rows)]
+    )
+    position = len(prompt)
+    for _ in range(WARMUP_DECODE_STEPS):
+        token = out.sampled_token_ids[0] if out.sampled_token_ids else 1
         out = executor.execute_model(
             SchedulerOutput(
-                -1, [], rids, tokens, list(positions), tables, [True] * rows,
-                num_decode_tokens=rows,
+                -1, [], [rid], [[token]], [position], [blocks], [True], num_decode_tokens=1
             )
-        )  # fmt: skip
-        positions = [p + 1 for p in positions]
-    executor.execute_model(SchedulerOutput(-1, finished_req_ids=rids))
+        )
+        position += 1
+    executor.execute_model(SchedulerOutput(-1, finished_req_ids=[rid]))
+    return time.monotonic() - started

@@ -168,6 +168,22 @@ def test_overhead_bench_counts_every_token_and_the_store(
     )
 
 
+def test_cold_start_bench_compares_the_first_burst_with_warm_ones(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    out = tmp_path / "cold.json"
+    r = lumen_bench("cold-start", "--model", str(tiny_model_path), "--burst", "3",
+                    "--max-tokens", "4", "--warm-bursts", "2", "--json", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    print(r.stdout)
+    doc = json.loads(out.read_text())
+    by_mode = {x["mode"]: x for x in doc["results"]}
+    assert set(by_mode) == {"warm-up", "--no-warmup"}
+    assert by_mode["warm-up"]["warmup_s"] > 0 and by_mode["--no-warmup"]["warmup_s"] == 0
+    for x in doc["results"]:
+        assert len(x["warm_bursts_slowest_ttft_s"]) == 2 and x["first_over_warm_ratio"] > 0
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -177,8 +177,6 @@ class Tracer:
             if time.monotonic() >= next_flush:
                 next_flush = time.monotonic() + interval
                 self._flush()
-        if self.store is not None:
-            self.store.close()
 
     def _flush(self) -> None:
         if self.store is not None:

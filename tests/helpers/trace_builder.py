@@ -1,0 +1,199 @@
+"""A run's trace db laid out by hand for the diagnosis tests: requests arrive, steps run whom
+they are told to, and the rows follow (the steps, requests and span rows the trace writer
+would have written)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tracing.store import TraceStore, row
+
+RUN = "run-1"
+MS = 1_000_000
+T0 = 1_700_000_000_000_000_000
+BLOCK = 16
+NUM_BLOCKS = 512
+
+
+@dataclass
+class Req:
+    rid: str
+    prompt: int
+    output: int
+    http_start: int
+    sent: int
+    received: int
+    stream: bool = True
+    reader_ns: int = 0  # how long each write waits on a slow reader's socket
+    computed: int = 0
+    first_token: int | None = None
+    emits: list[tuple[int, int, int]] = field(default_factory=list)  # step, received, delivered
+    steps: list[tuple[int, ...]] = field(default_factory=list)  # id and the step's instants
+    status: str | None = None
+    end: int = 0
+    kv_freed: int | None = None
+
+    @property
+    def handler(self) -> int:
+        return self.http_start + MS // 5
+
+
+class Trace:
+    """A run laid out by hand: requests arrive, steps run whom they are told to, rows follow
+    (a request finishes when it has its output tokens)."""
+
+    def __init__(self) -> None:
+        self.now = T0
+        self.reqs: dict[str, Req] = {}
+        self.steps: list[tuple[Any, ...]] = []
+        self.pauses: list[tuple[Any, ...]] = []
+
+    def request(
+        self, rid: str, at_ms: float, *, prompt: int = 32, output: int = 8,
+        frontend_ms: float = 1.0, ipc_ms: float = 0.2, **kw: Any,
+    ) -> None:  # fmt: skip
+        start = T0 + int(at_ms * MS)
+        sent = start + MS // 5 + int(frontend_ms * MS)
+        self.reqs[rid] = Req(rid, prompt, output, start, sent, sent + int(ipc_ms * MS), **kw)
+
+    def step(
+        self, rows: dict[str, int], exec_ms: float, *, at_ms: float = 0.0,
+        schedule_ms: float = 0.2, output_ms: float = 0.2, wait_reason: str = "", waiting: int = 0,
+        preempted: tuple[str, ...] = (),
+    ) -> None:  # fmt: skip
+        arrived = max(self.reqs[rid].received for rid in rows)
+        start = max(self.now, arrived, T0 + int(at_ms * MS)) + MS // 10
+        execute = start + int(schedule_ms * MS)
+        executed = execute + int(exec_ms * MS)
+        out = executed + int(output_ms * MS)
+        step_id, prefill = len(self.steps), 0
+        for rid, n in rows.items():
+            r = self.reqs[rid]
+            assert r.status is None, rid
+            r.steps.append((step_id, start, execute, executed, out))
+            prefill += n if r.computed < r.prompt else 0
+            r.computed += n
+            if r.computed >= r.prompt:
+                self._token(r, step_id, out)
+        live = [r for r in self.reqs.values() if r.status is None and r.computed]
+        self.steps.append(row(
+            "steps", run_id=RUN, step_id=step_id, schedule_start_ns=start, schedule_end_ns=execute,
+            execute_start_ns=execute, execute_end_ns=executed, output_ns=out,
+            num_running=len(live), num_waiting=waiting, num_scheduled_tokens=sum(rows.values()),
+            num_prefill_tokens=prefill, num_decode_tokens=sum(rows.values()) - prefill,
+            num_preemptions=0, kv_blocks_used=sum(math.ceil(r.computed / BLOCK) for r in live),
+            kv_blocks_total=NUM_BLOCKS, request_ids=list(rows), num_scheduled=list(rows.values()),
+            preempted_request_ids=list(preempted), update_end_ns=executed + MS // 10,
+            wait_reason=wait_reason, idle=False, gc_pause_ns=0,
+        ))  # fmt: skip
+        self.now = out
+        for r in live:
+            if len(r.emits) >= r.output:
+                self._finish(r, "ok", out)
+
+    def _token(self, r: Req, step_id: int, out: int) -> None:
+        received = out + MS // 10
+        r.first_token = r.first_token or received
+        last = r.emits[-1][2] if r.emits else 0
+        r.emits.append((step_id, received, max(received, last) + MS // 5 + r.reader_ns))
+
+    def _finish(self, r: Req, status: str, at: int) -> None:
+        r.status, r.kv_freed = status, at
+        r.end = max([at, *(d for _, _, d in r.emits)]) + MS // 20
+
+    def abort(self, rid: str, at_ms: float) -> None:
+        self._finish(self.reqs[rid], "aborted", T0 + int(at_ms * MS))
+        self.reqs[rid].kv_freed = self.reqs[rid].end + MS // 2
+
+    def idle(self, at_ms: float, kv_used: int = 0) -> None:
+        """The KV state once aborts emptied the engine."""
+        at = T0 + int(at_ms * MS)
+        self.steps.append(row(
+            "steps", run_id=RUN, step_id=len(self.steps), schedule_start_ns=at,
+            schedule_end_ns=at, execute_start_ns=at, execute_end_ns=at, output_ns=at,
+            num_running=0, num_waiting=0, num_scheduled_tokens=0, num_prefill_tokens=0,
+            num_decode_tokens=0, kv_blocks_used=kv_used, kv_blocks_total=NUM_BLOCKS,
+            request_ids=[], num_scheduled=[], update_end_ns=at, idle=True,
+        ))  # fmt: skip
+
+    def pause(self, process: str, kind: str, at_ms: float, duration_ms: float) -> None:
+        self.pauses.append(row(
+            "pauses", run_id=RUN, process=process, kind=kind, start_ns=T0 + int(at_ms * MS),
+            duration_ns=int(duration_ms * MS),
+        ))  # fmt: skip
+
+    def request_rows(self) -> list[tuple[Any, ...]]:
+        rows = []
+        for r in self.reqs.values():
+            first = r.emits[0][2] if r.emits and r.stream else None
+            rows.append(row(
+                "requests", run_id=RUN, request_id=r.rid, trace_id=f"t-{r.rid}",
+                arrival_ns=r.handler, prompt_tokens=r.prompt, output_tokens=len(r.emits),
+                stream=r.stream, status=r.status, e2e_ns=r.end - r.handler,
+                ttft_ns=r.first_token - r.handler if r.first_token else None,
+                http_start_ns=r.http_start, handler_ns=r.handler, sent_ns=r.sent,
+                received_ns=r.received, first_scheduled_ns=r.steps[0][1] if r.steps else None,
+                first_delivered_ns=first, last_delivered_ns=r.emits[-1][2] if r.emits else None,
+                delivered_ttft_ns=first - r.http_start if first else None,
+                send_wait_ns=r.reader_ns * len(r.emits), bytes_sent=6 * len(r.emits),
+                kv_freed_ns=r.kv_freed,
+            ))  # fmt: skip
+        return rows
+
+    def span_rows(self) -> list[tuple[Any, ...]]:
+        """Spans as the recorder wrote them before core.queue: the first core.schedule span
+        begins when the core received the request."""
+        rows = []
+        for r in self.reqs.values():
+            spans = [("llm_request", r.handler, r.end, None),
+                     ("frontend.enqueue", r.handler, r.sent, None),
+                     ("core.receive", r.sent, r.received, None)]  # fmt: skip
+            for i, (step, start, execute, executed, out) in enumerate(r.steps):
+                spans += [("core.schedule", r.received if i == 0 else start, execute, step),
+                          ("worker.execute", execute, executed, step),
+                          ("core.output", executed, out, step)]  # fmt: skip
+            spans += [("frontend.emit", received, delivered, step)
+                      for step, received, delivered in r.emits]  # fmt: skip
+            rows += [
+                row("span_rows", run_id=RUN, request_id=r.rid, trace_id=f"t-{r.rid}",
+                    span_id=f"{len(rows) + i:016x}", name=name, start_ns=a, end_ns=b, step_id=step,
+                    attributes="{}")
+                for i, (name, a, b, step) in enumerate(spans)
+            ]  # fmt: skip
+        return rows
+
+    def write(self, path: Path) -> Path:
+        assert all(r.status for r in self.reqs.values()), "every request must end"
+        store = TraceStore(path, max_buffered_rows=10_000_000)
+        store.add_all({"requests": self.request_rows(), "steps": self.steps,
+                       "span_rows": self.span_rows(), "pauses": self.pauses})  # fmt: skip
+        assert store.flush()
+        store.close()
+        return path
+
+
+def serve_alone(
+    tr: Trace,
+    rid: str,
+    at_ms: float,
+    *,
+    prefill_ms: float = 10.0,
+    decode_ms: float = 5.0,
+    **step_kw: Any,
+) -> None:
+    """One request on its own: a prefill step, then a decode step per further token."""
+    r = tr.reqs[rid]
+    tr.step({rid: r.prompt}, prefill_ms, at_ms=at_ms, **step_kw)
+    while r.status is None:
+        tr.step({rid: 1}, decode_ms, **step_kw)
+
+
+def serial_run(n: int = 12, **req_kw: Any) -> Trace:
+    tr = Trace()
+    for i in range(n):
+        tr.request(f"r{i}", i * 100.0, **req_kw)
+        serve_alone(tr, f"r{i}", i * 100.0 + 2)
+    return tr

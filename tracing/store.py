@@ -70,10 +70,11 @@ REQUEST_COLUMNS = {
     "send_wait_ns": "BIGINT",  # summed time the server's writes waited for the client's socket
     "bytes_sent": "BIGINT",
     "kv_freed_ns": "BIGINT",  # the core freed its KV blocks (finish, abort or error)
-    # Migration 3: the first and last step the trace writer saw it in (the spans view derives
-    # the steps between), and each output step's frontend.emit, together and small (integers
-    # that bit-pack to a few bits each; the spans view adds them back up):
-    "parent_span_id": "VARCHAR",  # the root span's parent (an incoming traceparent)
+    # Migration 3: the root span's parent, the first and last step the trace writer saw the
+    # request in (the spans view derives the steps between), and each output step's
+    # frontend.emit, together and small (integers that bit-pack to a few bits each; the spans
+    # view adds them back up):
+    "parent_span_id": "VARCHAR",  # from an incoming traceparent
     "first_step_id": "BIGINT",
     "last_step_id": "BIGINT",
     "emit_step_deltas": "INTEGER[]",  # the emit's step, after the previous (first_step_id)

@@ -325,7 +325,12 @@ def _nonnegative_fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 def _beyond_noise(x: np.ndarray, y: np.ndarray, coef: np.ndarray, i: int) -> bool:
-    """Whether coefficient i is at least 3 standard errors above 0."""
+    """Whether coefficient i is at least 3 standard errors above 0, in the model the fit
+    kept: a column _nonnegative_fit dropped (coefficient 0) does not count. Counted, a rows
+    column that only varies on the long-prefill steps (4 rows everywhere else) would share
+    their variance with the prefill price and call a 12 us/token price noise."""
+    used = (coef > 0) | (np.arange(len(coef)) == i)
+    x, coef, i = x[:, used], coef[used], int(np.count_nonzero(used[:i]))
     dof = len(y) - x.shape[1]
     if dof < 1 or not x[:, i].any():
         return False

@@ -126,21 +126,26 @@ def test_two_long_prefills_among_many_decodes_are_priced_not_dropped(tmp_path: P
     tr.step({f"d{i}": 8 for i in range(4)}, 8.0)
     for k in range(30):
         tr.step({f"d{i}": 1 for i in range(4)}, 6.0 + 0.4 * (k % 3))
+    # As in CI: a decode step slowed by the API process tokenizing the long prompts, and a
+    # price per prefill token that is not quite linear (1,900 tokens +48 ms, 5,700 +61 ms):
+    # with 5 and 8 rows there, an exact fit of those two steps wants a negative price per row.
+    tr.step({f"d{i}": 1 for i in range(4)}, 75.0)
     tr.request("long-0", tr.now / MS - T0 / MS, prompt=1900, output=2)
-    tr.step({**{f"d{i}": 1 for i in range(4)}, "long-0": 1900}, 33.0)
+    tr.step({**{f"d{i}": 1 for i in range(4)}, "long-0": 1900}, 54.0)
     for j in (1, 2, 3):
         tr.request(f"long-{j}", tr.now / MS - T0 / MS, prompt=1900, output=2)
     tr.step({**{r: 1 for r in tr.reqs if tr.reqs[r].status is None and tr.reqs[r].computed},
-             **{f"long-{j}": 1900 for j in (1, 2, 3)}}, 65.0)  # fmt: skip
+             **{f"long-{j}": 1900 for j in (1, 2, 3)}}, 67.0)  # fmt: skip
     k = 0
     while any(r.status is None for r in tr.reqs.values()):
-        tr.step({r: 1 for r in tr.reqs if tr.reqs[r].status is None}, 6.0 + 0.4 * (k % 3))
+        slow = 12.0 if k == 0 else 0.0  # the long prompts' one decode step: 7 rows
+        tr.step({r: 1 for r in tr.reqs if tr.reqs[r].status is None}, slow or 6.0 + 0.4 * (k % 3))
         k += 1
     run = diagnose_run(tr.write(tmp_path / "t.db"))
     text = render_run(run)
     print(text)
     assert "-token prefill chunk of long-3 and 2 other prefills stalled" in text, text
-    assert "expected for their shape" not in text, text
+    assert "1 more such step" in text, text  # long-0's step is a stall too, not contention
 
 
 def test_a_short_run_does_not_blame_a_few_prompt_tokens(tmp_path: Path) -> None:

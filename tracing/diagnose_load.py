@@ -286,11 +286,10 @@ def fit_step_shape(prefill: np.ndarray, rows: np.ndarray, execute: np.ndarray) -
     that carried MIN_PRICED_PREFILL prefill tokens: in a run of decodes the few long prefills
     are the only steps that price a prefill token, and the first fit (which the decodes
     dominate) misses exactly them; dropped, every long prefill would read as contention.
-    Coefficients
-    clipped at 0, and a prefill token never priced above a whole row (it is the same matmul
-    work, batched). Where no step carried MIN_PRICED_PREFILL prefill tokens, or the price is
-    within 3 standard errors of 0, a prefill token's own price cannot be told from noise: b is
-    0 and steps cost by their rows."""
+    No coefficient is negative (_nonnegative_fit), and a prefill token is never priced above a
+    whole row (it is the same matmul work, batched). Where no step carried MIN_PRICED_PREFILL
+    prefill tokens, or the price is within 3 standard errors of 0, a prefill token's own price
+    cannot be told from noise: b is 0 and steps cost by their rows."""
     x = np.column_stack([np.ones(len(prefill)), prefill, rows]).astype(float)[COLD_STEPS:]
     y = np.asarray(execute, dtype=float)[COLD_STEPS:]
     if len(y) < MIN_FIT_STEPS:

@@ -33,8 +33,14 @@ LUMEN_DEBUG_DELAY = EnvVar(
     "the regression gate and the diagnosis catch a slower path",
 )
 DEBUG_DELAY_SITES = ("schedule", "output", "emit")
+LUMEN_CPU_MATMUL = EnvVar(
+    "LUMEN_CPU_MATMUL",
+    "auto",
+    "CPU kernel of the model's matrix products: auto (the faster of the two, timed at load), "
+    "onednn (weights packed for oneDNN) or aten (torch's BLAS)",
+)
 
-ALL = (LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY)
+ALL = (LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_CPU_MATMUL)
 
 
 def debug_delay(site: str) -> float:

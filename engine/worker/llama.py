@@ -15,6 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.worker import cpu_matmul
 from engine.worker.attention import AttentionMetadata, paged_attention
 
 
@@ -59,9 +60,17 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.packed: torch.Tensor | None = None  # set: oneDNN's copy (cpu_matmul) replaces weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_matmul.onednn_linear(x, self.packed)
         return x @ self.weight
+
+    def pack(self) -> None:
+        """Hand the weight to oneDNN in its blocked layout; the plain copy is freed."""
+        self.packed = cpu_matmul.pack(self.weight.detach().t())
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
 class RMSNorm(nn.Module):
@@ -131,6 +140,9 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
     return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
+MLP_TILE_ROWS = 256
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard, index: int) -> None:
         super().__init__()
@@ -195,6 +207,7 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        self.packed_head: torch.Tensor | None = None  # set by pack_weights
 
     def forward(
         self,
@@ -211,8 +224,28 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, tables, kv_cache, meta)
         h = self.norm(h[logits_indices])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        if self.packed_head is not None:
+            return cpu_matmul.onednn_linear(h, self.packed_head).float()
+        return F.linear(h, self.head_weight()).float()
+
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def pack_weights(self) -> cpu_matmul.Choice:
+        """On CPU, move every matrix product to the faster kernel, measured here (cpu_matmul).
+
+        A tied LM head gets a packed copy of the embedding table, which the
+        token lookup still reads.
+        """
+        first = self.layers[0].gate_up_proj.weight
+        choice = cpu_matmul.choose(first)
+        if choice.kernel == "onednn":
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.pack()
+            self.packed_head = cpu_matmul.pack(self.head_weight())
+        return choice
 
     @torch.no_grad()
     def load_weights(self, folder: str | Path) -> None:

@@ -49,6 +49,9 @@ class ModelRunner:
             model = LlamaForCausalLM(self.cfg, self.shard)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(self.cfg.path)
+        if self.device.type == "cpu":
+            choice = model.pack_weights()
+            logger.info("CPU matrix products: %s (%s)", choice.kernel, choice.why)
         self.model = model.eval()
 
     def block_bytes(self) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from tests.helpers.models import hf_greedy
@@ -81,3 +82,28 @@ def test_smollm2_matches_hf(
     setting: str, default_model_path: Path, smol_references: dict[int, list[list[int]]]
 ) -> None:
     _check_setting(default_model_path, setting, smol_references)
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kernel", ["aten", "onednn"])
+def test_smollm2_matches_hf_with_each_cpu_kernel(
+    kernel: str,
+    default_model_path: Path,
+    smol_references: dict[int, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whichever CPU matrix kernel the load-time measurement picks, greedy tokens match HF's."""
+    from engine.worker import cpu_matmul
+
+    if kernel == "onednn" and not cpu_matmul.onednn_available(torch.float32):
+        pytest.skip("this torch has no oneDNN")
+    monkeypatch.setenv("LUMEN_CPU_MATMUL", kernel)
+    _check_setting(default_model_path, "default", smol_references)
+
+
+def test_unknown_cpu_kernel_is_a_clear_error(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LUMEN_CPU_MATMUL", "blas")
+    with pytest.raises(ValueError, match="LUMEN_CPU_MATMUL must be one of auto, onednn, aten"):
+        LLM(str(tiny_model_path))

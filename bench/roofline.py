@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig
 from engine.messages import StepRecord
 from engine.sampling_params import SamplingParams
+from engine.worker import cpu_matmul
 from engine.worker.messages import NewRequestData, SchedulerOutput
 
 
@@ -44,36 +45,63 @@ def best_time(
 def matmul_ceiling(
     cfg: ModelConfig, device: torch.device, dtype: torch.dtype, rows: int = 2048
 ) -> float:
-    """Best FLOP/s of [rows, hidden] @ [hidden, 2 * intermediate] (the model's widest product)."""
+    """Best FLOP/s of [rows, hidden] @ [hidden, 2 * intermediate] (the model's widest product),
+    by torch's BLAS or, on CPU, oneDNN on a packed weight, whichever is faster."""
     a = torch.randn(rows, cfg.hidden_size, device=device, dtype=dtype)
     w = torch.randn(2 * cfg.intermediate_size, cfg.hidden_size, device=device, dtype=dtype)
     flops = 2 * rows * cfg.hidden_size * 2 * cfg.intermediate_size
     with torch.inference_mode():
-        return flops / best_time(lambda: F.linear(a, w), repeat=7, device=device)
+        best = best_time(lambda: F.linear(a, w), repeat=7, device=device)
+        if device.type == "cpu" and cpu_matmul.onednn_available(dtype):
+            packed = cpu_matmul.pack(w)
+            best = min(best, best_time(lambda: cpu_matmul.onednn_linear(a, packed), repeat=7))
+        return flops / best
 
 
 def weights_pass(model: torch.nn.Module, rows: int, device: torch.device) -> float:
-    """Seconds for ``rows`` activations through every 2-D weight of ``model`` once.
+    """Seconds for ``rows`` activations through every weight matrix of ``model`` once.
 
-    The floor of a decode step. A stored matrix W [a, b] can be read by
-    ``x @ W`` (x: [rows, a]) or by ``x @ W.T`` (x: [rows, b]); each matrix
-    uses the faster of the two (timed alone), then whole passes over all
-    the weights are timed, so each pass streams them from memory.
+    The weights' share of a decode step's floor. A plain matrix W [a, b] can
+    be read by ``x @ W`` (x: [rows, a]) or by ``x @ W.T`` (x: [rows, b]); each
+    uses the faster of the two (timed alone). A matrix the model handed to
+    oneDNN (cpu_matmul: chosen at load because it was faster) is read by
+    oneDNN. Then whole passes over all the weights are timed, so each pass
+    streams them from memory.
     """
-    products = []
+    products: list[Callable[[], object]] = []
     with torch.inference_mode():
-        for w in (p for p in model.parameters() if p.dim() == 2):
-            x_nn = torch.randn(rows, w.shape[0], device=device, dtype=w.dtype)
-            x_nt = torch.randn(rows, w.shape[1], device=device, dtype=w.dtype)
-            nn_s = best_time(lambda: x_nn @ w, repeat=3, device=device)  # noqa: B023
-            nt_s = best_time(lambda: F.linear(x_nt, w), repeat=3, device=device)  # noqa: B023
-            products.append((x_nn, w, True) if nn_s <= nt_s else (x_nt, w, False))
+        for module in model.modules():
+            if hasattr(module, "packed"):  # the model's Linear: a plain weight or oneDNN's copy
+                products.append(_read(module.packed, module.weight, rows, device))
+        products.append(_read(model.packed_head, model.head_weight(), rows, device))
 
         def one_pass() -> None:
-            for x, w, nn in products:
-                x @ w if nn else F.linear(x, w)
+            for product in products:
+                product()
 
         return best_time(one_pass, repeat=5, device=device)
+
+
+def _read(
+    packed: torch.Tensor | None, w: torch.Tensor, rows: int, device: torch.device
+) -> Callable[[], object]:
+    if packed is not None:
+        xp = torch.randn(rows, packed.shape[1], device=device, dtype=packed.dtype)
+        return lambda: cpu_matmul.onednn_linear(xp, packed)
+    x_nn = torch.randn(rows, w.shape[0], device=device, dtype=w.dtype)
+    x_nt = torch.randn(rows, w.shape[1], device=device, dtype=w.dtype)
+    nn_s = best_time(lambda: x_nn @ w, repeat=3, device=device)
+    nt_s = best_time(lambda: F.linear(x_nt, w), repeat=3, device=device)
+    return (lambda: x_nn @ w) if nn_s <= nt_s else (lambda: F.linear(x_nt, w))
+
+
+def kv_pass(cfg: ModelConfig, tokens: int, device: torch.device, dtype: torch.dtype) -> float:
+    """Seconds to read the K and V of ``tokens`` context tokens once (every layer): the KV's
+    share of a decode step's floor, timed as a sum over a tensor of that many bytes."""
+    elems = tokens * cfg.kv_bytes_per_token(dtype) // torch.empty((), dtype=dtype).element_size()
+    kv = torch.ones(elems, device=device, dtype=dtype)
+    with torch.inference_mode():
+        return best_time(lambda: kv.sum(), repeat=5, device=device)
 
 
 class StepTimer:

@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         mfu,
         mp_overhead,
         overhead,
+        prefill,
         scheduler,
         serve,
         throughput,
@@ -66,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     scheduler.add_parser(bench_verbs)
     mfu.add_parser(bench_verbs)
     mp_overhead.add_parser(bench_verbs)
+    prefill.add_parser(bench_verbs)
     return parser
 
 

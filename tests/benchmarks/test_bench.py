@@ -91,6 +91,27 @@ def test_mfu_bench(tmp_path: Path, tiny_model_path: Path) -> None:
     assert 0 < doc["model_time_ratio"] <= 1
     assert doc["mfu_ratio"] == pytest.approx(doc["achieved_flops"] / doc["ceiling_flops"])
     assert doc["decode_b16_ctx32_over_weights_pass_ratio"] > 0
+    # The floor adds the KV read to the weights pass, so a step is closer to it.
+    for d in doc["decode"]:
+        assert d["kv_pass_s"] > 0
+        assert 0 < d["floor_ratio"] < d["ratio"]
+    print(r.stdout)
+
+
+def test_prefill_bench_times_both_sides_interleaved(tmp_path: Path, tiny_model_path: Path) -> None:
+    out = tmp_path / "prefill.json"
+    r = lumen_bench(
+        "prefill", "--model", str(tiny_model_path), "--lengths", "40,300",
+        "--budgets", "64,512", "--rounds", "3", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert set(doc["all_s"]) == {"hf", "lumen_64", "lumen_512"}
+    for side in doc["all_s"].values():
+        assert {n: len(v) for n, v in side.items()} == {"40": 3, "300": 3}
+    assert doc["ratio"]["lumen_64"]["300"] == pytest.approx(
+        doc["median_s"]["lumen_64"]["300"] / doc["median_s"]["hf"]["300"]
+    )
     print(r.stdout)
 
 

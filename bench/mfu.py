@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         f"(before {ceiling_before / 1e9:.1f}, after {ceiling_after / 1e9:.1f})"
     )
     print(
-        "\ndecode step vs its floor (one pass over the weights + one read of the KV it attends to):"
+        "\ndecode step vs its floor (a pass over the weights + a read of the KV it attends to):"
     )
     print_table(
         ("batch", "context", "weights (ms)", "KV (ms)", "decode step (ms)", "/ weights", "/ floor"),

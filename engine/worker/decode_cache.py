@@ -130,8 +130,9 @@ class DecodeCache:
         """Slots for this step's decode rows, or None (use the gather path) when over budget."""
         slots, moves = self._assign(req_ids, starts)
         used = max(slots) + 1
-        width = -(-(max(starts) + 1) // WIDTH_STEP) * WIDTH_STEP
-        if not self._fit(used, width):
+        # Attention reads positions [0, span) only; the tensors grow in WIDTH_STEPs.
+        span = max(starts) + 1
+        if not self._fit(used, -(-span // WIDTH_STEP) * WIDTH_STEP):
             for req_id in req_ids:  # these rows' slots fall behind this step
                 slot = self.slot_of.get(req_id)
                 if slot is not None:
@@ -153,14 +154,14 @@ class DecodeCache:
         dev = self.device
         # A slot no row uses this step shows its first position: finite, never NaN.
         lens = torch.tensor([max(n, 1) for n in self.length[:used]], device=dev)
-        visible = torch.arange(width, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+        visible = torch.arange(span, device=dev).unsqueeze(0) < lens.unsqueeze(1)
         return DecodePlan(
             cache=self,
             slot_idx=torch.tensor(slots, dtype=torch.long, device=dev),
             positions=torch.tensor(starts, dtype=torch.long, device=dev),
             used=used,
-            width=width,
-            mask=additive_mask(visible, self.dtype).view(used, 1, 1, width),
+            width=span,
+            mask=additive_mask(visible, self.dtype).view(used, 1, 1, span),
             moves=moves,
             fills=fills,
             in_order=slots == list(range(len(slots))),

@@ -172,6 +172,30 @@ class StepTimer:
         self.runner.execute_model(SchedulerOutput(step_id=0, finished_req_ids=sched.req_ids))
         return seconds
 
+    def prefill_step(self, tokens: int, repeat: int = 3) -> float:
+        """Seconds of one whole-prompt prefill step of ``tokens`` tokens (the fastest)."""
+
+        def step() -> None:
+            sched = self._batch([tokens], [0])
+            self.runner.execute_model(sched)
+            self.runner.execute_model(SchedulerOutput(step_id=0, finished_req_ids=sched.req_ids))
+
+        return best_time(step, repeat=repeat, device=self.device)
+
+    @torch.inference_mode()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """fp32 logits [len, vocab] at every position of one sequence, prefilled in one step."""
+        sched = self._batch([len(token_ids)], [0])
+        sched.token_ids = [list(token_ids)]
+        inputs = self.runner._prepare_inputs(sched)
+        everywhere = torch.arange(len(token_ids), device=self.device)
+        out = self.model(
+            inputs.input_ids, inputs.positions, self.runner.rotary, self.runner.kv_caches,
+            inputs.meta, everywhere,
+        )  # fmt: skip
+        self.runner.execute_model(SchedulerOutput(step_id=0, finished_req_ids=sched.req_ids))
+        return out.float()
+
     def release(self) -> None:
         self.runner.release_kv_cache()
         self.runner.model = None

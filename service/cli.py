@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         mfu,
         mp_overhead,
         overhead,
+        precision,
         prefill,
         scheduler,
         serve,
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     mfu.add_parser(bench_verbs)
     mp_overhead.add_parser(bench_verbs)
     prefill.add_parser(bench_verbs)
+    precision.add_parser(bench_verbs)
     return parser
 
 

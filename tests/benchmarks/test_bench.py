@@ -219,3 +219,29 @@ def test_bad_input_is_one_clear_line(args: tuple[str, ...], message: str) -> Non
     r = lumen_bench(*args, timeout=120)
     assert r.returncode == 2
     assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_precision_bench_compares_each_dtype_with_fp32(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    out = tmp_path / "precision.json"
+    r = lumen_bench(
+        "precision", "--model", str(tiny_model_path), "--dtypes", "bfloat16",
+        "--max-tokens", "4", "--json", str(out),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    fp32, bf16 = doc["results"]["float32"], doc["results"]["bfloat16"]
+    # float32 against itself is exact; bfloat16 rounds, so its logits differ.
+    assert fp32["exact_outputs"] == fp32["top1_agreement"] == 1.0
+    assert fp32["max_logit_diff"] == 0.0
+    assert bf16["max_logit_diff"] > 0
+    assert 0 <= bf16["top1_agreement"] <= 1
+    assert doc["float32_decode_speedup_ratio"] == 1.0
+    print(r.stdout)
+
+
+def test_precision_bench_refuses_an_unknown_dtype() -> None:
+    r = lumen_bench("precision", "--dtypes", "int4")
+    assert r.returncode != 0
+    assert "int4 not one of float32, bfloat16, float16" in r.stderr

@@ -1,0 +1,163 @@
+"""lumen bench precision: what a lower-precision option costs in accuracy, and buys in speed.
+
+For each ``--dtypes`` setting (the model's weights, activations and KV cache
+in that dtype) against float32, on the same weights, in one run:
+
+- **greedy agreement**: a fixed set of chat prompts generated greedily
+  through the offline LLM; the share of prompts whose whole output equals
+  float32's, and the mean share of each output that matches float32's up to
+  its first difference;
+- **logits**: float32's prompt + output sequences fed to each model in one
+  prefill step; the largest absolute logit difference from float32's at any
+  position, and the share of positions whose top token is float32's;
+- **speed**: a 512-token prefill step and a batch-16 decode step at context
+  128 (the worker's own step, fastest of several), and the generation's wall
+  time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from typing import Any
+
+import torch
+
+from bench.common import check_json_path, machine, print_table, write_json
+from bench.roofline import StepTimer
+
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "List three uses of copper.",
+    "How many legs does a spider have?",
+    "Translate 'good morning' into Spanish.",
+    "What causes the seasons on Earth?",
+    "Give me a short tip for learning to cook.",
+    "Summarize the plot of Romeo and Juliet in one sentence.",
+    "What is 17 times 3?",
+    "Name a famous painting by Vincent van Gogh.",
+    "Why is the sky blue?",
+    "Write a one-line Python function that reverses a string.",
+    "What does a thermometer measure?",
+    "Suggest a name for a pet turtle.",
+    "What is the boiling point of water at sea level?",
+)
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_parser(verbs: argparse._SubParsersAction) -> None:
+    p = verbs.add_parser("precision", help="accuracy and speed of lower-precision dtypes vs fp32")
+    p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--dtypes", default="bfloat16", help=f"dtypes to compare with float32 ({', '.join(DTYPES)})"
+    )
+    p.add_argument("--max-tokens", type=int, default=48, help="greedy output tokens per prompt")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.model_files import resolve_model
+
+    dtypes = ["float32", *(d.strip() for d in args.dtypes.split(",") if d.strip())]
+    bad = [d for d in dtypes if d not in DTYPES]
+    if bad:
+        raise ValueError(f"--dtypes: {', '.join(bad)} not one of {', '.join(DTYPES)}")
+    if args.max_tokens < 1:
+        raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    check_json_path(args.json)
+    path = str(resolve_model(args.model))
+    results: dict[str, dict[str, Any]] = {}
+    reference: list[list[int]] = []
+    ref_logits: list[torch.Tensor] = []
+    for dtype in dict.fromkeys(dtypes):
+        outputs, prompts, gen_s = _generate(path, dtype, args.max_tokens)
+        if dtype == "float32":
+            reference = outputs
+        timer = StepTimer(path, torch.device("cpu"), getattr(torch, dtype))
+        sequences = [p + o for p, o in zip(prompts, reference)]
+        logits = [timer.logits(seq) for seq in sequences]
+        if dtype == "float32":
+            ref_logits = logits
+        prefill_s = timer.prefill_step(512)
+        decode_s = min(timer.decode_step(16, 128) for _ in range(2))
+        timer.release()
+        del timer
+        gc.collect()
+        results[dtype] = {
+            **_agreement(outputs, reference),
+            **_logit_diff(logits, ref_logits),
+            "generate_s": gen_s,
+            "prefill_512_s": prefill_s,
+            "decode_b16_ctx128_s": decode_s,
+        }
+    base = results["float32"]
+    rows = [
+        [
+            dtype,
+            f"{r['exact_outputs']:.0%}",
+            f"{r['matching_prefix']:.0%}",
+            f"{r['max_logit_diff']:.3f}",
+            f"{r['top1_agreement']:.1%}",
+            f"{r['prefill_512_s'] * 1e3:.0f} ({base['prefill_512_s'] / r['prefill_512_s']:.2f}x)",
+            f"{r['decode_b16_ctx128_s'] * 1e3:.1f} "
+            f"({base['decode_b16_ctx128_s'] / r['decode_b16_ctx128_s']:.2f}x)",
+            f"{r['generate_s']:.2f}",
+        ]
+        for dtype, r in results.items()
+    ]
+    print(f"\n{len(PROMPTS)} chat prompts, {args.max_tokens} greedy tokens each; "
+          f"{machine()['device_name']}, {torch.get_num_threads()} threads")  # fmt: skip
+    print_table(
+        ["dtype", "same output", "matching prefix", "max |logit diff|", "top-1 same",
+         "prefill 512 ms", "decode b16 ms", "generate s"],
+        rows,
+    )  # fmt: skip
+    ratios = {
+        f"{d}_prefill_speedup_ratio": base["prefill_512_s"] / r["prefill_512_s"]
+        for d, r in results.items()
+    } | {
+        f"{d}_decode_speedup_ratio": base["decode_b16_ctx128_s"] / r["decode_b16_ctx128_s"]
+        for d, r in results.items()
+    }
+    write_json(args.json, {"machine": machine(), "results": results, **ratios})
+    return 0
+
+
+def _generate(
+    path: str, dtype: str, max_tokens: int
+) -> tuple[list[list[int]], list[list[int]], float]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=path, dtype=dtype, enable_prefix_caching=False)
+    try:
+        conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.chat(conversations, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+    finally:
+        llm.shutdown()
+    prompts = [list(o.prompt_token_ids) for o in outs]
+    return [list(o.outputs[0].token_ids) for o in outs], prompts, seconds
+
+
+def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
+    exact = sum(o == r for o, r in zip(outputs, reference)) / len(reference)
+    shares = []
+    for o, r in zip(outputs, reference):
+        same = next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
+        shares.append(same / len(r))
+    return {"exact_outputs": exact, "matching_prefix": sum(shares) / len(shares)}
+
+
+def _logit_diff(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> dict[str, float]:
+    worst, same, total = 0.0, 0, 0
+    for got, ref in zip(logits, reference):
+        worst = max(worst, (got - ref).abs().max().item())
+        same += int((got.argmax(-1) == ref.argmax(-1)).sum())
+        total += ref.shape[0]
+    return {"max_logit_diff": worst, "top1_agreement": same / total}

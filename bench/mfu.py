@@ -117,9 +117,7 @@ def run(args: argparse.Namespace) -> int:
         f"matmul ceiling: {ceiling / 1e9:.1f} GFLOP/s "
         f"(before {ceiling_before / 1e9:.1f}, after {ceiling_after / 1e9:.1f})"
     )
-    print(
-        "\ndecode step vs its floor (a pass over the weights + a read of the KV it attends to):"
-    )
+    print("\ndecode step vs its floor (a pass over the weights + a read of the KV it attends to):")
     print_table(
         ("batch", "context", "weights (ms)", "KV (ms)", "decode step (ms)", "/ weights", "/ floor"),
         [

@@ -12,15 +12,13 @@ forces one).
 
 from __future__ import annotations
 
-import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine import envs
-
-logger = logging.getLogger(__name__)
 
 # The batch size oneDNN packs a weight for; measured: any hint from 16 up serves every batch
 # size from 1 to 2048 alike, a hint of 1 runs batches of 3-64 rows up to 1.6x slower.
@@ -72,8 +70,7 @@ def choose(weight_in_out: torch.Tensor) -> Choice:
     )
 
 
-def _best(fn: object, repeat: int = 5) -> float:
-    assert callable(fn)
+def _best(fn: Callable[[], object], repeat: int = 5) -> float:
     fn()
     best = float("inf")
     for _ in range(repeat):

@@ -142,7 +142,7 @@ def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tenso
 
 # Prefill rows go through the MLP in tiles of this many: its [rows, 2 x intermediate]
 # activations then stay in cache. Measured (SmolLM2, EPYC, fp32, 2048-token chunks): a
-# 512-token prompt 0.50 -> 0.35 s; 128 and 512-row tiles were slower than 256.
+# 512-token prompt 0.51 -> 0.35 s; 128 and 512-row tiles were slower than 256.
 MLP_TILE_ROWS = 256
 
 
@@ -243,8 +243,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> cpu_matmul.Choice:
         """On CPU, move every matrix product to the faster kernel, measured here (cpu_matmul).
 
-        A tied LM head gets a packed copy of the embedding table, which the
-        token lookup still reads.
+        The LM head gets a packed copy (of the embedding table when tied, which
+        the token lookup still reads; of lm_head otherwise).
         """
         first = self.layers[0].gate_up_proj.weight
         choice = cpu_matmul.choose(first)

@@ -32,6 +32,14 @@ def lumen_bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess
     )
 
 
+def bench_json(tmp_path: Path, *args: str) -> tuple[str, dict]:
+    """Run ``lumen bench ARGS --json``; its stdout and the JSON it wrote."""
+    out = tmp_path / f"{args[0]}.json"
+    r = lumen_bench(*args, "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    return r.stdout, json.loads(out.read_text())
+
+
 def ratio_keys(doc: dict) -> list[str]:
     return [k for k in doc if "ratio" in k]
 
@@ -99,20 +107,17 @@ def test_mfu_bench(tmp_path: Path, tiny_model_path: Path) -> None:
 
 
 def test_prefill_bench_times_both_sides_interleaved(tmp_path: Path, tiny_model_path: Path) -> None:
-    out = tmp_path / "prefill.json"
-    r = lumen_bench(
-        "prefill", "--model", str(tiny_model_path), "--lengths", "40,300",
-        "--budgets", "64,512", "--rounds", "3", "--json", str(out),
+    stdout, doc = bench_json(
+        tmp_path, "prefill", "--model", str(tiny_model_path), "--lengths", "40,300",
+        "--budgets", "64,512", "--rounds", "3",
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    doc = json.loads(out.read_text())
     assert set(doc["all_s"]) == {"hf", "lumen_64", "lumen_512"}
     for side in doc["all_s"].values():
         assert {n: len(v) for n, v in side.items()} == {"40": 3, "300": 3}
     assert doc["ratio"]["lumen_64"]["300"] == pytest.approx(
         doc["median_s"]["lumen_64"]["300"] / doc["median_s"]["hf"]["300"]
     )
-    print(r.stdout)
+    print(stdout)
 
 
 def test_throughput_bench_runs_every_system(tmp_path: Path, tiny_model_path: Path) -> None:
@@ -224,13 +229,10 @@ def test_bad_input_is_one_clear_line(args: tuple[str, ...], message: str) -> Non
 def test_precision_bench_compares_each_dtype_with_fp32(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    out = tmp_path / "precision.json"
-    r = lumen_bench(
-        "precision", "--model", str(tiny_model_path), "--dtypes", "bfloat16",
-        "--max-tokens", "4", "--json", str(out),
+    stdout, doc = bench_json(
+        tmp_path, "precision", "--model", str(tiny_model_path), "--dtypes", "bfloat16",
+        "--max-tokens", "4",
     )  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    doc = json.loads(out.read_text())
     fp32, bf16 = doc["results"]["float32"], doc["results"]["bfloat16"]
     # float32 against itself is exact; bfloat16 rounds, so its logits differ.
     assert fp32["exact_outputs"] == fp32["top1_agreement"] == 1.0
@@ -238,7 +240,7 @@ def test_precision_bench_compares_each_dtype_with_fp32(
     assert bf16["max_logit_diff"] > 0
     assert 0 <= bf16["top1_agreement"] <= 1
     assert doc["float32_decode_speedup_ratio"] == 1.0
-    print(r.stdout)
+    print(stdout)
 
 
 def test_precision_bench_refuses_an_unknown_dtype() -> None:

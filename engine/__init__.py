@@ -9,9 +9,12 @@ from engine.version import __version__
 if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.outputs import CompletionOutput, Logprob, RequestOutput
-    from engine.sampling_params import SamplingParams
+    from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = [
+    "LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams",
+    "StructuredOutputsParams", "__version__",
+]  # fmt: skip
 
 _LAZY = {
     "LLM": "engine.llm",
@@ -19,6 +22,7 @@ _LAZY = {
     "Logprob": "engine.outputs",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.sampling_params",
 }
 
 

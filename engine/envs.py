@@ -29,10 +29,12 @@ LUMEN_DEBUG_DELAY = EnvVar(
     "",
     "testing only: SITE=SECONDS[,SITE=SECONDS] sleeps injected once per step at a site: "
     "schedule (the scheduler's schedule()), output (the core's output path, after "
-    "update_from_output), emit (the frontend's processing of each step's outputs); they prove "
-    "the regression gate and the diagnosis catch a slower path",
+    "update_from_output), emit (the frontend's processing of each step's outputs), "
+    "grammar_compile (each grammar compile, on the grammar thread), grammar_mask (a step's "
+    "token masks, when it has any); they prove the regression gate and the diagnosis catch a "
+    "slower path",
 )
-DEBUG_DELAY_SITES = ("schedule", "output", "emit")
+DEBUG_DELAY_SITES = ("schedule", "output", "emit", "grammar_compile", "grammar_mask")
 LUMEN_CPU_MATMUL = EnvVar(
     "LUMEN_CPU_MATMUL",
     "auto",

@@ -125,6 +125,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     received_ns: int = 0
     # On an abort ack of a request the core held: when its KV blocks were freed.
     freed_ns: int = 0
+    # Structured outputs, on the first output of a request with a grammar: when the grammar
+    # was ready (the request could be scheduled), how long its compile took (0 when cached)
+    # and whether it came from the cache.
+    grammar: tuple[int, int, bool] | None = None
 
 
 # What held waiting requests back in a step (StepRecord.wait_reason; "" when none waited).
@@ -169,6 +173,10 @@ class StepRecord(msgspec.Struct, array_like=True, gc=False):
     # (start_ns, duration_ns, generation); only pauses of at least GC_PAUSE_MIN_NS are listed.
     gc_pauses: list[tuple[int, int, int]] = msgspec.field(default_factory=list)
     gc_pause_ns: int = 0  # every pause summed, listed or not
+    # Structured outputs: computing the token masks of the rows that sample under a grammar,
+    # between the scheduler's decision (schedule_end_ns) and the execute start; and how many.
+    grammar_mask_ns: int = 0
+    num_grammar_rows: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -297,6 +297,8 @@ class OutputProcessor:
     def _count(parent: _Parent, out: EngineCoreOutput, stats: IterationStats) -> None:
         if out.received_ns and not parent.queued_ns:
             parent.queued_ns = out.received_ns
+        if out.grammar is not None:
+            stats.grammar_compiles.append((out.grammar[1] / 1e9, out.grammar[2]))
         num_new = len(out.new_token_ids)
         if not num_new:
             return

@@ -8,6 +8,7 @@ from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from engine import structured_outputs
 from engine.config import ModelConfig
 from engine.messages import EngineCoreRequest, EngineInfo
 from engine.sampling_params import SamplingParams
@@ -53,6 +54,13 @@ class InputProcessor:
             eos_token_ids=model_config.eos_token_ids,
         )
 
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders tools itself (service/tools.py renders them for
+        one that does not)."""
+        template = self.tokenizer.chat_template
+        return isinstance(template, str) and "tools" in template
+
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -71,6 +79,7 @@ class InputProcessor:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
@@ -85,6 +94,7 @@ class InputProcessor:
             messages,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             tokenize=True,
             return_dict=False,
         )
@@ -135,3 +145,4 @@ class InputProcessor:
         for tid in params.stop_token_ids:
             if tid >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {tid} is outside the vocabulary")
+        structured_outputs.prepare(params)

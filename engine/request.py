@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from engine.messages import EngineCoreRequest, FinishReason
 from engine.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class Request:
         "block_hashes",
         "cache_salt",
         "eos_token_ids",
+        "grammar",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -87,6 +89,7 @@ class Request:
         self.num_preemptions = 0
         self.block_hashes: list[int] = []
         self.stop_reason: int | None = None
+        self.grammar: Any = None  # engine.core.grammar.Grammar, set by the core
 
     @classmethod
     def from_wire(cls, req: EngineCoreRequest, max_model_len: int) -> Request:

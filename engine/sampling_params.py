@@ -12,6 +12,47 @@ _GREEDY_EPS = 1e-5
 MAX_INT32 = (1 << 31) - 1
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What the output must match (vLLM's StructuredOutputsParams): set exactly one of
+    ``json`` (a JSON schema, as a dict or its JSON text), ``json_object`` (any JSON object),
+    ``regex``, ``choice`` (one of these strings) or ``grammar`` (a Lark grammar, as
+    llguidance reads it). ``kind`` and ``spec`` are filled in by the input processor: the
+    one grammar the engine compiles (engine/structured_outputs.py)."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    kind: str = ""  # json_schema | json_object | regex | choice | grammar | tool_call
+    spec: str = ""  # the llguidance grammar (TopLevelGrammar JSON) the core compiles
+
+    def __post_init__(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("json", self.json),
+                ("json_object", self.json_object or None),
+                ("regex", self.regex),
+                ("choice", self.choice),
+                ("grammar", self.grammar),
+            )
+            if value is not None
+        ]
+        if len(given) != 1 and not self.spec:
+            what = ", ".join(given) if given else "none"
+            raise ValueError(
+                "structured outputs take exactly one of json, json_object, regex, choice or "
+                f"grammar (got {what})"
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Sampling and stopping parameters of one request.
 
@@ -37,6 +78,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

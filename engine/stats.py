@@ -39,6 +39,9 @@ class IterationStats:
     ttfts_s: list[float] = field(default_factory=list)
     itls_s: list[float] = field(default_factory=list)
     finished: list[FinishedRequest] = field(default_factory=list)
+    # Structured outputs: per request that got its first token, how long its grammar compile
+    # took (seconds; 0 for a cache hit) and whether it was cached.
+    grammar_compiles: list[tuple[float, bool]] = field(default_factory=list)
 
 
 class StatLogger(Protocol):

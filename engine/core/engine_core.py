@@ -9,6 +9,7 @@ import torch
 
 from engine import envs
 from engine.config import EngineConfig, ModelConfig
+from engine.core.grammar import GRAMMAR_WAIT_S, GrammarManager
 from engine.core.scheduler import Scheduler
 from engine.executor import Executor, make_executor
 from engine.gc_pauses import GcPauses
@@ -57,6 +58,10 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.vocab_size = model_config.vocab_size
         self.scheduler = Scheduler.from_config(config, num_blocks, max_model_len)
+        self.grammars = GrammarManager(
+            model_path, model_config.vocab_size, model_config.eos_token_ids
+        )
+        self.scheduler.grammars = self.grammars
         self.scheduler.debug_delay_s = envs.debug_delay("schedule")
         self.debug_output_delay_s = envs.debug_delay("output")
         self.gc_pauses = GcPauses()
@@ -128,19 +133,32 @@ class EngineCore:
 
     def has_work(self) -> bool:
         """Requests to step, or KV frees (aborts) not yet reported in a step record."""
-        return self.scheduler.has_requests() or self.scheduler.has_unreported_frees()
+        s = self.scheduler
+        return s.has_requests() or s.has_unreported_frees() or bool(s.grammar_errors)
 
     def step(self) -> EngineCoreOutputs:
-        if not self.scheduler.has_requests():
-            if self.scheduler.has_unreported_frees():
+        scheduler = self.scheduler
+        if scheduler.only_compiling():
+            # Nothing can run until a grammar is ready: wait for it a moment (new requests
+            # and aborts are read between these waits), never step an empty batch.
+            self.grammars.wait(scheduler.compiling, GRAMMAR_WAIT_S)
+            scheduler.admit_compiled()
+        if not scheduler.has_requests() or scheduler.only_compiling():
+            if scheduler.grammar_errors:
+                return EngineCoreOutputs(self._grammar_errors())
+            if scheduler.has_unreported_frees():
                 return EngineCoreOutputs(step=self._idle_record())
             return EngineCoreOutputs()
         t_schedule = time.time_ns()
-        sched = self.scheduler.schedule()
+        sched = scheduler.schedule()
+        t_scheduled = time.time_ns()
+        num_grammar_rows = self._grammar_masks(sched) if scheduler.has_grammars() else 0
         t_execute = time.time_ns()
         runner_out = self.executor.execute_model(sched)
         t_executed = time.time_ns()
-        outputs = self.scheduler.update_from_output(sched, runner_out)
+        outputs = scheduler.update_from_output(sched, runner_out)
+        if scheduler.grammar_errors:
+            outputs += self._grammar_errors()
         t_updated = time.time_ns()
         if self.debug_output_delay_s:
             time.sleep(self.debug_output_delay_s)
@@ -149,7 +167,7 @@ class EngineCore:
         step = StepRecord(
             step_id=sched.step_id,
             schedule_start_ns=t_schedule,
-            schedule_end_ns=t_execute,
+            schedule_end_ns=t_scheduled,
             execute_start_ns=t_execute,
             execute_end_ns=t_executed,
             output_ns=time.time_ns(),
@@ -171,8 +189,38 @@ class EngineCore:
             num_blocks_freed=self.scheduler.take_freed_blocks(),
             gc_pauses=gc_pauses,
             gc_pause_ns=gc_pause_ns,
+            grammar_mask_ns=t_execute - t_scheduled if num_grammar_rows else 0,
+            num_grammar_rows=num_grammar_rows,
         )
         return EngineCoreOutputs(outputs, step)
+
+    def _grammar_masks(self, sched: SchedulerOutput) -> int:
+        """The token masks of the rows that sample under a grammar this step."""
+        requests = self.scheduler.requests
+        ids, matchers = [], []
+        for rid, sample in zip(sched.req_ids, sched.sample):
+            grammar = requests[rid].grammar if sample else None
+            if grammar is not None:
+                ids.append(rid)
+                matchers.append(grammar.matcher)
+        if ids:
+            sched.grammar_req_ids = ids
+            sched.grammar_bitmask = self.grammars.fill_masks(matchers)
+        return len(ids)
+
+    def _grammar_errors(self) -> list[EngineCoreOutput]:
+        """ERROR outputs of requests whose grammar failed to compile."""
+        failed, self.scheduler.grammar_errors = self.scheduler.grammar_errors, []
+        return [
+            EngineCoreOutput(
+                r.request_id,
+                [],
+                finish_reason=FinishReason.ERROR,
+                error=error,
+                received_ns=r.received_ns,
+            )
+            for r, error in failed
+        ]
 
     def _idle_record(self) -> StepRecord:
         """The KV state once aborts emptied the engine: no step follows to report it."""
@@ -266,6 +314,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.gc_pauses.close()
+        self.grammars.shutdown()
         self.executor.shutdown()
 
 

@@ -6,6 +6,7 @@ import logging
 import time
 
 from engine.config import EngineConfig
+from engine.core.grammar import GrammarManager
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request_queue import FCFSQueue, PriorityQueue
 from engine.messages import EngineCoreOutput
@@ -51,6 +52,13 @@ class Scheduler:
         # KV blocks released since the last step record, by cause (finish, abort, preemption).
         self.num_freed_blocks = [0, 0, 0]
         self.debug_delay_s = 0.0  # a test-only slowdown (LUMEN_DEBUG_DELAY=schedule=S)
+        # Structured outputs (engine/core/grammar.py): requests whose grammar is compiling wait
+        # here, outside the queue, so they hold up nothing; a grammar that failed ends its
+        # request with an error the core reports.
+        self.grammars: GrammarManager | None = None
+        self.compiling: list[Request] = []
+        self.num_grammars = 0  # requests holding a grammar, compiling or not
+        self.grammar_errors: list[tuple[Request, str]] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig, num_blocks: int, max_model_len: int) -> Scheduler:
@@ -67,8 +75,37 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.add(request)
         self._new_req_ids.add(request.request_id)
+        so = request.sampling_params.structured_outputs
+        if so is not None and so.spec and self.grammars is not None:
+            request.grammar = self.grammars.add(so.spec)
+            self.num_grammars += 1
+            if not self._grammar_ready(request):
+                self.compiling.append(request)
+                return
+        self.waiting.add(request)
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Poll a request's grammar; a failed one ends the request (grammar_errors)."""
+        assert self.grammars is not None
+        if not self.grammars.poll(request.grammar):
+            return False
+        if request.grammar.error is not None:
+            self.grammar_errors.append((request, request.grammar.error))
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free(request, FREED_ABORT)
+            return False
+        return True
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar finished compiling join the queue."""
+        still = []
+        for request in self.compiling:
+            if self._grammar_ready(request):
+                self.waiting.add(request)
+            elif request.grammar.error is None:
+                still.append(request)
+        self.compiling = still
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """End requests from outside (abort); unknown or finished ids are ignored."""
@@ -79,6 +116,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request in self.compiling:
+                self.compiling.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -89,9 +128,17 @@ class Scheduler:
     def has_requests(self) -> bool:
         return bool(self.requests)
 
+    def has_grammars(self) -> bool:
+        """Whether any request holds a grammar (the step fills masks for those it runs)."""
+        return self.num_grammars > 0
+
+    def only_compiling(self) -> bool:
+        """Every request waits for its grammar: a step would have nothing to run."""
+        return len(self.compiling) == len(self.requests) > 0
+
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.compiling)
 
     # -- the step --------------------------------------------------------------
 
@@ -101,6 +148,8 @@ class Scheduler:
         out = SchedulerOutput(step_id=self._step_id, finished_req_ids=self._finished_req_ids)
         self._step_id += 1
         self._finished_req_ids = []
+        if self.compiling:
+            self.admit_compiled()
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
 
@@ -174,6 +223,13 @@ class Scheduler:
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran: its output is dropped
             finished = request.check_stop(token_id)
+            if request.grammar is not None and not finished:
+                matcher = request.grammar.matcher
+                # A token the grammar refuses (its mask left nothing, e.g. min_tokens
+                # blocking the EOS it required) ends the request rather than the output.
+                if not matcher.consume_token(token_id) or matcher.is_stopped():
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    finished = True
             outputs.append(
                 EngineCoreOutput(
                     req_id,
@@ -185,6 +241,9 @@ class Scheduler:
                     received_ns=request.received_ns if request.num_output_tokens == 1 else 0,
                 )
             )
+            if request.grammar is not None and request.num_output_tokens == 1:
+                g = request.grammar
+                outputs[-1].grammar = (g.ready_ns, g.compile_ns, g.cached)
             if finished:
                 self.running.remove(request)
                 self._free(request, FREED_FINISH)
@@ -243,6 +302,8 @@ class Scheduler:
         return self._step_id - 1
 
     def _free(self, request: Request, cause: int) -> None:
+        if request.grammar is not None:
+            self.num_grammars -= 1
         self.num_freed_blocks[cause] += self.kv_cache.free(request)
         del self.requests[request.request_id]
         if request.request_id in self._new_req_ids:

@@ -58,6 +58,10 @@ class SchedulerOutput:
     # What kept requests waiting after this step's admissions ("" when none waits), one of
     # WAIT_REASONS in engine/messages.py.
     wait_reason: str = ""
+    # Structured outputs: the rows sampling under a grammar this step, and their token masks
+    # (one row of ceil(vocab / 32) int32 words each, bit t = token t allowed), as bytes.
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: bytes = b""
 
     @property
     def num_preemptions(self) -> int:

@@ -107,7 +107,10 @@ class ModelRunner:
         if not self.is_driver:
             return ModelRunnerOutput([], [])
         rows = [self.rows[r] for r in inputs.sample_req_ids]
-        sampled, logprobs = self.sampler(logits, rows)
+        grammar = None
+        if sched.grammar_req_ids:
+            grammar = (inputs.sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask)
+        sampled, logprobs = self.sampler(logits, rows, grammar)
         for row, token in zip(rows, sampled):
             row.output_token_ids.append(token)
         return ModelRunnerOutput(

@@ -26,19 +26,53 @@ class Sampler:
         self.device = device
         # Requests without a seed share one generator, seeded per engine.
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._shifts: torch.Tensor | None = None
 
     @torch.no_grad()
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow]
+        self,
+        logits: torch.Tensor,
+        rows: list[SamplingRow],
+        grammar: tuple[list[str], list[str], bytes] | None = None,
     ) -> tuple[list[int], list[Logprobs | None]]:
-        """logits: [B, V] fp32, one row per entry of ``rows``."""
+        """logits: [B, V] fp32, one row per entry of ``rows``; ``grammar``: the rows' request
+        ids, and those of the rows that sample under a grammar with their masks. Logprobs are
+        the model's, before penalties and masks."""
         raw = logits
+        if grammar is not None:
+            logits = self.apply_grammar(logits, *grammar)
         logits = self._apply_penalties(logits, rows)
         greedy = [r.params.greedy for r in rows]
         # The common all-greedy batch skips the sampling machinery.
         sampled = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, rows, greedy)
         sampled_ids = sampled.tolist()
         return sampled_ids, self._logprobs(raw, rows, sampled)
+
+    def apply_grammar(
+        self, logits: torch.Tensor, req_ids: list[str], grammar_ids: list[str], bitmask: bytes
+    ) -> torch.Tensor:
+        """Logits with the tokens each grammar row's mask forbids at -inf (only those rows).
+
+        ``bitmask`` holds one row of int32 words per ``grammar_ids`` entry, bit t of the row
+        set when token t is allowed (engine/core/grammar.py)."""
+        where = {rid: j for j, rid in enumerate(grammar_ids)}
+        rows = [i for i, rid in enumerate(req_ids) if rid in where]
+        if not rows:
+            return logits
+        words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(grammar_ids), -1)
+        words = words[[where[req_ids[i]] for i in rows]].to(self.device)
+        bits = (words.unsqueeze(-1) >> self._bit_shifts(words.device)) & 1
+        vocab = logits.shape[-1]
+        allowed = bits.view(len(rows), -1)[:, :vocab].bool()
+        logits = logits.clone()
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        return logits
+
+    def _bit_shifts(self, device: torch.device) -> torch.Tensor:
+        if self._shifts is None:
+            self._shifts = torch.arange(32, dtype=torch.int32, device=device)
+        return self._shifts
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         cloned = False

@@ -1,0 +1,165 @@
+"""Structured outputs, the core's half: grammars compiled off the busy loop, cached by spec, and
+each step's token masks for the rows that have one.
+
+A request with a grammar waits outside the scheduler's queue until its grammar is compiled
+(Scheduler.compiling), so it never holds up the batch. Compiling runs on one thread:
+llguidance builds a matcher without the GIL, and the tokenizer it needs is loaded there once,
+when the first grammar arrives (that request waits for it: ~0.4 s here, in its core.grammar
+span). Each step the core fills one bitmask row (a bit per token) for
+every row that samples under a grammar and sends the rows to the driver worker, whose sampler
+masks only those rows (engine/worker/sampler.py); rows without a grammar pay nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import logging
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine import envs
+
+logger = logging.getLogger(__name__)
+CACHE_SIZE = 256  # compiled grammars kept, least recently used out first
+GRAMMAR_WAIT_S = 0.005  # how long an otherwise idle core waits for a grammar before a poll
+
+
+class Grammar:
+    """One request's grammar: compiling (``future``), then a matcher of its own."""
+
+    __slots__ = ("cached", "compile_ns", "error", "future", "matcher", "ready_ns", "spec")
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self.future: Future[Any] | None = None
+        self.matcher: Any = None
+        self.error: str | None = None
+        self.ready_ns = 0  # when the request could be scheduled (time.time_ns())
+        self.compile_ns = 0  # how long the compile took (0: a cache hit)
+        self.cached = False
+
+
+class GrammarManager:
+    def __init__(self, model_path: str, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.model_path = model_path
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
+        self._pool: ThreadPoolExecutor | None = None
+        self._tokenizer: Any = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()  # spec -> a pristine matcher
+        self._pending: dict[str, Future[Any]] = {}
+        self.debug_compile_s = envs.debug_delay("grammar_compile")
+        self.debug_mask_s = envs.debug_delay("grammar_mask")
+
+    # -- compiling -----------------------------------------------------------------
+
+    def add(self, spec: str) -> Grammar:
+        """A grammar for a new request: from the cache, or compiling on the thread."""
+        grammar = Grammar(spec)
+        if (pristine := self._cache.get(spec)) is not None:
+            self._cache.move_to_end(spec)
+            grammar.matcher, grammar.cached = pristine.deep_copy(), True
+            grammar.ready_ns = time.time_ns()
+            return grammar
+        future = self._pending.get(spec)
+        if future is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="lumen-grammar")
+            future = self._pool.submit(self._compile, spec)
+            self._pending[spec] = future
+        else:
+            grammar.cached = True  # another request is compiling the same grammar
+        grammar.future = future
+        return grammar
+
+    def poll(self, grammar: Grammar) -> bool:
+        """Whether the grammar is ready (or failed: ``grammar.error``); never blocks."""
+        if grammar.matcher is not None or grammar.error is not None:
+            return True
+        future = grammar.future
+        assert future is not None
+        if not future.done():
+            return False
+        self._pending.pop(grammar.spec, None)
+        try:
+            pristine, took_ns = future.result()
+        except Exception as e:  # the tokenizer failed to load: every grammar request fails
+            grammar.error = f"the grammar engine failed: {type(e).__name__}: {e}"
+        else:
+            if pristine.is_error():
+                grammar.error = f"invalid grammar: {pristine.get_error()}"
+            else:
+                self._cache[grammar.spec] = pristine
+                if len(self._cache) > CACHE_SIZE:
+                    self._cache.popitem(last=False)
+                grammar.matcher = pristine.deep_copy()
+                grammar.compile_ns = 0 if grammar.cached else took_ns
+        grammar.future = None
+        grammar.ready_ns = time.time_ns()
+        return True
+
+    def wait(self, requests: list[Any], timeout: float) -> None:
+        """Block up to ``timeout`` seconds for any of these requests' grammars."""
+        futures = [r.grammar.future for r in requests if r.grammar.future is not None]
+        if futures:
+            concurrent.futures.wait(futures, timeout, return_when="FIRST_COMPLETED")
+
+    def _compile(self, spec: str) -> tuple[Any, int]:
+        """On the grammar thread: the tokenizer (once), then the matcher."""
+        import llguidance
+
+        started = time.perf_counter_ns()
+        if self._tokenizer is None:
+            self._tokenizer = self._load_tokenizer()
+            started = time.perf_counter_ns()  # the one-time tokenizer load is not the grammar's
+        matcher = llguidance.LLMatcher(self._tokenizer, spec, log_level=0)
+        if self.debug_compile_s:
+            time.sleep(self.debug_compile_s)
+        return matcher, time.perf_counter_ns() - started
+
+    def _load_tokenizer(self) -> Any:
+        """llguidance's view of the model's tokenizer: from tokenizer.json directly (0.4 s
+        here), else through transformers (1-2 s)."""
+        import llguidance
+
+        started = time.monotonic()
+        path = Path(self.model_path) / "tokenizer.json"
+        if path.is_file():
+            import tokenizers
+
+            spec = tokenizers.Tokenizer.from_file(str(path)).to_str()
+        else:
+            from transformers import AutoTokenizer
+
+            backend = copy.copy(AutoTokenizer.from_pretrained(self.model_path).backend_tokenizer)
+            backend.no_padding()
+            backend.no_truncation()
+            spec = backend.to_str()
+        tokenizer = llguidance.LLTokenizer(
+            spec, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+        )
+        logger.info("grammar tokenizer loaded in %.2fs", time.monotonic() - started)
+        return tokenizer
+
+    # -- each step -----------------------------------------------------------------
+
+    def fill_masks(self, matchers: list[Any]) -> bytes:
+        """One bitmask row per matcher (bit t of a row: token t is allowed), as bytes."""
+        rows = np.empty((len(matchers), self.words), dtype=np.int32)
+        address, stride = rows.ctypes.data, rows.strides[0]
+        for i, matcher in enumerate(matchers):
+            matcher.unsafe_compute_mask_ptr(address + i * stride, stride)
+        if self.debug_mask_s:
+            time.sleep(self.debug_mask_s)
+        return rows.tobytes()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

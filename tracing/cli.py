@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Any
 
-from tracing.spans import BOUNDARIES
+from tracing.spans import BOUNDARIES, GRAMMAR_SPAN
 from tracing.store import open_db
 
 DEFAULT_DB = "traces/trace.db"
@@ -77,7 +77,7 @@ def _waterfall(req: tuple[Any, ...], spans: list[tuple[str, int, int]]) -> None:
         print(f"error: {error}")
     e2e = max(e2e or 1, 1)
     rows = []
-    for name in BOUNDARIES:
+    for name in (*BOUNDARIES[:3], GRAMMAR_SPAN, *BOUNDARIES[3:]):  # core.grammar: if it has one
         mine = [(s, e) for n, s, e in spans if n == name]
         if mine:
             rows.append((name, len(mine), sum(e - s for s, e in mine), mine))

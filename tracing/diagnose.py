@@ -207,9 +207,14 @@ def _ttft_parts(
     if window := span(sent, received):
         parts["ipc"] = window[1] - window[0]
     if window := span(received, scheduled):
-        parts["queue"] = core.carve(parts, *window)
+        # Structured outputs: until its grammar compiled it was not in the queue at all.
+        ready = row.get("grammar_ready_ns")
+        cut = min(max(ready, window[0]), window[1]) if ready else window[0]
+        parts["grammar_compile"] = core.carve(parts, window[0], cut)
+        parts["queue"] = core.carve(parts, cut, window[1])
     if steps and (window := span(scheduled, last_out)):
-        for key in ("own_prefill", "neighbour_prefill", "decode", "schedule", "output", "gc"):
+        keys = ("own_prefill", "neighbour_prefill", "decode", "schedule", "output", "gc")
+        for key in (*keys, "grammar_mask"):
             parts[key] += round(steps[key])
         gap = window[1] - window[0] - round(steps["total"])
         gap_gc = min(max(gap, 0), max(core.within(*window) - round(steps["gc"]), 0))
@@ -239,7 +244,7 @@ def _decode_parts(
     if not steps and (row["output_tokens"] or 0) >= 2:
         tail_start = reached  # no step records of its decode: that time stays unattributed
     if steps:
-        for key in ("decode", "neighbour_prefill", "schedule", "output", "gc"):
+        for key in ("decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask"):
             parts[key] += round(steps[key])
         gap = tail_start - lo - round(steps["total"])
         preempted = sum(

@@ -74,6 +74,7 @@ NEW_REQUEST_COLUMNS = [
     "send_wait_ns",
     "bytes_sent",
     "kv_freed_ns",
+    "grammar_ready_ns",
 ]
 STEP_FIELDS = [
     "step_id",
@@ -94,6 +95,7 @@ STEP_FIELDS = [
     "wait_reason",
     "idle",
     "gc_pause_ns",
+    "grammar_mask_ns",
 ]
 
 
@@ -145,7 +147,8 @@ def load_steps(con: duckdb.DuckDBPyConnection, run_id: str) -> list[tuple[Any, .
             coalesce(num_running, 0), coalesce(num_waiting, 0), coalesce(num_preemptions, 0),
             coalesce(kv_blocks_used, 0), coalesce(kv_blocks_total, 0), coalesce(idle, false),
             nullif(wait_reason, ''), coalesce(len(request_ids), 0),
-            update_end_ns - execute_end_ns, coalesce(gc_pause_ns, 0)
+            update_end_ns - execute_end_ns, coalesce(gc_pause_ns, 0),
+            coalesce(grammar_mask_ns, 0)
         FROM (SELECT {_select(have, STEP_FIELDS, "s")}, s.request_ids FROM steps s
               WHERE s.run_id = ?)
         ORDER BY step_id, schedule_start_ns
@@ -234,7 +237,7 @@ m AS (
 st AS (
     -- Outputs still leaving the core when the next step began overlap that step: cut there.
     SELECT *, least(output_ns, coalesce(lead(schedule_start_ns) OVER (ORDER BY step_id),
-        output_ns)) AS out_end
+        output_ns)) AS out_end, __GMASK__ AS gmask
     FROM steps WHERE run_id = $run
 ),
 j AS (
@@ -254,6 +257,9 @@ j AS (
 c AS (
     SELECT *,
         greatest(0, least(execute_start_ns, hi) - greatest(schedule_start_ns, lo)) AS sched,
+        -- Structured outputs' token masks: between the scheduler's decision and the execute.
+        CASE WHEN gmask > 0 THEN greatest(0, least(execute_start_ns, hi)
+            - greatest(schedule_end_ns, lo)) ELSE 0 END AS gram,
         greatest(0, least(execute_end_ns, hi) - greatest(execute_start_ns, lo)) AS exe,
         greatest(0, least(out_end, hi) - greatest(execute_end_ns, lo)) AS outp,
         greatest(execute_start_ns - schedule_start_ns, 1) AS sched_full,
@@ -275,6 +281,13 @@ q AS (
     FROM p
 )
 """
+
+
+def members_sql(con: duckdb.DuckDBPyConnection) -> str:
+    """_MEMBERS for this db: a store from before migration 4 has no grammar masks."""
+    have = _columns(con, "steps")
+    mask = "coalesce(grammar_mask_ns, 0)" if "grammar_mask_ns" in have else "0"
+    return _MEMBERS.replace("__GMASK__", mask)
 
 
 def fit_step_shape(prefill: np.ndarray, rows: np.ndarray, execute: np.ndarray) -> np.ndarray | None:
@@ -362,13 +375,14 @@ def _load_memberships(con: duckdb.DuckDBPyConnection, run_id: str, run: LoadedRu
         "run": run_id, "child": CHILD_SUFFIX, "old_sample": OLD_SAMPLE_PREFIX,
         **step_weights(run.steps),
     }  # fmt: skip
+    members = members_sql(con)
     parts = con.execute(
-        _MEMBERS
+        members
         + """
         SELECT request_id, phase, sum(own), sum(least(nb, net - own)),
-            sum(net - own - least(nb, net - own)), sum(sched - gs), sum(outp - go),
-            sum(gs + ge + go), sum(sched + exe + outp), min(schedule_start_ns), max(out_end),
-            list(DISTINCT step_id)
+            sum(net - own - least(nb, net - own)), sum(greatest(sched - gs - gram, 0)),
+            sum(outp - go), sum(gs + ge + go), sum(sched + exe + outp), min(schedule_start_ns),
+            max(out_end), list(DISTINCT step_id), sum(least(gram, sched - gs))
         FROM q GROUP BY request_id, phase
         """,
         params,
@@ -384,25 +398,26 @@ def _load_memberships(con: duckdb.DuckDBPyConnection, run_id: str, run: LoadedRu
         "first_start",
         "last_output",
         "step_ids",
+        "grammar_mask",
     )
     for rid, phase, *values in parts:
         run.step_parts[(rid, phase)] = dict(zip(keys, values))
-    _load_neighbours(con, params, run)
-    _load_queue_and_preemptions(con, params, run)
+    _load_neighbours(con, params, run, members)
+    _load_queue_and_preemptions(con, params, run, members)
 
 
 def _load_neighbours(
-    con: duckdb.DuckDBPyConnection, params: dict[str, str], run: LoadedRun
+    con: duckdb.DuckDBPyConnection, params: dict[str, str], run: LoadedRun, members: str
 ) -> None:
-    members = con.execute(
-        _MEMBERS + "SELECT step_id, request_id, sum(tokens) FROM j WHERE phase = 'ttft' "
+    rows = con.execute(
+        members + "SELECT step_id, request_id, sum(tokens) FROM j WHERE phase = 'ttft' "
         "GROUP BY ALL ORDER BY step_id, sum(tokens) DESC",
         params,
     ).fetchall()
-    for step_id, rid, tokens in members:
+    for step_id, rid, tokens in rows:
         run.prefill_members.setdefault(step_id, []).append((rid, int(tokens)))
     pairs = con.execute(
-        _MEMBERS
+        members
         + """
         , mine AS (SELECT DISTINCT request_id, step_id, phase FROM j)
         SELECT a.request_id, a.phase, b.request_id, sum(b.tokens), list(DISTINCT b.step_id)
@@ -416,11 +431,11 @@ def _load_neighbours(
 
 
 def _load_queue_and_preemptions(
-    con: duckdb.DuckDBPyConnection, params: dict[str, str], run: LoadedRun
+    con: duckdb.DuckDBPyConnection, params: dict[str, str], run: LoadedRun, members: str
 ) -> None:
     if "wait_reason" in _columns(con, "steps"):
         held = con.execute(
-            _MEMBERS
+            members
             + """
             , firsts AS (SELECT request_id, min(schedule_start_ns) AS first FROM j GROUP BY ALL)
             SELECT w.request_id, mode(s.wait_reason)
@@ -434,7 +449,7 @@ def _load_queue_and_preemptions(
         ).fetchall()
         run.wait_reasons = dict(held)
     preempted = con.execute(
-        _MEMBERS
+        members
         + """
         , p0 AS (
             SELECT step_id, schedule_start_ns AS t0, unnest(preempted_request_ids) AS core_id

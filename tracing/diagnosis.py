@@ -16,11 +16,13 @@ TTFT_PARTS = {
     "loop_lag": "event-loop lag in the API process",
     "ipc": "IPC to the core and its input queue",
     "queue": "waiting in the core's queue",
+    "grammar_compile": "waiting for its grammar to compile (structured outputs)",
     "own_prefill": "its own prefill compute",
     "neighbour_prefill": "other requests' prefill in the steps it shared",
     "decode": "the batch's other rows in the steps it shared (decode, per-request cost)",
     "chunk_wait": "waiting between its prefill chunks",
     "schedule": "scheduler CPU",
+    "grammar_mask": "structured outputs' token masks in the steps it shared",
     "output": "output building and sending in the core",
     "gc": "garbage-collection pauses",
     "emit": "IPC back, detokenize and emit",
@@ -32,6 +34,7 @@ DECODE_PARTS = {
     "decode": "decode compute (its own and the batch's other rows)",
     "neighbour_prefill": "other requests' prefill in the steps it shared",
     "schedule": "scheduler CPU",
+    "grammar_mask": "structured outputs' token masks in the steps it shared",
     "output": "output building and sending in the core",
     "between_steps": "the core between its steps (new requests, steps it sat out)",
     "preempted": "waiting after a preemption (recompute)",
@@ -124,6 +127,7 @@ class StepFacts:
     rows: int = 0  # requests in the batch
     build_ns: int | None = None  # building outputs (update_end - execute_end), where recorded
     gc_pause_ns: int = 0
+    grammar_mask_ns: int = 0  # structured outputs' token masks (inside schedule_ns)
 
 
 @dataclass

@@ -217,6 +217,8 @@ class Tracer:
             req, seq = found
             if out.received_ns and seq not in req.received_ns:
                 req.received_ns[seq] = out.received_ns
+            if out.grammar is not None and not req.grammar_ready_ns:
+                req.grammar_ready_ns, req.grammar_compile_ns, req.grammar_cached = out.grammar
             if out.new_token_ids:
                 if not req.first_token_ns:
                     req.first_token_ns = received_ns
@@ -251,6 +253,7 @@ class Tracer:
             )
             self.observe_boundary("core.output", max(0, step.output_ns - step.execute_end_ns) / 1e9)
         keep_visits, step_id, started = self._keep_visits, step.step_id, step.schedule_start_ns
+        mask_ns = step.grammar_mask_ns  # every request in the step waited for the masks
         for rid, num_tokens in zip(step.req_ids, step.num_scheduled):
             found = by_child.get(rid)
             if found is not None:
@@ -260,6 +263,8 @@ class Tracer:
                     if req.first_step_id is None:
                         req.first_step_id = step_id
                 req.last_step_id = step_id
+                if mask_ns:
+                    req.grammar_mask_ns += mask_ns
                 if keep_visits:
                     req.visits.append(StepVisit(seq, step, num_tokens))
         for rid in step.preempted_req_ids:
@@ -314,7 +319,7 @@ def _step_row(run_id: str, s: Any) -> tuple[Any, ...]:
         s.num_kv_blocks_total, s.num_prefix_query_tokens, s.num_prefix_hit_tokens,
         list(s.req_ids), list(s.num_scheduled), list(s.preempted_req_ids),
         s.update_end_ns or None, s.wait_reason or None, *(s.num_blocks_freed or (0, 0, 0)),
-        s.idle, s.gc_pause_ns,
+        s.idle, s.gc_pause_ns, s.grammar_mask_ns or None, s.num_grammar_rows or None,
     )  # fmt: skip
 
 

@@ -97,6 +97,12 @@ class RequestTrace:
     last_token_ns: int = 0
     kv_freed_ns: int = 0
     output_tokens: int = 0
+    # Structured outputs: the grammar's first-output facts (engine EngineCoreOutput.grammar), and
+    # the token-mask time of every step it took part in (its own grammar's or its neighbours').
+    grammar_ready_ns: int = 0
+    grammar_compile_ns: int = 0
+    grammar_cached: bool = False
+    grammar_mask_ns: int = 0
     cached_tokens: int = 0
     num_preemptions: int = 0
     # The end.
@@ -145,8 +151,9 @@ class RequestTrace:
 # Boundaries numbered as in their span ids (span_id_of) and the spans view.
 BOUNDARY_CODES = {
     "core.schedule": 1, "worker.execute": 2, "core.output": 3, "frontend.emit": 4,
-    "frontend.enqueue": 5, "core.receive": 6, "core.queue": 7,
+    "frontend.enqueue": 5, "core.receive": 6, "core.queue": 7, "core.grammar": 8,
 }  # fmt: skip
+GRAMMAR_SPAN = "core.grammar"  # dequeued -> its grammar compiled (structured outputs only)
 
 
 def span_id_of(root_span_id: str, name: str, step_id: int = -1, seq: int = 0) -> str:
@@ -186,7 +193,26 @@ def request_spans(req: RequestTrace, run_id: str) -> tuple[list[Span], list[Span
     for seq, first in sorted(req.first_steps.items()):
         received = req.received_ns.get(seq, first)
         add("core.queue", received, first, seq if multi else None)
+    if req.grammar_ready_ns and (received := req.received_ns.get(0)):
+        add(GRAMMAR_SPAN, received, req.grammar_ready_ns, 0 if multi else None)
+        span = rows[-1]
+        rows[-1] = span._replace(attributes=_encode(grammar_attributes(req)).decode())
+        if multi:
+            stored[-1] = rows[-1]
     return rows, stored
+
+
+def grammar_kind(req: RequestTrace) -> str | None:
+    so = getattr(req.params, "structured_outputs", None)
+    return so.kind or None if so is not None else None
+
+
+def grammar_attributes(req: RequestTrace) -> dict[str, Any]:
+    return {
+        "lumen.grammar": grammar_kind(req),
+        "lumen.grammar.compile_ns": req.grammar_compile_ns,
+        "lumen.grammar.cached": req.grammar_cached,
+    }
 
 
 def step_spans(req: RequestTrace, run_id: str) -> list[Span]:
@@ -253,6 +279,12 @@ def root_attributes(req: RequestTrace) -> dict[str, Any]:
         attrs["gen_ai.request.temperature"] = p.temperature
         attrs["gen_ai.request.top_p"] = p.top_p
         attrs["gen_ai.request.n"] = p.n
+    if (kind := grammar_kind(req)) is not None:
+        attrs["lumen.grammar"] = kind
+        attrs["lumen.grammar.compile_s"] = req.grammar_compile_ns / 1e9
+        attrs["lumen.grammar.cached"] = req.grammar_cached
+    if req.grammar_mask_ns:
+        attrs["lumen.grammar.mask_s"] = req.grammar_mask_ns / 1e9
     if req.client_request_id:
         attrs["lumen.client_request_id"] = req.client_request_id
     if req.error:
@@ -287,7 +319,7 @@ def build_request_row(
         req.output_tokens,
         req.cached_tokens,
         req.num_preemptions,
-        _encode(req.params).decode() if req.params is not None else None,
+        _params_json(req.params),
         req.stream,
         req.priority,
         req.finish_reason,
@@ -316,7 +348,26 @@ def build_request_row(
         first_step,
         req.last_step_id,
         *_emit_lists(req, first_step or 0),
+        grammar_kind(req),
+        req.grammar_ready_ns or None,
+        req.grammar_compile_ns if req.grammar_ready_ns else None,
+        req.grammar_cached if req.grammar_ready_ns else None,
+        req.grammar_mask_ns or None,
     )
+
+
+def _params_json(params: Any) -> str | None:
+    """The sampling parameters as the requests row keeps them: without the compiled grammar
+    (the schema, regex or grammar it came from is kept, which is what replay needs)."""
+    if params is None:
+        return None
+    so = getattr(params, "structured_outputs", None)
+    if so is not None and so.spec:
+        params = params.clone(structured_outputs=so.__class__(
+            json=so.json, json_object=so.json_object, regex=so.regex, choice=so.choice,
+            grammar=so.grammar, kind=so.kind,
+        ))  # fmt: skip
+    return _encode(params).decode()
 
 
 def _emit_lists(req: RequestTrace, first_step: int) -> tuple[Any, Any, Any]:

@@ -80,6 +80,15 @@ REQUEST_COLUMNS = {
     "emit_step_deltas": "INTEGER[]",  # the emit's step, after the previous (first_step_id)
     "emit_received_us": "BIGINT[]",  # the frontend received it, us after the previous (arrival)
     "emit_delivery_us": "INTEGER[]",  # from received to delivered to the caller, us
+    # Migration 4: structured outputs. The grammar's kind (json_schema, json_object, regex,
+    # choice, grammar, tool_call; NULL: none), when it was ready (the core.grammar span runs
+    # from received_ns to it), how long its compile took (0: from the cache) and whether the
+    # cache had it.
+    "grammar": "VARCHAR",
+    "grammar_ready_ns": "BIGINT",
+    "grammar_compile_ns": "BIGINT",
+    "grammar_cached": "BOOLEAN",
+    "grammar_mask_ns": "BIGINT",  # token masks of the steps it took part in (anyone's grammar)
 }
 SPAN_COLUMNS = {
     "run_id": "VARCHAR",
@@ -123,6 +132,10 @@ STEP_COLUMNS = {
     "kv_blocks_freed_preempt": "INTEGER",
     "idle": "BOOLEAN",  # no batch: a record of the KV state after aborts emptied the engine
     "gc_pause_ns": "BIGINT",  # the core's garbage-collection pauses in this step
+    # Migration 4: the token masks of the rows sampling under a grammar, computed between
+    # schedule_end_ns and execute_start_ns, and how many rows had one.
+    "grammar_mask_ns": "BIGINT",
+    "grammar_rows": "INTEGER",
 }
 RUN_COLUMNS = {
     "run_id": "VARCHAR",
@@ -173,11 +186,15 @@ def _from(columns: dict[str, str], first: str, last: str | None = None) -> list[
 _ADDED_IN = {
     2: {
         "requests": _from(REQUEST_COLUMNS, "http_start_ns", "kv_freed_ns"),
-        "steps": _from(STEP_COLUMNS, "update_end_ns"),
+        "steps": _from(STEP_COLUMNS, "update_end_ns", "gc_pause_ns"),
     },
     3: {
-        "requests": _from(REQUEST_COLUMNS, "parent_span_id"),
+        "requests": _from(REQUEST_COLUMNS, "parent_span_id", "emit_delivery_us"),
         "runs": _from(RUN_COLUMNS, "span_layout"),
+    },
+    4: {
+        "requests": _from(REQUEST_COLUMNS, "grammar"),
+        "steps": _from(STEP_COLUMNS, "grammar_mask_ns"),
     },
 }
 
@@ -309,11 +326,50 @@ FROM (
 """
 
 
+def _m004_grammar(con: duckdb.DuckDBPyConnection) -> None:
+    _add_columns(con, 4)
+    con.execute(SPANS_VIEW_4.replace("CREATE VIEW", "CREATE OR REPLACE VIEW", 1))
+
+
+# Migration 4's view: migration 3's, plus a request's core.grammar span (code 8: dequeued ->
+# its grammar compiled), derived from its row like core.queue.
+SPANS_VIEW_4 = (
+    SPANS_VIEW.replace(
+        "WHEN 5 THEN r.arrival_ns WHEN 6 THEN coalesce(r.sent_ns, r.received_ns)",
+        "WHEN 5 THEN r.arrival_ns WHEN 6 THEN coalesce(r.sent_ns, r.received_ns)\n"
+        "        WHEN 8 THEN r.received_ns",
+    )
+    .replace(
+        "        WHEN 6 THEN greatest(r.received_ns, coalesce(r.sent_ns, r.received_ns))",
+        "        WHEN 6 THEN greatest(r.received_ns, coalesce(r.sent_ns, r.received_ns))\n"
+        "        WHEN 8 THEN greatest(r.grammar_ready_ns, r.received_ns)",
+    )
+    .replace(
+        "    ELSE '{}' END\nFROM requests r",
+        "    WHEN 8 THEN json_object('lumen.grammar', r.grammar, 'lumen.grammar.compile_ns',\n"
+        "        r.grammar_compile_ns, 'lumen.grammar.cached', r.grammar_cached)::VARCHAR\n"
+        "    ELSE '{}' END\nFROM requests r",
+    )
+    .replace(
+        "    (7, 'core.queue')) b(code, name)",
+        "    (7, 'core.queue'), (8, 'core.grammar')) b(code, name)",
+    )
+    .replace(
+        "    CASE b.code WHEN 6 THEN r.received_ns ELSE r.first_scheduled_ns END IS NOT NULL",
+        "    CASE b.code WHEN 6 THEN r.received_ns WHEN 8 THEN r.grammar_ready_ns\n"
+        "        ELSE r.first_scheduled_ns END IS NOT NULL\n"
+        "    AND (b.code <> 8 OR r.received_ns IS NOT NULL)",
+    )
+)
+assert SPANS_VIEW_4.count("core.grammar") == 1 and SPANS_VIEW_4.count("WHEN 8") == 4
+
+
 # Ordered; each runs once per file, recorded in schema_migrations.
 MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] = [
     (1, "runs, requests, spans and steps", _m001_initial),
     (2, "a request's whole life, KV frees, idle steps and pauses", _m002_whole_life),
     (3, "per-step facts once per step, emits in the request row: spans a view", _m003_compact),
+    (4, "structured outputs: grammar compile per request, token masks per step", _m004_grammar),
 ]
 
 

@@ -170,7 +170,7 @@ def _cpu(run: RunDiagnosis, busy: list[StepFacts], named: set[str | None]) -> li
     """Scheduler CPU, and output building and sending, per step."""
     out = []
     step_ns = float(np.median([s.end_ns - s.start_ns for s in busy])) or 1.0
-    sched = np.array([s.schedule_ns for s in busy], dtype=float)
+    sched = np.array([s.schedule_ns - s.grammar_mask_ns for s in busy], dtype=float)
     per_request = [r.ttft.get("schedule", 0) + r.decode.get("schedule", 0) for r in run.requests]
     summed = float(np.median(per_request)) if per_request else 0.0
     typical = float(np.median(sched))
@@ -184,6 +184,7 @@ def _cpu(run: RunDiagnosis, busy: list[StepFacts], named: set[str | None]) -> li
             f"{ms(summed)} over a request's steps at the median: {WHAT['schedule'][1]}."
         )
         out.append(_step(text, typical / 1e6, "schedule"))
+    out += _grammar_masks(busy, named, step_ns)
     output = float(np.median([s.output_ns for s in busy]))
     if "output" not in named and output >= MIN_STEP_CPU_NS and output >= MIN_CAUSE_SHARE * step_ns:
         builds = [s.build_ns for s in busy if s.build_ns is not None]
@@ -197,6 +198,24 @@ def _cpu(run: RunDiagnosis, busy: list[StepFacts], named: set[str | None]) -> li
         )
         out.append(_step(text, output / 1e6, "output"))
     return out
+
+
+def _grammar_masks(busy: list[StepFacts], named: set[str | None], step_ns: float) -> list[Finding]:
+    """Structured outputs' token masks: every row of a step waits for them."""
+    masked = [s for s in busy if s.grammar_mask_ns]
+    if not masked or "grammar_mask" in named:
+        return []
+    typical = float(np.median([s.grammar_mask_ns for s in masked]))
+    if typical < MIN_STEP_CPU_NS or typical < MIN_CAUSE_SHARE * step_ns:
+        return []
+    worst = max(masked, key=lambda s: s.grammar_mask_ns)
+    text = (
+        f"Grammar masks: computing structured outputs' token masks took {ms(typical)} of each "
+        f"{ms(step_ns)} step at the median in {count(len(masked), 'step')} that had any, up to "
+        f"{ms(worst.grammar_mask_ns)} (step {worst.step_id}); every request in those steps "
+        f"waited for them: {WHAT['grammar_mask'][1]}."
+    )
+    return [_step(text, typical / 1e6, "grammar_mask")]
 
 
 def _growth(busy: list[StepFacts], coef: np.ndarray | None) -> list[Finding]:

@@ -29,6 +29,16 @@ WHAT = {
         "lengthen this",
     ),
     "queue": ("waiting in the core's queue", ""),
+    "grammar_compile": (
+        "waiting for its grammar to compile (structured outputs)",
+        "compiled grammars are cached by schema: reuse the same schemas; the first grammar "
+        "after start also loads the tokenizer the grammar engine needs",
+    ),
+    "grammar_mask": (
+        "computing structured outputs' token masks in the steps it shared",
+        "every row in a step waits for the masks of the rows under a grammar: simpler "
+        "schemas (fewer alternatives, bounded strings) cost less per token",
+    ),
     "neighbour_prefill": (
         "other requests' prefill in the steps it shared",
         "a smaller --max-num-batched-tokens caps how much prefill one step carries",

@@ -239,3 +239,69 @@ def test_cancelled_run_reports_kv_freed(tmp_path: Path, tiny_model_path: Path) -
     assert "cancel" in text.lower()
     # Every block back once the aborts were processed (recorded though no step followed).
     assert "0 of 512" in " ".join(text.split()), text
+
+
+def _schema(i: int) -> dict:
+    """A bounded JSON schema of its own per i (each one compiles: the cache has none)."""
+    return {
+        "type": "object",
+        "properties": {f"field{i}": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": [f"field{i}"],
+        "additionalProperties": False,
+    }
+
+
+def test_slow_grammar_compile_is_named(tmp_path: Path, tiny_model_path: Path) -> None:
+    """Four requests with schemas of their own queue on the one grammar thread (slowed to 0.25 s
+    a compile): their TTFT is the grammar's, and the verdict and `trace why` say so."""
+
+    def provoke(server: LumenServer) -> list[str]:
+        def one(i: int) -> str:
+            rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": _schema(i)}}
+            body = {"messages": [{"role": "user", "content": f"Item {i}"}], "max_tokens": 20,
+                    "response_format": rf}  # fmt: skip
+            return _post(server, body, "/v1/chat/completions").headers["x-request-id"]
+
+        return _concurrently(4, one)
+
+    env = {"LUMEN_DEBUG_DELAY": "grammar_compile=0.25"}
+    db, _ = _record(tmp_path, tiny_model_path, provoke, env=env)
+    diag, text = _report(db)
+    assert "grammar_compile" in _causes(diag), text
+    assert not set(_causes(diag)) & {"queue", "schedule", "http", "frontend"}, text
+    slowest = max(diag.requests, key=lambda r: r.ttft_ns or 0).request_id
+    assert "grammar to compile" in _why(db, slowest)
+
+
+def test_slow_grammar_masks_are_named_for_the_plain_requests_beside_them(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """Two grammar streams (their masks slowed to 30 ms a step) beside four plain ones: every
+    row waits for the masks, and the plain requests' `trace why` names them."""
+
+    def provoke(server: LumenServer) -> list[str]:
+        plain: list[str] = []
+
+        def grammar(i: int) -> None:
+            so = {"regex": "[a-z]{40}"}
+            body = {"prompt": f"Word {i}", "max_tokens": 40, "structured_outputs": so}
+            _post(server, body)
+
+        threads = [threading.Thread(target=grammar, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        plain = _concurrently(
+            4, lambda i: _post(server, {"prompt": f"Plain {i}", "max_tokens": 24,
+                                        "ignore_eos": True}).headers["x-request-id"]
+        )  # fmt: skip
+        for t in threads:
+            t.join()
+        return plain
+
+    env = {"LUMEN_DEBUG_DELAY": "grammar_mask=0.03"}
+    db, ids = _record(tmp_path, tiny_model_path, provoke, env=env)
+    diag, text = _report(db)
+    assert "grammar_mask" in _causes(diag), text
+    assert "schedule" not in _causes(diag), text
+    assert "token masks" in _why(db, ids[0])

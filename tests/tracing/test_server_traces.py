@@ -18,7 +18,7 @@ import pytest
 from tests.helpers.load import stream_chat, wait_until
 from tests.helpers.server import ROOT, LumenServer, metric
 from tracing.receiver import GrpcOtlpReceiver, OtlpReceiver
-from tracing.spans import BOUNDARIES
+from tracing.spans import BOUNDARIES, GRAMMAR_SPAN
 from tracing.store import open_db
 
 MESSAGES = [{"role": "user", "content": "Count to ten."}]
@@ -77,6 +77,9 @@ def _mixed_run(server: LumenServer) -> dict[str, str]:
     r = httpx.post(url, json={**body, "temperature": -3})
     assert r.status_code == 400
     ids["invalid"] = r.headers["x-request-id"]
+    so = {"regex": "[a-z]{3,5}"}  # structured outputs: a grammar to compile and mask with
+    r = httpx.post(url, json={**body, "ignore_eos": False, "structured_outputs": so})
+    ids["grammar"] = r.headers["x-request-id"]
     return ids
 
 
@@ -85,7 +88,7 @@ def test_every_request_has_its_row_and_status(traced) -> None:
     rows = dict(_rows(server.trace_db, "SELECT request_id, status FROM requests"))
     expected = {"plain": "ok", "stream": "ok", "completion": "ok", "n2": "ok"}
     expected |= {"batch-0": "ok", "batch-1": "ok"}
-    expected |= {"aborted": "aborted", "invalid": "error"}
+    expected |= {"aborted": "aborted", "invalid": "error", "grammar": "ok"}
     assert {kind: rows.get(rid) for kind, rid in ids.items()} == expected
     [(error, params, hashes)] = _rows(
         server.trace_db,
@@ -110,10 +113,11 @@ def test_boundaries_are_whole_and_in_clock_order(traced) -> None:
         server.trace_db, "SELECT request_id, name, start_ns, end_ns, step_id FROM spans"
     ):
         spans[rid, name].append((start, end, step))
-    for kind in ("plain", "stream", "completion", "n2", "aborted"):
+    for kind in ("plain", "stream", "completion", "n2", "aborted", "grammar"):
         rid = ids[kind]
         names = {n for (r, n) in spans if r == rid}
-        assert names == {"llm_request", *BOUNDARIES}, (kind, names)
+        extra = {GRAMMAR_SPAN} if kind == "grammar" else set()
+        assert names == {"llm_request", *BOUNDARIES, *extra}, (kind, names)
         enqueue_end = spans[rid, "frontend.enqueue"][0][1]
         receive_end = min(e for _, e, _ in spans[rid, "core.receive"])
         first_schedule_end = min(e for _, e, _ in spans[rid, "core.schedule"])
@@ -166,6 +170,11 @@ def test_otlp_receives_the_same_spans(traced) -> None:
             )
         }
         assert {s.span_id for s in spans} == db_ids, kind  # the same spans, the same ids
+    [grammar] = [s for s in got[ids["grammar"]] if s.name == GRAMMAR_SPAN]
+    [root] = [s for s in got[ids["grammar"]] if s.name == "llm_request"]
+    assert grammar.attributes["lumen.grammar"] == root.attributes["lumen.grammar"] == "regex"
+    assert grammar.attributes["lumen.grammar.compile_ns"] > 0
+    assert root.attributes["lumen.grammar.mask_s"] > 0
     [root] = [s for s in got[ids["plain"]] if s.name == "llm_request"]
     assert (root.trace_id, root.parent_span_id) == (TRACE_ID, PARENT_ID)  # traceparent honoured
     assert root.attributes["gen_ai.usage.completion_tokens"] == 12

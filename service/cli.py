@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         prefill,
         scheduler,
         serve,
+        structured,
         throughput,
         tracing_overhead,
     )
@@ -70,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     mp_overhead.add_parser(bench_verbs)
     prefill.add_parser(bench_verbs)
     precision.add_parser(bench_verbs)
+    structured.add_parser(bench_verbs)
     return parser
 
 

@@ -25,6 +25,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 BOUNDARY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                     0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)  # fmt: skip
+GRAMMAR_BUCKETS = (0.00001, 0.000025, 0.00005, *BOUNDARY_BUCKETS)  # a mask takes tens of us
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 
@@ -146,6 +147,21 @@ class ServerMetrics:
             [*m, "process"], buckets=BOUNDARY_BUCKETS, registry=r,
         )  # fmt: skip
         self.gc_pause = {k: gc_pause.labels(model_name, k) for k in ("api", "core")}
+        # Structured outputs (engine/core/grammar.py): compiles, by whether the cache had it,
+        # and each step's token masks.
+        compile_ = Histogram(
+            "lumen:grammar_compile_seconds", "Structured outputs: compiling a request's grammar "
+            "(0 for a cache hit), per request.", [*m, "cached"], buckets=GRAMMAR_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.grammar_compile = {k: compile_.labels(model_name, k) for k in ("false", "true")}
+        self.grammar_mask = histogram(
+            "lumen:grammar_mask_seconds", "Structured outputs: computing the token masks of the "
+            "rows that sample under a grammar, per step that has any.", GRAMMAR_BUCKETS,
+        )  # fmt: skip
+        self.grammar_rows = counter(
+            "lumen:grammar_rows", "Structured outputs: rows sampled under a grammar (tokens)."
+        )
         self._mirrored: dict[str, int] = {}  # counter name -> the total already counted
 
     def observe_delivery(self, seconds: float) -> None:
@@ -182,6 +198,11 @@ class ServerMetrics:
                 self.prefix_hits.inc(step.num_prefix_hit_tokens)
             for _, duration_ns, _ in step.gc_pauses:
                 self.gc_pause["core"].observe(duration_ns / 1e9)
+            if step.num_grammar_rows:
+                self.grammar_mask.observe(step.grammar_mask_ns / 1e9)
+                self.grammar_rows.inc(step.num_grammar_rows)
+        for seconds, cached in stats.grammar_compiles:
+            self.grammar_compile["true" if cached else "false"].observe(seconds)
         if stats.num_prompt_tokens:
             self.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's bound; each sample is a request in the engine
 
@@ -28,9 +29,11 @@ class StreamOptions(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class _SamplingBody(_Body):
@@ -58,10 +61,60 @@ class _SamplingBody(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=-(1 << 63), lt=1 << 63)
+    # Structured outputs: OpenAI's response_format, and vLLM's structured_outputs object and
+    # its older guided_* fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check_supported(self) -> None:
         if self.logit_bias:
             raise UnsupportedError("logit_bias is not supported")
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """What the output must match, from whichever field set it; ValueError if several
+        did or one is malformed."""
+        found: list[tuple[str, StructuredOutputsParams]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", StructuredOutputsParams(json_object=True)))
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise ValueError(
+                        'response_format json_schema needs {"json_schema": {"name": ..., '
+                        '"schema": {...}}}'
+                    )
+                found.append(("response_format", StructuredOutputsParams(json=schema)))
+            elif kind != "text":
+                raise ValueError(
+                    f"response_format type must be text, json_object or json_schema, got {kind!r}"
+                )
+        if self.structured_outputs is not None:
+            fields = {"json", "json_object", "regex", "choice", "grammar"}
+            unknown = set(self.structured_outputs) - fields
+            if unknown:
+                raise ValueError(f"structured_outputs: unknown field {sorted(unknown)[0]!r}")
+            try:
+                so = msgspec.convert(self.structured_outputs, StructuredOutputsParams)
+            except msgspec.ValidationError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+            found.append(("structured_outputs", so))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                          ("guided_choice", "choice"), ("guided_grammar", "grammar")):  # fmt: skip
+            if (value := getattr(self, name)) is not None:
+                found.append((name, StructuredOutputsParams(**{key: value})))
+        if len(found) > 1:
+            raise ValueError(
+                f"set one of {', '.join(n for n, _ in found)}: they all constrain the output"
+            )
+        return found[0][1] if found else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the field for any value out of range."""
@@ -88,6 +141,7 @@ class _SamplingBody(_Body):
                 else self.repetition_penalty
             ),
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     @property
@@ -107,15 +161,11 @@ class ChatCompletionRequest(_SamplingBody):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools or self.tool_choice not in (None, "none"):
-            raise UnsupportedError("tools and tool_choice are not supported")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise UnsupportedError("response_format other than {'type': 'text'} is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
 
@@ -152,6 +202,12 @@ class ChatCompletionRequest(_SamplingBody):
             msg: dict[str, Any] = {"role": m.role, "content": content or ""}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls:
+                if m.role != "assistant":
+                    raise ValueError(f"messages[{i}]: only assistant messages have tool_calls")
+                msg["tool_calls"] = [_tool_call(i, c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             out.append(msg)
         return out
 
@@ -187,3 +243,10 @@ class CompletionRequest(_SamplingBody):
         if all(isinstance(x, list) for x in p):
             return [list(x) for x in p]  # type: ignore[union-attr]
         raise ValueError("prompt must be a string, a list of strings, or token ids")
+
+
+def _tool_call(i: int, call: Any) -> dict[str, Any]:
+    f = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        raise ValueError(f"messages[{i}].tool_calls: each call needs a function with a name")
+    return {"id": call.get("id"), "type": "function", "function": f}

@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from engine.outputs import CompletionOutput, Logprob
+from service.tools import ToolPlan, ToolStream, parse
 
 
 @dataclass
@@ -103,6 +104,7 @@ class ResponseHead:
     chat: bool
     num_logprobs: int = 0
     include_usage: bool = False
+    tools: ToolPlan | None = None  # chat with tools in play: the text becomes tool_calls
     _text_parts: tuple[bytes, bytes, bytes] | None = field(default=None, repr=False)
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -168,8 +170,50 @@ class ResponseHead:
             "finish_reason": delta.finish_reason,
         }
 
+    def tool_chunks(
+        self, index: int, delta: CompletionOutput, streams: dict[int, ToolStream]
+    ) -> list[dict[str, Any]]:
+        """The chunks of one output of a choice when tools are in play: content and tool-call
+        deltas in OpenAI's shape, the finish reason on the last."""
+        stream = streams.setdefault(index, ToolStream())
+        deltas = stream.feed(delta.text) if delta.text else []
+        finish = delta.finish_reason
+        if finish is not None:
+            deltas += stream.finish()
+            finish = self._finish_reason(finish, bool(stream.calls))
+        logprobs = chat_logprobs(delta.token_ids, delta.logprobs, self.num_logprobs)
+        if not deltas and (finish is not None or logprobs is not None):
+            deltas = [{}]
+        chunks = []
+        for i, d in enumerate(deltas):
+            last = i == len(deltas) - 1
+            chunks.append(self.chunk([{
+                "index": index, "delta": d, "logprobs": logprobs if i == 0 else None,
+                "finish_reason": finish if last else None,
+            }]))  # fmt: skip
+        return chunks
+
+    def _finish_reason(self, finish: str, called: bool) -> str:
+        """OpenAI's: tool_calls when the model chose to call, stop when a named function was
+        forced."""
+        if called and finish == "stop" and self.tools is not None and self.tools.choice != "named":
+            return "tool_calls"
+        return finish
+
     def final_choice(self, index: int, choice: Choice, has_logprobs: bool) -> dict[str, Any]:
         lps = choice.logprobs if has_logprobs else None
+        if self.chat and self.tools is not None:
+            content, calls = parse(choice.text)
+            message: dict[str, Any] = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = calls
+            finish = choice.finish_reason
+            return {
+                "index": index,
+                "message": message,
+                "logprobs": chat_logprobs(choice.token_ids, lps, self.num_logprobs),
+                "finish_reason": self._finish_reason(finish, bool(calls)) if finish else finish,
+            }
         if self.chat:
             return {
                 "index": index,

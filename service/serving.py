@@ -21,6 +21,7 @@ from engine.frontend import Finished
 from engine.outputs import RequestOutput
 from engine.request_ids import child_id
 from engine.sampling_params import SamplingParams
+from service import tools
 from service.admission import Admission, AdmissionRefused
 from service.errors import APIError, error_body
 from service.metrics import ServerMetrics
@@ -91,12 +92,27 @@ class Serving:
         self.check_model(body.model)
         try:
             body.check_supported()
+            plan = tools.plan_from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
+            if plan is not None:
+                if body.n > 1:
+                    raise ValueError("tools with n > 1 are not supported: send n requests")
+                if body.structured_outputs_params() is not None:
+                    raise ValueError(
+                        "response_format (or structured_outputs) and tools cannot be combined "
+                        "unless tool_choice is none"
+                    )
+            native = self.engine.processor.template_takes_tools
+            messages = tools.render_messages(body.plain_messages(), plan, native)
             ids = self.engine.apply_chat_template(
-                body.plain_messages(), add_generation_prompt=body.add_generation_prompt
-            )
-            return self._prepare(
-                body, request, [(None, ids)], body.requested_max_tokens, body.num_logprobs, True
-            )
+                messages, add_generation_prompt=body.add_generation_prompt,
+                tools=[{"type": "function", "function": f} for f in plan.functions]
+                if plan is not None and native else None,
+            )  # fmt: skip
+            prep = self._prepare(
+                body, request, [(None, ids)], body.requested_max_tokens, body.num_logprobs, True,
+                plan,
+            )  # fmt: skip
+            return prep
         except _INPUT_ERRORS as e:
             raise APIError(400, str(e)) from None
 
@@ -118,9 +134,12 @@ class Serving:
         max_tokens: int | None,
         num_logprobs: int | None,
         chat: bool,
+        plan: tools.ToolPlan | None = None,
     ) -> Prepared:
         longest = max(len(ids) for _, ids in prompts)
         params = body.sampling_params(self._max_tokens(longest, max_tokens), num_logprobs)
+        if plan is not None:
+            params = params.clone(structured_outputs=plan.structured_outputs())
         for _, ids in prompts:
             self.engine.validate(ids, params)
         head = ResponseHead(
@@ -130,6 +149,7 @@ class Serving:
             chat=chat,
             num_logprobs=num_logprobs or 0,
             include_usage=body.stream and body.include_usage,
+            tools=plan,
         )
         state = request.state
         prep = Prepared(
@@ -245,6 +265,7 @@ class Serving:
         offsets: defaultdict[int, int] = defaultdict(int)
         timings: list[dict[str, float]] = []
         facts = prep.facts
+        streams: dict[int, tools.ToolStream] = {}  # per choice, where tools are in play
         try:
             if head.chat:
                 for index in range(len(prep.prompts) * n):
@@ -259,7 +280,10 @@ class Serving:
                         if not (c.text or c.finish_reason or c.logprobs):
                             continue
                         index = p * n + c.index
-                        if c.text and c.finish_reason is None and c.logprobs is None:
+                        if head.tools is not None:
+                            for chunk in head.tool_chunks(index, c, streams):
+                                yield sse(_encode(chunk))
+                        elif c.text and c.finish_reason is None and c.logprobs is None:
                             yield head.text_event(index, c.text)
                         else:
                             chunk = head.chunk([head.delta_choice(index, c, offsets[index])])

@@ -182,7 +182,14 @@ def test_completions_take_text_lists_and_token_ids(tiny_server: LumenServer) -> 
             ["text only"],
         ),
         ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, ["role"]),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, ["tools"]),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            400,
+            ["'g'", "tools"],
+        ),
         ({"model": "no-such-model"}, 404, ["no-such-model"]),
     ],
 )

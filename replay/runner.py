@@ -179,6 +179,10 @@ async def run_replay_http(
             "repetition_penalty": p.repetition_penalty, "priority": req.priority,
             "stream": req.stream,
         }  # fmt: skip
+        if (so := p.structured_outputs) is not None:  # its grammar, as vLLM's field sends it
+            fields = {"json": so.json, "regex": so.regex, "choice": so.choice,
+                      "grammar": so.grammar, "json_object": so.json_object or None}  # fmt: skip
+            body["structured_outputs"] = {k: v for k, v in fields.items() if v is not None}
         if req.stream:
             body["stream_options"] = {"include_usage": True}
         first, got = 0.0, 0

@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import SamplingParams, StructuredOutputsParams
 from tracing.store import latest_run, open_db
 
 
@@ -104,6 +105,10 @@ def _params(recorded: dict, num_output_tokens: int) -> SamplingParams:
     keep = {k: v for k, v in recorded.items() if k in SamplingParams.__struct_fields__}
     keep.update(max_tokens=max(1, num_output_tokens), ignore_eos=True, min_tokens=0)
     keep.pop("stop", None)  # a stop string could end it early
+    # Structured outputs replay under their grammar (its compile and masks are part of the
+    # recorded cost); such a request may end where its grammar does, before the recorded length.
+    if isinstance(so := keep.get("structured_outputs"), dict):
+        keep["structured_outputs"] = msgspec.convert(so, StructuredOutputsParams)
     return SamplingParams(**keep)
 
 

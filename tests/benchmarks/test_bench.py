@@ -218,6 +218,7 @@ def test_cold_start_bench_compares_the_first_burst_with_warm_ones(
         (("serve", "--rates", "-1"), "--rates must be positive"),
         (("mfu", "--json", "/nonexistent-folder/x.json"), "does not exist"),
         (("overhead", "--streams", "16,0"), "--streams takes integers >= 1"),
+        (("structured", "--rounds", "0"), "must be >= 1"),
     ],
 )
 def test_bad_input_is_one_clear_line(args: tuple[str, ...], message: str) -> None:
@@ -247,3 +248,23 @@ def test_precision_bench_refuses_an_unknown_dtype() -> None:
     r = lumen_bench("precision", "--dtypes", "int4")
     assert r.returncode != 0
     assert "int4 not one of float32, bfloat16, float16" in r.stderr
+
+
+def test_structured_bench_compares_plain_itl_beside_grammar_streams(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """The plain streams' ITL beside grammar streams and beside as many plain ones, and the
+    compile and mask figures read back from the trace store."""
+    stdout, doc = bench_json(
+        tmp_path, "structured", "--model", str(tiny_model_path), "--streams", "2",
+        "--grammar-streams", "2", "--max-tokens", "12", "--rounds", "1",
+    )  # fmt: skip
+    print(stdout)
+    itl = doc["itl_ms"]
+    assert set(itl) == {"plain alone", "plain beside plain", "plain beside grammar",
+                        "grammar streams"}  # fmt: skip
+    assert all(v["p50"] > 0 for v in itl.values())
+    store = doc["store"]
+    # One schema: compiled once (warm-up phase), every later grammar request a cache hit.
+    assert store["compiles"] == 1 and store["cache_hits"] == store["grammar_requests"] - 1
+    assert store["mask_us_per_row"] > 0 and doc["plain_beside_grammar_over_beside_plain_p50"] > 0

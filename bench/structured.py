@@ -5,8 +5,8 @@ many more plain streams; beside as many streams whose output is held to a JSON s
 text fields: the costliest masks, every token a string character). Reported side by side: the
 plain streams' inter-token latency in each (beside grammar over beside plain is what the masks
 cost their neighbours, in a batch of the same size), the grammar streams' own, and from the
-trace store the grammar compile times (the first after start loads the grammar engine's
-tokenizer; then the cache) and the per-step token-mask time.
+trace store the grammar compile times (each new schema once, then the cache) and the per-step
+token-mask time.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"grammar: {store['compiles']} compiles ({compiles} ms), {store['cache_hits']} cache "
         f"hits; the first request waited "
-        f"{store['first_wait_ms'] or 0:.0f} ms (with the tokenizer load), a cached one "
+        f"{store['first_wait_ms'] or 0:.1f} ms for its grammar, a cached one "
         f"{store['cached_wait_ms'] or 0:.2f} ms; masks per step p50 {masks['p50']:.2f} ms, "
         f"p99 {masks['p99']:.2f} ms ({store['mask_us_per_row'] or 0:.0f} us per row, "
         f"{(store['mask_share_of_step'] or 0):.0%} of the step at the median)"

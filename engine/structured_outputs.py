@@ -12,12 +12,10 @@ import functools
 import json
 from typing import Any
 
+from engine.core.grammar import JSON_OPTIONS
 from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-# JSON as the grammar writes it: ", " and ": " between items (what the models were trained on),
-# no other whitespace (a small model let loose on whitespace can pad forever).
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tool_call")
+__all__ = ["JSON_OPTIONS", "build_spec", "lark_literal", "prepare"]
 
 
 def _llguidance() -> Any:

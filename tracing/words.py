@@ -31,8 +31,8 @@ WHAT = {
     "queue": ("waiting in the core's queue", ""),
     "grammar_compile": (
         "waiting for its grammar to compile (structured outputs)",
-        "compiled grammars are cached by schema: reuse the same schemas; the first grammar "
-        "after start also loads the tokenizer the grammar engine needs",
+        "compiled grammars are cached by schema: reuse the same schemas; with --no-warmup the "
+        "first grammar after start also loads the tokenizer the grammar engine needs",
     ),
     "grammar_mask": (
         "computing structured outputs' token masks in the steps it shared",

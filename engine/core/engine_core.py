@@ -53,14 +53,16 @@ class EngineCore:
             raise
         self.executor = executor
         self.num_blocks = num_blocks
-        self.warmup_s = _warm_up(executor, config, num_blocks) if config.warmup else 0.0
+        self.grammars = GrammarManager(
+            model_path, model_config.vocab_size, model_config.eos_token_ids
+        )
+        self.warmup_s = 0.0
+        if config.warmup:
+            self.warmup_s = _warm_up(executor, config, num_blocks) + self.grammars.warm_up()
         self.sleeping = False
         self.max_model_len = max_model_len
         self.vocab_size = model_config.vocab_size
         self.scheduler = Scheduler.from_config(config, num_blocks, max_model_len)
-        self.grammars = GrammarManager(
-            model_path, model_config.vocab_size, model_config.eos_token_ids
-        )
         self.scheduler.grammars = self.grammars
         self.scheduler.debug_delay_s = envs.debug_delay("schedule")
         self.debug_output_delay_s = envs.debug_delay("output")

@@ -3,11 +3,12 @@ each step's token masks for the rows that have one.
 
 A request with a grammar waits outside the scheduler's queue until its grammar is compiled
 (Scheduler.compiling), so it never holds up the batch. Compiling runs on one thread:
-llguidance builds a matcher without the GIL, and the tokenizer it needs is loaded there once,
-when the first grammar arrives (that request waits for it: ~0.4 s here, in its core.grammar
-span). Each step the core fills one bitmask row (a bit per token) for
-every row that samples under a grammar and sends the rows to the driver worker, whose sampler
-masks only those rows (engine/worker/sampler.py); rows without a grammar pay nothing.
+llguidance builds a matcher without the GIL. The tokenizer it needs is loaded once, in the
+engine's warm-up (with --no-warmup, when the first grammar arrives: that request waits for it,
+~0.4 s here, in its core.grammar span). Each step the core fills one bitmask row (a bit per
+token) for every row that samples under a grammar and sends the rows to the driver worker,
+whose sampler masks only those rows (engine/worker/sampler.py); rows without a grammar pay
+nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from engine import envs
 
 logger = logging.getLogger(__name__)
 CACHE_SIZE = 256  # compiled grammars kept, least recently used out first
+# JSON as every grammar writes it: ", " and ": " between items (what the models were trained
+# on), no other whitespace (a small model let loose on whitespace can pad forever).
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 GRAMMAR_WAIT_S = 0.005  # how long an otherwise idle core waits for a grammar before a poll
 
 
@@ -40,7 +44,7 @@ class Grammar:
         self.future: Future[Any] | None = None
         self.matcher: Any = None
         self.error: str | None = None
-        self.ready_ns = 0  # when the request could be scheduled (time.time_ns())
+        self.ready_ns = 0  # compiled (or found in the cache), time.time_ns()
         self.compile_ns = 0  # how long the compile took (0: a cache hit)
         self.cached = False
 
@@ -89,7 +93,7 @@ class GrammarManager:
             return False
         self._pending.pop(grammar.spec, None)
         try:
-            pristine, took_ns = future.result()
+            pristine, took_ns, done_ns = future.result()
         except Exception as e:  # the tokenizer failed to load: every grammar request fails
             grammar.error = f"the grammar engine failed: {type(e).__name__}: {e}"
         else:
@@ -101,9 +105,29 @@ class GrammarManager:
                     self._cache.popitem(last=False)
                 grammar.matcher = pristine.deep_copy()
                 grammar.compile_ns = 0 if grammar.cached else took_ns
+            grammar.ready_ns = done_ns  # compiled: what follows is the queue's
         grammar.future = None
-        grammar.ready_ns = time.time_ns()
+        grammar.ready_ns = grammar.ready_ns or time.time_ns()
         return True
+
+    def warm_up(self) -> float:
+        """Load the tokenizer, compile the JSON-object grammar (cached) and fill one mask,
+        before the engine reports ready: the first structured request then waits ~1 ms for
+        its grammar, not the ~0.4 s the tokenizer takes. Returns the seconds it took; a grammar
+        engine that cannot start is logged, and its requests fail with the reason."""
+        started = time.monotonic()
+        try:
+            import llguidance
+
+            spec = llguidance.LLMatcher.grammar_from_json_schema(
+                {"type": "object"}, defaults=JSON_OPTIONS
+            )
+            pristine, _, _ = self._compile(spec)
+            self.fill_masks([pristine.deep_copy()])
+            self._cache[spec] = pristine
+        except Exception as e:
+            logger.warning("the grammar engine did not warm up: %s: %s", type(e).__name__, e)
+        return time.monotonic() - started
 
     def wait(self, requests: list[Any], timeout: float) -> None:
         """Block up to ``timeout`` seconds for any of these requests' grammars."""
@@ -111,7 +135,7 @@ class GrammarManager:
         if futures:
             concurrent.futures.wait(futures, timeout, return_when="FIRST_COMPLETED")
 
-    def _compile(self, spec: str) -> tuple[Any, int]:
+    def _compile(self, spec: str) -> tuple[Any, int, int]:
         """On the grammar thread: the tokenizer (once), then the matcher."""
         import llguidance
 
@@ -122,7 +146,7 @@ class GrammarManager:
         matcher = llguidance.LLMatcher(self._tokenizer, spec, log_level=0)
         if self.debug_compile_s:
             time.sleep(self.debug_compile_s)
-        return matcher, time.perf_counter_ns() - started
+        return matcher, time.perf_counter_ns() - started, time.time_ns()
 
     def _load_tokenizer(self) -> Any:
         """llguidance's view of the model's tokenizer: from tokenizer.json directly (0.4 s

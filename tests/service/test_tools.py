@@ -1,0 +1,118 @@
+"""Tool calling's text side: the plan, the prompt (a template with and without tool syntax), the
+grammar llguidance compiles, and the parser, whole and streamed in arbitrary pieces."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from engine.processor import InputProcessor
+from service.tools import ToolStream, parse, plan_from_request, render_messages
+
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": PARAMS}},
+    {"type": "function", "function": {"name": "now", "description": "the time"}},
+]
+CALLS = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, \\"FR\\""}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+)
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "sunny"},
+]  # fmt: skip
+
+
+def test_plans_and_their_grammars_compile() -> None:
+    import llguidance
+
+    for choice in ("auto", "required", {"type": "function", "function": {"name": "now"}}):
+        for parallel in (True, False):
+            plan = plan_from_request(TOOLS, choice, parallel)
+            assert plan is not None
+            assert llguidance.LLMatcher.validate_grammar(plan.grammar()) == ""
+    assert plan_from_request(TOOLS, "none", True) is None
+    assert plan_from_request(None, None, True) is None
+    named = plan_from_request(TOOLS, {"type": "function", "function": {"name": "now"}}, True)
+    assert (named.choice, named.name, named.parallel) == ("named", "now", False)
+    assert "get_weather" not in named.grammar()  # only the named function can be called
+
+
+def test_without_tool_syntax_lumen_writes_tools_calls_and_results_as_text() -> None:
+    plan = plan_from_request(TOOLS, "auto", True)
+    out = render_messages(HISTORY, plan, native=False)
+    assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]
+    assert out[0]["content"].startswith("Be brief.\n\n") and "<tools>" in out[0]["content"]
+    assert json.dumps({"type": "function", "function": TOOLS[0]["function"]}) in out[0]["content"]
+    assert out[2]["content"] == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    )
+    assert out[3]["content"] == (
+        "<tool_response>\n18 C\n</tool_response>\n<tool_response>\nsunny\n</tool_response>"
+    )
+    # tool_choice none: the history still renders, the tools stay out of the prompt.
+    assert "<tools>" not in render_messages(HISTORY, None, native=False)[0]["content"]
+
+
+def test_a_template_with_tool_syntax_renders_them_itself(tiny_model_path: Path) -> None:
+    processor = InputProcessor.for_model(str(tiny_model_path), None)  # type: ignore[arg-type]
+    assert not processor.template_takes_tools  # SmolLM2's template knows no tools
+    template = (
+        "{% for t in tools or [] %}TOOL {{ t.function.name }}\n{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}"
+        "({{ c.function.arguments.city }}){% endfor %}\n{% endfor %}"
+    )
+    processor.tokenizer.chat_template = template
+    assert processor.template_takes_tools
+    messages = render_messages(HISTORY, None, native=True)
+    ids = processor.apply_chat_template(messages, tools=TOOLS)
+    text = processor.tokenizer.decode(ids)
+    assert "TOOL get_weather\nTOOL now\n" in text
+    assert "CALL get_weather(Paris)" in text  # arguments handed over as an object
+    assert "tool: 18 C" in text
+
+
+def test_parse_reads_calls_only_at_the_start() -> None:
+    content, calls = parse(CALLS)
+    assert content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": 'Paris, "FR"'}), ("now", {}),
+    ]  # fmt: skip
+    assert len({c["id"] for c in calls}) == 2
+    assert parse("Sure. " + CALLS) == ("Sure. " + CALLS, [])
+    cut = CALLS[:-20]  # max_tokens cut the second call: it stays text
+    content, calls = parse(cut)
+    assert len(calls) == 1 and content == cut[cut.index("<tool_call>", 10) :]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_stream_in_any_pieces_gives_what_parse_gives(seed: int) -> None:
+    rng = random.Random(seed)
+    for text in (CALLS, "Plain <b>text</b> reply", CALLS[:-20], CALLS[:12]):
+        stream, deltas, i = ToolStream(), [], 0
+        while i < len(text):
+            n = rng.randint(1, 9)
+            deltas += stream.feed(text[i : i + n])
+            i += n
+        deltas += stream.finish()
+        content = "".join(d.get("content", "") for d in deltas) or None
+        args: dict[int, str] = {}
+        for d in deltas:
+            for t in d.get("tool_calls", []):
+                args[t["index"]] = args.get(t["index"], "") + t["function"].get("arguments", "")
+        want_content, want_calls = parse(text)
+        assert content == want_content
+        assert [args[i] for i in sorted(args)] == [c["function"]["arguments"] for c in want_calls]
+        assert [c["function"]["name"] for c in stream.calls] == [
+            c["function"]["name"] for c in want_calls
+        ]

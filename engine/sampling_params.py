@@ -81,6 +81,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):  # as vLLM accepts it from Python callers
+            try:
+                self.structured_outputs = msgspec.convert(
+                    self.structured_outputs, StructuredOutputsParams
+                )
+            except msgspec.ValidationError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:

@@ -40,3 +40,13 @@ def test_greedy_normalises_truncation_and_stop_string() -> None:
     p = SamplingParams(temperature=0, top_k=5, top_p=0.5, min_p=0.2, stop="END")
     assert p.greedy and (p.top_k, p.top_p, p.min_p) == (0, 1.0, 0.0)
     assert p.stop == ["END"]
+
+
+def test_structured_outputs_take_exactly_one_constraint() -> None:
+    from engine.sampling_params import StructuredOutputsParams
+
+    p = SamplingParams(structured_outputs={"regex": "[0-9]+"})
+    assert p.structured_outputs == StructuredOutputsParams(regex="[0-9]+")
+    for bad in ({}, {"regex": "a", "choice": ["b"]}, {"choice": []}, {"regex": 3}):
+        with pytest.raises(ValueError, match="structured_outputs|exactly one|choice"):
+            SamplingParams(structured_outputs=bad)

@@ -48,5 +48,5 @@ def test_structured_outputs_take_exactly_one_constraint() -> None:
     p = SamplingParams(structured_outputs={"regex": "[0-9]+"})
     assert p.structured_outputs == StructuredOutputsParams(regex="[0-9]+")
     for bad in ({}, {"regex": "a", "choice": ["b"]}, {"choice": []}, {"regex": 3}):
-        with pytest.raises(ValueError, match="structured_outputs|exactly one|choice"):
+        with pytest.raises(ValueError, match=r"structured_outputs|exactly one|choice"):
             SamplingParams(structured_outputs=bad)

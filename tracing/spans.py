@@ -158,7 +158,7 @@ GRAMMAR_SPAN = "core.grammar"  # dequeued -> its grammar compiled (structured ou
 
 def span_id_of(root_span_id: str, name: str, step_id: int = -1, seq: int = 0) -> str:
     """A span's id: its root's XOR (step id + 1, sequence, boundary). The store keeps no row
-    for it (store.SPANS_VIEW derives the same id), so OTLP and SQL agree without storing 8
+    for it (store_views.SPANS_VIEW derives the same id), so OTLP and SQL agree without storing 8
     random bytes per span."""
     mix = ((step_id + 1) << 16) | (seq << 4) | BOUNDARY_CODES[name]
     return format(int(root_span_id, 16) ^ mix, "016x")
@@ -216,7 +216,7 @@ def grammar_attributes(req: RequestTrace) -> dict[str, Any]:
 
 
 def step_spans(req: RequestTrace, run_id: str) -> list[Span]:
-    """The per-step spans (for OTLP; the store derives them: store.SPANS_VIEW)."""
+    """The per-step spans (for OTLP; the store derives them: store_views.SPANS_VIEW)."""
     rows: list[Span] = []
     trace_id, root, rid = req.trace_id, req.root_span_id, req.request_id
     multi = len(req.child_ids) > 1

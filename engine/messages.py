@@ -125,9 +125,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     received_ns: int = 0
     # On an abort ack of a request the core held: when its KV blocks were freed.
     freed_ns: int = 0
-    # Structured outputs, on the first output of a request with a grammar: when the grammar
-    # was ready (the request could be scheduled), how long its compile took (0 when cached)
-    # and whether it came from the cache.
+    # Structured outputs, on the first output of a request with a grammar: when its grammar
+    # was ready (its compile ended, or the cache had it), how long the compile took (0 when
+    # cached) and whether it came from the cache.
     grammar: tuple[int, int, bool] | None = None
 
 

@@ -108,11 +108,10 @@ class Serving:
                 tools=[{"type": "function", "function": f} for f in plan.functions]
                 if plan is not None and native else None,
             )  # fmt: skip
-            prep = self._prepare(
+            return self._prepare(
                 body, request, [(None, ids)], body.requested_max_tokens, body.num_logprobs, True,
                 plan,
             )  # fmt: skip
-            return prep
         except _INPUT_ERRORS as e:
             raise APIError(400, str(e)) from None
 

@@ -363,10 +363,7 @@ def _params_json(params: Any) -> str | None:
         return None
     so = getattr(params, "structured_outputs", None)
     if so is not None and so.spec:
-        params = params.clone(structured_outputs=so.__class__(
-            json=so.json, json_object=so.json_object, regex=so.regex, choice=so.choice,
-            grammar=so.grammar, kind=so.kind,
-        ))  # fmt: skip
+        params = params.clone(structured_outputs=msgspec.structs.replace(so, spec=""))
     return _encode(params).decode()
 
 

@@ -54,19 +54,19 @@ class ToolPlan:
     def grammar(self) -> str:
         """The Lark grammar (llguidance) of the replies this plan allows."""
         functions = [f for f in self.functions if self.name is None or f["name"] == self.name]
-        one_of = [
-            {
+        one_of, defs = [], {}
+        for i, f in enumerate(functions):
+            params, own = _hoist_defs(i, f.get("parameters") or {"type": "object"})
+            defs.update(own)
+            one_of.append({
                 "type": "object",
-                "properties": {
-                    "name": {"const": f["name"]},
-                    "arguments": f.get("parameters") or {"type": "object"},
-                },
+                "properties": {"name": {"const": f["name"]}, "arguments": params},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
-            }
-            for f in functions
-        ]
-        schema = {"anyOf": one_of, "x-guidance": JSON_OPTIONS}
+            })  # fmt: skip
+        schema: dict[str, Any] = {"anyOf": one_of, "x-guidance": JSON_OPTIONS}
+        if defs:
+            schema["$defs"] = defs
         calls = 'call ("\\n" call)*' if self.parallel and self.name is None else "call"
         start = "start: calls" if self.forced else "start: TEXT | calls\nTEXT: /[^<](.|\\n)*/"
         return (
@@ -85,6 +85,29 @@ class ToolPlan:
             '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n'
             "</tool_call>"
         )
+
+
+def _hoist_defs(i: int, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A function's parameters without their ``$defs`` / ``definitions``, which move to the
+    grammar's root (their ``$ref`` paths point at the root document) as ``f{i}.NAME``."""
+    own = {**params.get("$defs", {}), **params.get("definitions", {})}
+    if not own:
+        return params, {}
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {k: rewrite(v) for k, v in node.items() if k not in ("$defs", "definitions")}
+            ref = node.get("$ref")
+            if isinstance(ref, str):
+                for prefix in ("#/$defs/", "#/definitions/"):
+                    if ref.startswith(prefix):
+                        out["$ref"] = f"#/$defs/f{i}.{ref[len(prefix) :]}"
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    return rewrite(params), {f"f{i}.{k}": rewrite(v) for k, v in own.items()}
 
 
 def plan_from_request(

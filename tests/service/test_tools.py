@@ -116,3 +116,21 @@ def test_a_stream_in_any_pieces_gives_what_parse_gives(seed: int) -> None:
         assert [c["function"]["name"] for c in stream.calls] == [
             c["function"]["name"] for c in want_calls
         ]
+
+
+def test_parameters_with_defs_keep_their_references() -> None:
+    """Pydantic-made parameters refer to their own $defs; inside the grammar they still do."""
+    import llguidance
+
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    params = {"type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}},
+              "required": ["to"], "$defs": {"Address": address}}  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": "ship", "parameters": params}},
+        {"type": "function", "function": {"name": "bill", "parameters": {
+            "type": "object", "properties": {"a": {"$ref": "#/definitions/Address"}},
+            "definitions": {"Address": {"type": "integer"}}}}},
+    ]  # fmt: skip
+    grammar = plan_from_request(tools, "required", True).grammar()
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    assert '"#/$defs/f0.Address"' in grammar and '"#/$defs/f1.Address"' in grammar

@@ -65,8 +65,7 @@ def build_spec(params: StructuredOutputsParams) -> tuple[str, str]:
 def _check(spec: str) -> str:
     """llguidance's verdict on a grammar ("" when valid), cached: the same schema is checked
     once per process."""
-    error = _llguidance().LLMatcher.validate_grammar(spec)
-    return error
+    return _llguidance().LLMatcher.validate_grammar(spec)
 
 
 def prepare(params: SamplingParams) -> None:

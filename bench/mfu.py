@@ -64,11 +64,12 @@ def run(args: argparse.Namespace) -> int:
     config = EngineConfig(**options)
     device = config.resolve_device()
     dtype = config.resolve_dtype(device)
+    kv_dtype = config.resolve_kv_cache_dtype(dtype)
     path = str(resolve_model(args.model))
     cfg = ModelConfig.from_path(path)
 
     ceiling_before = matmul_ceiling(cfg, device, dtype)
-    timer = StepTimer(path, device, dtype)
+    timer = StepTimer(path, device, dtype, kv_dtype)
     decode = []
     for b in batches:
         # Interleaved rounds, the fastest of each: the two figures share the machine's state.
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         for ctx in contexts:
             decode.append(
                 {"batch": b, "context": ctx, "weights_pass_s": min(floors),
-                 "kv_pass_s": kv_pass(cfg, b * ctx, device, dtype),
+                 "kv_pass_s": kv_pass(cfg, b * ctx, device, kv_dtype),
                  "decode_step_s": min(steps_by_ctx[ctx])}
             )  # fmt: skip
     timer.release()
@@ -111,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
     print(
         f"{cfg.path.rstrip('/').rsplit('/', 1)[-1]}, {device.type}, "
-        f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads"
+        f"{str(dtype).removeprefix('torch.')}, KV cache {str(kv_dtype).removeprefix('torch.')}, "
+        f"{torch.get_num_threads()} threads"
     )
     print(
         f"matmul ceiling: {ceiling / 1e9:.1f} GFLOP/s "

@@ -1,15 +1,18 @@
 """lumen bench precision: what a lower-precision option costs in accuracy, and buys in speed.
 
 For each ``--dtypes`` setting (the model's weights, activations and KV cache
-in that dtype) against float32, on the same weights, in one run:
+in that dtype) and each ``--kv-cache-dtypes`` setting (a float32 model over a
+KV cache in that dtype) against float32, on the same weights, in one run:
 
 - **greedy agreement**: a fixed set of chat prompts generated greedily
   through the offline LLM; the share of prompts whose whole output equals
   float32's, and the mean share of each output that matches float32's up to
   its first difference;
-- **logits**: float32's prompt + output sequences fed to each model in one
-  prefill step; the largest absolute logit difference from float32's at any
-  position, and the share of positions whose top token is float32's;
+- **logits**: float32's prompt + output sequences fed to each model, the
+  prompt in one prefill step and each output token in a decode step of its
+  own (so the outputs' logits read the KV cache, as a generation's do); the
+  largest absolute logit difference from float32's at any position, and the
+  share of positions whose top token is float32's;
 - **speed**: a 512-token prefill step and a batch-16 decode step at context
   128 (the worker's own step, fastest of several), and the generation's wall
   time.
@@ -54,6 +57,11 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtypes", default="bfloat16", help=f"dtypes to compare with float32 ({', '.join(DTYPES)})"
     )
+    p.add_argument(
+        "--kv-cache-dtypes",
+        default="",
+        help="KV cache dtypes to compare, each under a float32 model (e.g. bfloat16)",
+    )
     p.add_argument("--max-tokens", type=int, default=48, help="greedy output tokens per prompt")
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     p.set_defaults(func=run)
@@ -63,9 +71,14 @@ def run(args: argparse.Namespace) -> int:
     from engine.model_files import resolve_model
 
     dtypes = ["float32", *(d.strip() for d in args.dtypes.split(",") if d.strip())]
-    bad = [d for d in dtypes if d not in DTYPES]
-    if bad:
-        raise ValueError(f"--dtypes: {', '.join(bad)} not one of {', '.join(DTYPES)}")
+    kv_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
+    for flag, given in (("--dtypes", dtypes), ("--kv-cache-dtypes", kv_dtypes)):
+        bad = [d for d in given if d not in DTYPES]
+        if bad:
+            raise ValueError(f"{flag}: {', '.join(bad)} not one of {', '.join(DTYPES)}")
+    # (label, model dtype, KV cache dtype); float32 first: the reference
+    settings = [(d, d, d) for d in dict.fromkeys(dtypes)]
+    settings += [(f"float32, KV {d}", "float32", d) for d in dict.fromkeys(kv_dtypes)]
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     check_json_path(args.json)
@@ -73,21 +86,23 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {}
     reference: list[list[int]] = []
     ref_logits: list[torch.Tensor] = []
-    for dtype in dict.fromkeys(dtypes):
-        outputs, prompts, gen_s = _generate(path, dtype, args.max_tokens)
-        if dtype == "float32":
+    for label, dtype, kv_dtype in settings:
+        outputs, prompts, gen_s = _generate(path, dtype, kv_dtype, args.max_tokens)
+        if label == "float32":
             reference = outputs
-        timer = StepTimer(path, torch.device("cpu"), getattr(torch, dtype))
+        timer = StepTimer(
+            path, torch.device("cpu"), getattr(torch, dtype), getattr(torch, kv_dtype)
+        )
         sequences = [p + o for p, o in zip(prompts, reference)]
-        logits = [timer.logits(seq) for seq in sequences]
-        if dtype == "float32":
+        logits = [timer.logits(seq, len(p)) for seq, p in zip(sequences, prompts)]
+        if label == "float32":
             ref_logits = logits
         prefill_s = timer.prefill_step(512)
         decode_s = min(timer.decode_step(16, 128) for _ in range(2))
         timer.release()
         del timer
         gc.collect()
-        results[dtype] = {
+        results[label] = {
             **_agreement(outputs, reference),
             **_logit_diff(logits, ref_logits),
             "generate_s": gen_s,
@@ -112,15 +127,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n{len(PROMPTS)} chat prompts, {args.max_tokens} greedy tokens each; "
           f"{machine()['device_name']}, {torch.get_num_threads()} threads")  # fmt: skip
     print_table(
-        ["dtype", "same output", "matching prefix", "max |logit diff|", "top-1 same",
+        ["setting", "same output", "matching prefix", "max |logit diff|", "top-1 same",
          "prefill 512 ms", "decode b16 ms", "generate s"],
         rows,
     )  # fmt: skip
     ratios = {
-        f"{d}_prefill_speedup_ratio": base["prefill_512_s"] / r["prefill_512_s"]
+        f"{_key(d)}_prefill_speedup_ratio": base["prefill_512_s"] / r["prefill_512_s"]
         for d, r in results.items()
     } | {
-        f"{d}_decode_speedup_ratio": base["decode_b16_ctx128_s"] / r["decode_b16_ctx128_s"]
+        f"{_key(d)}_decode_speedup_ratio": base["decode_b16_ctx128_s"] / r["decode_b16_ctx128_s"]
         for d, r in results.items()
     }
     write_json(args.json, {"machine": machine(), "results": results, **ratios})
@@ -128,11 +143,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(
-    path: str, dtype: str, max_tokens: int
+    path: str, dtype: str, kv_dtype: str, max_tokens: int
 ) -> tuple[list[list[int]], list[list[int]], float]:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=path, dtype=dtype, enable_prefix_caching=False)
+    llm = LLM(model=path, dtype=dtype, kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
     try:
         conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -143,6 +158,11 @@ def _generate(
         llm.shutdown()
     prompts = [list(o.prompt_token_ids) for o in outs]
     return [list(o.outputs[0].token_ids) for o in outs], prompts, seconds
+
+
+def _key(label: str) -> str:
+    """A setting's label as a JSON key: "float32, KV bfloat16" -> "float32_kv_bfloat16"."""
+    return label.lower().replace(", ", "_").replace(" ", "_")
 
 
 def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, float]:

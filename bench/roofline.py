@@ -107,15 +107,22 @@ def kv_pass(cfg: ModelConfig, tokens: int, device: torch.device, dtype: torch.dt
 class StepTimer:
     """A ModelRunner of its own on the model, timing hand-built batches."""
 
-    def __init__(self, model_path: str, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        device: torch.device,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
         from engine.worker.model_runner import ModelRunner
 
         self.cfg = ModelConfig.from_path(model_path)
         self.device = device
         self.block_size = 16
         self.runner = ModelRunner(
-            self.cfg, device, dtype, self.cfg.max_position_embeddings, self.block_size
-        )
+            self.cfg, device, dtype, self.cfg.max_position_embeddings, self.block_size,
+            kv_dtype=kv_dtype,
+        )  # fmt: skip
         self.runner.load_model()
         self.num_blocks = 0
         self._next_id = 0
@@ -183,18 +190,27 @@ class StepTimer:
         return best_time(step, repeat=repeat, device=self.device)
 
     @torch.inference_mode()
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
-        """fp32 logits [len, vocab] at every position of one sequence, prefilled in one step."""
-        sched = self._batch([len(token_ids)], [0])
-        sched.token_ids = [list(token_ids)]
+    def logits(self, token_ids: list[int], prompt_len: int | None = None) -> torch.Tensor:
+        """fp32 logits [len, vocab] at every position of one sequence: its first
+        ``prompt_len`` tokens (all by default) prefilled in one step, then each later
+        token decoded in a step of its own, reading the KV cache as a generation does."""
+        first = len(token_ids) if prompt_len is None else prompt_len
+        sched = self._batch([first], [0], extra=len(token_ids) - first + 1)
+        sched.token_ids = [list(token_ids[:first])]
+        rows = [self._logits(sched, first)]
+        for pos in range(first, len(token_ids)):
+            sched.token_ids, sched.num_computed_tokens = [[token_ids[pos]]], [pos]
+            rows.append(self._logits(sched, 1))
+        self.runner.execute_model(SchedulerOutput(step_id=0, finished_req_ids=sched.req_ids))
+        return torch.cat(rows).float()
+
+    def _logits(self, sched: SchedulerOutput, tokens: int) -> torch.Tensor:
         inputs = self.runner._prepare_inputs(sched)
-        everywhere = torch.arange(len(token_ids), device=self.device)
-        out = self.model(
+        everywhere = torch.arange(tokens, device=self.device)
+        return self.model(
             inputs.input_ids, inputs.positions, self.runner.rotary, self.runner.kv_caches,
             inputs.meta, everywhere,
         )  # fmt: skip
-        self.runner.execute_model(SchedulerOutput(step_id=0, finished_req_ids=sched.req_ids))
-        return out.float()
 
     def release(self) -> None:
         self.runner.release_kv_cache()

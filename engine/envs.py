@@ -42,7 +42,17 @@ LUMEN_CPU_MATMUL = EnvVar(
     "onednn (weights packed for oneDNN) or aten (torch's BLAS)",
 )
 
-ALL = (LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_CPU_MATMUL)
+LUMEN_CPU_ATTENTION = EnvVar(
+    "LUMEN_CPU_ATTENTION",
+    "auto",
+    "CPU kernel of decode attention: auto (the native kernel, compiled once into LUMEN_HOME, "
+    "where it builds and times faster at start), native (fail if it does not build) or torch",
+)
+
+ALL = (
+    LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_CPU_MATMUL,
+    LUMEN_CPU_ATTENTION,
+)  # fmt: skip
 
 
 def debug_delay(site: str) -> float:

@@ -44,6 +44,7 @@ class EngineCore:
                 f"max_model_len {max_model_len} exceeds the model's context length "
                 f"{model_config.max_position_embeddings}"
             )
+        kv_dtype = config.resolve_kv_cache_dtype(dtype)
         executor = make_executor(config, model_config, device, dtype, max_model_len)
         try:
             num_blocks, max_model_len = _size_kv_cache(config, executor, device, max_model_len)
@@ -77,11 +78,12 @@ class EngineCore:
             version=__version__,
         )
         logger.info(
-            "engine ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d, "
+            "engine ready: %s on %s (%s%s), %d KV blocks of %d tokens, max_model_len %d, "
             "warm-up %.2fs",
             model_path,
             device,
             self.info.dtype,
+            "" if kv_dtype == dtype else f", KV cache {str(kv_dtype).removeprefix('torch.')}",
             num_blocks,
             config.block_size,
             max_model_len,

@@ -96,6 +96,7 @@ class MultiprocExecutor:
                 tp,
                 init_method,
                 os.getpid(),
+                config.resolve_kv_cache_dtype(dtype),
             )
             proc = ctx.Process(
                 target=_run_worker, args=(args, child_end), name=f"lumen-tp{rank}", daemon=False

@@ -20,8 +20,9 @@ class UniProcExecutor:
         max_model_len: int,
     ) -> None:
         self.runner = ModelRunner(
-            model_config, device, dtype, max_model_len, config.block_size, config.seed
-        )
+            model_config, device, dtype, max_model_len, config.block_size, config.seed,
+            kv_dtype=config.resolve_kv_cache_dtype(dtype),
+        )  # fmt: skip
         self.runner.load_model()
         self.profiler = Profiler()
 

@@ -75,8 +75,10 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     # Every token's K/V is written before any read, so a request can use
     # blocks another request of the same step fills (a prefix-cache hit).
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    # A KV cache in a narrower dtype (--kv-cache-dtype) stores the rounded values;
+    # what is read back is widened to the queries' dtype.
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     gqa = q.shape[1] != num_kv_heads
     nd = meta.num_decodes
     if nd and meta.decode_plan is not None:
@@ -84,8 +86,8 @@ def paged_attention(
         if not meta.prefills:
             return od
     elif nd:
-        kd = _gather(k_cache, meta.decode_block_tables, nd)
-        vd = _gather(v_cache, meta.decode_block_tables, nd)
+        kd = _gather(k_cache, meta.decode_block_tables, nd).to(q.dtype)
+        vd = _gather(v_cache, meta.decode_block_tables, nd).to(q.dtype)
         od = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
         ).squeeze(2)
@@ -105,8 +107,8 @@ def paged_attention(
         else:
             assert p.block_table is not None and p.mask is not None
             ctx = p.mask.shape[1]
-            kp = _gather(k_cache, p.block_table.unsqueeze(0), 1)[:, :, :ctx]
-            vp = _gather(v_cache, p.block_table.unsqueeze(0), 1)[:, :, :ctx]
+            kp = _gather(k_cache, p.block_table.unsqueeze(0), 1)[:, :, :ctx].to(q.dtype)
+            vp = _gather(v_cache, p.block_table.unsqueeze(0), 1)[:, :, :ctx].to(q.dtype)
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa
             )

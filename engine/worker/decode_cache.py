@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.worker.attention import additive_mask
+from engine.worker.cpu_attention import NativeDecodeAttention
 
 WIDTH_STEP = 128  # positions; widths are rounded up to this
 SLOT_STEP = 8
@@ -38,7 +39,7 @@ class DecodePlan:
     positions: torch.Tensor  # [nd] where each row's new token goes
     used: int  # slots [0, used) take part in attention
     width: int  # positions [0, width) take part
-    mask: torch.Tensor  # [used, 1, 1, width] 0 / -inf
+    mask: torch.Tensor | None  # [used, 1, 1, width] 0 / -inf (torch's path only)
     moves: list[Move]  # (from slot, to slot, tokens) copied first
     fills: list[tuple[int, int, torch.Tensor]]  # (slot, tokens, block ids) copied in next
     in_order: bool  # decode row i is slot i (so used == rows): q and the output stay as they are
@@ -61,24 +62,38 @@ class DecodePlan:
         for slot, n, blocks in self.fills:
             kb[slot, :, :n] = _blocks(k_cache, blocks)[:n].transpose(0, 1)
             vb[slot, :, :n] = _blocks(v_cache, blocks)[:n].transpose(0, 1)
-        kb[self.slot_idx, :, self.positions] = k
-        vb[self.slot_idx, :, self.positions] = v
+        kb[self.slot_idx, :, self.positions] = k.to(kb.dtype)
+        vb[self.slot_idx, :, self.positions] = v.to(vb.dtype)
+        if self.cache.native is not None:
+            return self.cache.native(q, kb, vb, self.slot_idx, self.positions, scale)
+        assert self.mask is not None
         if self.in_order:
             qs = q
         else:
             qs = q.new_zeros(self.used, q.shape[1], q.shape[2])
             qs[self.slot_idx] = q
-        # The query heads that share a KV head are rows of one product with it
-        # ([slots, KVH, group, D] x [slots, KVH, D, width]): K and V are read once per
-        # KV head, in two batched matrix products. Measured against SDPA's CPU kernel
-        # (q_len 1, enable_gqa) at 16-64 rows and 128-512 positions, cache cold:
-        # 9-17% faster.
-        kvh = k.shape[1]
-        qs = qs.view(self.used, kvh, -1, q.shape[2])
-        scores = torch.matmul(qs, kb[: self.used, :, : self.width].transpose(-1, -2))
-        probs = torch.softmax(scores.mul_(scale).add_(self.mask), dim=-1)
-        out = torch.matmul(probs, vb[: self.used, :, : self.width]).view(self.used, -1, q.shape[2])
+        out = torch_attention(qs, kb, vb, self.width, self.mask, scale)
         return out if self.in_order else out[self.slot_idx]
+
+
+def torch_attention(
+    qs: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, width: int, mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of slots [0, used) (qs: [used, heads, D]) over positions [0, width)."""
+    used, heads, dim = qs.shape
+    k, v = kb[:used, :, :width], vb[:used, :, :width]
+    if k.dtype != qs.dtype:  # a KV stored in a narrower dtype
+        k, v = k.to(qs.dtype), v.to(qs.dtype)
+    # The query heads that share a KV head are rows of one product with it
+    # ([slots, KVH, group, D] x [slots, KVH, D, width]): K and V are read once per
+    # KV head, in two batched matrix products. Measured against SDPA's CPU kernel
+    # (q_len 1, enable_gqa) at 16-64 rows and 128-512 positions, cache cold:
+    # 9-17% faster.
+    qs = qs.view(used, kb.shape[1], -1, dim)
+    scores = torch.matmul(qs, k.transpose(-1, -2))
+    probs = torch.softmax(scores.mul_(scale).add_(mask), dim=-1)
+    return torch.matmul(probs, v).view(used, heads, dim)
 
 
 class DecodeCache:
@@ -91,12 +106,16 @@ class DecodeCache:
         dtype: torch.dtype,
         device: torch.device,
         max_bytes: int,
+        kv_dtype: torch.dtype | None = None,
+        native: NativeDecodeAttention | None = None,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
-        self.dtype = dtype
+        self.dtype = dtype  # the model's: queries and masks
+        self.kv_dtype = kv_dtype or dtype  # the mirror's, the paged cache's
+        self.native = native  # the compiled CPU kernel, else torch's path
         self.device = device
         self.max_bytes = max_bytes
         self.k: list[torch.Tensor] = []
@@ -107,7 +126,7 @@ class DecodeCache:
         self.length: list[int] = []  # valid positions of each slot
 
     def bytes_for(self, slots: int, width: int) -> int:
-        per = self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
+        per = self.num_kv_heads * self.head_dim * torch.finfo(self.kv_dtype).bits // 8
         return 2 * self.num_layers * slots * width * per
 
     def drop(self, req_ids: list[str]) -> None:
@@ -152,16 +171,19 @@ class DecodeCache:
                 fills.append((slot, start, ids))
             self.length[slot] = start + 1
         dev = self.device
-        # A slot no row uses this step shows its first position: finite, never NaN.
-        lens = torch.tensor([max(n, 1) for n in self.length[:used]], device=dev)
-        visible = torch.arange(span, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+        mask = None
+        if self.native is None:
+            # A slot no row uses this step shows its first position: finite, never NaN.
+            lens = torch.tensor([max(n, 1) for n in self.length[:used]], device=dev)
+            visible = torch.arange(span, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+            mask = additive_mask(visible, self.dtype).view(used, 1, 1, span)
         return DecodePlan(
             cache=self,
             slot_idx=torch.tensor(slots, dtype=torch.long, device=dev),
             positions=torch.tensor(starts, dtype=torch.long, device=dev),
             used=used,
             width=span,
-            mask=additive_mask(visible, self.dtype).view(used, 1, 1, span),
+            mask=mask,
             moves=moves,
             fills=fills,
             in_order=slots == list(range(len(slots))),
@@ -191,7 +213,7 @@ class DecodeCache:
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         # Zeroed: slots outside a row's length are masked, but a masked NaN would poison P @ V.
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _fit(self, slots: int, width: int) -> bool:
         """Grow the tensors to hold ``slots`` x ``width``; False if that is over budget."""

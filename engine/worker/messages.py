@@ -146,3 +146,4 @@ class WorkerArgs:
     world_size: int
     init_method: str
     parent_pid: int
+    kv_dtype: torch.dtype | None = None  # None: the model's dtype

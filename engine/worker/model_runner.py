@@ -8,8 +8,9 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.worker import cpu_attention
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask
-from engine.worker.decode_cache import DecodeCache
+from engine.worker.decode_cache import DecodeCache, torch_attention
 from engine.worker.llama import LlamaForCausalLM, Rotary, Shard
 from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.worker.sampler import Sampler, SamplingRow
@@ -29,6 +30,7 @@ class ModelRunner:
         block_size: int,
         seed: int = 0,
         shard: Shard | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.cfg = model_config
         self.shard = shard or Shard()
@@ -36,6 +38,7 @@ class ModelRunner:
         self.is_driver = self.shard.rank == 0
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype  # the paged cache's and the mirror's
         self.block_size = block_size
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -56,7 +59,7 @@ class ModelRunner:
 
     def block_bytes(self) -> int:
         """Bytes of one block on this rank, which holds only its share of the KV heads."""
-        return self.block_size * self.cfg.kv_bytes_per_token(self.dtype) // self.shard.size
+        return self.block_size * self.cfg.kv_bytes_per_token(self.kv_dtype) // self.shard.size
 
     def init_kv_cache(self, num_blocks: int) -> None:
         num_kv_heads = self.cfg.num_kv_heads // self.shard.size
@@ -64,8 +67,8 @@ class ModelRunner:
         # Zeroed: padded reads are masked, but a masked NaN would still poison P @ V.
         self.kv_caches = [
             (
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
             )
             for _ in range(self.cfg.num_layers)
         ]
@@ -74,9 +77,15 @@ class ModelRunner:
             # On CPU, gathering blocks for decode costs as much as attention
             # itself; a contiguous mirror of decoding requests, up to the paged
             # cache's own size, avoids it (on CUDA the gather is cheap).
+            group = self.cfg.num_heads // self.cfg.num_kv_heads
+            choice = cpu_attention.choose(group, self.cfg.head_dim, self.kv_dtype, torch_attention)
+            logger.info(
+                "CPU decode attention: %s (%s)", "native" if choice.kernel else "torch", choice.why
+            )
             self.decode_cache = DecodeCache(
                 self.cfg.num_layers, num_kv_heads, self.cfg.head_dim, self.block_size,
                 self.dtype, self.device, max_bytes=num_blocks * self.block_bytes(),
+                kv_dtype=self.kv_dtype, native=choice.kernel,
             )  # fmt: skip
 
     def release_kv_cache(self) -> None:

@@ -103,6 +103,7 @@ class Worker:
             args.block_size,
             args.seed,
             Shard(args.rank, args.world_size),
+            kv_dtype=args.kv_dtype,
         )
         self.runner.load_model()
         self.profiler = Profiler()

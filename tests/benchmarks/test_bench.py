@@ -232,9 +232,13 @@ def test_precision_bench_compares_each_dtype_with_fp32(
 ) -> None:
     stdout, doc = bench_json(
         tmp_path, "precision", "--model", str(tiny_model_path), "--dtypes", "bfloat16",
-        "--max-tokens", "4",
+        "--kv-cache-dtypes", "bfloat16", "--max-tokens", "4",
     )  # fmt: skip
     fp32, bf16 = doc["results"]["float32"], doc["results"]["bfloat16"]
+    # A bf16 KV under an fp32 model: the prompt's logits come from its own prefill step, the
+    # outputs' from decode steps that read the cache, so only a narrowed cache makes them differ.
+    assert doc["results"]["float32, KV bfloat16"]["max_logit_diff"] > 0
+    assert "float32_kv_bfloat16_decode_speedup_ratio" in doc
     # float32 against itself is exact; bfloat16 rounds, so its logits differ.
     assert fp32["exact_outputs"] == fp32["top1_agreement"] == 1.0
     assert fp32["max_logit_diff"] == 0.0
@@ -248,6 +252,9 @@ def test_precision_bench_refuses_an_unknown_dtype() -> None:
     r = lumen_bench("precision", "--dtypes", "int4")
     assert r.returncode != 0
     assert "int4 not one of float32, bfloat16, float16" in r.stderr
+    r = lumen_bench("precision", "--kv-cache-dtypes", "fp8")
+    assert r.returncode != 0
+    assert "--kv-cache-dtypes: fp8 not one of" in r.stderr
 
 
 def test_structured_bench_compares_plain_itl_beside_grammar_streams(

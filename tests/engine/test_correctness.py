@@ -107,3 +107,63 @@ def test_unknown_cpu_kernel_is_a_clear_error(
     monkeypatch.setenv("LUMEN_CPU_MATMUL", "blas")
     with pytest.raises(ValueError, match="LUMEN_CPU_MATMUL must be one of auto, onednn, aten"):
         LLM(str(tiny_model_path))
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+def test_smollm2_matches_hf_with_each_attention_kernel(
+    kernel: str,
+    default_model_path: Path,
+    smol_references: dict[int, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Decode attention by torch's products or by the compiled kernel: greedy tokens match HF's."""
+    monkeypatch.setenv("LUMEN_CPU_ATTENTION", kernel)
+    _check_setting(default_model_path, "default", smol_references)
+
+
+def test_unknown_cpu_attention_kernel_is_a_clear_error(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LUMEN_CPU_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="LUMEN_CPU_ATTENTION must be one of auto, native, torch"):
+        LLM(str(tiny_model_path))
+
+
+def test_bf16_kv_cache_holds_twice_the_tokens_and_every_decode_path_agrees(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--kv-cache-dtype bfloat16 under an fp32 model: the same memory holds twice the blocks,
+    and the three ways decode reads a bf16 KV (the mirror through the native kernel, the
+    mirror through torch, the paged gather when preemption squeezes the mirror out) give the
+    same greedy tokens."""
+    budget = 1 << 20
+    fp32 = LLM(str(tiny_model_path), kv_cache_memory_bytes=budget)
+    fp32_blocks = fp32.get_stats().num_kv_blocks_total
+    fp32.shutdown()
+    bf16 = LLM(str(tiny_model_path), kv_cache_memory_bytes=budget, kv_cache_dtype="bfloat16")
+    assert bf16.get_stats().num_kv_blocks_total == 2 * fp32_blocks
+    bf16.shutdown()
+
+    prompts = [{"prompt_token_ids": p} for p in _random_prompts(seed=3)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    runs = {}
+    for name, kernel, options in (
+        ("native", "native", {}),
+        ("torch", "torch", {}),
+        ("squeezed", "native", SETTINGS["preemption"][0]),
+    ):
+        monkeypatch.setenv("LUMEN_CPU_ATTENTION", kernel)
+        llm = LLM(str(tiny_model_path), kv_cache_dtype="bfloat16", **options)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        runs[name] = [o.outputs[0].token_ids for o in outs]
+        if name == "squeezed":
+            assert llm.get_metrics()["num_preemptions"] > 0
+        llm.shutdown()
+    assert runs["native"] == runs["torch"] == runs["squeezed"]
+
+
+@pytest.mark.parametrize("value", ["fp8", "int8", "float64"])
+def test_unknown_kv_cache_dtype_is_a_clear_error(tiny_model_path: Path, value: str) -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or one of float32, bfloat16"):
+        LLM(str(tiny_model_path), kv_cache_dtype=value)

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
+    def __init__(self, config: EngineConfig, model_path: str, owns_process: bool = False) -> None:
         model_config = ModelConfig.from_path(model_path)
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
@@ -45,7 +45,9 @@ class EngineCore:
                 f"{model_config.max_position_embeddings}"
             )
         kv_dtype = config.resolve_kv_cache_dtype(dtype)
-        executor = make_executor(config, model_config, device, dtype, max_model_len)
+        executor = make_executor(
+            config, model_config, device, dtype, max_model_len, owns_process=owns_process
+        )
         try:
             num_blocks, max_model_len = _size_kv_cache(config, executor, device, max_model_len)
             executor.init_kv_cache(num_blocks)

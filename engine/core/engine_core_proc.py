@@ -185,7 +185,7 @@ def run_engine_core(
     out_sock = make_socket(zmq.Context.instance(), zmq.PUSH, output_addr, bind=False)
     encoder = msgspec.msgpack.Encoder()
     try:
-        core = EngineCore(config, model_path)
+        core = EngineCore(config, model_path, owns_process=True)
     except Exception as e:
         if isinstance(e, ValueError):  # a user error: the frontend shows the one line
             logger.error("engine core failed to start: %s", e)

@@ -16,11 +16,14 @@ def make_executor(
     device: torch.device,
     dtype: torch.dtype,
     max_model_len: int,
+    owns_process: bool = False,
 ) -> Executor:
+    """``owns_process``: the caller's process is the engine's own (the EngineCore process),
+    so the executor may set process-wide state there (CPU threads)."""
     if config.tensor_parallel_size == 1:
         from engine.executor.uniproc import UniProcExecutor
 
-        return UniProcExecutor(config, model_config, device, dtype, max_model_len)
+        return UniProcExecutor(config, model_config, device, dtype, max_model_len, owns_process)
     from engine.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config, model_config, device, dtype, max_model_len)

@@ -18,11 +18,13 @@ class UniProcExecutor:
         device: torch.device,
         dtype: torch.dtype,
         max_model_len: int,
+        owns_process: bool = False,
     ) -> None:
         self.runner = ModelRunner(
             model_config, device, dtype, max_model_len, config.block_size, config.seed,
             kv_dtype=config.resolve_kv_cache_dtype(dtype),
         )  # fmt: skip
+        self.runner.owns_process = owns_process
         self.runner.load_model()
         self.profiler = Profiler()
 

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.worker import cpu_attention
+from engine.worker import cpu_attention, cpu_threads
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask
 from engine.worker.decode_cache import DecodeCache, torch_attention
 from engine.worker.llama import LlamaForCausalLM, Rotary, Shard
@@ -46,6 +46,11 @@ class ModelRunner:
         self.rotary = Rotary(model_config, max_model_len, device)
         self.sampler = Sampler(device, seed)
         self.rows: dict[str, SamplingRow] = {}
+        # Set where this runner's process is the engine's own (not a user's): then it may
+        # choose the process's CPU threads.
+        self.owns_process = False
+        self._threads_chosen = False
+        self._attention: cpu_attention.Choice | None = None
 
     def load_model(self) -> None:
         with torch.device("meta"):
@@ -77,16 +82,39 @@ class ModelRunner:
             # On CPU, gathering blocks for decode costs as much as attention
             # itself; a contiguous mirror of decoding requests, up to the paged
             # cache's own size, avoids it (on CUDA the gather is cheap).
-            group = self.cfg.num_heads // self.cfg.num_kv_heads
-            choice = cpu_attention.choose(group, self.cfg.head_dim, self.kv_dtype, torch_attention)
-            logger.info(
-                "CPU decode attention: %s (%s)", "native" if choice.kernel else "torch", choice.why
-            )
+            if self._attention is None:  # chosen once; a wake-up reuses it
+                group = self.cfg.num_heads // self.cfg.num_kv_heads
+                self._attention = choice = cpu_attention.choose(
+                    group, self.cfg.head_dim, self.kv_dtype, torch_attention
+                )
+                logger.info(
+                    "CPU decode attention: %s (%s)",
+                    "native" if choice.kernel else "torch",
+                    choice.why,
+                )
+            choice = self._attention
             self.decode_cache = DecodeCache(
                 self.cfg.num_layers, num_kv_heads, self.cfg.head_dim, self.block_size,
                 self.dtype, self.device, max_bytes=num_blocks * self.block_bytes(),
                 kv_dtype=self.kv_dtype, native=choice.kernel,
             )  # fmt: skip
+
+        if self.device.type == "cpu" and not self._threads_chosen:
+            self._threads_chosen = True
+            if why := cpu_threads.choose(self._time_step, self.owns_process):
+                logger.info("CPU threads: %s", why)
+
+    @torch.inference_mode()
+    def _time_step(self) -> None:
+        """One forward of a ``cpu_threads.ROWS``-token chunk into the first blocks (free
+        before any request), sampling every row, as a decode batch does."""
+        assert self.model is not None
+        rows = min(cpu_threads.ROWS, len(self.kv_caches[0][0]) * self.block_size)
+        chunk = PrefillChunk(0, rows, 0, None, None)
+        meta = AttentionMetadata(torch.arange(rows, device=self.device), 0, None, None, [chunk])
+        ids = torch.arange(1, rows + 1, device=self.device)
+        positions = torch.arange(rows, device=self.device)
+        self.model(ids, positions, self.rotary, self.kv_caches, meta, positions)
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []

@@ -21,6 +21,29 @@ class SamplingRow:
     eos_token_ids: frozenset[int]
 
 
+ARGMAX_BLOCK = 1024
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` of a [B, V] tensor (the first index of each row's largest value),
+    by blocks: the rows' block maxima, then an argmax inside each row's first best block.
+
+    torch's CPU argmax does not vectorise: over SmolLM2's 49,152-token vocabulary at 64 rows
+    it took 1.84 ms where ``amax`` took 0.16 ms, on one thread. Blocks leave it two small
+    argmaxes (a row's block maxima, one block of each row)."""
+    rows, vocab = x.shape
+    if x.device.type != "cpu" or vocab < 4 * ARGMAX_BLOCK:
+        return x.argmax(dim=-1)
+    whole = vocab // ARGMAX_BLOCK * ARGMAX_BLOCK
+    maxima = x[:, :whole].view(rows, -1, ARGMAX_BLOCK).amax(dim=-1)
+    if whole < vocab:
+        maxima = torch.cat([maxima, x[:, whole:].amax(dim=-1, keepdim=True)], dim=1)
+    start = maxima.argmax(dim=-1) * ARGMAX_BLOCK  # the first block that holds the row's max
+    index = (start.unsqueeze(1) + torch.arange(ARGMAX_BLOCK, device=x.device)).clamp_(max=vocab - 1)
+    # A tail block shorter than ARGMAX_BLOCK repeats its last index: never before the first max.
+    return start + x.gather(1, index).argmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
@@ -44,7 +67,7 @@ class Sampler:
         logits = self._apply_penalties(logits, rows)
         greedy = [r.params.greedy for r in rows]
         # The common all-greedy batch skips the sampling machinery.
-        sampled = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, rows, greedy)
+        sampled = argmax(logits) if all(greedy) else self._sample(logits, rows, greedy)
         sampled_ids = sampled.tolist()
         return sampled_ids, self._logprobs(raw, rows, sampled)
 
@@ -111,7 +134,7 @@ class Sampler:
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]
     ) -> torch.Tensor:
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = argmax(logits)
         temps = torch.tensor(
             [1.0 if g else r.params.temperature for g, r in zip(greedy, rows)],
             device=self.device,
@@ -128,7 +151,7 @@ class Sampler:
         for i, r in enumerate(rows):
             if r.generator is not None:
                 noise[i].exponential_(generator=r.generator)
-        random_ids = (probs / noise).argmax(dim=-1)
+        random_ids = argmax(probs / noise)
         return torch.where(torch.tensor(greedy, device=self.device), greedy_ids, random_ids)
 
     def _logprobs(

@@ -105,6 +105,7 @@ class Worker:
             Shard(args.rank, args.world_size),
             kv_dtype=args.kv_dtype,
         )
+        self.runner.owns_process = True  # a worker process of the engine's own
         self.runner.load_model()
         self.profiler = Profiler()
 

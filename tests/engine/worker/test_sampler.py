@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.worker.sampler import Sampler, SamplingRow
+from engine.worker.sampler import Sampler, SamplingRow, argmax
 
 VOCAB = 50
 
@@ -69,3 +70,16 @@ def test_min_tokens_blocks_eos_and_stop_ids() -> None:
     row.output_token_ids.extend([11, 12])
     ids, _ = Sampler(torch.device("cpu"), 0)(logits, [row])
     assert ids[0] == 0
+
+
+@pytest.mark.parametrize("vocab", [49152, 49153, 50_000, 4096, 5000, 100])
+def test_blocked_argmax_equals_torchs_first_index(vocab: int) -> None:
+    """Ties (few distinct values), a maximum in a short tail block, random rows."""
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(12):
+        x = torch.randn(37, vocab, generator=gen)
+        if trial % 3 == 0:
+            x = torch.randint(0, 5, (37, vocab), generator=gen).float()
+        if trial % 4 == 0:
+            x[::2, -1] = 100.0
+        assert torch.equal(argmax(x), x.argmax(dim=-1)), trial

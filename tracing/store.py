@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -373,7 +374,47 @@ class TraceStore:
         return True
 
     def close(self) -> None:
+        """Close; a file that is mostly free blocks is compacted first (``compact``)."""
         self._con.close()
+        if self._migrated and len(self._buffer) == 0:
+            try:
+                compact(self.path)
+            except (duckdb.Error, OSError) as e:  # a reader holds it, or a full disk: keep it
+                logger.debug("trace db %s not compacted: %s", self.path, e)
+
+
+# A file whose free blocks are at least this share of it is rewritten at close.
+COMPACT_FREE_SHARE = 0.25
+
+
+def compact(path: Path) -> bool:
+    """Rewrite the store into a fresh file when free blocks are ``COMPACT_FREE_SHARE`` of it
+    or more; True if it did.
+
+    Each flush appends to the tables' last row group, and the checkpoint that follows
+    rewrites it, so a file's blocks are partly free ones that later checkpoints reuse. In a
+    short run they are a large share: `lumen bench overhead`'s 49,184 tokens left 8 of the
+    file's 21 blocks free. In a long one they are a small share, and the copy is skipped.
+    """
+    con = duckdb.connect(":memory:", config={"threads": 1})
+    try:
+        _while_locked(lambda: con.execute("ATTACH ? AS store", [str(path)]), 1.0)
+        total, free = con.execute(
+            "SELECT total_blocks, free_blocks FROM pragma_database_size() "
+            "WHERE database_name = 'store'"
+        ).fetchone()  # fmt: skip
+        if not total or free < COMPACT_FREE_SHARE * total:
+            return False
+        fresh = path.with_name(path.name + ".compacting")
+        fresh.unlink(missing_ok=True)
+        con.execute(f"ATTACH ? AS fresh (BLOCK_SIZE {BLOCK_SIZE})", [str(fresh)])
+        con.execute("COPY FROM DATABASE store TO fresh")
+        con.execute("DETACH fresh")
+        con.execute("DETACH store")
+        os.replace(fresh, path)
+        return True
+    finally:
+        con.close()
 
 
 def _create_file(path: Path) -> None:

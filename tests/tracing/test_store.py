@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from tracing.store import MIGRATIONS, TraceStore, open_db
+from tracing.store import MIGRATIONS, TraceStore, compact, open_db
 
 HOLD = """
 import sys, time, duckdb
@@ -105,3 +105,43 @@ def test_readers_wait_for_a_flush_to_release_the_file(tmp_path: Path) -> None:
     writer.wait()
     print(f"\nreader waited {waited * 1000:.0f} ms for the writer")
     assert waited >= 0.2
+
+
+def test_a_file_of_mostly_free_blocks_is_compacted_at_close(tmp_path: Path) -> None:
+    """Many small flushes each rewrite the last row group, leaving free blocks behind; close
+    rewrites such a file into a fresh one with the same rows, schema and spans view."""
+    db = tmp_path / "t.db"
+    store = TraceStore(db)
+    for flush in range(40):
+        store.add("span_rows", [_span(i) for i in range(flush * 500, (flush + 1) * 500)])
+        assert store.flush()
+    with open_db(db) as con:
+        total, free = con.execute(
+            "SELECT total_blocks, free_blocks FROM pragma_database_size()"
+        ).fetchone()  # fmt: skip
+    before = db.stat().st_size
+    store.close()
+    after = db.stat().st_size
+    print(f"\n{total} blocks, {free} free: {before:,} bytes before close, {after:,} after")
+    assert free >= 0.25 * total and after < before
+    with open_db(db) as con:
+        assert con.execute("SELECT count(*), max(start_ns) FROM spans").fetchone() == (
+            20_000,
+            19_999,
+        )
+        versions = con.execute("SELECT version FROM schema_migrations").fetchall()
+    assert versions == [(v,) for v, _, _ in MIGRATIONS]
+    store = TraceStore(db)  # it opens and appends as before
+    store.add("span_rows", [_span(20_000)])
+    assert store.flush()
+    store.close()
+    with open_db(db) as con:
+        assert con.execute("SELECT count(*) FROM spans").fetchone() == (20_001,)
+
+
+def test_a_file_of_mostly_used_blocks_is_left_as_it_is(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    store = TraceStore(db)
+    store.add("span_rows", [_span(i) for i in range(20_000)])
+    assert store.flush()
+    assert compact(db) is False

@@ -40,7 +40,10 @@ from engine import envs
 logger = logging.getLogger(__name__)
 
 KERNELS = ("auto", "native", "torch")
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# Compiled with -ffast-math (a vectorised exp, reassociated sums), but linked without it:
+# linking with it adds crtfastmath, which sets flush-to-zero for the whole process on load.
+CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+LDFLAGS = ("-shared", "-fopenmp")
 
 SOURCE = r"""
 #include <math.h>
@@ -191,7 +194,7 @@ def build(group: int, head_dim: int) -> Path:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     defines = (f"-DGROUP={group}", f"-DDIM={head_dim}")
     key = hashlib.sha256(
-        "\n".join((SOURCE, compiler, *CFLAGS, *defines, _cpu_key())).encode()
+        "\n".join((SOURCE, compiler, *CFLAGS, *LDFLAGS, *defines, _cpu_key())).encode()
     ).hexdigest()[:16]
     folder = Path(envs.LUMEN_HOME.get()) / "kernels"
     library = folder / f"decode_attention_g{group}_d{head_dim}_{key}.so"
@@ -201,11 +204,14 @@ def build(group: int, head_dim: int) -> Path:
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         src = Path(tmp) / "decode_attention.c"
         src.write_text(SOURCE)
-        out = Path(tmp) / library.name
-        cmd = [compiler, *CFLAGS, *defines, str(src), "-o", str(out), "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        obj, out = Path(tmp) / "decode_attention.o", Path(tmp) / library.name
+        for cmd in (
+            [compiler, *CFLAGS, *defines, "-c", str(src), "-o", str(obj)],
+            [compiler, *LDFLAGS, str(obj), "-o", str(out), "-lm"],
+        ):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
         os.replace(out, library)  # atomic: another process may build the same one
     return library
 

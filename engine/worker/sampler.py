@@ -32,7 +32,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     it took 1.84 ms where ``amax`` took 0.16 ms, on one thread. Blocks leave it two small
     argmaxes (a row's block maxima, one block of each row)."""
     rows, vocab = x.shape
-    if x.device.type != "cpu" or vocab < 4 * ARGMAX_BLOCK:
+    if x.device.type != "cpu" or vocab < 4 * ARGMAX_BLOCK or rows == 0:
         return x.argmax(dim=-1)
     whole = vocab // ARGMAX_BLOCK * ARGMAX_BLOCK
     maxima = x[:, :whole].view(rows, -1, ARGMAX_BLOCK).amax(dim=-1)

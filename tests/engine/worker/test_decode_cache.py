@@ -113,3 +113,20 @@ def test_over_budget_falls_back_to_gather(budget: int) -> None:
     cache = DecodeCache(1, KVH, D, BS, torch.float32, torch.device("cpu"), budget)
     assert cache.plan(["a", "b"], [5, 9], [[1, 2], [3, 4, 5]]) is None
     assert cache.num_slots == 0
+
+
+def test_loading_the_kernel_leaves_the_processes_floating_point_alone() -> None:
+    """The kernel is compiled with -ffast-math but must not set flush-to-zero for the
+    whole process on load (linking with -ffast-math would): subnormals still exist after."""
+    import subprocess
+    import sys
+
+    native_kernel()  # built (or skipped without a compiler) here; loaded afresh below
+    code = (
+        "import torch; from engine.worker import cpu_attention as c; "
+        f"c.NativeDecodeAttention(c.build({H // KVH}, {D})); "
+        "t = torch.tensor([1e-40], dtype=torch.float32); "
+        "assert (t * 1.0).item() != 0, 'flush-to-zero is on'"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

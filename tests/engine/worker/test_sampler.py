@@ -83,3 +83,7 @@ def test_blocked_argmax_equals_torchs_first_index(vocab: int) -> None:
         if trial % 4 == 0:
             x[::2, -1] = 100.0
         assert torch.equal(argmax(x), x.argmax(dim=-1)), trial
+
+
+def test_blocked_argmax_of_no_rows() -> None:
+    assert argmax(torch.empty(0, 49152)).shape == (0,)

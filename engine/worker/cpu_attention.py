@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from engine import envs
+from engine.worker.cpu_matmul import best_of
 
 logger = logging.getLogger(__name__)
 
@@ -267,14 +268,4 @@ def _time_both(
         for k, v in zip(ks, vs):
             torch_path(q, k, v, context, mask, 0.125)
 
-    return _best(native), _best(torch_)
-
-
-def _best(fn: Callable[[], None], repeat: int = 3) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+    return best_of(native, repeat=3), best_of(torch_, repeat=3)

@@ -59,8 +59,8 @@ def choose(weight_in_out: torch.Tensor) -> Choice:
     aten_s = onednn_s = 0.0
     for rows in TIMED_ROWS:
         x = torch.randn(rows, weight_in_out.shape[0], dtype=weight_in_out.dtype)
-        aten_s += _best(lambda: x @ weight_in_out)  # noqa: B023
-        onednn_s += _best(lambda: onednn_linear(x, packed))  # noqa: B023
+        aten_s += best_of(lambda: x @ weight_in_out)  # noqa: B023
+        onednn_s += best_of(lambda: onednn_linear(x, packed))  # noqa: B023
     kernel = "onednn" if onednn_s < aten_s else "aten"
     shape = "x".join(map(str, weight_in_out.shape))
     return Choice(
@@ -70,7 +70,8 @@ def choose(weight_in_out: torch.Tensor) -> Choice:
     )
 
 
-def _best(fn: Callable[[], object], repeat: int = 5) -> float:
+def best_of(fn: Callable[[], object], repeat: int = 5) -> float:
+    """The fastest of ``repeat`` timed calls of ``fn``, after one untimed."""
     fn()
     best = float("inf")
     for _ in range(repeat):

@@ -5,14 +5,15 @@ two batched products and a softmax: three passes, each with small matrices
 (a KV head's 3 query rows by 64 x context). Measured on an AMD EPYC (AVX-512),
 SmolLM2's shapes, 30 layers, cache cold: it read the KV at 11-15 GB/s, where a
 plain sum of the same slices reads 29-40 GB/s. This kernel runs one task per
-(row, KV head): the scores of the head's query rows against each K row, a
-softmax with a vectorised exp, then one pass over V, in fp32 registers. It
-reads a bf16 KV (``--kv-cache-dtype bfloat16``) as directly as an fp32 one,
-half the bytes.
+(row, KV head): it writes the row's new K and V into its slot, then takes the
+scores of the head's query rows against each K row, a softmax with a
+vectorised exp, and one pass over V, in fp32 registers. It reads a bf16 KV
+(``--kv-cache-dtype bfloat16``) as directly as an fp32 one, half the bytes.
 
 The source is compiled once per machine and model shape (the group size and
 head dim are compile-time constants, so the loops unroll into registers) with
-the system C compiler, ``-O3 -march=native -fopenmp``, into LUMEN_HOME/kernels;
+the system C compiler (``-O3 -march=native -ffast-math -fopenmp``, linked
+without -ffast-math) into LUMEN_HOME/kernels;
 it links the OpenMP runtime torch already loaded, so both share one thread
 pool. Without a compiler, or where torch's path times faster at load, torch's
 path runs (``LUMEN_CPU_ATTENTION`` forces one).
@@ -57,13 +58,24 @@ static inline float from_bf16(uint16_t x) {
     return v.f;
 }
 #define FROM_F32(x) (x)
+#define TO_F32(x) (x)
 
-/* q, out: [rows, kvh * GROUP, DIM] fp32. k, v: a layer's mirror, [slots, kvh, width, DIM].
-   Row r attends to positions [0, positions[r]] of slot slots[r]. */
-#define DECODE_ATTENTION(NAME, T, LOAD)                                                   \
-int NAME(const float *q, float *out, const T *k, const T *v, const int64_t *slots,       \
-         const int64_t *positions, int64_t rows, int64_t kvh, int64_t slot_stride,        \
-         int64_t head_stride, float scale, int threads) {                                 \
+/* Round to nearest even, as torch's .to(torch.bfloat16) does. */
+static inline uint16_t to_bf16(float f) {
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 64); /* NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* q, out: [rows, kvh * GROUP, DIM] fp32; k_new, v_new: [rows, kvh, DIM] fp32, the rows'
+   own K and V, written first at position positions[r] of slot slots[r]. k, v: a layer's
+   mirror, [slots, kvh, width, DIM]. Row r attends to positions [0, positions[r]] of its
+   slot. */
+#define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                            \
+int NAME(const float *q, float *out, const float *k_new, const float *v_new, T *k, T *v,  \
+         const int64_t *slots, const int64_t *positions, int64_t rows, int64_t kvh,       \
+         int64_t slot_stride, int64_t head_stride, float scale, int threads) {            \
     int64_t max_n = 0;                                                                    \
     for (int64_t r = 0; r < rows; r++)                                                    \
         if (positions[r] + 1 > max_n) max_n = positions[r] + 1;                           \
@@ -77,8 +89,12 @@ int NAME(const float *q, float *out, const T *k, const T *v, const int64_t *slot
             if (!s) continue;                                                             \
             int64_t r = task / kvh, h = task % kvh, n = positions[r] + 1;                 \
             const float *qh = q + task * GROUP * DIM;                                     \
-            const T *kh = k + slots[r] * slot_stride + h * head_stride;                   \
-            const T *vh = v + slots[r] * slot_stride + h * head_stride;                   \
+            T *kh = k + slots[r] * slot_stride + h * head_stride;                         \
+            T *vh = v + slots[r] * slot_stride + h * head_stride;                         \
+            for (int d = 0; d < DIM; d++) {                                               \
+                kh[(n - 1) * DIM + d] = STORE(k_new[task * DIM + d]);                     \
+                vh[(n - 1) * DIM + d] = STORE(v_new[task * DIM + d]);                     \
+            }                                                                             \
             float mx[GROUP], sum[GROUP], acc[GROUP * DIM];                                \
             for (int g = 0; g < GROUP; g++) mx[g] = -3.0e38f;                             \
             for (int64_t t = 0; t < n; t++) {                                             \
@@ -123,11 +139,11 @@ int NAME(const float *q, float *out, const T *k, const T *v, const int64_t *slot
     return failed;                                                                        \
 }
 
-DECODE_ATTENTION(decode_attention_f32, float, FROM_F32)
-DECODE_ATTENTION(decode_attention_bf16, uint16_t, from_bf16)
+DECODE_ATTENTION(decode_attention_f32, float, FROM_F32, TO_F32)
+DECODE_ATTENTION(decode_attention_bf16, uint16_t, from_bf16, to_bf16)
 """
 
-_ARGTYPES = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
+_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # torch's path: (q [slots, heads, D], k, v, width, mask, scale) -> [slots, heads, D]
 TorchPath = Callable[
@@ -151,20 +167,25 @@ class NativeDecodeAttention:
     def __call__(
         self,
         q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         kb: torch.Tensor,
         vb: torch.Tensor,
         slots: torch.Tensor,
         positions: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """q: [rows, heads, D]; kb, vb: [slots, KVH, width, D] (contiguous, fp32 or bf16);
-        slots, positions: [rows] int64. Row r attends to slot slots[r], positions
-        [0, positions[r]]. Returns [rows, heads, D] in q's dtype."""
+        """q: [rows, heads, D]; k, v: [rows, KVH, D], the rows' new K and V, written into
+        the mirror first; kb, vb: [slots, KVH, width, D] (contiguous, fp32 or bf16);
+        slots, positions: [rows] int64. Row r writes its K and V at position positions[r]
+        of slot slots[r], and attends to positions [0, positions[r]] there. Returns
+        [rows, heads, D] in q's dtype."""
         qf = q.to(torch.float32).contiguous()
+        kf, vf = k.to(torch.float32).contiguous(), v.to(torch.float32).contiguous()
         out = torch.empty_like(qf)
         failed = self._fns[kb.dtype](
-            qf.data_ptr(), out.data_ptr(), kb.data_ptr(), vb.data_ptr(),
-            slots.data_ptr(), positions.data_ptr(), q.shape[0], kb.shape[1],
+            qf.data_ptr(), out.data_ptr(), kf.data_ptr(), vf.data_ptr(), kb.data_ptr(),
+            vb.data_ptr(), slots.data_ptr(), positions.data_ptr(), q.shape[0], kb.shape[1],
             kb.stride(0), kb.stride(1), scale, torch.get_num_threads(),
         )  # fmt: skip
         if failed:
@@ -256,13 +277,14 @@ def _time_both(
     ks = [torch.randn(shape).to(kv_dtype) for _ in range(layers)]
     vs = [torch.randn(shape).to(kv_dtype) for _ in range(layers)]
     q = torch.randn(rows, kvh * group, head_dim)
+    k_new = torch.randn(rows, kvh, head_dim)
     slots = torch.arange(rows)
     positions = torch.full((rows,), context - 1)
     mask = torch.zeros(rows, 1, 1, context)
 
     def native() -> None:
         for k, v in zip(ks, vs):
-            kernel(q, k, v, slots, positions, 0.125)
+            kernel(q, k_new, k_new, k, v, slots, positions, 0.125)
 
     def torch_() -> None:
         for k, v in zip(ks, vs):

@@ -62,10 +62,10 @@ class DecodePlan:
         for slot, n, blocks in self.fills:
             kb[slot, :, :n] = _blocks(k_cache, blocks)[:n].transpose(0, 1)
             vb[slot, :, :n] = _blocks(v_cache, blocks)[:n].transpose(0, 1)
+        if self.cache.native is not None:  # it writes the rows' K and V itself
+            return self.cache.native(q, k, v, kb, vb, self.slot_idx, self.positions, scale)
         kb[self.slot_idx, :, self.positions] = k.to(kb.dtype)
         vb[self.slot_idx, :, self.positions] = v.to(vb.dtype)
-        if self.cache.native is not None:
-            return self.cache.native(q, kb, vb, self.slot_idx, self.positions, scale)
         assert self.mask is not None
         if self.in_order:
             qs = q

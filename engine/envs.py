@@ -55,10 +55,16 @@ LUMEN_CPU_THREADS = EnvVar(
     "torch threads of the engine's process on CPU: auto (the machine's cores, or 1 where more "
     "do not make a 16-row step 1.25x faster, timed at start) or a number",
 )
+LUMEN_GC = EnvVar(
+    "LUMEN_GC",
+    "serving",
+    "garbage collector of the server's processes once started: serving (gc.freeze() of the "
+    "start-up heap, a young generation of 20,000) or default (Python's settings)",
+)
 
 ALL = (
     LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_CPU_MATMUL,
-    LUMEN_CPU_ATTENTION, LUMEN_CPU_THREADS,
+    LUMEN_CPU_ATTENTION, LUMEN_CPU_THREADS, LUMEN_GC,
 )  # fmt: skip
 
 

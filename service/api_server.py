@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine import __version__
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.gc_pauses import gc_setting, settle_heap
 from engine.model_files import served_name
 from engine.request_ids import new_request_id
 from service import http_timing
@@ -280,6 +281,7 @@ async def serve(
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
+    gc_setting()  # a bad LUMEN_GC fails here, before the engine starts
     model_name = config.served_model_name or served_name(engine_config.model)
     # Starts the core process and waits for it (the loop serves nothing yet).
     engine = AsyncLLM(engine_config, stall_timeout=config.stream_stall_timeout)
@@ -307,6 +309,7 @@ async def serve(
     http_timing.install()
     monitor = asyncio.create_task(watch_api_process(metrics, tracer), name="api-monitor")
 
+    settle_heap()  # the engine is up and the app built: what lives now lives for good
     hc = Config()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.accesslog = None

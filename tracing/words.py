@@ -61,7 +61,8 @@ WHAT = {
     ),
     "gc": (
         "garbage-collection pauses",
-        "fewer allocations per step, or gc.freeze() after start-up; see the pauses table",
+        "fewer allocations per step (LUMEN_GC=serving, the default, freezes the start-up heap); "
+        "see the pauses table",
     ),
     "emit": (
         "getting outputs back to the frontend, detokenizing and emitting",

@@ -24,6 +24,7 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.gc_pauses import settle_heap
 from engine.ipc import make_socket
 from engine.messages import (
     EngineCoreOutput,
@@ -186,6 +187,7 @@ def run_engine_core(
     encoder = msgspec.msgpack.Encoder()
     try:
         core = EngineCore(config, model_path, owns_process=True)
+        settle_heap()  # the model is loaded and warm: what lives now lives for good
     except Exception as e:
         if isinstance(e, ValueError):  # a user error: the frontend shows the one line
             logger.error("engine core failed to start: %s", e)

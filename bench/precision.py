@@ -1,8 +1,10 @@
 """lumen bench precision: what a lower-precision option costs in accuracy, and buys in speed.
 
 For each ``--dtypes`` setting (the model's weights, activations and KV cache
-in that dtype) and each ``--kv-cache-dtypes`` setting (a float32 model over a
-KV cache in that dtype) against float32, on the same weights, in one run:
+in that dtype), each ``--kv-cache-dtypes`` setting (a float32 model over a
+KV cache in that dtype) and each ``--quantizations`` setting (a float32 model
+with its decoder layers' weights quantized) against float32, on the same
+weights, in one run:
 
 - **greedy agreement**: a fixed set of chat prompts generated greedily
   through the offline LLM; the share of prompts whose whole output equals
@@ -13,9 +15,9 @@ KV cache in that dtype) against float32, on the same weights, in one run:
   own (so the outputs' logits read the KV cache, as a generation's do); the
   largest absolute logit difference from float32's at any position, and the
   share of positions whose top token is float32's;
-- **speed**: a 512-token prefill step and a batch-16 decode step at context
-  128 (the worker's own step, fastest of several), and the generation's wall
-  time.
+- **speed**: a 512-token prefill step and batch-1 and batch-16 decode steps
+  at context 128 (the worker's own step, fastest of several), and the
+  generation's wall time.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from bench.common import check_json_path, machine, print_table, write_json
 from bench.roofline import StepTimer
+from engine.config import check_quantization
 
 PROMPTS = (
     "What is the capital of France?",
@@ -52,7 +55,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
-    p = verbs.add_parser("precision", help="accuracy and speed of lower-precision dtypes vs fp32")
+    p = verbs.add_parser(
+        "precision", help="accuracy and speed of lower-precision dtypes and int8 weights vs fp32"
+    )
     p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     p.add_argument(
         "--dtypes", default="bfloat16", help=f"dtypes to compare with float32 ({', '.join(DTYPES)})"
@@ -61,6 +66,11 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "--kv-cache-dtypes",
         default="",
         help="KV cache dtypes to compare, each under a float32 model (e.g. bfloat16)",
+    )
+    p.add_argument(
+        "--quantizations",
+        default="",
+        help="weight quantizations to compare, each on a float32 model (int8)",
     )
     p.add_argument("--max-tokens", type=int, default=48, help="greedy output tokens per prompt")
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
@@ -76,9 +86,16 @@ def run(args: argparse.Namespace) -> int:
         bad = [d for d in given if d not in DTYPES]
         if bad:
             raise ValueError(f"{flag}: {', '.join(bad)} not one of {', '.join(DTYPES)}")
-    # (label, model dtype, KV cache dtype); float32 first: the reference
-    settings = [(d, d, d) for d in dict.fromkeys(dtypes)]
-    settings += [(f"float32, KV {d}", "float32", d) for d in dict.fromkeys(kv_dtypes)]
+    quantizations = [q.strip() for q in args.quantizations.split(",") if q.strip()]
+    for q in quantizations:
+        check_quantization(q)
+    # (label, model dtype, KV cache dtype, quantization); float32 first: the reference
+    settings: list[tuple[str, str, str, str | None]] = [
+        (d, d, d, None) for d in dict.fromkeys(dtypes)
+    ]
+    settings += [(f"float32, KV {d}", "float32", d, None) for d in dict.fromkeys(kv_dtypes)]
+    settings += [(f"float32, {q} weights", "float32", "float32", q)
+                 for q in dict.fromkeys(quantizations)]  # fmt: skip
     if args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     check_json_path(args.json)
@@ -86,19 +103,21 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {}
     reference: list[list[int]] = []
     ref_logits: list[torch.Tensor] = []
-    for label, dtype, kv_dtype in settings:
-        outputs, prompts, gen_s = _generate(path, dtype, kv_dtype, args.max_tokens)
+    for label, dtype, kv_dtype, quantization in settings:
+        outputs, prompts, gen_s = _generate(path, dtype, kv_dtype, quantization, args.max_tokens)
         if label == "float32":
             reference = outputs
         timer = StepTimer(
-            path, torch.device("cpu"), getattr(torch, dtype), getattr(torch, kv_dtype)
-        )
+            path, torch.device("cpu"), getattr(torch, dtype), getattr(torch, kv_dtype),
+            quantization,
+        )  # fmt: skip
         sequences = [p + o for p, o in zip(prompts, reference)]
         logits = [timer.logits(seq, len(p)) for seq, p in zip(sequences, prompts)]
         if label == "float32":
             ref_logits = logits
         prefill_s = timer.prefill_step(512)
         decode_s = min(timer.decode_step(16, 128) for _ in range(2))
+        decode1_s = min(timer.decode_step(1, 128) for _ in range(3))
         timer.release()
         del timer
         gc.collect()
@@ -108,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             "generate_s": gen_s,
             "prefill_512_s": prefill_s,
             "decode_b16_ctx128_s": decode_s,
+            "decode_b1_ctx128_s": decode1_s,
         }
     base = results["float32"]
     rows = [
@@ -118,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
             f"{r['max_logit_diff']:.3f}",
             f"{r['top1_agreement']:.1%}",
             f"{r['prefill_512_s'] * 1e3:.0f} ({base['prefill_512_s'] / r['prefill_512_s']:.2f}x)",
+            f"{r['decode_b1_ctx128_s'] * 1e3:.1f} "
+            f"({base['decode_b1_ctx128_s'] / r['decode_b1_ctx128_s']:.2f}x)",
             f"{r['decode_b16_ctx128_s'] * 1e3:.1f} "
             f"({base['decode_b16_ctx128_s'] / r['decode_b16_ctx128_s']:.2f}x)",
             f"{r['generate_s']:.2f}",
@@ -128,26 +150,36 @@ def run(args: argparse.Namespace) -> int:
           f"{machine()['device_name']}, {torch.get_num_threads()} threads")  # fmt: skip
     print_table(
         ["setting", "same output", "matching prefix", "max |logit diff|", "top-1 same",
-         "prefill 512 ms", "decode b16 ms", "generate s"],
+         "prefill 512 ms", "decode b1 ms", "decode b16 ms", "generate s"],
         rows,
     )  # fmt: skip
-    ratios = {
-        f"{_key(d)}_prefill_speedup_ratio": base["prefill_512_s"] / r["prefill_512_s"]
-        for d, r in results.items()
-    } | {
-        f"{_key(d)}_decode_speedup_ratio": base["decode_b16_ctx128_s"] / r["decode_b16_ctx128_s"]
-        for d, r in results.items()
-    }
+    ratios = (
+        {
+            f"{_key(d)}_prefill_speedup_ratio": base["prefill_512_s"] / r["prefill_512_s"]
+            for d, r in results.items()
+        }
+        | {
+            f"{_key(d)}_decode_speedup_ratio": base["decode_b16_ctx128_s"]
+            / r["decode_b16_ctx128_s"]
+            for d, r in results.items()
+        }
+        | {
+            f"{_key(d)}_decode_b1_speedup_ratio": base["decode_b1_ctx128_s"]
+            / r["decode_b1_ctx128_s"]
+            for d, r in results.items()
+        }
+    )
     write_json(args.json, {"machine": machine(), "results": results, **ratios})
     return 0
 
 
 def _generate(
-    path: str, dtype: str, kv_dtype: str, max_tokens: int
+    path: str, dtype: str, kv_dtype: str, quantization: str | None, max_tokens: int
 ) -> tuple[list[list[int]], list[list[int]], float]:
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=path, dtype=dtype, kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
+    llm = LLM(model=path, dtype=dtype, kv_cache_dtype=kv_dtype, quantization=quantization,
+              enable_prefix_caching=False)  # fmt: skip
     try:
         conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

@@ -113,6 +113,7 @@ class StepTimer:
         device: torch.device,
         dtype: torch.dtype,
         kv_dtype: torch.dtype | None = None,
+        quantization: str | None = None,
     ) -> None:
         from engine.worker.model_runner import ModelRunner
 
@@ -121,7 +122,7 @@ class StepTimer:
         self.block_size = 16
         self.runner = ModelRunner(
             self.cfg, device, dtype, self.cfg.max_position_embeddings, self.block_size,
-            kv_dtype=kv_dtype,
+            kv_dtype=kv_dtype, quantization=quantization,
         )  # fmt: skip
         self.runner.load_model()
         self.num_blocks = 0

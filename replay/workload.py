@@ -136,7 +136,7 @@ def synthetic_prompt(
 
 # What a replay takes from the recording's engine configuration; the rest (the model's
 # files, the process layout, sockets) belongs to the machine that replays.
-REPLAYED_OPTIONS = ("dtype", "kv_cache_dtype", "block_size", "enable_prefix_caching",
+REPLAYED_OPTIONS = ("dtype", "kv_cache_dtype", "quantization", "block_size", "enable_prefix_caching",
                     "max_num_batched_tokens", "max_num_seqs", "scheduling_policy", "seed",
                     "warmup")  # fmt: skip
 

@@ -85,7 +85,8 @@ class EngineCore:
             model_path,
             device,
             self.info.dtype,
-            "" if kv_dtype == dtype else f", KV cache {str(kv_dtype).removeprefix('torch.')}",
+            ("" if kv_dtype == dtype else f", KV cache {str(kv_dtype).removeprefix('torch.')}")
+            + (f", {config.quantization} weights" if config.quantization else ""),
             num_blocks,
             config.block_size,
             max_model_len,

@@ -97,6 +97,7 @@ class MultiprocExecutor:
                 init_method,
                 os.getpid(),
                 config.resolve_kv_cache_dtype(dtype),
+                config.quantization,
             )
             proc = ctx.Process(
                 target=_run_worker, args=(args, child_end), name=f"lumen-tp{rank}", daemon=False

@@ -22,7 +22,7 @@ class UniProcExecutor:
     ) -> None:
         self.runner = ModelRunner(
             model_config, device, dtype, max_model_len, config.block_size, config.seed,
-            kv_dtype=config.resolve_kv_cache_dtype(dtype),
+            kv_dtype=config.resolve_kv_cache_dtype(dtype), quantization=config.quantization,
         )  # fmt: skip
         self.runner.owns_process = owns_process
         self.runner.load_model()

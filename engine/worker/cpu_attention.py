@@ -22,13 +22,8 @@ path runs (``LUMEN_CPU_ATTENTION`` forces one).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,15 +32,12 @@ from pathlib import Path
 import torch
 
 from engine import envs
+from engine.worker import native_build
 from engine.worker.cpu_matmul import best_of
 
 logger = logging.getLogger(__name__)
 
 KERNELS = ("auto", "native", "torch")
-# Compiled with -ffast-math (a vectorised exp, reassociated sums), but linked without it:
-# linking with it adds crtfastmath, which sets flush-to-zero for the whole process on load.
-CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
-LDFLAGS = ("-shared", "-fopenmp")
 
 SOURCE = r"""
 #include <math.h>
@@ -199,43 +191,11 @@ class Choice:
     why: str
 
 
-def _cpu_key() -> str:
-    """What -march=native depends on: the CPU's flags (LUMEN_HOME may be shared)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return f"{platform.machine()} {flags}"
-
-
 def build(group: int, head_dim: int) -> Path:
     """The kernel's shared library for this shape, compiled once into LUMEN_HOME/kernels."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    defines = (f"-DGROUP={group}", f"-DDIM={head_dim}")
-    key = hashlib.sha256(
-        "\n".join((SOURCE, compiler, *CFLAGS, *LDFLAGS, *defines, _cpu_key())).encode()
-    ).hexdigest()[:16]
-    folder = Path(envs.LUMEN_HOME.get()) / "kernels"
-    library = folder / f"decode_attention_g{group}_d{head_dim}_{key}.so"
-    if library.is_file():
-        return library
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        src = Path(tmp) / "decode_attention.c"
-        src.write_text(SOURCE)
-        obj, out = Path(tmp) / "decode_attention.o", Path(tmp) / library.name
-        for cmd in (
-            [compiler, *CFLAGS, *defines, "-c", str(src), "-o", str(obj)],
-            [compiler, *LDFLAGS, str(obj), "-o", str(out), "-lm"],
-        ):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(out, library)  # atomic: another process may build the same one
-    return library
+    return native_build.compile_library(
+        f"decode_attention_g{group}_d{head_dim}", SOURCE, (f"-DGROUP={group}", f"-DDIM={head_dim}")
+    )
 
 
 def choose(group: int, head_dim: int, kv_dtype: torch.dtype, torch_path: TorchPath) -> Choice:

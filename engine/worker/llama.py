@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from engine.config import ModelConfig
-from engine.worker import cpu_matmul
+from engine.config import ModelConfig, check_quantization
+from engine.worker import cpu_int8, cpu_matmul
 from engine.worker.attention import AttentionMetadata, paged_attention
 
 
@@ -61,15 +61,28 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.packed: torch.Tensor | None = None  # set: oneDNN's copy (cpu_matmul) replaces weight
+        # Set by quantize: int8 [out, in] and its per-channel scales replace weight.
+        self.qweight: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.int8 = cpu_int8.WIDEN_ONLY
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return cpu_matmul.onednn_linear(x, self.packed)
+        if self.qweight is not None:
+            return self.int8.linear(x, self.qweight, self.scale)
         return x @ self.weight
 
     def pack(self) -> None:
         """Hand the weight to oneDNN in its blocked layout; the plain copy is freed."""
+        if self.qweight is not None:
+            return
         self.packed = cpu_matmul.pack(self.weight.detach().t())
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def quantize(self) -> None:
+        """Weight-only int8 (cpu_int8.quantize); the plain copy is freed."""
+        self.qweight, self.scale = cpu_int8.quantize(self.weight.detach().t())
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
@@ -247,6 +260,9 @@ class LlamaForCausalLM(nn.Module):
         the token lookup still reads; of lm_head otherwise).
         """
         first = self.layers[0].gate_up_proj.weight
+        if first.numel() == 0:  # quantized: time a weight of its shape (the LM head's kernel)
+            q = self.layers[0].gate_up_proj.qweight
+            first = torch.randn(q.shape[1], q.shape[0], dtype=self.head_weight().dtype)
         choice = cpu_matmul.choose(first)
         if choice.kernel == "onednn":
             for module in self.modules():
@@ -254,6 +270,23 @@ class LlamaForCausalLM(nn.Module):
                     module.pack()
             self.packed_head = cpu_matmul.pack(self.head_weight())
         return choice
+
+    @torch.no_grad()
+    def quantize_weights(self, quantization: str) -> str:
+        """Every decoder layer's products in weight-only int8 (cpu_int8); the embedding and
+        the LM head stay in the model's dtype. Returns how the products run here."""
+        check_quantization(quantization)
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for module in linears:
+            module.quantize()
+        first = self.layers[0].gate_up_proj
+        plan = cpu_int8.WIDEN_ONLY
+        if first.qweight is not None and first.qweight.device.type == "cpu":
+            plan = cpu_int8.plan(first.qweight, first.scale, self.embed_tokens.weight.dtype)
+        for module in linears:
+            fits = plan.kernel is not None and plan.kernel.fits(module.qweight)
+            module.int8 = plan if fits else cpu_int8.WIDEN_ONLY
+        return plan.why
 
     @torch.no_grad()
     def load_weights(self, folder: str | Path) -> None:

@@ -147,3 +147,4 @@ class WorkerArgs:
     init_method: str
     parent_pid: int
     kv_dtype: torch.dtype | None = None  # None: the model's dtype
+    quantization: str | None = None

@@ -31,6 +31,7 @@ class ModelRunner:
         seed: int = 0,
         shard: Shard | None = None,
         kv_dtype: torch.dtype | None = None,
+        quantization: str | None = None,
     ) -> None:
         self.cfg = model_config
         self.shard = shard or Shard()
@@ -39,6 +40,7 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype  # the paged cache's and the mirror's
+        self.quantization = quantization
         self.block_size = block_size
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -57,6 +59,9 @@ class ModelRunner:
             model = LlamaForCausalLM(self.cfg, self.shard)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(self.cfg.path)
+        if self.quantization is not None:
+            why = model.quantize_weights(self.quantization)
+            logger.info("%s weights: %s", self.quantization, why)
         if self.device.type == "cpu":
             choice = model.pack_weights()
             logger.info("CPU matrix products: %s (%s)", choice.kernel, choice.why)

@@ -104,6 +104,7 @@ class Worker:
             args.seed,
             Shard(args.rank, args.world_size),
             kv_dtype=args.kv_dtype,
+            quantization=args.quantization,
         )
         self.runner.owns_process = True  # a worker process of the engine's own
         self.runner.load_model()

@@ -167,3 +167,52 @@ def test_bf16_kv_cache_holds_twice_the_tokens_and_every_decode_path_agrees(
 def test_unknown_kv_cache_dtype_is_a_clear_error(tiny_model_path: Path, value: str) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto or one of float32, bfloat16"):
         LLM(str(tiny_model_path), kv_cache_dtype=value)
+
+
+def _dequantized_copy(model_path: Path, folder: Path) -> Path:
+    """The model with each decoder layer's weights replaced by their int8 values (per output
+    channel, as --quantization int8 stores them), widened back to fp32: what the int8 engine
+    computes with, for Hugging Face to run."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.worker.cpu_int8 import quantize
+
+    folder.mkdir()
+    for f in model_path.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    for f in model_path.glob("*.safetensors"):
+        tensors = load_file(f)
+        for name, w in tensors.items():
+            if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+                q, scale = quantize(w)
+                tensors[name] = (q.float() * scale[:, None]).contiguous()
+        save_file(tensors, folder / f.name, metadata={"format": "pt"})
+    return folder
+
+
+def test_int8_weights_match_hf_on_the_same_int8_values(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """--quantization int8 computes with the int8 weights' own values: greedy tokens equal Hugging
+    Face's on a copy of the model whose layer weights are those values, and the output differs
+    from the fp32 model's (the weights did change)."""
+    prompts = _random_prompts(seed=5)
+    expected = hf_greedy(_dequantized_copy(tiny_model_path, tmp_path / "int8"), prompts,
+                         MAX_TOKENS)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    for options in ({}, {"max_num_batched_tokens": 24}):  # prefill in one step, and chunked
+        llm = LLM(str(tiny_model_path), quantization="int8", **options)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        llm.shutdown()
+        for i, (out, ref) in enumerate(zip(outs, expected)):
+            assert out.outputs[0].token_ids == ref, f"prompt {i} (len {len(prompts[i])}) differs"
+    assert expected != hf_greedy(tiny_model_path, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("value", ["awq", "fp8", "INT8"])
+def test_unknown_quantization_is_a_clear_error(tiny_model_path: Path, value: str) -> None:
+    with pytest.raises(ValueError, match="quantization must be one of int8 or unset"):
+        LLM(str(tiny_model_path), quantization=value)

@@ -1,0 +1,72 @@
+"""Weight-only int8 (engine.worker.cpu_int8): the quantization, the native kernel against the
+widened product, and the plan chosen at load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.worker import cpu_int8
+
+
+def test_quantize_is_per_output_channel_and_within_half_a_step() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(12, 40) * torch.logspace(-3, 1, 12)[:, None]  # channels of very unlike size
+    w[5] = 0.0  # an all-zero channel must not divide by zero
+    q, scale = cpu_int8.quantize(w)
+    assert q.dtype == torch.int8 and q.shape == w.shape and scale.shape == (12,)
+    assert q.abs().max() <= 127
+    back = q.float() * scale[:, None]
+    assert torch.all((back - w).abs() <= scale[:, None] / 2 + 1e-7)
+    assert torch.all(back[5] == 0)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_int8.NativeInt8:
+    vector = cpu_int8._vector_floats()
+    try:
+        library = cpu_int8.native_build.compile_library(
+            f"int8_linear_v{vector}", cpu_int8.SOURCE, (f"-DVL={vector}",)
+        )
+    except RuntimeError as e:
+        pytest.skip(f"the native int8 kernel did not build here: {e}")
+    return cpu_int8.NativeInt8(str(library), vector)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
+@pytest.mark.parametrize(("n", "k"), [(4, 16), (36, 64), (256, 96)])
+def test_native_kernel_equals_the_widened_product(
+    kernel: cpu_int8.NativeInt8, rows: int, n: int, k: int
+) -> None:
+    if k % kernel.vector:
+        pytest.skip(f"k={k} is not a multiple of this CPU's {kernel.vector} lanes")
+    torch.manual_seed(rows * n + k)
+    q, scale = cpu_int8.quantize(torch.randn(n, k))
+    x = torch.randn(rows, k)
+    got = kernel(x, q, scale)
+    want = x.double() @ (q.double() * scale.double()[:, None]).t()
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu_int8.widened_linear(x, q, scale).double(), want,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+def test_the_plan_times_the_kernel_and_falls_back_where_it_cannot_run(
+    kernel: cpu_int8.NativeInt8,
+) -> None:
+    q, scale = cpu_int8.quantize(torch.randn(64, 64))
+    plan = cpu_int8.plan(q, scale, torch.float32)
+    print(plan.why)
+    assert "ms native/widened at rows 1:" in plan.why
+    assert (plan.kernel is None) == (plan.max_rows == 0)
+    # bf16 activations: every product widens, and still computes the product.
+    bf16 = cpu_int8.plan(q, scale, torch.bfloat16)
+    assert bf16.kernel is None and "fp32 activations" in bf16.why
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    torch.testing.assert_close(
+        bf16.linear(x, q, scale).float(), x.float() @ (q.float() * scale[:, None]).t(),
+        rtol=2e-2, atol=5e-2,
+    )  # fmt: skip
+    odd_q, odd_scale = cpu_int8.quantize(torch.randn(6, 64))  # 6 outputs: not in tiles of 4
+    assert not kernel.fits(odd_q)
+    assert cpu_int8.plan(odd_q, odd_scale, torch.float32).kernel is None

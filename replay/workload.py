@@ -136,9 +136,9 @@ def synthetic_prompt(
 
 # What a replay takes from the recording's engine configuration; the rest (the model's
 # files, the process layout, sockets) belongs to the machine that replays.
-REPLAYED_OPTIONS = ("dtype", "kv_cache_dtype", "quantization", "block_size", "enable_prefix_caching",
-                    "max_num_batched_tokens", "max_num_seqs", "scheduling_policy", "seed",
-                    "warmup")  # fmt: skip
+REPLAYED_OPTIONS = ("dtype", "kv_cache_dtype", "quantization", "block_size",
+                    "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
+                    "scheduling_policy", "seed", "warmup")  # fmt: skip
 
 
 def is_server_recording(db: str, run_id: str | None = None) -> bool:

@@ -192,6 +192,11 @@ def replay_config(
         source = "flag" if name in given else "recorded" if name in recorded else "default"
         value = Path(value).name if name == "model" and value else value
         cells.append(f"{name} {'auto' if value is None else value} ({source})")
+    for name in ("dtype", "kv_cache_dtype", "quantization"):  # shown where not the default
+        value = getattr(config, name)
+        if value not in (None, "auto"):
+            source = "flag" if name in given else "recorded" if name in recorded else "replay"
+            cells.append(f"{name} {value} ({source})")
     # An import records the block size of its hashes, and no engine.
     where = "recorded" if "max_num_seqs" in recorded else "no engine recorded (an imported trace)"
     return config, f"engine configuration, {where}: " + ", ".join(cells)

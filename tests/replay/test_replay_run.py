@@ -58,7 +58,7 @@ def _requests(db: Path, run_id: str | None = None) -> list[tuple]:
 
 
 ARGS = ["--trace-flush-interval", "0.2", "--num-kv-blocks", "512", "--max-num-seqs", "3",
-        "--max-num-batched-tokens", "384"]  # fmt: skip
+        "--max-num-batched-tokens", "384", "--quantization", "int8"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +84,14 @@ def test_record_replay_report(
     printed = capsys.readouterr().out
     print(printed)
     used = (f"model {tiny_model_path.name} (recorded)", "max_num_seqs 3 (recorded)",
-            "max_num_batched_tokens 384 (recorded)", "num_kv_blocks 512 (recorded)")  # fmt: skip
+            "max_num_batched_tokens 384 (recorded)", "num_kv_blocks 512 (recorded)",
+            "quantization int8 (recorded)")  # fmt: skip
     assert all(u in printed for u in used)
     with open_db(out) as con:
         [(config, blocks)] = con.execute("SELECT engine_config, num_kv_blocks FROM runs").fetchall()
     config = json.loads(config)
     assert (config["max_num_seqs"], config["max_num_batched_tokens"], config["seed"]) == (3, 384, 7)
+    assert config["quantization"] == "int8"
     assert blocks == 512
     # The virtual run too; a flag overrides the recording, and says so.
     assert main(["run", str(recording), "--virtual", "--max-num-seqs", "2"]) == 0

@@ -14,7 +14,6 @@ widens the weight first: correct, but slower than the unquantized model.
 from __future__ import annotations
 
 import ctypes
-import logging
 import subprocess
 from dataclasses import dataclass
 
@@ -22,8 +21,6 @@ import torch
 
 from engine.worker import native_build
 from engine.worker.cpu_matmul import best_of
-
-logger = logging.getLogger(__name__)
 
 # Row counts the native kernel is timed at, against widening, at load; faster at the last,
 # it takes every row count.

@@ -29,6 +29,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine.gc_pauses import settle_heap
 from engine.worker.llama import Shard
 from engine.worker.messages import (
     Done,
@@ -67,6 +68,7 @@ def run_worker(args: WorkerArgs, conn: Connection) -> None:
     encoder = msgspec.msgpack.Encoder()
     try:
         worker = Worker(args)
+        settle_heap()  # torch and the model's shard are loaded: what lives now lives for good
     except BaseException as e:
         conn.send_bytes(encoder.encode(_failed(e)))
         return

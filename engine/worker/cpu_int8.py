@@ -151,7 +151,7 @@ WIDEN_ONLY = Plan(None, 0, "every product widens the weight")
 
 def _vector_floats() -> int:
     """fp32 lanes of the widest vector this CPU has (what -march=native compiles for)."""
-    flags = native_build._cpu_key()
+    flags = native_build.cpu_key()
     return 16 if " avx512f" in flags else 8
 
 

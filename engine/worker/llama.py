@@ -281,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
             module.quantize()
         first = self.layers[0].gate_up_proj
         plan = cpu_int8.WIDEN_ONLY
-        if first.qweight is not None and first.qweight.device.type == "cpu":
+        if first.qweight.device.type == "cpu":
             plan = cpu_int8.plan(first.qweight, first.scale, self.embed_tokens.weight.dtype)
         for module in linears:
             fits = plan.kernel is not None and plan.kernel.fits(module.qweight)

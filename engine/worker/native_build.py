@@ -22,7 +22,7 @@ CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 LDFLAGS = ("-shared", "-fopenmp")
 
 
-def _cpu_key() -> str:
+def cpu_key() -> str:
     """What -march=native depends on: the CPU's flags (LUMEN_HOME may be shared)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -39,7 +39,7 @@ def compile_library(stem: str, source: str, defines: tuple[str, ...] = ()) -> Pa
     if not compiler:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     key = hashlib.sha256(
-        "\n".join((source, compiler, *CFLAGS, *LDFLAGS, *defines, _cpu_key())).encode()
+        "\n".join((source, compiler, *CFLAGS, *LDFLAGS, *defines, cpu_key())).encode()
     ).hexdigest()[:16]
     folder = Path(envs.LUMEN_HOME.get()) / "kernels"
     library = folder / f"{stem}_{key}.so"

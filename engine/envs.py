@@ -49,6 +49,14 @@ LUMEN_CPU_ATTENTION = EnvVar(
     "where it builds and times faster at start), native (fail if it does not build) or torch",
 )
 
+LUMEN_CPU_GREEDY_HEAD = EnvVar(
+    "LUMEN_CPU_GREEDY_HEAD",
+    "auto",
+    "CPU kernel of greedy decoding's LM head and argmax: auto (the native kernel, compiled "
+    "once into LUMEN_HOME, for the batch sizes where it times faster at start), native "
+    "(every batch size; fail if it does not build) or torch (logits, then their argmax)",
+)
+
 LUMEN_CPU_THREADS = EnvVar(
     "LUMEN_CPU_THREADS",
     "auto",
@@ -64,7 +72,7 @@ LUMEN_GC = EnvVar(
 
 ALL = (
     LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_CPU_MATMUL,
-    LUMEN_CPU_ATTENTION, LUMEN_CPU_THREADS, LUMEN_GC,
+    LUMEN_CPU_ATTENTION, LUMEN_CPU_GREEDY_HEAD, LUMEN_CPU_THREADS, LUMEN_GC,
 )  # fmt: skip
 
 

@@ -149,17 +149,11 @@ class Plan:
 WIDEN_ONLY = Plan(None, 0, "every product widens the weight")
 
 
-def _vector_floats() -> int:
-    """fp32 lanes of the widest vector this CPU has (what -march=native compiles for)."""
-    flags = native_build.cpu_key()
-    return 16 if " avx512f" in flags else 8
-
-
 def plan(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Plan:
     """Build the native kernel and time it against widening on ``q`` (the model's weight)."""
     if dtype != torch.float32:
         return Plan(None, 0, f"the native kernel takes fp32 activations, not {dtype}")
-    vector = _vector_floats()
+    vector = native_build.vector_floats()
     try:
         library = native_build.compile_library(
             f"int8_linear_v{vector}", SOURCE, (f"-DVL={vector}",)

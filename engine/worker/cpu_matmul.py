@@ -24,6 +24,8 @@ from engine import envs
 # size from 1 to 2048 alike, a hint of 1 runs batches of 3-64 rows up to 1.6x slower.
 PACK_ROWS = 16
 TIMED_ROWS = (16, 512)  # a decode batch and a prefill chunk
+# The LM head only ever multiplies the rows that sample: decode batches.
+HEAD_ROWS = (16, 64)
 KERNELS = ("auto", "onednn", "aten")
 
 
@@ -46,8 +48,9 @@ class Choice:
     why: str  # the measurement (or the setting) behind it
 
 
-def choose(weight_in_out: torch.Tensor) -> Choice:
-    """The faster kernel for products with ``weight_in_out`` ([in, out], as Linear holds it)."""
+def choose(weight_in_out: torch.Tensor, rows: tuple[int, ...] = TIMED_ROWS) -> Choice:
+    """The faster kernel for products with ``weight_in_out`` ([in, out], as Linear holds it),
+    timed at each of ``rows``."""
     forced = envs.LUMEN_CPU_MATMUL.get() or "auto"
     if forced not in KERNELS:
         raise ValueError(f"LUMEN_CPU_MATMUL must be one of {', '.join(KERNELS)}, not {forced!r}")
@@ -57,15 +60,15 @@ def choose(weight_in_out: torch.Tensor) -> Choice:
         return Choice(forced, "set by LUMEN_CPU_MATMUL")
     packed = pack(weight_in_out.t())
     aten_s = onednn_s = 0.0
-    for rows in TIMED_ROWS:
-        x = torch.randn(rows, weight_in_out.shape[0], dtype=weight_in_out.dtype)
+    for n in rows:
+        x = torch.randn(n, weight_in_out.shape[0], dtype=weight_in_out.dtype)
         aten_s += best_of(lambda: x @ weight_in_out)  # noqa: B023
         onednn_s += best_of(lambda: onednn_linear(x, packed))  # noqa: B023
     kernel = "onednn" if onednn_s < aten_s else "aten"
     shape = "x".join(map(str, weight_in_out.shape))
     return Choice(
         kernel,
-        f"weight {shape} at {'+'.join(map(str, TIMED_ROWS))} rows: "
+        f"weight {shape} at {'+'.join(map(str, rows))} rows: "
         f"oneDNN {onednn_s * 1e3:.2f} ms, aten {aten_s * 1e3:.2f} ms",
     )
 

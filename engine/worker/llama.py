@@ -15,8 +15,9 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig, check_quantization
-from engine.worker import cpu_int8, cpu_matmul
+from engine.worker import cpu_greedy_head, cpu_int8, cpu_matmul
 from engine.worker.attention import AttentionMetadata, paged_attention
+from engine.worker.sampler import argmax
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.packed_head: torch.Tensor | None = None  # set by pack_weights
+        self.greedy = cpu_greedy_head.TORCH_ONLY  # set by pack_weights
 
     def forward(
         self,
@@ -238,16 +240,29 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        head: bool = True,
     ) -> torch.Tensor:
-        """Flat batch of tokens in; logits of the rows in ``logits_indices`` out."""
+        """Flat batch of tokens in; logits of the rows in ``logits_indices`` out (with
+        ``head=False``, their final hidden states, for ``logits`` or ``greedy_tokens``)."""
         h = self.embed_tokens(input_ids)
         tables = rotary.lookup(positions, h.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, tables, kv_cache, meta)
         h = self.norm(h[logits_indices])
+        return self.logits(h) if head else h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.packed_head is not None:
             return cpu_matmul.onednn_linear(h, self.packed_head).float()
         return F.linear(h, self.head_weight()).float()
+
+    def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor:
+        """Each row's most likely next token: the native head where it was timed faster
+        for this many rows (cpu_greedy_head), else the logits' argmax."""
+        if self.greedy.takes(h.shape[0]) and h.dtype == torch.float32:
+            assert self.greedy.kernel is not None
+            return self.greedy.kernel(h)
+        return argmax(self.logits(h))
 
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -256,20 +271,25 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> cpu_matmul.Choice:
         """On CPU, move every matrix product to the faster kernel, measured here (cpu_matmul).
 
-        The LM head gets a packed copy (of the embedding table when tied, which
-        the token lookup still reads; of lm_head otherwise).
+        The layers' kernel is timed on their first weight, the LM head's on its own (its
+        shape is far from theirs: for a small model the layers' choice was the wrong one
+        for it, 2.9 ms against 2.2 at 64 rows). Packed, the LM head is a copy (of the
+        embedding table when tied, which the token lookup still reads; of lm_head otherwise).
         """
         first = self.layers[0].gate_up_proj.weight
-        if first.numel() == 0:  # quantized: time a weight of its shape (the LM head's kernel)
-            q = self.layers[0].gate_up_proj.qweight
-            first = torch.randn(q.shape[1], q.shape[0], dtype=self.head_weight().dtype)
-        choice = cpu_matmul.choose(first)
+        if first.numel() == 0:  # quantized: the layers' products are int8 (cpu_int8)
+            choice = cpu_matmul.Choice("int8", "see the int8 line")
+        else:
+            choice = cpu_matmul.choose(first)
         if choice.kernel == "onednn":
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.pack()
+        head = cpu_matmul.choose(self.head_weight().t(), rows=cpu_matmul.HEAD_ROWS)
+        if head.kernel == "onednn":
             self.packed_head = cpu_matmul.pack(self.head_weight())
-        return choice
+        self.greedy = cpu_greedy_head.plan(self.head_weight(), lambda h: argmax(self.logits(h)))
+        return cpu_matmul.Choice(choice.kernel, f"{choice.why}; LM head {head.kernel}: {head.why}")
 
     @torch.no_grad()
     def quantize_weights(self, quantization: str) -> str:

@@ -8,12 +8,13 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.messages import Logprobs
 from engine.worker import cpu_attention, cpu_threads
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask
 from engine.worker.decode_cache import DecodeCache, torch_attention
 from engine.worker.llama import LlamaForCausalLM, Rotary, Shard
 from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
-from engine.worker.sampler import Sampler, SamplingRow
+from engine.worker.sampler import Sampler, SamplingRow, plain_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             choice = model.pack_weights()
             logger.info("CPU matrix products: %s (%s)", choice.kernel, choice.why)
+            logger.info("greedy LM head: %s", model.greedy.why)
         self.model = model.eval()
 
     def block_bytes(self) -> int:
@@ -119,7 +121,8 @@ class ModelRunner:
         meta = AttentionMetadata(torch.arange(rows, device=self.device), 0, None, None, [chunk])
         ids = torch.arange(1, rows + 1, device=self.device)
         positions = torch.arange(rows, device=self.device)
-        self.model(ids, positions, self.rotary, self.kv_caches, meta, positions)
+        hidden = self.model(ids, positions, self.rotary, self.kv_caches, meta, positions, False)
+        self.model.greedy_tokens(hidden)
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []
@@ -138,21 +141,27 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         inputs = self._prepare_inputs(sched)
         assert self.model is not None
-        logits = self.model(
+        hidden = self.model(
             inputs.input_ids,
             inputs.positions,
             self.rotary,
             self.kv_caches,
             inputs.meta,
             inputs.logits_indices,
+            head=False,
         )
-        if not self.is_driver:
+        if not self.is_driver:  # the head is replicated: only the driver samples
             return ModelRunnerOutput([], [])
         rows = [self.rows[r] for r in inputs.sample_req_ids]
-        grammar = None
-        if sched.grammar_req_ids:
-            grammar = (inputs.sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask)
-        sampled, logprobs = self.sampler(logits, rows, grammar)
+        if rows and not sched.grammar_req_ids and plain_greedy(rows):
+            # Only each row's best token is needed: no logits (cpu_greedy_head).
+            sampled = self.model.greedy_tokens(hidden).tolist()
+            logprobs: list[Logprobs | None] = [None] * len(rows)
+        else:
+            grammar = None
+            if sched.grammar_req_ids:
+                grammar = (inputs.sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask)
+            sampled, logprobs = self.sampler(self.model.logits(hidden), rows, grammar)
         for row, token in zip(rows, sampled):
             row.output_token_ids.append(token)
         return ModelRunnerOutput(

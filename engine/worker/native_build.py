@@ -32,6 +32,11 @@ def cpu_key() -> str:
     return f"{platform.machine()} {flags}"
 
 
+def vector_floats() -> int:
+    """fp32 lanes of the widest vector this CPU has (what -march=native compiles for)."""
+    return 16 if " avx512f" in cpu_key() else 8
+
+
 def compile_library(stem: str, source: str, defines: tuple[str, ...] = ()) -> Path:
     """The shared library of ``source`` (C) with ``defines``, compiled once into
     LUMEN_HOME/kernels; raises RuntimeError where there is no compiler or it fails."""

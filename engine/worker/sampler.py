@@ -44,6 +44,18 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return start + x.gather(1, index).argmax(dim=-1)
 
 
+def plain_greedy(rows: list[SamplingRow]) -> bool:
+    """Every row takes its argmax token as the model gave it: no penalty, no token held
+    back by min_tokens, no logprobs."""
+    for row in rows:
+        p = row.params
+        if not p.greedy or p.has_penalties or p.logprobs is not None:
+            return False
+        if p.min_tokens and len(row.output_token_ids) < p.min_tokens:
+            return False
+    return True
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device

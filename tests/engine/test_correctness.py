@@ -130,6 +130,30 @@ def test_unknown_cpu_attention_kernel_is_a_clear_error(
         LLM(str(tiny_model_path))
 
 
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+@pytest.mark.parametrize("setting", ["default", "chunked_prefill"])
+def test_tiny_llama_matches_hf_with_each_greedy_head(
+    kernel: str,
+    setting: str,
+    tiny_model_path: Path,
+    tiny_references: dict[int, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Greedy tokens by the logits' argmax or by the fused native head match HF's."""
+    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", kernel)
+    _check_setting(tiny_model_path, setting, tiny_references)
+
+
+@pytest.mark.real_model
+def test_smollm2_matches_hf_with_the_native_greedy_head(
+    default_model_path: Path,
+    smol_references: dict[int, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "native")
+    _check_setting(default_model_path, "default", smol_references)
+
+
 def test_bf16_kv_cache_holds_twice_the_tokens_and_every_decode_path_agrees(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.worker import cpu_int8
+from engine.worker import cpu_int8, native_build
 
 
 def test_quantize_is_per_output_channel_and_within_half_a_step() -> None:
@@ -23,7 +23,7 @@ def test_quantize_is_per_output_channel_and_within_half_a_step() -> None:
 
 @pytest.fixture(scope="module")
 def kernel() -> cpu_int8.NativeInt8:
-    vector = cpu_int8._vector_floats()
+    vector = native_build.vector_floats()
     try:
         library = cpu_int8.native_build.compile_library(
             f"int8_linear_v{vector}", cpu_int8.SOURCE, (f"-DVL={vector}",)

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from engine import envs
-from engine.worker import native_build
+from engine.worker import cpu_matmul, native_build
 from engine.worker.cpu_matmul import best_of
 
-KERNELS = ("auto", "native", "torch")
+KERNELS = ("auto", "native", "screened", "torch")
 TIMED_ROWS = (1, 16, 64, 256)
 ROWS_PER_TILE = 6
 
@@ -37,6 +37,7 @@ SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 #include <float.h>
+#include <math.h>
 #include <omp.h>
 #include <stdlib.h>
 
@@ -150,6 +151,60 @@ void greedy_head(const float *x, const float *packed, int64_t *out, int64_t m, i
         out[i] = at < v ? at : 0;
     }
 }
+
+#define SCREEN_BLOCK 64
+
+static inline float bf16_to_f32(uint16_t b) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)b << 16;
+    return c.f;
+}
+
+/* The argmax of x[i] . w[j] from bf16 logits lb[i] that are within err[i] of the exact ones
+ * (bf16 inputs, fp32 accumulation) before their own rounding to bf16: each token that could
+ * still be the best (lb[j] >= max - 2e, e also covering the output's rounding) is recomputed
+ * in fp32, in order, the first kept on ties. */
+void screened_argmax(const uint16_t *lb, const float *x, const float *w, const float *err,
+                     int64_t *out, int64_t m, int64_t k, int64_t v, int threads) {
+    int64_t blocks = (v + SCREEN_BLOCK - 1) / SCREEN_BLOCK;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < m; i++) {
+        const uint16_t *row = lb + i * v;
+        float bmax[blocks];  /* each block's max: the second pass skips the blocks below t */
+        float mx = -FLT_MAX;
+        for (int64_t b = 0; b < blocks; b++) {
+            int64_t j0 = b * SCREEN_BLOCK, j1 = j0 + SCREEN_BLOCK < v ? j0 + SCREEN_BLOCK : v;
+            float bm = -FLT_MAX;
+            for (int64_t j = j0; j < j1; j++) {
+                float f = bf16_to_f32(row[j]);
+                bm = f > bm ? f : bm;
+            }
+            bmax[b] = bm;
+            mx = bm > mx ? bm : mx;
+        }
+        float e = 1.01f * err[i] + (fabsf(mx) + 2.f * err[i]) * (1.f / 64.f);
+        float t = mx - 2.f * e;
+        const float *xi = x + i * k;
+        float best = -FLT_MAX;
+        int64_t at = 0;
+        for (int64_t j = 0; j < v; j++) {
+            if (j % SCREEN_BLOCK == 0 && bmax[j / SCREEN_BLOCK] < t) {
+                j += SCREEN_BLOCK - 1;
+                continue;
+            }
+            if (bf16_to_f32(row[j]) < t) continue;
+            const float *wj = w + j * k;
+            vf acc = {0};
+            int64_t t0 = 0;
+            for (; t0 + VL <= k; t0 += VL) acc += load_f(xi + t0) * load_f(wj + t0);
+            float dot = 0.f;
+            for (int c = 0; c < VL; c++) dot += acc[c];
+            for (; t0 < k; t0++) dot += xi[t0] * wj[t0];
+            if (dot > best) { best = dot; at = j; }
+        }
+        out[i] = at;
+    }
+}
 """
 
 
@@ -178,58 +233,107 @@ class NativeGreedyHead:
         return out
 
 
+class ScreenedHead:
+    """bf16 logits (oneDNN, where the CPU multiplies bf16 fast), then ``screened_argmax``:
+    the same token as fp32's argmax, for the cost of a bf16 product and a pass over it.
+
+    The bound on a bf16 logit's error before its own rounding: each input rounds by at
+    most 2^-8 of itself, so a product by 2^-7 + 2^-16 of |x_t w_t|, and fp32 accumulation
+    adds k 2^-24 more of the same sum; that sum is at most |x| |w_j| (Cauchy-Schwarz), and
+    |w_j| at most the head's largest row norm. Taken with a margin."""
+
+    def __init__(self, library: str, weight: torch.Tensor) -> None:
+        fn = ctypes.CDLL(library).screened_argmax
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.restype = None
+        self._fn = fn
+        self.weight = weight.detach().contiguous()
+        self.vocab, self.hidden = self.weight.shape
+        self.packed = cpu_matmul.pack(self.weight.bfloat16())
+        rel = 2.0**-7 + 2.0**-15 + self.hidden * 2.0**-23
+        self.scale = float(self.weight.norm(dim=1).max()) * rel * 1.05
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        h = h.contiguous()
+        logits = cpu_matmul.onednn_linear(h.bfloat16(), self.packed).contiguous()
+        err = (h.norm(dim=1) * self.scale).contiguous()
+        out = torch.empty(h.shape[0], dtype=torch.int64)
+        self._fn(logits.data_ptr(), h.data_ptr(), self.weight.data_ptr(), err.data_ptr(),
+                 out.data_ptr(), h.shape[0], self.hidden, self.vocab,
+                 torch.get_num_threads())  # fmt: skip
+        return out
+
+
+Path = Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass(frozen=True)
 class Plan:
-    """The native kernel up to ``max_rows`` rows; torch's head and argmax above."""
+    """Which path takes a batch of each size: ``paths`` holds (up to this many rows, path)
+    in ascending order, the last for any larger batch; a path of None is torch's head and
+    argmax."""
 
-    kernel: NativeGreedyHead | None
-    max_rows: int
+    paths: tuple[tuple[int, Path | None], ...]
     why: str
 
-    def takes(self, rows: int) -> bool:
-        return self.kernel is not None and rows <= self.max_rows
+    def path(self, rows: int) -> Path | None:
+        for limit, path in self.paths:
+            if rows <= limit:
+                return path
+        return None
 
 
-TORCH_ONLY = Plan(None, 0, "torch's head and argmax")
+TORCH_ONLY = Plan((), "torch's head and argmax")
+EVERY = 1 << 62
 
 
-def plan(weight: torch.Tensor, torch_path: Callable[[torch.Tensor], torch.Tensor]) -> Plan:
-    """Build the kernel on ``weight`` ([vocab, hidden], the LM head) and time it against
-    ``torch_path`` (hidden rows -> token ids) at TIMED_ROWS."""
+def build() -> tuple[str, int, int]:
+    """The kernels' library for this CPU: (its path, fp32 lanes per vector, vectors per
+    vocabulary block)."""
+    vector = native_build.vector_floats()
+    per_block = 4 if vector == 16 else 2  # accumulators: rows x per_block vectors in registers
+    defines = (f"-DVL={vector}", f"-DNV={per_block}", f"-DR={ROWS_PER_TILE}")
+    library = native_build.compile_library(f"greedy_head_v{vector}", SOURCE, defines)
+    return str(library), vector, per_block
+
+
+def plan(weight: torch.Tensor, torch_path: Path) -> Plan:
+    """Build the kernels on ``weight`` ([vocab, hidden], the LM head) and time each path
+    against ``torch_path`` (hidden rows -> token ids) at TIMED_ROWS: a batch takes the
+    fastest at the smallest timed row count at or above its own."""
     forced = envs.LUMEN_CPU_GREEDY_HEAD.get() or "auto"
     if forced not in KERNELS:
         raise ValueError(
             f"LUMEN_CPU_GREEDY_HEAD must be one of {', '.join(KERNELS)}, not {forced!r}"
         )
     if forced == "torch":
-        return Plan(None, 0, "torch's head and argmax, set by LUMEN_CPU_GREEDY_HEAD")
+        return Plan((), "torch's head and argmax, set by LUMEN_CPU_GREEDY_HEAD")
     if weight.device.type != "cpu" or weight.dtype != torch.float32:
-        return Plan(None, 0, f"the native kernel takes an fp32 CPU head, not {weight.dtype}")
-    vector = native_build.vector_floats()
-    per_block = 4 if vector == 16 else 2  # accumulators: rows x per_block vectors in registers
-    defines = (f"-DVL={vector}", f"-DNV={per_block}", f"-DR={ROWS_PER_TILE}")
+        return Plan((), f"the native kernels take an fp32 CPU head, not {weight.dtype}")
     try:
-        library = native_build.compile_library(f"greedy_head_v{vector}", SOURCE, defines)
-        kernel = NativeGreedyHead(str(library), weight, vector, per_block)
+        library, vector, per_block = build()
+        paths: dict[str, Path] = {"native": NativeGreedyHead(library, weight, vector, per_block)}
+        if cpu_matmul.onednn_available(torch.bfloat16):
+            paths["screened"] = ScreenedHead(library, weight)
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        if forced == "native":
+        if forced != "auto":
             raise RuntimeError(
-                f"LUMEN_CPU_GREEDY_HEAD=native, but the kernel did not build: {e}"
+                f"LUMEN_CPU_GREEDY_HEAD={forced}, but the kernel did not build: {e}"
             ) from e
-        return Plan(None, 0, f"the native kernel did not build: {e}")
-    if forced == "native":
-        return Plan(kernel, 1 << 62, "native for every row count, set by LUMEN_CPU_GREEDY_HEAD")
-    max_rows, timings = 0, []
+        return Plan((), f"the native kernel did not build: {e}")
+    if forced != "auto":
+        if forced not in paths:
+            raise RuntimeError(f"LUMEN_CPU_GREEDY_HEAD={forced}, but oneDNN has no bf16 here")
+        return Plan(((EVERY, paths[forced]),), f"{forced}, set by LUMEN_CPU_GREEDY_HEAD")
+    chosen: list[tuple[int, Path | None]] = []
+    timings = []
     for rows in TIMED_ROWS:
         h = torch.randn(rows, weight.shape[1])
-        native_s = best_of(lambda: kernel(h))  # noqa: B023
-        torch_s = best_of(lambda: torch_path(h))  # noqa: B023
-        timings.append(f"{rows}: {native_s * 1e3:.2f}/{torch_s * 1e3:.2f}")
-        if native_s >= torch_s:
-            break
-        max_rows = rows
-    if max_rows == TIMED_ROWS[-1]:
-        max_rows = 1 << 62
-    limit = "every row count" if max_rows > TIMED_ROWS[-1] else f"up to {max_rows} rows"
-    why = f"native for {limit} (ms native/torch at rows {', '.join(timings)})"
-    return Plan(kernel if max_rows else None, max_rows, why)
+        times = {name: best_of(lambda: path(h)) for name, path in paths.items()}  # noqa: B023
+        times["torch"] = best_of(lambda: torch_path(h))  # noqa: B023
+        name = min(times, key=times.__getitem__)
+        limit = EVERY if rows == TIMED_ROWS[-1] else rows
+        chosen.append((limit, paths.get(name)))
+        each = ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items())
+        timings.append(f"{rows} rows: {name} ({each} ms)")
+    return Plan(tuple(chosen), "; ".join(timings))

@@ -259,9 +259,9 @@ class LlamaForCausalLM(nn.Module):
     def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor:
         """Each row's most likely next token: the native head where it was timed faster
         for this many rows (cpu_greedy_head), else the logits' argmax."""
-        if self.greedy.takes(h.shape[0]) and h.dtype == torch.float32:
-            assert self.greedy.kernel is not None
-            return self.greedy.kernel(h)
+        path = self.greedy.path(h.shape[0])
+        if path is not None and h.dtype == torch.float32:
+            return path(h)
         return argmax(self.logits(h))
 
     def head_weight(self) -> torch.Tensor:

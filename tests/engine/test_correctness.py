@@ -130,7 +130,7 @@ def test_unknown_cpu_attention_kernel_is_a_clear_error(
         LLM(str(tiny_model_path))
 
 
-@pytest.mark.parametrize("kernel", ["torch", "native"])
+@pytest.mark.parametrize("kernel", ["torch", "native", "screened"])
 @pytest.mark.parametrize("setting", ["default", "chunked_prefill"])
 def test_tiny_llama_matches_hf_with_each_greedy_head(
     kernel: str,
@@ -139,18 +139,25 @@ def test_tiny_llama_matches_hf_with_each_greedy_head(
     tiny_references: dict[int, list[list[int]]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Greedy tokens by the logits' argmax or by the fused native head match HF's."""
+    """Greedy tokens by the logits' argmax, the fused native head or the bf16-screened one
+    match HF's."""
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", kernel)
     _check_setting(tiny_model_path, setting, tiny_references)
 
 
 @pytest.mark.real_model
-def test_smollm2_matches_hf_with_the_native_greedy_head(
+@pytest.mark.parametrize("kernel", ["native", "screened"])
+def test_smollm2_matches_hf_with_each_greedy_head(
+    kernel: str,
     default_model_path: Path,
     smol_references: dict[int, list[list[int]]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "native")
+    from engine.worker import cpu_matmul
+
+    if kernel == "screened" and not cpu_matmul.onednn_available(torch.bfloat16):
+        pytest.skip("this torch's oneDNN has no bf16")
+    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", kernel)
     _check_setting(default_model_path, "default", smol_references)
 
 

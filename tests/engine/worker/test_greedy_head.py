@@ -1,25 +1,25 @@
-"""Greedy decoding's fused LM head and argmax (engine.worker.cpu_greedy_head): the kernel
-against torch's logits and argmax, ties, padding, threads, and the plan chosen at load."""
+"""Greedy decoding's LM head and argmax (engine.worker.cpu_greedy_head): the fused fp32
+kernel and the bf16-screened one against the exact argmax, ties, padding, threads, and the
+plan chosen at load."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.worker import cpu_greedy_head, native_build
+from engine.worker import cpu_greedy_head, cpu_matmul
+
+
+def _library() -> tuple[str, int, int]:
+    try:
+        return cpu_greedy_head.build()
+    except RuntimeError as e:
+        pytest.skip(f"the native greedy head did not build here: {e}")
 
 
 def _kernel(weight: torch.Tensor) -> cpu_greedy_head.NativeGreedyHead:
-    vector = native_build.vector_floats()
-    per_block = 4 if vector == 16 else 2
-    defines = (f"-DVL={vector}", f"-DNV={per_block}", f"-DR={cpu_greedy_head.ROWS_PER_TILE}")
-    try:
-        library = native_build.compile_library(
-            f"greedy_head_v{vector}", cpu_greedy_head.SOURCE, defines
-        )
-    except RuntimeError as e:
-        pytest.skip(f"the native greedy head did not build here: {e}")
-    return cpu_greedy_head.NativeGreedyHead(str(library), weight, vector, per_block)
+    library, vector, per_block = _library()
+    return cpu_greedy_head.NativeGreedyHead(library, weight, vector, per_block)
 
 
 @pytest.mark.parametrize("vocab", [1, 63, 130, 1000, 4099])
@@ -62,18 +62,59 @@ def test_threads_split_the_vocabulary_and_agree(monkeypatch: pytest.MonkeyPatch)
     assert one[3] == 10
 
 
+def _screened(weight: torch.Tensor) -> cpu_greedy_head.ScreenedHead:
+    if not cpu_matmul.onednn_available(torch.bfloat16):
+        pytest.skip("this torch's oneDNN has no bf16")
+    return cpu_greedy_head.ScreenedHead(_library()[0], weight)
+
+
+@pytest.mark.parametrize(("vocab", "hidden"), [(1, 16), (130, 48), (5000, 64), (3000, 576)])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_screened_head_equals_the_exact_argmax(vocab: int, hidden: int, rows: int) -> None:
+    """bf16 logits only screen the candidates: the answer is fp32's, not bf16's."""
+    torch.manual_seed(vocab + hidden + rows)
+    weight = torch.randn(vocab, hidden) * 0.1
+    h = torch.randn(rows, hidden) * 3
+    want = (h.double() @ weight.double().t()).argmax(-1)
+    assert _screened(weight)(h).tolist() == want.tolist()
+
+
+def test_screened_head_separates_what_bf16_cannot() -> None:
+    """Logits 3e-6 of themselves apart (bf16 resolves 4e-3): fp32's winner, the first of
+    exact ties, with positive and with negative logits."""
+    torch.manual_seed(3)
+    weight = torch.randn(4000, 64)
+    weight[2500] = weight[7] * (1 + 3e-6)
+    weight[3000] = weight[7] * (1 - 3e-6)
+    weight[3500] = weight[2500]  # an exact tie with 2500: the first wins
+    h = (weight[7] * 5 + torch.randn(64) * 1e-3).repeat(3, 1)
+    want = (h.double() @ weight.double().t()).argmax(-1).tolist()
+    assert want == [2500] * 3
+    assert _screened(weight)(h).tolist() == want
+
+    negative = -torch.rand(4000, 64) - 0.5  # with h > 0 every logit is below zero
+    negative[10] = -0.01
+    negative[20] = negative[10] * (1 - 3e-6)  # the least negative
+    h = torch.rand(3, 64) + 0.5
+    want = (h.double() @ negative.double().t()).argmax(-1).tolist()
+    assert want == [20] * 3
+    assert _screened(negative)(h).tolist() == want
+    assert _screened(weight)(torch.zeros(2, 64)).tolist() == [0, 0]  # every logit 0: the first
+
+
 def test_plan_is_timed_and_forced_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     weight = torch.randn(3000, 32)
     torch_path = lambda h: (h @ weight.t()).argmax(-1)  # noqa: E731
     plan = cpu_greedy_head.plan(weight, torch_path)
     print(plan.why)
-    assert "ms native/torch at rows 1:" in plan.why or "did not build" in plan.why
-    assert not cpu_greedy_head.plan(weight.bfloat16(), torch_path).takes(1)
+    assert "1 rows:" in plan.why or "did not build" in plan.why
+    assert cpu_greedy_head.plan(weight.bfloat16(), torch_path).path(1) is None
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "torch")
-    assert not cpu_greedy_head.plan(weight, torch_path).takes(1)
+    assert cpu_greedy_head.plan(weight, torch_path).path(1) is None
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "native")
     forced = cpu_greedy_head.plan(weight, torch_path)
-    assert forced.takes(1) and forced.takes(10_000)
+    assert isinstance(forced.path(1), cpu_greedy_head.NativeGreedyHead)
+    assert forced.path(10_000) is forced.path(1)
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "fused")
     with pytest.raises(ValueError, match="LUMEN_CPU_GREEDY_HEAD must be one of auto, native"):
         cpu_greedy_head.plan(weight, torch_path)

@@ -52,9 +52,9 @@ LUMEN_CPU_ATTENTION = EnvVar(
 LUMEN_CPU_GREEDY_HEAD = EnvVar(
     "LUMEN_CPU_GREEDY_HEAD",
     "auto",
-    "CPU kernel of greedy decoding's LM head and argmax: auto (the native kernel, compiled "
-    "once into LUMEN_HOME, for the batch sizes where it times faster at start), native "
-    "(every batch size; fail if it does not build) or torch (logits, then their argmax)",
+    "CPU path of greedy decoding's LM head and argmax: auto (for each batch size the fastest "
+    "of the native kernels and torch's, timed at start), fused (fp32, in registers), "
+    "screened (bf16 logits pick the candidates, fp32 decides) or torch (logits, then argmax)",
 )
 
 LUMEN_CPU_THREADS = EnvVar(

@@ -1,19 +1,26 @@
-"""Greedy decoding's LM head and argmax in one native pass, compiled on the machine that runs it.
+"""Greedy decoding's LM head and argmax without the logits, in native kernels compiled on
+the machine that runs them.
 
 A batch whose rows all sample greedily (no penalties, logprobs or grammar) needs
 each row's best token, not its logits. torch's path writes the [rows, vocab]
 logits and reads them back for the argmax: for a small model at 64 rows that is
 12.6 MB written and read per step (SmolLM2's 49,152-token vocabulary), and in the
 tiny test model the head and argmax were over half of the engine core's time.
-This kernel multiplies a few rows by a block of 64 vocabulary rows in registers
-(the weight packed once, block by block, transposed) and keeps each row's best
-value and index per lane; no logits are written. Ties go to the lowest index,
-as torch's argmax does.
+Two paths instead:
 
-Like cpu_int8's kernel it is timed at load against the model's own head and
-argmax (the LM head as cpu_matmul chose it) at 1, 16, 64 and 256 rows, and takes
-the row counts up to the first it loses at (``LUMEN_CPU_GREEDY_HEAD`` forces
-one path). Without a compiler, on CUDA or in bf16, torch's path runs.
+- fused (fp32): a few rows times a block of 64 vocabulary rows in registers (the
+  weight packed once, block by block, transposed), keeping each row's best value
+  and index per lane; no logits are written.
+- screened: bf16 logits by oneDNN, which is several times faster than fp32 where
+  the CPU has AMX or AVX-512 BF16, then one pass that recomputes in fp32 every
+  token whose bf16 logit is within the rounding bound of the row's best
+  (ScreenedHead): the answer is fp32's argmax, not bf16's.
+
+Ties go to the lowest index, as torch's argmax does. At load each path is timed
+against torch's head and argmax (the LM head as cpu_matmul chose it) at 1, 16, 64
+and 256 rows, and a batch takes the fastest at the smallest timed row count at or
+above its own (``LUMEN_CPU_GREEDY_HEAD`` forces one). Without a compiler, on CUDA
+or in bf16, torch's path runs.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from engine import envs
 from engine.worker import cpu_matmul, native_build
 from engine.worker.cpu_matmul import best_of
 
-KERNELS = ("auto", "native", "screened", "torch")
+KERNELS = ("auto", "fused", "screened", "torch")
 TIMED_ROWS = (1, 16, 64, 256)
 ROWS_PER_TILE = 6
 
@@ -312,7 +319,7 @@ def plan(weight: torch.Tensor, torch_path: Path) -> Plan:
         return Plan((), f"the native kernels take an fp32 CPU head, not {weight.dtype}")
     try:
         library, vector, per_block = build()
-        paths: dict[str, Path] = {"native": NativeGreedyHead(library, weight, vector, per_block)}
+        paths: dict[str, Path] = {"fused": NativeGreedyHead(library, weight, vector, per_block)}
         if cpu_matmul.onednn_available(torch.bfloat16):
             paths["screened"] = ScreenedHead(library, weight)
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:

@@ -130,7 +130,7 @@ def test_unknown_cpu_attention_kernel_is_a_clear_error(
         LLM(str(tiny_model_path))
 
 
-@pytest.mark.parametrize("kernel", ["torch", "native", "screened"])
+@pytest.mark.parametrize("kernel", ["torch", "fused", "screened"])
 @pytest.mark.parametrize("setting", ["default", "chunked_prefill"])
 def test_tiny_llama_matches_hf_with_each_greedy_head(
     kernel: str,
@@ -139,14 +139,14 @@ def test_tiny_llama_matches_hf_with_each_greedy_head(
     tiny_references: dict[int, list[list[int]]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Greedy tokens by the logits' argmax, the fused native head or the bf16-screened one
+    """Greedy tokens by the logits' argmax, the fused fp32 kernel or the bf16-screened one
     match HF's."""
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", kernel)
     _check_setting(tiny_model_path, setting, tiny_references)
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("kernel", ["native", "screened"])
+@pytest.mark.parametrize("kernel", ["fused", "screened"])
 def test_smollm2_matches_hf_with_each_greedy_head(
     kernel: str,
     default_model_path: Path,

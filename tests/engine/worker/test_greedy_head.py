@@ -111,10 +111,10 @@ def test_plan_is_timed_and_forced_by_the_environment(monkeypatch: pytest.MonkeyP
     assert cpu_greedy_head.plan(weight.bfloat16(), torch_path).path(1) is None
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "torch")
     assert cpu_greedy_head.plan(weight, torch_path).path(1) is None
-    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "native")
+    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "fused")
     forced = cpu_greedy_head.plan(weight, torch_path)
     assert isinstance(forced.path(1), cpu_greedy_head.NativeGreedyHead)
     assert forced.path(10_000) is forced.path(1)
-    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "fused")
-    with pytest.raises(ValueError, match="LUMEN_CPU_GREEDY_HEAD must be one of auto, native"):
+    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "flash")
+    with pytest.raises(ValueError, match="LUMEN_CPU_GREEDY_HEAD must be one of auto, fused"):
         cpu_greedy_head.plan(weight, torch_path)

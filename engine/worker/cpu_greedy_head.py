@@ -215,8 +215,8 @@ void screened_argmax(const uint16_t *lb, const float *x, const float *w, const f
 """
 
 
-class NativeGreedyHead:
-    """The compiled kernel and the head weight packed for it."""
+class FusedHead:
+    """The fused fp32 path: the compiled kernel and the head weight packed for it."""
 
     def __init__(self, library: str, weight: torch.Tensor, vector: int, per_block: int) -> None:
         lib = ctypes.CDLL(library)
@@ -319,7 +319,7 @@ def plan(weight: torch.Tensor, torch_path: Path) -> Plan:
         return Plan((), f"the native kernels take an fp32 CPU head, not {weight.dtype}")
     try:
         library, vector, per_block = build()
-        paths: dict[str, Path] = {"fused": NativeGreedyHead(library, weight, vector, per_block)}
+        paths: dict[str, Path] = {"fused": FusedHead(library, weight, vector, per_block)}
         if cpu_matmul.onednn_available(torch.bfloat16):
             paths["screened"] = ScreenedHead(library, weight)
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:

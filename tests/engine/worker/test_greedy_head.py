@@ -17,9 +17,9 @@ def _library() -> tuple[str, int, int]:
         pytest.skip(f"the native greedy head did not build here: {e}")
 
 
-def _kernel(weight: torch.Tensor) -> cpu_greedy_head.NativeGreedyHead:
+def _kernel(weight: torch.Tensor) -> cpu_greedy_head.FusedHead:
     library, vector, per_block = _library()
-    return cpu_greedy_head.NativeGreedyHead(library, weight, vector, per_block)
+    return cpu_greedy_head.FusedHead(library, weight, vector, per_block)
 
 
 @pytest.mark.parametrize("vocab", [1, 63, 130, 1000, 4099])
@@ -113,7 +113,7 @@ def test_plan_is_timed_and_forced_by_the_environment(monkeypatch: pytest.MonkeyP
     assert cpu_greedy_head.plan(weight, torch_path).path(1) is None
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "fused")
     forced = cpu_greedy_head.plan(weight, torch_path)
-    assert isinstance(forced.path(1), cpu_greedy_head.NativeGreedyHead)
+    assert isinstance(forced.path(1), cpu_greedy_head.FusedHead)
     assert forced.path(10_000) is forced.path(1)
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "flash")
     with pytest.raises(ValueError, match="LUMEN_CPU_GREEDY_HEAD must be one of auto, fused"):

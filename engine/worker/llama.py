@@ -230,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.packed_head: torch.Tensor | None = None  # set by pack_weights
-        self.greedy = cpu_greedy_head.TORCH_ONLY  # set by pack_weights
+        self.greedy = cpu_greedy_head.TORCH_ONLY  # set by plan_greedy_head
 
     def forward(
         self,
@@ -288,8 +288,14 @@ class LlamaForCausalLM(nn.Module):
         head = cpu_matmul.choose(self.head_weight().t(), rows=cpu_matmul.HEAD_ROWS)
         if head.kernel == "onednn":
             self.packed_head = cpu_matmul.pack(self.head_weight())
-        self.greedy = cpu_greedy_head.plan(self.head_weight(), lambda h: argmax(self.logits(h)))
         return cpu_matmul.Choice(choice.kernel, f"{choice.why}; LM head {head.kernel}: {head.why}")
+
+    @torch.no_grad()
+    def plan_greedy_head(self) -> str:
+        """On CPU, after pack_weights: time the greedy head's paths (cpu_greedy_head) on the
+        rank that samples. Returns what each batch size takes."""
+        self.greedy = cpu_greedy_head.plan(self.head_weight(), lambda h: argmax(self.logits(h)))
+        return self.greedy.why
 
     @torch.no_grad()
     def quantize_weights(self, quantization: str) -> str:

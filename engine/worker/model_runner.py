@@ -66,7 +66,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             choice = model.pack_weights()
             logger.info("CPU matrix products: %s (%s)", choice.kernel, choice.why)
-            logger.info("greedy LM head: %s", model.greedy.why)
+            if self.is_driver:  # only the driver samples: no copy or timing on other ranks
+                logger.info("greedy LM head: %s", model.plan_greedy_head())
         self.model = model.eval()
 
     def block_bytes(self) -> int:

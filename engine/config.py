@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -199,10 +199,6 @@ class EngineConfig:
         check_quantization(self.quantization)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
-
-    @classmethod
-    def option_fields(cls) -> tuple[Any, ...]:
-        return fields(cls)
 
     def resolve_device(self) -> torch.device:
         choice = envs.LUMEN_DEVICE.get() or self.device

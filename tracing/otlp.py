@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
-from engine import __version__
+from engine.version import __version__
 from tracing.config import TracingConfig
 from tracing.spans import ROOT
 

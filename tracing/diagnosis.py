@@ -8,42 +8,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# What a request's time to its first delivered token is made of (keys of RequestDiagnosis.ttft).
-TTFT_PARTS = {
-    "http": "HTTP receive and parse before the handler",
-    "frontend": "frontend CPU (chat template, tokenize)",
-    "admission": "waiting for an admission slot (--max-concurrent-requests)",
-    "loop_lag": "event-loop lag in the API process",
-    "ipc": "IPC to the core and its input queue",
-    "queue": "waiting in the core's queue",
-    "grammar_compile": "waiting for its grammar to compile (structured outputs)",
-    "own_prefill": "its own prefill compute",
-    "neighbour_prefill": "other requests' prefill in the steps it shared",
-    "decode": "the batch's other rows in the steps it shared (decode, per-request cost)",
-    "chunk_wait": "waiting between its prefill chunks",
-    "schedule": "scheduler CPU",
-    "grammar_mask": "structured outputs' token masks in the steps it shared",
-    "output": "output building and sending in the core",
-    "gc": "garbage-collection pauses",
-    "emit": "IPC back, detokenize and emit",
-    "delivery": "delivery to the client (its socket accepting the bytes)",
-    "unattributed": "time between recorded boundaries that no record explains",
-}
-# What its time after the first token is made of (keys of RequestDiagnosis.decode).
-DECODE_PARTS = {
-    "decode": "decode compute (its own and the batch's other rows)",
-    "neighbour_prefill": "other requests' prefill in the steps it shared",
-    "schedule": "scheduler CPU",
-    "grammar_mask": "structured outputs' token masks in the steps it shared",
-    "output": "output building and sending in the core",
-    "between_steps": "the core between its steps (new requests, steps it sat out)",
-    "preempted": "waiting after a preemption (recompute)",
-    "gc": "garbage-collection pauses",
-    "loop_lag": "event-loop lag in the API process",
-    "emit": "IPC back, detokenize and emit",
-    "delivery": "delivery to the client (its socket accepting the bytes)",
-    "unattributed": "time between recorded boundaries that no record explains",
-}
+from tracing.parts import phase_labels
+
+# What a request's time is made of, per phase: key -> its label in the phase's table (keys of
+# RequestDiagnosis.ttft and .decode), from the registry in tracing.parts.
+TTFT_PARTS = phase_labels("ttft")
+DECODE_PARTS = phase_labels("decode")
 # Parts that are the model doing the request's own work: reported, never named as a cause.
 EXPECTED_PARTS = {"own_prefill", "decode"}
 

@@ -1,0 +1,201 @@
+"""The registry of diagnosis parts: each part's key, phases, table labels, words, knob and source.
+
+Everything that names a part reads it from here: the TTFT and decode tables
+(``tracing.diagnosis.TTFT_PARTS`` / ``DECODE_PARTS``), the sentences (``tracing.words.WHAT``),
+the span `lumen trace top` points at, and the table in docs/diagnosis.md
+(``python -m tracing.parts`` prints it; tests/tracing/test_parts.py checks the docs agree).
+A part's order in PARTS is its order in both phases' tables.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Part:
+    key: str
+    ttft: str | None  # its label in the TTFT table; None: not a TTFT part
+    decode: str | None  # its label in the decode table; None: not a decode part
+    what: str  # what the time was, as a sentence says it ("spent 30 ms in ...")
+    knob: str  # what moves it ("" where nothing does: expected compute, the queue's limit)
+    source: str  # docs: the records its time comes from
+    span: str | None = None  # the `lumen trace show` span its time lies in, where one does
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        return tuple(p for p, label in (("ttft", self.ttft), ("decode", self.decode)) if label)
+
+
+_API_LAG = "event-loop lag in the API process"
+_GC = "garbage-collection pauses"
+_OTHERS_PREFILL = "other requests' prefill in the steps it shared"
+_SCHEDULER = "scheduler CPU"
+_MASKS = "structured outputs' token masks in the steps it shared"
+_OUTPUT = "output building and sending in the core"
+_EMIT = "IPC back, detokenize and emit"
+_DELIVERY = "delivery to the client (its socket accepting the bytes)"
+_UNEXPLAINED = "time between recorded boundaries that no record explains"
+
+PARTS: tuple[Part, ...] = (
+    Part(
+        "http", "HTTP receive and parse before the handler", None,
+        "receiving and parsing the HTTP request",
+        "a slow client upload or a busy API process (see event-loop lag)",
+        "first byte read to handler: receiving and parsing the body",
+    ),
+    Part(
+        "frontend", "frontend CPU (chat template, tokenize)", None,
+        "frontend CPU (chat template, tokenize) before reaching the engine",
+        "long prompts and chat histories cost template and tokenizer time in the API "
+        "process; shorten or cache them, or give the API process more CPU",
+        "handler to sent, minus the admission wait: chat template and tokenizer",
+        "frontend.enqueue",
+    ),
+    Part(
+        "admission", "waiting for an admission slot (--max-concurrent-requests)", None,
+        "waiting for an admission slot", "raise --max-concurrent-requests if the engine has room",
+        "waiting for a slot (`--max-concurrent-requests`)", "frontend.enqueue",
+    ),
+    Part(
+        "loop_lag", _API_LAG, _API_LAG, _API_LAG,
+        "something blocks the API event loop (CPU-heavy work in a handler, a large "
+        "tokenization); see the pauses table",
+        "event-loop lag rows in `pauses` (api) that overlap the request's windows",
+    ),
+    Part(
+        "ipc", "IPC to the core and its input queue", None,
+        "reaching the core (IPC and the core's input queue)",
+        "the core takes new requests between steps, so arrivals wait for the step in "
+        "flight: long steps (cap them with --max-num-batched-tokens) or CPU contention "
+        "lengthen this",
+        "sent to received: the socket, and the core finishing the step in flight",
+        "core.receive",
+    ),
+    Part(
+        "queue", "waiting in the core's queue", None, "waiting in the core's queue", "",
+        "received (or grammar ready) to first scheduled, with the limit that held it "
+        "(see below)",
+        "core.queue",
+    ),
+    Part(
+        "grammar_compile", "waiting for its grammar to compile (structured outputs)", None,
+        "waiting for its grammar to compile (structured outputs)",
+        "compiled grammars are cached by schema: reuse the same schemas; with --no-warmup the "
+        "first grammar after start also loads the tokenizer the grammar engine needs",
+        "received to `grammar_ready_ns`: structured outputs waiting for their grammar to "
+        "compile (outside the queue; with `--no-warmup` the first grammar after start also "
+        "loads the grammar engine's tokenizer)",
+        "core.grammar",
+    ),
+    Part(
+        "own_prefill", "its own prefill compute", None, "its own prefill", "",
+        "its share of the execute time of its prefill steps", "worker.execute",
+    ),
+    Part(
+        "neighbour_prefill", _OTHERS_PREFILL, _OTHERS_PREFILL, _OTHERS_PREFILL,
+        "a smaller --max-num-batched-tokens caps how much prefill one step carries",
+        "other requests' prefill in the steps it shared; each of those requests is named, "
+        "with its tokens",
+        "worker.execute",
+    ),
+    Part(
+        "decode",
+        "the batch's other rows in the steps it shared (decode, per-request cost)",
+        "decode compute (its own and the batch's other rows)",
+        "the batch's other rows in the steps it shared", "",
+        "decode rows in its steps. In TTFT these are other requests' rows; after the first "
+        "token, they are its own decode compute",
+        "worker.execute",
+    ),
+    Part(
+        "chunk_wait", "waiting between its prefill chunks", None,
+        "waiting between its prefill chunks",
+        "a larger --max-num-batched-tokens prefills a long prompt in fewer steps",
+        "between its prefill chunks, in steps it sat out",
+    ),
+    Part(
+        "schedule", _SCHEDULER, _SCHEDULER, _SCHEDULER,
+        "the scheduler's cost grows with running requests and prefix-cache lookups; "
+        "profile the core process",
+        "scheduler CPU of its steps (without the grammar masks)", "core.schedule",
+    ),
+    Part(
+        "grammar_mask", _MASKS, _MASKS,
+        "computing structured outputs' token masks in the steps it shared",
+        "every row in a step waits for the masks of the rows under a grammar: simpler "
+        "schemas (fewer alternatives, bounded strings) cost less per token",
+        "structured outputs' token masks in its steps (`steps.grammar_mask_ns`, between "
+        "`schedule_end_ns` and `execute_start_ns`): every row waits for them, its own "
+        "grammar's or its neighbours'",
+        "core.schedule",
+    ),
+    Part(
+        "output", _OUTPUT, _OUTPUT, "building and sending outputs in the core",
+        "output building grows with the batch; a frontend slow to read the core's "
+        "socket shows here too",
+        "building and sending the step's outputs in the core (`update_end_ns`, then "
+        "`output_ns`)",
+        "core.output",
+    ),
+    Part(
+        "between_steps", None, "the core between its steps (new requests, steps it sat out)",
+        "the core between its steps",
+        "the core takes new requests and aborts between steps, and a request "
+        "left out of a step (token budget) waits here",
+        "after its first token, the core between its steps: new requests, aborts, and steps "
+        "it sat out",
+    ),
+    Part(
+        "preempted", None, "waiting after a preemption (recompute)",
+        "waiting after a preemption (recompute)",
+        "more KV blocks (--num-kv-blocks or --kv-cache-memory-bytes) or a lower "
+        "--max-num-seqs avoid preemption",
+        "from a preemption until it ran again",
+    ),
+    Part(
+        "gc", _GC, _GC, _GC,
+        "fewer allocations per step (LUMEN_GC=serving, the default, freezes the start-up heap); "
+        "see the pauses table",
+        "garbage-collection pauses (api and core) that overlap the request's windows",
+    ),
+    Part(
+        "emit", _EMIT, _EMIT, "getting outputs back to the frontend, detokenizing and emitting",
+        "CPU contention in the API process (detokenize, stop strings; see event-loop lag)",
+        "IPC back, detokenize and write", "frontend.emit",
+    ),
+    Part(
+        "delivery", _DELIVERY, _DELIVERY, "delivery to the client", "a slow reader",
+        "waiting for the client's socket to accept the bytes", "frontend.emit",
+    ),
+    Part(
+        "unattributed", _UNEXPLAINED, _UNEXPLAINED, "time no recorded boundary explains",
+        "the trace lacks a boundary there (an older trace db, or a request that "
+        "never got that far)",
+        "time between recorded boundaries that no record explains (an older trace db, or a "
+        "request that never got that far): shown, never spread over the other parts",
+    ),
+)  # fmt: skip
+
+BY_KEY: dict[str, Part] = {p.key: p for p in PARTS}
+assert len(BY_KEY) == len(PARTS), "a part key is registered twice"
+
+
+def phase_labels(phase: str) -> dict[str, str]:
+    """key -> table label of the phase's parts (ttft | decode), in registry order."""
+    labels = {p.key: p.ttft if phase == "ttft" else p.decode for p in PARTS}
+    return {k: label for k, label in labels.items() if label}
+
+
+def docs_table() -> str:
+    """The parts table of docs/diagnosis.md."""
+    lines = ["| part | TTFT | decode | from |", "|---|---|---|---|"]
+    for p in PARTS:
+        ttft, decode = (" yes " if label else " " for label in (p.ttft, p.decode))
+        lines.append(f"| `{p.key}` |{ttft}|{decode}| {p.source} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(docs_table() + "\n")

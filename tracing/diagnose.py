@@ -8,9 +8,9 @@ the store's instants; what no record covers is kept in ``unattributed``, never s
             frontend, the final write belongs to the decode phase)
     decode  the end of the TTFT phase -> the response's last byte accepted
 
-Steps a request took part in are split by the run's own step-cost model (diagnose_load.
-fit_step_shape): its own prefill and row, other requests' prefill (its "neighbours", named),
-and the batch's other rows. Pauses (GC, event-loop lag) are carved out
+Steps a request took part in are split by the run's own step-cost model (``tracing.shares``,
+whose docstring states every formula): its own prefill and row, other requests' prefill (its
+"neighbours", named), and the batch's other rows. Pauses (GC, event-loop lag) are carved out
 of the parts of their process that they overlap. Columns an older trace lacks, or a request
 never reached, count as 0 or fall back to the spans. The run verdict and the words live in
 ``tracing.verdict``; its rule is described there (MIN_CAUSE_NS, MIN_CAUSE_SHARE in
@@ -19,13 +19,15 @@ never reached, count as 0 or fall back to the spans. The run verdict and the wor
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 
 from tracing import diagnose_load as load
-from tracing import render, verdict, why
+from tracing import render, shares, step_members, verdict, why
+from tracing.diagnose_load import RequestFacts
 from tracing.diagnosis import (
     DECODE_PARTS,
     EXPECTED_PARTS,
@@ -41,6 +43,8 @@ from tracing.diagnosis import (
     percentiles,
     summarize,
 )
+from tracing.pauses import Pauses, pauses_of
+from tracing.shares import StepShare
 from tracing.store import latest_run, open_db
 
 __all__ = [
@@ -51,24 +55,66 @@ __all__ = [
 ]  # fmt: skip
 
 
+@dataclass
+class _Run:
+    """What a request's decomposition reads besides its own row."""
+
+    step_parts: dict[tuple[str, str], StepShare]
+    pauses: tuple[Pauses, Pauses]  # api, core
+    preemptions: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    neighbours: step_members.Neighbours = field(default_factory=dict)
+    wait_reasons: dict[str, str] = field(default_factory=dict)
+
+
 def diagnose_run(db_path: str | Path, run_id: str | None = None) -> RunDiagnosis:
     """Every request of a run decomposed, the steps, the percentiles and the verdict."""
     with open_db(db_path, timeout=10) as con:
         run_id = run_id or latest_run(con)
-        loaded = load.load_run(con, run_id, _window)
-    requests = [_decompose(row, loaded) for row in loaded.requests]
+        facts = load.load_run(con, run_id)
+    windows = [_window(r) for r in facts.requests]
+    win = shares.Windows(
+        request_id=[r.request_id for r in facts.requests],
+        first_token=np.array([-1 if w.first_token is None else w.first_token for w in windows],
+                             dtype=np.int64),
+        start=np.array([w.start for w in windows], dtype=np.int64),
+        ttft_end=np.array([w.ttft_end for w in windows], dtype=np.int64),
+        end=np.array([w.end for w in windows], dtype=np.int64),
+    )  # fmt: skip
+    busy = [s for s in facts.steps if not s.idle]
+    weights = shares.step_weights(
+        np.array([s.prefill_tokens for s in busy], dtype=np.int64),
+        np.array([s.rows for s in busy], dtype=np.int64),
+        np.array([s.execute_ns for s in busy], dtype=np.int64),
+    )
+    placed = shares.place(facts.members, facts.step_times, win)
+    pauses = pauses_of(facts.pauses)
+    parts = shares.step_shares(facts.members, placed, facts.step_times, win, weights, pauses[1].gc)
+    ctx = _Run(
+        step_parts=parts,
+        pauses=pauses,
+        preemptions=step_members.preemptions(
+            facts.preempted, facts.members, placed, facts.step_times, win
+        ),
+        neighbours=step_members.neighbours(facts.members, placed),
+        wait_reasons=step_members.wait_reasons(
+            [r.received_ns for r in facts.requests],
+            [r.first_scheduled_ns for r in facts.requests],
+            win, parts, facts.steps,
+        ),
+    )  # fmt: skip
+    requests = [_decompose(row, w, ctx) for row, w in zip(facts.requests, windows)]
     statuses = [r.status for r in requests]
     run = RunDiagnosis(
         run_id=run_id,
         requests=requests,
-        steps=[StepFacts(*row) for row in loaded.steps],
+        steps=facts.steps,
         summary=summarize(requests),
         findings=[],
         num_ok=statuses.count("ok"),
         num_aborted=statuses.count("aborted"),
         num_error=statuses.count("error"),
-        prefill_members=loaded.prefill_members,
-        pauses=loaded.pause_rows,
+        prefill_members=step_members.prefill_members(facts.members, placed),
+        pauses=list(facts.pauses),
     )
     verdict.judge(run)
     return run
@@ -111,41 +157,50 @@ def render_request(req: RequestDiagnosis, sentences: list[str]) -> str:
 # -- one request's decomposition -------------------------------------------------------------
 
 
-def _window(row: dict[str, Any]) -> load.Window:
-    arrival, ttft = row["arrival_ns"], row["ttft_ns"]
+class Window(NamedTuple):
+    """A request's phases: TTFT [start, ttft_end], decode [ttft_end, end] (instants, ns)."""
+
+    start: int
+    first_token: int | None  # arrival + ttft: the first token reached the frontend
+    ttft_end: int
+    end: int
+
+
+def _window(row: RequestFacts) -> Window:
+    arrival, ttft = row.arrival_ns, row.ttft_ns
     first_token = arrival + ttft if ttft is not None else None
-    start = row["http_start_ns"] or arrival
-    end = row["last_delivered_ns"] or arrival + (row["e2e_ns"] or 0)
+    start = row.http_start_ns or arrival
+    end = row.last_delivered_ns or arrival + (row.e2e_ns or 0)
     if first_token is None:
         ttft_end = end  # it never got a token: its whole life is the TTFT phase
-    elif row["stream"] is not False:
-        ttft_end = row["first_delivered_ns"] or first_token
+    elif row.stream is not False:
+        ttft_end = row.first_delivered_ns or first_token
     else:
         ttft_end = first_token  # the one write of the final response ends the decode phase
     ttft_end = max(ttft_end, start)
-    return load.Window(start, first_token, ttft_end, max(end, ttft_end))
+    return Window(start, first_token, ttft_end, max(end, ttft_end))
 
 
-def _decompose(row: dict[str, Any], run: load.LoadedRun) -> RequestDiagnosis:
-    rid = row["request_id"]
-    start, first_token, ttft_end, end = _window(row)
-    stream = row["stream"] is not False
+def _decompose(row: RequestFacts, window: Window, run: _Run) -> RequestDiagnosis:
+    rid = row.request_id
+    start, first_token, ttft_end, end = window
+    stream = row.stream is not False
     req = RequestDiagnosis(
         request_id=rid,
-        status=row["status"] or "error",
-        arrival_ns=row["arrival_ns"],
+        status=row.status or "error",
+        arrival_ns=row.arrival_ns,
         start_ns=start,
-        prompt_tokens=row["prompt_tokens"] or 0,
-        output_tokens=row["output_tokens"] or 0,
-        ttft_ns=row["ttft_ns"],
+        prompt_tokens=row.prompt_tokens or 0,
+        output_tokens=row.output_tokens or 0,
+        ttft_ns=row.ttft_ns,
         delivered_ttft_ns=_delivered_ttft(row, start, stream),
-        e2e_ns=row["e2e_ns"] or 0,
-        num_preemptions=row["num_preemptions"] or 0,
+        e2e_ns=row.e2e_ns or 0,
+        num_preemptions=row.num_preemptions or 0,
         stream=stream,
         end_ns=end,
-        send_wait_ns=row["send_wait_ns"],
-        bytes_sent=row["bytes_sent"],
-        kv_freed_ns=row["kv_freed_ns"],
+        send_wait_ns=row.send_wait_ns,
+        bytes_sent=row.bytes_sent,
+        kv_freed_ns=row.kv_freed_ns,
         wait_reason=run.wait_reasons.get(rid),
     )
     steps_t = run.step_parts.get((rid, "ttft"))
@@ -153,48 +208,48 @@ def _decompose(row: dict[str, Any], run: load.LoadedRun) -> RequestDiagnosis:
     req.ttft = _ttft_parts(row, run, start, ttft_end, steps_t, steps_d)
     if first_token is not None and end > ttft_end:
         req.decode = _decode_parts(row, run, ttft_end, end, steps_d)
-    emits = [e for e in row["emit_ends"] or [] if e is not None]
+    emits = [e for e in row.emit_ends_ns or [] if e is not None]
     req.gaps_ns = [int(g) for g in np.diff(emits)] if len(emits) > 1 else []
-    req.gap_step_ids = list(row["emit_steps"] or [])[1 : len(emits)]
+    req.gap_step_ids = list(row.emit_step_ids or [])[1 : len(emits)]
     for phase in ("ttft", "decode"):
         if found := run.neighbours.get((rid, phase)):
             req.neighbour_steps[phase] = found
             for other, (n, _) in found.items():
                 req.neighbours[other] = req.neighbours.get(other, 0) + n
-    mine = [*(steps_t or {}).get("step_ids", []), *(steps_d or {}).get("step_ids", [])]
+    mine = [*(steps_t.step_ids if steps_t else []), *(steps_d.step_ids if steps_d else [])]
     req.step_ids = sorted(set(mine))
     return req
 
 
-def _delivered_ttft(row: dict[str, Any], start: int, stream: bool) -> int | None:
+def _delivered_ttft(row: RequestFacts, start: int, stream: bool) -> int | None:
     """Streams only: a whole response's one write is not a first token its client saw."""
     if not stream:
         return None
-    if row["delivered_ttft_ns"] is not None:
-        return row["delivered_ttft_ns"]
-    if stream and row["first_delivered_ns"] is not None and row["ttft_ns"] is not None:
-        return row["first_delivered_ns"] - start
+    if row.delivered_ttft_ns is not None:
+        return row.delivered_ttft_ns
+    if row.first_delivered_ns is not None and row.ttft_ns is not None:
+        return row.first_delivered_ns - start
     return None
 
 
 def _ttft_parts(
-    row: dict[str, Any],
-    run: load.LoadedRun,
+    row: RequestFacts,
+    run: _Run,
     lo: int,
     hi: int,
-    steps: dict[str, Any] | None,
-    later: dict[str, Any] | None,
+    steps: StepShare | None,
+    later: StepShare | None,
 ) -> dict[str, int]:
     parts = dict.fromkeys(TTFT_PARTS, 0)
     api, core = run.pauses
-    handler = row["handler_ns"] if row["http_start_ns"] else lo  # offline: no HTTP part
-    sent, received = row["sent_ns"], row["received_ns"]
-    first_step = (steps or later or {}).get("first_start")
+    handler = row.handler_ns if row.http_start_ns else lo  # offline: no HTTP part
+    sent, received = row.sent_ns, row.received_ns
+    first_step = (steps or later).first_start if (steps or later) else None
     # Its first step began; a request that never ran waited in the queue to its end.
-    never_ran = received and row["ttft_ns"] is None and first_step is None
-    scheduled = first_step or row["first_scheduled_ns"] or (hi if never_ran else None)
+    never_ran = received and row.ttft_ns is None and first_step is None
+    scheduled = first_step or row.first_scheduled_ns or (hi if never_ran else None)
     # Without step records its prefill's end is unknown: that time stays unattributed.
-    last_out = steps["last_output"] if steps else (scheduled if never_ran else None)
+    last_out = steps.last_output if steps else (scheduled if never_ran else None)
 
     def span(a: int | None, b: int | None) -> tuple[int, int] | None:
         return None if a is None or b is None else (max(a, lo), max(min(b, hi), a, lo))
@@ -202,59 +257,63 @@ def _ttft_parts(
     for part, window in (("http", span(lo, handler)), ("frontend", span(handler, sent))):
         if window:
             parts[part] = api.carve(parts, *window)
-    admission = min(row["admission_wait_ns"] or 0, parts["frontend"])
+    admission = min(row.admission_wait_ns or 0, parts["frontend"])
     parts["admission"], parts["frontend"] = admission, parts["frontend"] - admission
     if window := span(sent, received):
         parts["ipc"] = window[1] - window[0]
     if window := span(received, scheduled):
         # Structured outputs: until its grammar compiled it was not in the queue at all.
-        ready = row.get("grammar_ready_ns")
+        ready = row.grammar_ready_ns
         cut = min(max(ready, window[0]), window[1]) if ready else window[0]
         parts["grammar_compile"] = core.carve(parts, window[0], cut)
         parts["queue"] = core.carve(parts, cut, window[1])
     if steps and (window := span(scheduled, last_out)):
-        keys = ("own_prefill", "neighbour_prefill", "decode", "schedule", "output", "gc")
-        for key in (*keys, "grammar_mask"):
-            parts[key] += round(steps[key])
-        gap = window[1] - window[0] - round(steps["total"])
-        gap_gc = min(max(gap, 0), max(core.within(*window) - round(steps["gc"]), 0))
+        for key in _STEP_KEYS_TTFT:
+            parts[key] += round(getattr(steps, key))
+        gap = window[1] - window[0] - steps.total
+        gap_gc = min(max(gap, 0), max(core.within(*window) - round(steps.gc), 0))
         parts["gc"] += gap_gc
         parts["chunk_wait"] = gap - gap_gc
     if window := span(last_out, hi):
         tail = window[1] - window[0]
-        writes = len(row["emit_ends"] or []) or max(row["output_tokens"] or 0, 1)
-        delivery = (
-            min(tail, (row["send_wait_ns"] or 0) // writes) if row["stream"] is not False else 0
-        )
+        writes = len(row.emit_ends_ns or []) or max(row.output_tokens or 0, 1)
+        delivery = min(tail, (row.send_wait_ns or 0) // writes) if row.stream is not False else 0
         parts["emit"] = api.carve(parts, window[0], window[1] - delivery)
         parts["delivery"] = api.carve(parts, window[1] - delivery, window[1])
     parts["unattributed"] = (hi - lo) - sum(parts.values())
     return parts
 
 
+# A StepShare's parts, as each phase takes them.
+_STEP_KEYS_TTFT = (
+    "own_prefill", "neighbour_prefill", "decode", "schedule", "output", "gc", "grammar_mask",
+)  # fmt: skip
+_STEP_KEYS_DECODE = ("decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask")
+
+
 def _decode_parts(
-    row: dict[str, Any], run: load.LoadedRun, lo: int, hi: int, steps: dict[str, Any] | None
+    row: RequestFacts, run: _Run, lo: int, hi: int, steps: StepShare | None
 ) -> dict[str, int]:
     parts = dict.fromkeys(DECODE_PARTS, 0)
     api, core = run.pauses
-    tail_start = min(max(steps["last_output"], lo), hi) if steps else lo
+    tail_start = min(max(steps.last_output, lo), hi) if steps else lo
     # The last token reached the frontend, then waited on the client's socket.
-    reached = row["last_emit_start"]
+    reached = row.last_emit_start_ns
     reached = hi if reached is None else min(max(reached, tail_start), hi)
-    if not steps and (row["output_tokens"] or 0) >= 2:
+    if not steps and (row.output_tokens or 0) >= 2:
         tail_start = reached  # no step records of its decode: that time stays unattributed
     if steps:
-        for key in ("decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask"):
-            parts[key] += round(steps[key])
-        gap = tail_start - lo - round(steps["total"])
+        for key in _STEP_KEYS_DECODE:
+            parts[key] += round(getattr(steps, key))
+        gap = tail_start - lo - steps.total
         preempted = sum(
             max(0, min(b, tail_start) - max(a, lo))
-            for a, b in run.preemptions.get(row["request_id"], [])
+            for a, b in run.preemptions.get(row.request_id, [])
         )
         parts["preempted"] = min(max(gap, 0), preempted)
         gap_gc = min(
             max(gap - parts["preempted"], 0),
-            max(core.within(lo, tail_start) - round(steps["gc"]), 0),
+            max(core.within(lo, tail_start) - round(steps.gc), 0),
         )
         parts["gc"] += gap_gc
         parts["between_steps"] = gap - parts["preempted"] - gap_gc

@@ -4,8 +4,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+import numpy.typing as npt
+
+
+class PauseRow(NamedTuple):
+    """One row of the pauses table."""
+
+    process: str  # api | core
+    kind: str  # gc | loop_lag
+    start_ns: int
+    duration_ns: int
 
 
 class Intervals:
@@ -22,14 +33,14 @@ class Intervals:
         self.starts, self.ends = arr[:, 0], arr[:, 1]
         self.cum = np.cumsum(self.ends - self.starts)
 
-    def before(self, t: np.ndarray | int) -> np.ndarray:
+    def before(self, t: npt.ArrayLike) -> npt.NDArray[np.int64]:
         """Time inside the intervals before instant(s) t."""
-        t = np.asarray(t, dtype=np.int64)
+        at = np.asarray(t, dtype=np.int64)
         if not len(self.starts):
-            return np.zeros_like(t)
-        i = np.searchsorted(self.starts, t, side="right") - 1
+            return np.zeros_like(at)
+        i = np.searchsorted(self.starts, at, side="right") - 1
         j = np.maximum(i, 0)
-        inside = self.cum[j] - np.maximum(self.ends[j] - t, 0)
+        inside = self.cum[j] - np.maximum(self.ends[j] - at, 0)
         return np.where(i < 0, 0, inside)
 
     def within(self, a: int, b: int) -> int:
@@ -57,3 +68,15 @@ class Pauses:
 
 def no_pauses() -> Pauses:
     return Pauses(Intervals([]), Intervals([]))
+
+
+def pauses_of(rows: list[PauseRow]) -> tuple[Pauses, Pauses]:
+    """The (api, core) pauses of a run's rows (the core's loop lag is not recorded)."""
+
+    def of(process: str, kind: str) -> Intervals:
+        return Intervals(
+            [(r.start_ns, r.start_ns + r.duration_ns) for r in rows
+             if r.process == process and r.kind == kind]
+        )  # fmt: skip
+
+    return Pauses(of("api", "gc"), of("api", "loop_lag")), Pauses(of("core", "gc"), Intervals([]))

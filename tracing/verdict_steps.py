@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from tracing.diagnose_load import COLD_STEPS, MIN_PRICED_PREFILL, fit_step_shape
 from tracing.diagnosis import (
     MIN_CAUSE_NS,
     MIN_CAUSE_SHARE,
@@ -15,6 +14,7 @@ from tracing.diagnosis import (
     RunDiagnosis,
     StepFacts,
 )
+from tracing.shares import COLD_STEPS, MIN_PRICED_PREFILL, fit_step_shape
 from tracing.words import WHAT, count, ms, tokens_of
 
 OUTLIER_FACTOR = 3.0  # a step this many times its shape's expected time is an outlier
@@ -54,7 +54,7 @@ def step_findings(run: RunDiagnosis, said: list[Finding]) -> list[Finding]:
 
 
 def shape_model(busy: list[StepFacts]) -> np.ndarray | None:
-    """Execute time = a + b * prefill tokens + c * rows (diagnose_load.fit_step_shape)."""
+    """Execute time = a + b * prefill tokens + c * rows (tracing.shares.fit_step_shape)."""
     return fit_step_shape(
         np.array([s.prefill_tokens for s in busy]),
         np.array([s.rows or s.running for s in busy]),

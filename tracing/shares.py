@@ -1,0 +1,308 @@
+"""Each request's share of the steps it took part in: the run's step-cost fit and every formula
+that splits a step's time between its rows (numpy over the facts ``tracing.diagnose_load``
+reads).
+
+The fit (fit_step_shape, on the run's busy steps after the first COLD_STEPS)::
+
+    execute_ns = a + b * prefill tokens + c * rows
+
+least squares, refitted without the steps it misses by more than 3 robust deviations (except
+steps with MIN_PRICED_PREFILL prefill tokens: they alone price a token); no coefficient below 0;
+b never above c (a prefill token is the same matmul work as a row, batched); b = 0 where no step
+carried MIN_PRICED_PREFILL prefill tokens or b is within 3 standard errors of 0.
+
+The fallback (step_weights): with fewer than MIN_FIT_STEPS steps to fit (or a fit that is all
+0), plain token shares (a = c = 0, b = d = 1); and if no step carried MIN_PRICED_PREFILL
+prefill tokens, rows share alike (a = b = d = 0, c = 1).
+
+A step's cost, and one row's share of it (d prices decode tokens; only the fallback sets it)::
+
+    cost(step)  = max(a + b * prefill tokens + c * rows + d * decode tokens, 1e-9)
+    per_row     = a / max(rows, 1) + c
+    own         = net * min((b * its tokens + per_row) / cost, 1)          (TTFT phase only)
+    neighbours  = min(net * min(b * (prefill tokens - its own) / cost, 1), net - own)
+    decode      = net - own - neighbours           (the batch's other rows; its own decode)
+
+where ``net`` is the execute time inside the row's output window less the core GC inside it.
+
+The output window: a row is in its request's TTFT phase while the step's output instant is at
+or before the request's first token (or it never got one), else in its decode phase; its
+window is the phase's ``[lo, hi]`` (tracing.diagnose's Window). Each interval of the step --
+schedule [schedule_start, execute_start], grammar masks [schedule_end, execute_start] (where the
+step computed any), execute [execute_start, execute_end], output [execute_end, out_end] -- is
+clipped to that window; ``out_end`` is the output instant, cut at the next step's start
+(outputs still leaving the core overlap the next step). The core's GC pauses inside each full
+interval are shared pro rata to the clipped part: ``gc = pause * clipped / max(full, 1)``.
+Per row then: schedule = max(clipped schedule - its GC - masks, 0), grammar mask =
+min(masks, clipped schedule - its GC), output = clipped output - its GC, gc = the three GC
+shares, total = the three clipped intervals. Sums per (request, phase) are StepShare.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from tracing.pauses import Intervals
+
+COLD_STEPS = 3  # the first steps, judged against a fit of the others
+MIN_FIT_STEPS = 8  # fewer steps than this: no fit (no cold or outlier verdict, token shares)
+MIN_PRICED_PREFILL = 64  # prefill tokens some step must carry before a token gets its own price
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class StepWeights:
+    """The run's price of a step: fixed a, b per prefill token, c per row, d per decode token."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Every step of a run (idle records too), by step id: its instants and its shape."""
+
+    step_id: IntArray
+    schedule_start_ns: IntArray
+    schedule_end_ns: IntArray
+    execute_start_ns: IntArray
+    execute_end_ns: IntArray
+    output_ns: IntArray  # the instant its outputs were sent
+    prefill_tokens: IntArray
+    decode_tokens: IntArray
+    rows: IntArray  # requests scheduled in it
+    grammar_mask_ns: IntArray
+
+
+@dataclass(frozen=True)
+class Memberships:
+    """Who took part in each step: one entry per (step, request row), tokens scheduled; by step,
+    then in the order the step listed them."""
+
+    step_id: IntArray
+    request_id: list[str]
+    tokens: IntArray
+
+
+@dataclass(frozen=True)
+class Windows:
+    """Per request (in request order): its TTFT phase [start, ttft_end], its decode phase
+    [ttft_end, end], and its first token (-1: it got none)."""
+
+    request_id: list[str]
+    first_token: IntArray
+    start: IntArray
+    ttft_end: IntArray
+    end: IntArray
+
+
+@dataclass
+class StepShare:
+    """A request's share of its steps in one phase (ns; see the module docstring)."""
+
+    own_prefill: float
+    neighbour_prefill: float
+    decode: float
+    schedule: float
+    output: float
+    gc: float
+    grammar_mask: float
+    total: int  # the clipped schedule, execute and output intervals
+    first_start: int  # the first of its steps began
+    last_output: int  # the last of its steps' outputs left the core
+    step_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MemberPhases:
+    """Per membership: its request's index in Windows, its step's index in StepTimes, and
+    whether the row was in its request's TTFT phase."""
+
+    request: IntArray
+    step: IntArray
+    ttft: npt.NDArray[np.bool_]
+
+
+def fit_step_shape(
+    prefill: npt.ArrayLike, rows: npt.ArrayLike, execute: npt.ArrayLike
+) -> FloatArray | None:
+    """[a, b, c] of execute = a + b * prefill tokens + c * rows (the module docstring), or
+    None with fewer than MIN_FIT_STEPS steps after the first COLD_STEPS.
+
+    A step slowed by contention or a pause must not set the price of a token, hence the refit
+    without outliers; but in a run of decodes the few long prefills are the only steps that
+    price a prefill token, and the first fit (which the decodes dominate) misses exactly them:
+    dropped, every long prefill would read as contention."""
+    x = np.column_stack([np.ones(len(np.asarray(prefill))), prefill, rows]).astype(float)
+    x = x[COLD_STEPS:]
+    y = np.asarray(execute, dtype=float)[COLD_STEPS:]
+    if len(y) < MIN_FIT_STEPS:
+        return None
+    if x[:, 1].max() < MIN_PRICED_PREFILL:
+        x[:, 1] = 0.0
+    coef = _nonnegative_fit(x, y)
+    residual = y - x @ coef
+    spread = 1.4826 * float(np.median(np.abs(residual - np.median(residual)))) or 1.0
+    keep = (np.abs(residual) <= 3 * spread) | (x[:, 1] >= MIN_PRICED_PREFILL)
+    if keep.sum() >= MIN_FIT_STEPS:
+        x, y = x[keep], y[keep]
+        coef = _nonnegative_fit(x, y)
+    if not _beyond_noise(x, y, coef, 1):  # a price the steps cannot tell from noise: none
+        x[:, 1] = 0.0
+        coef = _nonnegative_fit(x, y)
+    a, b, c = coef
+    return np.array([a, min(b, c) if c > 0 else b, c])
+
+
+def _nonnegative_fit(x: FloatArray, y: FloatArray) -> FloatArray:
+    """Least squares with no negative coefficient: a column whose coefficient comes out
+    negative is dropped and the rest refitted (clipping alone would leave the others fitted
+    against it: rows nearly constant across a run give a = 94 ms and c = -22 ms per row)."""
+    x = x.copy()
+    while True:
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        worst = int(np.argmin(coef))
+        if coef[worst] >= 0 or not x[:, worst].any():
+            return np.clip(coef, 0.0, None)
+        x[:, worst] = 0.0
+
+
+def _beyond_noise(x: FloatArray, y: FloatArray, coef: FloatArray, i: int) -> bool:
+    """Whether coefficient i is at least 3 standard errors above 0, in the model the fit
+    kept: a column _nonnegative_fit dropped (coefficient 0) does not count. Counted, a rows
+    column that only varies on the long-prefill steps (4 rows everywhere else) would share
+    their variance with the prefill price and call a 12 us/token price noise."""
+    used = (coef > 0) | (np.arange(len(coef)) == i)
+    x, coef, i = x[:, used], coef[used], int(np.count_nonzero(used[:i]))
+    dof = len(y) - x.shape[1]
+    if dof < 1 or not x[:, i].any():
+        return False
+    sigma2 = float(np.sum((y - x @ coef) ** 2)) / dof
+    cov = sigma2 * np.linalg.pinv(x.T @ x)
+    return bool(coef[i] > 3 * np.sqrt(max(cov[i, i], 0.0)))
+
+
+def step_weights(prefill: IntArray, rows: IntArray, execute: IntArray) -> StepWeights:
+    """The run's StepWeights from its busy steps' shapes and execute times: the fit, else the
+    fallback (module docstring)."""
+    coef = fit_step_shape(prefill, rows, execute)
+    if coef is not None and coef.sum() > 0:
+        return StepWeights(float(coef[0]), float(coef[1]), float(coef[2]), 0.0)
+    if int(prefill.max(initial=0)) < MIN_PRICED_PREFILL:
+        return StepWeights(0.0, 0.0, 1.0, 0.0)
+    return StepWeights(0.0, 1.0, 0.0, 1.0)
+
+
+def place(members: Memberships, steps: StepTimes, windows: Windows) -> MemberPhases:
+    """Each membership's request, step and phase (memberships of unknown requests are gone
+    already: diagnose_load maps core ids to request rows)."""
+    row_of = {rid: i for i, rid in enumerate(windows.request_id)}
+    step_of = {int(s): i for i, s in enumerate(steps.step_id)}
+    req = np.array([row_of[r] for r in members.request_id], dtype=np.int64)
+    step = np.array([step_of[int(s)] for s in members.step_id], dtype=np.int64)
+    ft = windows.first_token[req]
+    ttft = (ft < 0) | (steps.output_ns[step] <= ft)
+    return MemberPhases(req, step, ttft)
+
+
+def _gc_inside(steps: StepTimes, gc: Intervals) -> list[IntArray]:
+    """The core's GC pauses inside each step's schedule, execute and output intervals."""
+    bounds = [steps.schedule_start_ns, steps.execute_start_ns, steps.execute_end_ns]
+    bounds.append(steps.output_ns)
+    return [np.maximum(gc.before(b) - gc.before(a), 0) for a, b in itertools.pairwise(bounds)]
+
+
+def out_end(steps: StepTimes) -> IntArray:
+    """A step's outputs end when they are sent, or when the next step begins if earlier."""
+    nxt = np.append(steps.schedule_start_ns[1:], steps.output_ns[-1:])
+    return np.minimum(steps.output_ns, nxt)
+
+
+def step_shares(
+    members: Memberships,
+    placed: MemberPhases,
+    steps: StepTimes,
+    windows: Windows,
+    weights: StepWeights,
+    core_gc: Intervals,
+) -> dict[tuple[str, str], StepShare]:
+    """(request id, phase) -> its StepShare, by the formulas of the module docstring."""
+    if not len(placed.step):
+        return {}
+    s, r, ttft = placed.step, placed.request, placed.ttft
+    lo = np.where(ttft, windows.start[r], windows.ttft_end[r])
+    hi = np.where(ttft, windows.ttft_end[r], windows.end[r])
+    s0, s1 = steps.schedule_start_ns[s], steps.schedule_end_ns[s]
+    e0, e1, o1 = steps.execute_start_ns[s], steps.execute_end_ns[s], out_end(steps)[s]
+
+    def clipped(a: IntArray, b: IntArray) -> IntArray:
+        return np.maximum(0, np.minimum(b, hi) - np.maximum(a, lo))
+
+    sched, exe, outp = clipped(s0, e0), clipped(e0, e1), clipped(e1, o1)
+    gram = np.where(steps.grammar_mask_ns[s] > 0, clipped(s1, e0), 0)
+    sg, eg, og = (g[s] for g in _gc_inside(steps, core_gc))
+    gs = sg * sched / np.maximum(e0 - s0, 1)
+    ge = eg * exe / np.maximum(e1 - e0, 1)
+    go = og * outp / np.maximum(o1 - e1, 1)
+    prefill, rows = steps.prefill_tokens[s], steps.rows[s]
+    cost = weights.a + weights.b * prefill + weights.c * rows + weights.d * steps.decode_tokens[s]
+    cost = np.maximum(cost, 1e-9)
+    per_row = weights.a / np.maximum(rows, 1) + weights.c
+    tokens = members.tokens
+    net = exe - ge
+    own = np.where(ttft, net * np.minimum((weights.b * tokens + per_row) / cost, 1), 0.0)
+    others = np.maximum(prefill - np.where(ttft, tokens, 0), 0)
+    nb = np.minimum(net * np.minimum(weights.b * others / cost, 1), net - own)
+    per_member = {
+        "own_prefill": own,
+        "neighbour_prefill": nb,
+        "decode": net - own - nb,
+        "schedule": np.maximum(sched - gs - gram, 0),
+        "output": outp - go,
+        "gc": gs + ge + go,
+        "grammar_mask": np.minimum(gram, sched - gs),
+    }
+    return _by_request_phase(per_member, sched + exe + outp, s0, o1, placed, steps, windows)
+
+
+def _by_request_phase(
+    per_member: dict[str, FloatArray],
+    total: IntArray,
+    starts: IntArray,
+    ends: IntArray,
+    placed: MemberPhases,
+    steps: StepTimes,
+    windows: Windows,
+) -> dict[tuple[str, str], StepShare]:
+    group = placed.request * 2 + (~placed.ttft).astype(np.int64)
+    keys, inverse = np.unique(group, return_inverse=True)
+    n = len(keys)
+    sums = {k: np.bincount(inverse, weights=v, minlength=n) for k, v in per_member.items()}
+    totals = np.zeros(n, dtype=np.int64)
+    np.add.at(totals, inverse, total)
+    first = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first, inverse, starts)
+    last = np.full(n, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(last, inverse, ends)
+    order = np.argsort(inverse, kind="stable")
+    split = np.split(steps.step_id[placed.step][order], np.cumsum(np.bincount(inverse))[:-1])
+    out = {}
+    for i, key in enumerate(keys):
+        rid = windows.request_id[int(key) // 2]
+        phase = "decode" if key % 2 else "ttft"
+        out[(rid, phase)] = StepShare(
+            **{k: float(v[i]) for k, v in sums.items()},
+            total=int(totals[i]),
+            first_start=int(first[i]),
+            last_output=int(last[i]),
+            step_ids=sorted({int(x) for x in split[i]}),
+        )
+    return out

@@ -73,7 +73,7 @@ def weights_pass(model: torch.nn.Module, rows: int, device: torch.device) -> flo
         for module in model.modules():
             if hasattr(module, "packed"):  # the model's Linear: a plain weight or oneDNN's copy
                 products.append(_read(module.packed, module.weight, rows, device))
-        products.append(_read(model.packed_head, model.head_weight(), rows, device))
+        products.append(_read(model.kernels.packed_head, model.head_weight(), rows, device))
 
         def one_pass() -> None:
             for product in products:

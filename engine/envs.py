@@ -63,6 +63,25 @@ LUMEN_CPU_THREADS = EnvVar(
     "torch threads of the engine's process on CPU: auto (the machine's cores, or 1 where more "
     "do not make a 16-row step 1.25x faster, timed at start) or a number",
 )
+
+LUMEN_CPU_INT8 = EnvVar(
+    "LUMEN_CPU_INT8",
+    "auto",
+    "CPU kernel of --quantization int8's products: auto (the native kernel up to the row count "
+    "where it times faster than widening the weight, at start), native (every row count; fail "
+    "if it does not build) or widen (the weight widened, then torch's product)",
+)
+
+LUMEN_AUTOTUNE = EnvVar(
+    "LUMEN_AUTOTUNE",
+    "cache",
+    "the CPU kernel choices timed at start (matrix products, attention, greedy head, int8, "
+    "threads): cache (reuse those an earlier start on this machine, model shape and versions "
+    "made) or retune (time them again and overwrite the cache)",
+)
+LUMEN_AUTOTUNE_DIR = EnvVar(
+    "LUMEN_AUTOTUNE_DIR", "", "folder of the cached CPU kernel choices; empty = LUMEN_HOME/autotune"
+)
 LUMEN_GC = EnvVar(
     "LUMEN_GC",
     "serving",
@@ -72,7 +91,8 @@ LUMEN_GC = EnvVar(
 
 ALL = (
     LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_CPU_MATMUL,
-    LUMEN_CPU_ATTENTION, LUMEN_CPU_GREEDY_HEAD, LUMEN_CPU_THREADS, LUMEN_GC,
+    LUMEN_CPU_ATTENTION, LUMEN_CPU_GREEDY_HEAD, LUMEN_CPU_THREADS, LUMEN_CPU_INT8,
+    LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR, LUMEN_GC,
 )  # fmt: skip
 
 

@@ -10,6 +10,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def autotune_cache(tmp_path_factory: pytest.TempPathFactory):
+    """The CPU kernel choices cached in this session's own folder, not the user's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LUMEN_AUTOTUNE_DIR", str(tmp_path_factory.mktemp("autotune")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def default_model_path() -> Path:
     from engine.model_files import ensure_default_model

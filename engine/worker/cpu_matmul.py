@@ -7,18 +7,17 @@ ran 2.0-2.3x faster for prefill chunks (512-2048 rows) and 1.5-4x faster for
 decode batches (1-64 rows, the LM head most of all), in fp32 and at fp32's
 accuracy. Other CPUs may differ, so the engine times both kernels on the
 model's widest weight at load and uses the faster (``LUMEN_CPU_MATMUL``
-forces one).
+forces one; the decision is cached per machine and shape, autotune).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine import envs
+from engine.worker import autotune
 
 # The batch size oneDNN packs a weight for; measured: any hint from 16 up serves every batch
 # size from 1 to 2048 alike, a hint of 1 runs batches of 3-64 rows up to 1.6x slower.
@@ -50,35 +49,30 @@ class Choice:
 
 def choose(weight_in_out: torch.Tensor, rows: tuple[int, ...] = TIMED_ROWS) -> Choice:
     """The faster kernel for products with ``weight_in_out`` ([in, out], as Linear holds it),
-    timed at each of ``rows``."""
-    forced = envs.LUMEN_CPU_MATMUL.get() or "auto"
-    if forced not in KERNELS:
-        raise ValueError(f"LUMEN_CPU_MATMUL must be one of {', '.join(KERNELS)}, not {forced!r}")
+    timed at each of ``rows`` (autotune: cached per machine and shape)."""
+    forced = autotune.forced(envs.LUMEN_CPU_MATMUL, KERNELS)
     if not onednn_available(weight_in_out.dtype):
         return Choice("aten", f"oneDNN does not serve {weight_in_out.dtype} here")
-    if forced != "auto":
+    if forced != autotune.AUTO:
         return Choice(forced, "set by LUMEN_CPU_MATMUL")
+    shape = {"weight": list(weight_in_out.shape), "dtype": str(weight_in_out.dtype),
+             "rows": list(rows)}  # fmt: skip
+    decision = autotune.decide("matmul", shape, lambda: _time_both(weight_in_out, rows))
+    return Choice(decision.choice, decision.why)
+
+
+def _time_both(weight_in_out: torch.Tensor, rows: tuple[int, ...]) -> tuple[str, str]:
     packed = pack(weight_in_out.t())
-    aten_s = onednn_s = 0.0
+    total = {"aten": 0.0, "onednn": 0.0}
     for n in rows:
         x = torch.randn(n, weight_in_out.shape[0], dtype=weight_in_out.dtype)
-        aten_s += best_of(lambda: x @ weight_in_out)  # noqa: B023
-        onednn_s += best_of(lambda: onednn_linear(x, packed))  # noqa: B023
-    kernel = "onednn" if onednn_s < aten_s else "aten"
+        times = autotune.best_of_each(
+            {"aten": lambda: x @ weight_in_out, "onednn": lambda: onednn_linear(x, packed)}  # noqa: B023
+        )
+        total = {k: total[k] + times[k] for k in total}
+    kernel = "onednn" if total["onednn"] < total["aten"] else "aten"
     shape = "x".join(map(str, weight_in_out.shape))
-    return Choice(
-        kernel,
+    return kernel, (
         f"weight {shape} at {'+'.join(map(str, rows))} rows: "
-        f"oneDNN {onednn_s * 1e3:.2f} ms, aten {aten_s * 1e3:.2f} ms",
+        f"oneDNN {total['onednn'] * 1e3:.2f} ms, aten {total['aten'] * 1e3:.2f} ms"
     )
-
-
-def best_of(fn: Callable[[], object], repeat: int = 5) -> float:
-    """The fastest of ``repeat`` timed calls of ``fn``, after one untimed."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best

@@ -14,19 +14,20 @@ second at 0.55x the CPU per token.
 So where the engine owns its process (the EngineCore process, a tensor-parallel worker),
 it times a 16-row step on the full team and on one thread before READY, and keeps the
 team only where the step on one thread takes at least ``MIN_STEP_S`` and the team makes
-it at least ``GAIN`` times faster. ``LUMEN_CPU_THREADS`` (a number) or ``OMP_NUM_THREADS``
-set by the user decide instead.
+it at least ``GAIN`` times faster; the decision is cached per machine and model (autotune).
+``LUMEN_CPU_THREADS`` (a number) or ``OMP_NUM_THREADS`` set by the user decide instead.
 """
 
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from engine import envs
+from engine.worker import autotune
 
 GAIN = 1.25  # the speed-up a wider team must buy to keep its threads
 MIN_STEP_S = 0.005  # a one-thread step shorter than this is outweighed by the Python around it
@@ -48,10 +49,13 @@ def forced() -> int | None:
     return threads
 
 
-def choose(step: Callable[[], object], owns_process: bool) -> str | None:
+def choose(
+    step: Callable[[], object], owns_process: bool, shape: Mapping[str, Any] | None = None
+) -> str | None:
     """Set torch's thread count for this process; returns why, for the log (None: left
-    as it was). ``step`` runs one forward of ``ROWS`` rows. Only LUMEN_CPU_THREADS changes
-    a process the engine does not own (an offline ``LLM`` in the user's own process)."""
+    as it was). ``step`` runs one forward of ``ROWS`` rows of the model ``shape`` describes
+    (the decision is cached for it, autotune). Only LUMEN_CPU_THREADS changes a process the
+    engine does not own (an offline ``LLM`` in the user's own process)."""
     threads = forced()
     if threads is not None:
         torch.set_num_threads(threads)
@@ -63,19 +67,17 @@ def choose(step: Callable[[], object], owns_process: bool) -> str | None:
         return f"{team} (set by OMP_NUM_THREADS)"
     if team == 1:
         return "1 (the machine's share)"
-    step()  # the first run pays one-off costs
-    best = {team: float("inf"), 1: float("inf")}
-    for _ in range(ROUNDS):  # interleaved: both see the machine's same state
-        for threads in best:
-            torch.set_num_threads(threads)
-            t0 = time.perf_counter()
-            step()
-            best[threads] = min(best[threads], time.perf_counter() - t0)
+    decision = autotune.decide("threads", shape or {}, lambda: _time(step, team))
+    torch.set_num_threads(decision.choice)
+    return f"{decision.choice} ({decision.why})"
+
+
+def _time(step: Callable[[], object], team: int) -> tuple[int, str]:
+    best = autotune.best_of_each({team: step, 1: step}, ROUNDS, before=torch.set_num_threads)
     gain = best[1] / best[team]
     keep = team if gain >= GAIN and best[1] >= MIN_STEP_S else 1
-    torch.set_num_threads(keep)
-    return (
-        f"{keep} (a {ROWS}-row step: {best[team] * 1e3:.2f} ms on {team} threads, "
+    return keep, (
+        f"a {ROWS}-row step: {best[team] * 1e3:.2f} ms on {team} threads, "
         f"{best[1] * 1e3:.2f} ms on 1; a wider team is kept where the step takes "
-        f"{MIN_STEP_S * 1e3:.0f} ms or more on one thread and the team makes it {GAIN}x faster)"
+        f"{MIN_STEP_S * 1e3:.0f} ms or more on one thread and the team makes it {GAIN}x faster"
     )

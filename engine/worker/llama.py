@@ -15,8 +15,9 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig, check_quantization
-from engine.worker import cpu_greedy_head, cpu_int8, cpu_matmul
+from engine.worker import cpu_int8, cpu_matmul
 from engine.worker.attention import AttentionMetadata, paged_attention
+from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.sampler import argmax
 
 
@@ -216,10 +217,15 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard | None = None) -> None:
+    """``kernels``: the CPU kernels its runner chose (torch's paths until chosen)."""
+
+    def __init__(
+        self, cfg: ModelConfig, shard: Shard | None = None, kernels: CpuKernels | None = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.shard = shard or Shard()
+        self.kernels = kernels or CpuKernels()
         check_tensor_parallel(cfg, self.shard.size)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, i) for i in range(cfg.num_layers))
@@ -229,8 +235,6 @@ class LlamaForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
-        self.packed_head: torch.Tensor | None = None  # set by pack_weights
-        self.greedy = cpu_greedy_head.TORCH_ONLY  # set by plan_greedy_head
 
     def forward(
         self,
@@ -252,14 +256,14 @@ class LlamaForCausalLM(nn.Module):
         return self.logits(h) if head else h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        if self.packed_head is not None:
-            return cpu_matmul.onednn_linear(h, self.packed_head).float()
+        if self.kernels.packed_head is not None:
+            return cpu_matmul.onednn_linear(h, self.kernels.packed_head).float()
         return F.linear(h, self.head_weight()).float()
 
     def greedy_tokens(self, h: torch.Tensor) -> torch.Tensor:
         """Each row's most likely next token: the native head where it was timed faster
         for this many rows (cpu_greedy_head), else the logits' argmax."""
-        path = self.greedy.path(h.shape[0])
+        path = self.kernels.greedy.path(h.shape[0])
         if path is not None and h.dtype == torch.float32:
             return path(h)
         return argmax(self.logits(h))
@@ -268,51 +272,41 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     @torch.no_grad()
-    def pack_weights(self) -> cpu_matmul.Choice:
-        """On CPU, move every matrix product to the faster kernel, measured here (cpu_matmul).
-
-        The layers' kernel is timed on their first weight, the LM head's on its own (its
-        shape is far from theirs: for a small model the layers' choice was the wrong one
-        for it, 2.9 ms against 2.2 at 64 rows). Packed, the LM head is a copy (of the
-        embedding table when tied, which the token lookup still reads; of lm_head otherwise).
-        """
+    def pack_weights(self) -> None:
+        """On CPU, move every matrix product to the faster kernel, measured here
+        (CpuKernels.choose_matmul): the layers' kernel timed on their first weight, the LM
+        head's on its own."""
         first = self.layers[0].gate_up_proj.weight
-        if first.numel() == 0:  # quantized: the layers' products are int8 (cpu_int8)
-            choice = cpu_matmul.Choice("int8", "see the int8 line")
-        else:
-            choice = cpu_matmul.choose(first)
-        if choice.kernel == "onednn":
+        # Quantized (an emptied weight): the layers' products are int8 (cpu_int8).
+        kernel = self.kernels.choose_matmul(first if first.numel() else None, self.head_weight())
+        if kernel == "onednn":
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.pack()
-        head = cpu_matmul.choose(self.head_weight().t(), rows=cpu_matmul.HEAD_ROWS)
-        if head.kernel == "onednn":
-            self.packed_head = cpu_matmul.pack(self.head_weight())
-        return cpu_matmul.Choice(choice.kernel, f"{choice.why}; LM head {head.kernel}: {head.why}")
 
     @torch.no_grad()
-    def plan_greedy_head(self) -> str:
+    def plan_greedy_head(self) -> None:
         """On CPU, after pack_weights: time the greedy head's paths (cpu_greedy_head) on the
-        rank that samples. Returns what each batch size takes."""
-        self.greedy = cpu_greedy_head.plan(self.head_weight(), lambda h: argmax(self.logits(h)))
-        return self.greedy.why
+        rank that samples."""
+        self.kernels.plan_greedy_head(self.head_weight(), lambda h: argmax(self.logits(h)))
 
     @torch.no_grad()
-    def quantize_weights(self, quantization: str) -> str:
+    def quantize_weights(self, quantization: str) -> None:
         """Every decoder layer's products in weight-only int8 (cpu_int8); the embedding and
-        the LM head stay in the model's dtype. Returns how the products run here."""
+        the LM head stay in the model's dtype. On CPU the int8 kernel is timed here."""
         check_quantization(quantization)
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
             module.quantize()
         first = self.layers[0].gate_up_proj
-        plan = cpu_int8.WIDEN_ONLY
-        if first.qweight.device.type == "cpu":
-            plan = cpu_int8.plan(first.qweight, first.scale, self.embed_tokens.weight.dtype)
+        if first.qweight.device.type != "cpu":
+            return
+        plan = self.kernels.plan_int8(
+            quantization, first.qweight, first.scale, self.embed_tokens.weight.dtype
+        )
         for module in linears:
             fits = plan.kernel is not None and plan.kernel.fits(module.qweight)
             module.int8 = plan if fits else cpu_int8.WIDEN_ONLY
-        return plan.why
 
     @torch.no_grad()
     def load_weights(self, folder: str | Path) -> None:

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
 
 from engine.config import ModelConfig
 from engine.messages import Logprobs
-from engine.worker import cpu_attention, cpu_threads
+from engine.worker import cpu_threads
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask
-from engine.worker.decode_cache import DecodeCache, torch_attention
+from engine.worker.cpu_kernels import CpuKernels
+from engine.worker.decode_cache import DecodeCache
 from engine.worker.llama import LlamaForCausalLM, Rotary, Shard
 from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.worker.sampler import Sampler, SamplingRow, plain_greedy
-
-logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -52,22 +49,21 @@ class ModelRunner:
         # Set where this runner's process is the engine's own (not a user's): then it may
         # choose the process's CPU threads.
         self.owns_process = False
-        self._threads_chosen = False
-        self._attention: cpu_attention.Choice | None = None
+        # The CPU kernels chosen at load (autotune), which the model reads; kept across a
+        # sleep and wake-up, so they are chosen once.
+        self.kernels = CpuKernels()
 
     def load_model(self) -> None:
         with torch.device("meta"):
-            model = LlamaForCausalLM(self.cfg, self.shard)
+            model = LlamaForCausalLM(self.cfg, self.shard, self.kernels)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load_weights(self.cfg.path)
         if self.quantization is not None:
-            why = model.quantize_weights(self.quantization)
-            logger.info("%s weights: %s", self.quantization, why)
+            model.quantize_weights(self.quantization)
         if self.device.type == "cpu":
-            choice = model.pack_weights()
-            logger.info("CPU matrix products: %s (%s)", choice.kernel, choice.why)
+            model.pack_weights()
             if self.is_driver:  # only the driver samples: no copy or timing on other ranks
-                logger.info("greedy LM head: %s", model.plan_greedy_head())
+                model.plan_greedy_head()
         self.model = model.eval()
 
     def block_bytes(self) -> int:
@@ -90,27 +86,27 @@ class ModelRunner:
             # On CPU, gathering blocks for decode costs as much as attention
             # itself; a contiguous mirror of decoding requests, up to the paged
             # cache's own size, avoids it (on CUDA the gather is cheap).
-            if self._attention is None:  # chosen once; a wake-up reuses it
-                group = self.cfg.num_heads // self.cfg.num_kv_heads
-                self._attention = choice = cpu_attention.choose(
-                    group, self.cfg.head_dim, self.kv_dtype, torch_attention
-                )
-                logger.info(
-                    "CPU decode attention: %s (%s)",
-                    "native" if choice.kernel else "torch",
-                    choice.why,
-                )
-            choice = self._attention
+            group = self.cfg.num_heads // self.cfg.num_kv_heads
+            choice = self.kernels.choose_attention(group, self.cfg.head_dim, self.kv_dtype)
             self.decode_cache = DecodeCache(
                 self.cfg.num_layers, num_kv_heads, self.cfg.head_dim, self.block_size,
                 self.dtype, self.device, max_bytes=num_blocks * self.block_bytes(),
                 kv_dtype=self.kv_dtype, native=choice.kernel,
             )  # fmt: skip
 
-        if self.device.type == "cpu" and not self._threads_chosen:
-            self._threads_chosen = True
-            if why := cpu_threads.choose(self._time_step, self.owns_process):
-                logger.info("CPU threads: %s", why)
+        if self.device.type == "cpu":
+            self.kernels.choose_threads(self._time_step, self.owns_process, self._shape())
+
+    def _shape(self) -> dict[str, object]:
+        """What a step's time depends on, beside the machine: the thread choice's cache key."""
+        cfg = self.cfg
+        return {
+            "layers": cfg.num_layers, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab": cfg.vocab_size,
+            "intermediate": cfg.intermediate_size, "tp": self.shard.size,
+            "dtype": str(self.dtype), "kv_dtype": str(self.kv_dtype),
+            "quantization": self.quantization, "driver": self.is_driver,
+        }  # fmt: skip
 
     @torch.inference_mode()
     def _time_step(self) -> None:

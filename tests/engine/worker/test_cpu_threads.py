@@ -16,6 +16,7 @@ def restore_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     before = torch.get_num_threads()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("LUMEN_CPU_THREADS", raising=False)
+    monkeypatch.setenv("LUMEN_AUTOTUNE", "retune")  # each case times its own step
     torch.set_num_threads(4)
     yield
     torch.set_num_threads(before)
@@ -64,3 +65,15 @@ def test_a_bad_setting_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, value: 
     monkeypatch.setenv("LUMEN_CPU_THREADS", value)
     with pytest.raises(ValueError, match="LUMEN_CPU_THREADS must be auto or a whole number"):
         cpu_threads.choose(step_taking(0.002, 0.0005), owns_process=True)
+
+
+def test_a_second_start_takes_the_cached_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    shape = {"model": "a large one"}
+    first = cpu_threads.choose(step_taking(0.030, 0.012), owns_process=True, shape=shape)
+    assert first is not None and first.startswith("4 (a 16-row step")
+    monkeypatch.delenv("LUMEN_AUTOTUNE")
+    torch.set_num_threads(4)
+    # The step now says one thread would do, but it is not timed: the cache decides.
+    second = cpu_threads.choose(step_taking(0.030, 0.029), owns_process=True, shape=shape)
+    assert second == f"4 (cached: {first[3:-1]})"
+    assert torch.get_num_threads() == 4

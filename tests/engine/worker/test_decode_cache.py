@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import random
-import shutil
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 from engine.worker import cpu_attention
 from engine.worker.attention import AttentionMetadata, paged_attention
 from engine.worker.decode_cache import DecodeCache
+from tests.helpers.native import built
 
 BS, KVH, H, D, BLOCKS = 4, 2, 4, 8, 96
 
@@ -29,9 +29,7 @@ def reference_meta(slots: torch.Tensor, tables: list[list[int]], lens: list[int]
 
 @functools.cache
 def native_kernel() -> cpu_attention.NativeDecodeAttention:
-    if not (shutil.which("cc") or shutil.which("gcc")):
-        pytest.skip("no C compiler on PATH: the native kernel cannot build")
-    return cpu_attention.NativeDecodeAttention(cpu_attention.build(H // KVH, D))
+    return built(lambda: cpu_attention.NativeDecodeAttention(cpu_attention.build(H // KVH, D)))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -8,13 +8,11 @@ import pytest
 import torch
 
 from engine.worker import cpu_greedy_head, cpu_matmul
+from tests.helpers.native import built
 
 
 def _library() -> tuple[str, int, int]:
-    try:
-        return cpu_greedy_head.build()
-    except RuntimeError as e:
-        pytest.skip(f"the native greedy head did not build here: {e}")
+    return built(cpu_greedy_head.build)
 
 
 def _kernel(weight: torch.Tensor) -> cpu_greedy_head.FusedHead:
@@ -102,12 +100,20 @@ def test_screened_head_separates_what_bf16_cannot() -> None:
     assert _screened(weight)(torch.zeros(2, 64)).tolist() == [0, 0]  # every logit 0: the first
 
 
-def test_plan_is_timed_and_forced_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plan_is_timed_cached_and_forced_by_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _library()
     weight = torch.randn(3000, 32)
     torch_path = lambda h: (h @ weight.t()).argmax(-1)  # noqa: E731
+    monkeypatch.setenv("LUMEN_AUTOTUNE", "retune")
     plan = cpu_greedy_head.plan(weight, torch_path)
     print(plan.why)
-    assert "1 rows:" in plan.why or "did not build" in plan.why
+    assert plan.why.startswith("1 rows:")
+    monkeypatch.delenv("LUMEN_AUTOTUNE")
+    again = cpu_greedy_head.plan(weight, torch_path)  # the same shape: no timing
+    assert again.why == f"cached: {plan.why}"
+    assert [type(p) for _, p in again.paths] == [type(p) for _, p in plan.paths]
     assert cpu_greedy_head.plan(weight.bfloat16(), torch_path).path(1) is None
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "torch")
     assert cpu_greedy_head.plan(weight, torch_path).path(1) is None

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.worker import cpu_int8, native_build
+from engine.worker import cpu_int8
+from tests.helpers.native import built
 
 
 def test_quantize_is_per_output_channel_and_within_half_a_step() -> None:
@@ -23,14 +24,7 @@ def test_quantize_is_per_output_channel_and_within_half_a_step() -> None:
 
 @pytest.fixture(scope="module")
 def kernel() -> cpu_int8.NativeInt8:
-    vector = native_build.vector_floats()
-    try:
-        library = cpu_int8.native_build.compile_library(
-            f"int8_linear_v{vector}", cpu_int8.SOURCE, (f"-DVL={vector}",)
-        )
-    except RuntimeError as e:
-        pytest.skip(f"the native int8 kernel did not build here: {e}")
-    return cpu_int8.NativeInt8(str(library), vector)
+    return built(cpu_int8.build)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
@@ -52,13 +46,26 @@ def test_native_kernel_equals_the_widened_product(
 
 
 def test_the_plan_times_the_kernel_and_falls_back_where_it_cannot_run(
-    kernel: cpu_int8.NativeInt8,
+    kernel: cpu_int8.NativeInt8, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     q, scale = cpu_int8.quantize(torch.randn(64, 64))
+    monkeypatch.setenv("LUMEN_AUTOTUNE", "retune")
     plan = cpu_int8.plan(q, scale, torch.float32)
     print(plan.why)
-    assert "ms native/widened at rows 1:" in plan.why
+    assert "(ms native/widened at rows 1:" in plan.why
     assert (plan.kernel is None) == (plan.max_rows == 0)
+    monkeypatch.delenv("LUMEN_AUTOTUNE")
+    cached = cpu_int8.plan(q, scale, torch.float32)
+    assert "(cached: ms native/widened at rows 1:" in cached.why
+    assert cached.max_rows == plan.max_rows
+    monkeypatch.setenv("LUMEN_CPU_INT8", "widen")
+    assert cpu_int8.plan(q, scale, torch.float32).kernel is None
+    monkeypatch.setenv("LUMEN_CPU_INT8", "native")
+    assert cpu_int8.plan(q, scale, torch.float32).max_rows > 1 << 40
+    monkeypatch.setenv("LUMEN_CPU_INT8", "fast")
+    with pytest.raises(ValueError, match="LUMEN_CPU_INT8 must be one of auto, native, widen"):
+        cpu_int8.plan(q, scale, torch.float32)
+    monkeypatch.delenv("LUMEN_CPU_INT8")
     # bf16 activations: every product widens, and still computes the product.
     bf16 = cpu_int8.plan(q, scale, torch.bfloat16)
     assert bf16.kernel is None and "fp32 activations" in bf16.why

@@ -1,0 +1,94 @@
+"""CpuKernels: the CPU kernels one ModelRunner chose at load, which its model reads.
+
+The runner creates one and hands it to its model; each ``choose_*`` / ``plan_*`` method asks
+one chooser (cpu_matmul, cpu_greedy_head, cpu_int8, cpu_attention, cpu_threads: each goes
+through autotune), keeps what it chose and logs it. Until a choice is made the model runs
+torch's paths, as it does on CUDA, where none is made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.worker import (
+    autotune,
+    cpu_attention,
+    cpu_greedy_head,
+    cpu_int8,
+    cpu_matmul,
+    cpu_threads,
+)
+from engine.worker.decode_cache import torch_attention
+
+
+@dataclass
+class CpuKernels:
+    """What the model's CPU products, greedy head and decode attention run on."""
+
+    matmul: str = "aten"  # the decoder layers' products: aten, onednn or int8
+    packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout, where faster
+    greedy: cpu_greedy_head.Plan = cpu_greedy_head.TORCH_ONLY
+    int8: cpu_int8.Plan = cpu_int8.WIDEN_ONLY
+    attention: cpu_attention.Choice | None = None  # None: not chosen yet (set once)
+    threads_chosen: bool = False
+
+    def choose_matmul(self, layer_weight: torch.Tensor | None, head_weight: torch.Tensor) -> str:
+        """The layers' kernel, timed on ``layer_weight`` ([in, out]; None where the layers are
+        int8), and the LM head's, timed on its own ``head_weight`` ([vocab, hidden]): its
+        shape is far from theirs (for a small model the layers' choice was the wrong one for
+        it, 2.9 ms against 2.2 at 64 rows). Packed, the LM head is a copy."""
+        if layer_weight is None:
+            layers = cpu_matmul.Choice("int8", "see the int8 line")
+        else:
+            layers = cpu_matmul.choose(layer_weight)
+        head = cpu_matmul.choose(head_weight.t(), rows=cpu_matmul.HEAD_ROWS)
+        if head.kernel == "onednn":
+            self.packed_head = cpu_matmul.pack(head_weight)
+        self.matmul = layers.kernel
+        autotune.log(
+            "CPU matrix products",
+            f"{layers.kernel} ({layers.why}; LM head {head.kernel}: {head.why})",
+        )
+        return layers.kernel
+
+    def plan_greedy_head(
+        self, head_weight: torch.Tensor, torch_path: Callable[[torch.Tensor], torch.Tensor]
+    ) -> None:
+        """Time the greedy head's paths (after choose_matmul: torch's path is the LM head as
+        chosen there)."""
+        kernel = "onednn" if self.packed_head is not None else "aten"
+        self.greedy = cpu_greedy_head.plan(head_weight, torch_path, kernel)
+        autotune.log("greedy LM head", self.greedy.why)
+
+    def plan_int8(
+        self, quantization: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+    ) -> cpu_int8.Plan:
+        self.int8 = cpu_int8.plan(q, scale, dtype)
+        autotune.log(f"{quantization} weights", self.int8.why)
+        return self.int8
+
+    def choose_attention(
+        self, group: int, head_dim: int, kv_dtype: torch.dtype
+    ) -> cpu_attention.Choice:
+        """Decode attention's kernel, chosen once (a wake-up reuses it)."""
+        if self.attention is None:
+            self.attention = cpu_attention.choose(group, head_dim, kv_dtype, torch_attention)
+            native = self.attention.kernel is not None
+            autotune.log(
+                "CPU decode attention", f"{'native' if native else 'torch'} ({self.attention.why})"
+            )
+        return self.attention
+
+    def choose_threads(
+        self, step: Callable[[], object], owns_process: bool, shape: Mapping[str, Any]
+    ) -> None:
+        """The process's torch threads (cpu_threads), chosen once."""
+        if self.threads_chosen:
+            return
+        self.threads_chosen = True
+        if why := cpu_threads.choose(step, owns_process, shape):
+            autotune.log("CPU threads", why)

@@ -1,0 +1,97 @@
+/* Decode attention over the CPU decode mirror (engine/worker/cpu_attention.py loads it).
+ * Compiled by native_build per machine and model shape with -DGROUP=<query heads per KV head>
+ * -DDIM=<head dim>, so the loops unroll into registers. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float from_bf16(uint16_t x) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)x << 16;
+    return v.f;
+}
+#define FROM_F32(x) (x)
+#define TO_F32(x) (x)
+
+/* Round to nearest even, as torch's .to(torch.bfloat16) does. */
+static inline uint16_t to_bf16(float f) {
+    union { float f; uint32_t u; } v;
+    v.f = f;
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 64); /* NaN */
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
+/* q, out: [rows, kvh * GROUP, DIM] fp32; k_new, v_new: [rows, kvh, DIM] fp32, the rows'
+   own K and V, written first at position positions[r] of slot slots[r]. k, v: a layer's
+   mirror, [slots, kvh, width, DIM]. Row r attends to positions [0, positions[r]] of its
+   slot. */
+#define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                            \
+int NAME(const float *q, float *out, const float *k_new, const float *v_new, T *k, T *v,  \
+         const int64_t *slots, const int64_t *positions, int64_t rows, int64_t kvh,       \
+         int64_t slot_stride, int64_t head_stride, float scale, int threads) {            \
+    int64_t max_n = 0;                                                                    \
+    for (int64_t r = 0; r < rows; r++)                                                    \
+        if (positions[r] + 1 > max_n) max_n = positions[r] + 1;                           \
+    int failed = 0;                                                                       \
+    _Pragma("omp parallel num_threads(threads)")                                          \
+    {                                                                                     \
+        float *s = malloc(sizeof(float) * GROUP * max_n);                                 \
+        if (!s) failed = 1;                                                               \
+        _Pragma("omp for schedule(static)")                                               \
+        for (int64_t task = 0; task < rows * kvh; task++) {                               \
+            if (!s) continue;                                                             \
+            int64_t r = task / kvh, h = task % kvh, n = positions[r] + 1;                 \
+            const float *qh = q + task * GROUP * DIM;                                     \
+            T *kh = k + slots[r] * slot_stride + h * head_stride;                         \
+            T *vh = v + slots[r] * slot_stride + h * head_stride;                         \
+            for (int d = 0; d < DIM; d++) {                                               \
+                kh[(n - 1) * DIM + d] = STORE(k_new[task * DIM + d]);                     \
+                vh[(n - 1) * DIM + d] = STORE(v_new[task * DIM + d]);                     \
+            }                                                                             \
+            float mx[GROUP], sum[GROUP], acc[GROUP * DIM];                                \
+            for (int g = 0; g < GROUP; g++) mx[g] = -3.0e38f;                             \
+            for (int64_t t = 0; t < n; t++) {                                             \
+                const T *kr = kh + t * DIM;                                               \
+                for (int g = 0; g < GROUP; g++) {                                         \
+                    const float *qg = qh + g * DIM;                                       \
+                    float a = 0.f;                                                        \
+                    _Pragma("omp simd reduction(+:a)")                                    \
+                    for (int d = 0; d < DIM; d++) a += qg[d] * LOAD(kr[d]);               \
+                    a *= scale;                                                           \
+                    s[g * n + t] = a;                                                     \
+                    if (a > mx[g]) mx[g] = a;                                             \
+                }                                                                         \
+            }                                                                             \
+            for (int g = 0; g < GROUP; g++) {                                             \
+                float z = 0.f, m = mx[g], *sg = s + g * n;                                \
+                _Pragma("omp simd reduction(+:z)")                                        \
+                for (int64_t t = 0; t < n; t++) {                                         \
+                    float e = expf(sg[t] - m);                                            \
+                    sg[t] = e;                                                            \
+                    z += e;                                                               \
+                }                                                                         \
+                sum[g] = z;                                                               \
+                for (int d = 0; d < DIM; d++) acc[g * DIM + d] = 0.f;                     \
+            }                                                                             \
+            for (int64_t t = 0; t < n; t++) {                                             \
+                const T *vr = vh + t * DIM;                                               \
+                for (int g = 0; g < GROUP; g++) {                                         \
+                    float p = s[g * n + t], *ag = acc + g * DIM;                          \
+                    _Pragma("omp simd")                                                   \
+                    for (int d = 0; d < DIM; d++) ag[d] += p * LOAD(vr[d]);               \
+                }                                                                         \
+            }                                                                             \
+            float *oh = out + task * GROUP * DIM;                                         \
+            for (int g = 0; g < GROUP; g++) {                                             \
+                float inv = 1.f / sum[g];                                                 \
+                for (int d = 0; d < DIM; d++) oh[g * DIM + d] = acc[g * DIM + d] * inv;   \
+            }                                                                             \
+        }                                                                                 \
+        free(s);                                                                          \
+    }                                                                                     \
+    return failed;                                                                        \
+}
+
+DECODE_ATTENTION(decode_attention_f32, float, FROM_F32, TO_F32)
+DECODE_ATTENTION(decode_attention_bf16, uint16_t, from_bf16, to_bf16)

@@ -3,6 +3,11 @@
 FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 HF_HUB_OFFLINE=1 LUMEN_HOME=/data/models PYTHONUNBUFFERED=1
 WORKDIR /app
+# A C compiler: the native CPU kernels (engine/worker/native/*.c) are compiled at first start
+# on the machine that runs them; without one every kernel falls back to torch's slower path.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 # torch first, pinned to the CPU build, so pip never pulls a CUDA build.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./

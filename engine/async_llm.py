@@ -16,7 +16,7 @@ from engine.messages import EngineInfo, EngineStats, UtilityMethod
 from engine.model_files import resolve_model
 from engine.mp_client import AsyncMPClient
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.processor import InputProcessor, PromptType
+from engine.processor import InputProcessor, PreparedPrompt, PromptType
 from engine.request_ids import new_request_id
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger
@@ -85,7 +85,8 @@ def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
 class AsyncLLM:
     """Create inside a running event loop (the core process starts here).
 
-    ``generate`` yields delta RequestOutputs until the request finishes.
+    ``generate`` yields delta RequestOutputs until the request finishes
+    (``generate_prepared`` for a prompt ``prepare`` already checked).
     Leaving the iteration early (a client that disconnects, a cancelled
     task) aborts the request in the core, freeing its KV blocks. When the
     engine dies, every open stream raises EngineDeadError.
@@ -149,15 +150,16 @@ class AsyncLLM:
         return self.client.core.num_backpressure
 
     # Input processing, for callers that check a request before they generate (the server
-    # answers 400 before it admits anything).
+    # answers 400 before it admits anything, then hands the PreparedPrompt to generate_prepared).
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return self.processor.tokenize(prompt)
 
     def apply_chat_template(self, messages: list[dict], **options: Any) -> list[int]:
         return self.processor.apply_chat_template(messages, **options)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.processor.validate(prompt_token_ids, params)
+    def prepare(self, prompt: PromptType, params: SamplingParams) -> PreparedPrompt:
+        """Tokenize and validate (ValueError): the one check a prepared prompt gets."""
+        return self.processor.prepare(prompt, params)
 
     async def generate(
         self,
@@ -170,23 +172,43 @@ class AsyncLLM:
         stream: bool = True,
         close_trace: bool = True,
     ) -> AsyncIterator[RequestOutput]:
-        """``arrival_ns``: when the frontend received the request (default: now).
+        """Validate ``prompt`` with ``params`` (ValueError), then as ``generate_prepared``."""
+        arrival_ns = arrival_ns or time.time_ns()  # before tokenizing, which is the frontend's
+        self._check_alive()
+        prepared = self.processor.prepare(prompt, params)
+        outputs = self.generate_prepared(
+            prepared, request_id=request_id, priority=priority, arrival_ns=arrival_ns,
+            stream=stream, close_trace=close_trace,
+        )  # fmt: skip
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                yield out
 
+    async def generate_prepared(
+        self,
+        prompt: PreparedPrompt,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        arrival_ns: int | None = None,
+        stream: bool = True,
+        close_trace: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Run a prompt ``prepare`` checked, as it is (no second tokenize or validation).
+
+        ``arrival_ns``: when the frontend received the request (default: now).
         ``stream=False`` tells the tracer that the caller delivers one whole
         response at the end (one frontend.emit), not each delta as it comes.
         ``close_trace=False``: the caller reports the request closed once its
         response is written (the server does, to time the last write).
         """
         arrival_ns = arrival_ns or time.time_ns()
-        if not self.is_alive:
-            raise self.dead_error or EngineDeadError(self.client.core.dead_reason)
-        text, ids = self.processor.tokenize(prompt)
-        self.processor.validate(ids, params)
+        self._check_alive()
         request_id = request_id or new_request_id()
         frontend = self.frontend
         requests = frontend.add(
-            request_id, text, ids, params, priority=priority, arrival_ns=arrival_ns,
-            stream=stream, stream_deltas=True,
+            request_id, prompt.text, prompt.prompt_token_ids, prompt.params, priority=priority,
+            arrival_ns=arrival_ns, stream=stream, stream_deltas=True,
         )  # fmt: skip
         stream_state = self._streams[request_id] = _Stream()
         finished = False
@@ -205,6 +227,10 @@ class AsyncLLM:
                 await self.abort(request_id)
             if close_trace:
                 frontend.closed(request_id)
+
+    def _check_alive(self) -> None:
+        if not self.is_alive:
+            raise self.dead_error or EngineDeadError(self.client.core.dead_reason)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if still read) ends with no more outputs."""

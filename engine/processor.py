@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -15,6 +16,16 @@ from engine.sampling_params import SamplingParams
 
 # A prompt is a string, or a dict with "prompt_token_ids" (vLLM's TokensPrompt).
 PromptType = str | dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    """A prompt tokenized and checked against its params by ``InputProcessor.prepare``: the
+    engine takes it as it is (``AsyncLLM.generate_prepared``), without checking it again."""
+
+    text: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -124,6 +135,12 @@ class InputProcessor:
             arrival_ns=arrival_ns if arrival_ns is not None else time.time_ns(),
             priority=priority,
         )
+
+    def prepare(self, prompt: PromptType, params: SamplingParams) -> PreparedPrompt:
+        """Tokenize (token ids pass through) and validate: a ValueError says what is wrong."""
+        text, ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        return PreparedPrompt(text, ids, params)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):

@@ -25,13 +25,13 @@ from engine.request_ids import new_request_id
 from service import http_timing
 from service.admission import Admission
 from service.config import ServerConfig
+from service.context import RequestContext, attach, context_of
 from service.errors import APIError
 from service.metrics import ServerMetrics
 from service.monitor import watch_api_process
 from service.protocol import ChatCompletionRequest, CompletionRequest
 from service.serving import Serving
 from tracing.config import TracingConfig
-from tracing.events import HttpFacts, Start
 from tracing.recorder import Tracer
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class FrontDoor:
     up to the size limit (413). It times every write of the response (how long
     the client's socket took to accept it) and, once the last byte is
     accepted, closes the traces of the engine requests the response started.
+    What it learns and what the route tells it back travel in the request's
+    one ``RequestContext`` (service/context.py).
     """
 
     def __init__(self, app: ASGIApp, serving: Serving, config: ServerConfig) -> None:
@@ -64,17 +66,14 @@ class FrontDoor:
         client = scope.get("client")
         http_start_ns = http_timing.request_started(client) or arrival_ns
         kind = _ID_KINDS.get(scope["path"], "req")
-        request_id = new_request_id(kind)
-        state = scope.setdefault("state", {})
-        state["request_id"], state["arrival_ns"] = request_id, arrival_ns
-        state["http_start_ns"] = min(http_start_ns, arrival_ns)
-        facts = state["http"] = HttpFacts()
         headers = dict(scope["headers"])
-        if (client_id := headers.get(b"x-request-id")) is not None:
-            state["client_request_id"] = client_id.decode("latin-1")[:256]
-        if (traceparent := headers.get(b"traceparent")) is not None:
-            state["traceparent"] = traceparent.decode("latin-1")[:128]
-        id_header = (b"x-request-id", request_id.encode())
+        ctx = RequestContext(
+            new_request_id(kind), kind, arrival_ns, min(http_start_ns, arrival_ns),
+            _header(headers, b"x-request-id", 256), _header(headers, b"traceparent", 128),
+        )  # fmt: skip
+        attach(scope, ctx)
+        facts = ctx.http
+        id_header = (b"x-request-id", ctx.request_id.encode())
         status = 0
 
         async def deliver(message: Message) -> None:
@@ -85,68 +84,60 @@ class FrontDoor:
             facts.send_wait_ns += ended - started
             facts.bytes_sent += len(message.get("body", b""))
             facts.last_delivered_ns = ended
-            if not facts.first_delivered_ns and state.get("stream") is False:
+            if not facts.first_delivered_ns and ctx.stream is False:
                 facts.first_delivered_ns = ended  # a whole response: one write
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                extra = [id_header, *state.get("extra_headers", ())]
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
+                message = {**message, "headers": [*message.get("headers", []), id_header]}
                 await send(message)
                 return
             await deliver(message)
 
         # A stream's events skip the app's middleware on the way out (streaming.EventStream):
         # they only look at the response's start.
-        state["deliver"] = deliver
+        ctx.deliver = deliver
         try:
-            await self._handle(scope, receive, send_with_id, headers)
+            await self._handle(scope, receive, send_with_id, headers, ctx)
         finally:
             http_timing.request_ended(client)
-            self._close_traces(scope, state, status, kind)
+            self._close_traces(scope["path"], ctx, status)
 
-    def _close_traces(self, scope: Scope, state: dict[str, Any], status: int, kind: str) -> None:
+    def _close_traces(self, path: str, ctx: RequestContext, status: int) -> None:
         """The response is written (or abandoned): every engine request it started ends here."""
         tracer = self.serving.tracer
         if tracer is None:
             return
-        now_ns = time.time_ns()
-        if state.get("traced"):
-            for rid in state.get("request_ids", ()):
-                tracer.closed(rid, now_ns, state["http"])
-        elif kind != "req" and status >= 400:
-            self._trace_refusal(scope, state, status)
-
-    def _trace_refusal(self, scope: Scope, state: dict[str, Any], status: int) -> None:
-        """A completion request the engine never saw (invalid, unauthorized, too big...)."""
-        tracer = self.serving.tracer
-        if tracer is None:
-            return
-        rid = state["request_id"]
-        tracer.start(
-            Start(rid, state["arrival_ns"], scope["path"], self.serving.model_name, False,
-                  state.get("traceparent"), state.get("client_request_id"),
-                  state["http_start_ns"], state.get("handler_ns", 0))
-        )  # fmt: skip
-        error = state.get("error") or f"HTTP {status}"
-        tracer.rejected(rid, time.time_ns(), error, state["http"])
+        if ctx.traced_ids:
+            now_ns = time.time_ns()
+            for rid in ctx.traced_ids:
+                tracer.closed(rid, now_ns, ctx.http)
+        elif ctx.kind != "req" and status >= 400:
+            # A completion request the engine never saw (invalid, unauthorized, too big...).
+            tracer.start(ctx.trace_start(ctx.request_id, path, self.serving.model_name, False))
+            error = ctx.error or f"HTTP {status}"
+            tracer.rejected(ctx.request_id, time.time_ns(), error, ctx.http)
 
     async def _handle(
-        self, scope: Scope, receive: Receive, send_with_id: Send, headers: dict[bytes, bytes]
+        self,
+        scope: Scope,
+        receive: Receive,
+        send_with_id: Send,
+        headers: dict[bytes, bytes],
+        ctx: RequestContext,
     ) -> None:
-        state = scope["state"]
         if scope["path"].startswith(self.protected) and not self._authorized(headers):
             error = APIError(401, "invalid or missing API key", code="invalid_api_key")
-            state["error"] = error.message
+            ctx.error = error.message
             await error.response()(scope, receive, send_with_id)
             return
         if scope["method"] in ("POST", "PUT", "PATCH"):
             body = await self._read_body(headers, receive)
             if body is None:
                 error = APIError(413, f"the request body is over {self.max_body} bytes")
-                state["error"] = error.message
+                ctx.error = error.message
                 await error.response()(scope, receive, send_with_id)
                 return
             receive = _replay(body, receive)
@@ -179,6 +170,11 @@ class FrontDoor:
         return b"".join(chunks)
 
 
+def _header(headers: dict[bytes, bytes], name: bytes, max_len: int) -> str | None:
+    value = headers.get(name)
+    return None if value is None else value.decode("latin-1")[:max_len]
+
+
 def _replay(body: bytes, receive: Receive) -> Receive:
     sent = False
 
@@ -197,12 +193,12 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError) -> Response:
-        request.state.error = e.message
+        context_of(request.scope).error = e.message
         return e.response()
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError) -> Response:
-        request.state.error = message = _describe(e.errors())
+        context_of(request.scope).error = message = _describe(e.errors())
         return APIError(400, message).response()
 
     @app.exception_handler(HTTPException)
@@ -216,11 +212,13 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serving.respond(serving.prepare_chat(body, request), request)
+        prep = serving.prepare_chat(body, context_of(request.scope), request.url.path)
+        return await serving.respond(prep, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await serving.respond(serving.prepare_completion(body, request), request)
+        prep = serving.prepare_completion(body, context_of(request.scope), request.url.path)
+        return await serving.respond(prep, request)
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:

@@ -14,6 +14,11 @@ of TCP_INFO, in ms): the request was there at least that early. Event-loop lag
 Pipelined requests (a second one read while the first is answered) fall back
 to the app's own instant.
 
+The wrapper reads Hypercorn internals (``TCPServer``'s constructor, its
+``reader`` and ``writer``), so it is installed only on the Hypercorn release it
+was written for (``HOOKED_HYPERCORN_VERSION``). On any other, ``install`` logs
+one warning and requests start at the app's own arrival instant.
+
 It also bounds each connection's send buffers (``SEND_BUFFER_BYTES``):
 a client that reads slowly then holds little memory, and its slowness shows
 as writes that wait (delivery lag) instead of vanishing into megabytes of
@@ -22,10 +27,18 @@ autotuned buffer, where the server could never see it.
 
 from __future__ import annotations
 
+import importlib.metadata
+import logging
 import socket
 import struct
 import time
 from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# The Hypercorn whose asyncio TCPServer the wrapper was written and checked against. Another
+# release may move what it reads: check StampingTCPServer against it before changing this.
+HOOKED_HYPERCORN_VERSION = "0.18.0"
 
 # Per connection: the kernel's send buffer (Linux doubles it for its bookkeeping) and the
 # transport's own buffer above it. SSE chunks are ~200 bytes, so neither limits a reader that
@@ -35,14 +48,25 @@ TRANSPORT_BUFFER_BYTES = 16 * 1024
 
 # Peer address -> [first byte of the request in progress (0: none), busy answering].
 _connections: dict[tuple[str, int], list[Any]] = {}
-_installed = False
+_installed: bool | None = None  # None: install not called yet
 
 
-def install() -> None:
-    """Wrap Hypercorn's asyncio connection class (once per process)."""
+def install() -> bool:
+    """Wrap Hypercorn's asyncio connection class (once per process). False, with one warning,
+    where the installed Hypercorn is not the one the wrapper was written for."""
     global _installed
-    if _installed:
-        return
+    if _installed is not None:
+        return _installed
+    version = importlib.metadata.version("hypercorn")
+    if version != HOOKED_HYPERCORN_VERSION:
+        logger.warning(
+            "Hypercorn %s is installed, not %s: requests start when the app first sees them "
+            "(not when their first byte is read) and send buffers keep the system's size",
+            version,
+            HOOKED_HYPERCORN_VERSION,
+        )
+        _installed = False
+        return False
     import hypercorn.asyncio.run as hc_run
     from hypercorn.asyncio.tcp_server import TCPServer
 
@@ -80,6 +104,7 @@ def install() -> None:
 
     hc_run.TCPServer = StampingTCPServer
     _installed = True
+    return True
 
 
 _TCP_INFO_LAST_DATA_RECV = 52  # offset of tcpi_last_data_recv (ms) in Linux's struct tcp_info

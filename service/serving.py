@@ -19,16 +19,17 @@ from engine.async_llm import AsyncLLM, StreamStalledError
 from engine.errors import EngineDeadError
 from engine.frontend import Finished
 from engine.outputs import RequestOutput
+from engine.processor import PreparedPrompt
 from engine.request_ids import child_id
 from engine.sampling_params import SamplingParams
 from service import tools
 from service.admission import Admission, AdmissionRefused
+from service.context import RequestContext
 from service.errors import APIError, error_body
 from service.metrics import ServerMetrics
 from service.protocol import ChatCompletionRequest, CompletionRequest
 from service.responses import Choice, ResponseHead
 from service.streaming import DONE, ClientGone, EventStream, sse, until_disconnect
-from tracing.events import HttpFacts, Start
 from tracing.recorder import Tracer
 
 logger = logging.getLogger(__name__)
@@ -37,23 +38,21 @@ _encode = msgspec.json.encode
 _INPUT_ERRORS = (ValueError, TypeError, KeyError, jinja2.TemplateError)
 
 
-@dataclass
+@dataclass(slots=True)
 class Prepared:
-    """A validated request, ready for the engine."""
+    """A validated request, ready for the engine: its prompts are not checked again."""
 
-    prompts: list[tuple[str | None, list[int]]]
+    prompts: list[PreparedPrompt]
     params: SamplingParams
     head: ResponseHead
     stream: bool
     priority: int
-    arrival_ns: int
-    http_start_ns: int
-    facts: HttpFacts  # what the HTTP layer measures of this response
+    ctx: RequestContext  # arrival, first byte, and what the HTTP layer measures of it
     include_timing: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
-        return sum(len(ids) for _, ids in self.prompts)
+        return sum(len(p.prompt_token_ids) for p in self.prompts)
 
     @property
     def request_ids(self) -> list[str]:
@@ -87,8 +86,8 @@ class Serving:
                 404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
             )
 
-    def prepare_chat(self, body: ChatCompletionRequest, request: Request) -> Prepared:
-        request.state.handler_ns = time.time_ns()
+    def prepare_chat(self, body: ChatCompletionRequest, ctx: RequestContext, path: str) -> Prepared:
+        ctx.handler_ns = time.time_ns()
         self.check_model(body.model)
         try:
             body.check_supported()
@@ -109,26 +108,29 @@ class Serving:
                 if plan is not None and native else None,
             )  # fmt: skip
             return self._prepare(
-                body, request, [(None, ids)], body.requested_max_tokens, body.num_logprobs, True,
-                plan,
+                body, ctx, path, [(None, ids)], body.requested_max_tokens, body.num_logprobs,
+                True, plan,
             )  # fmt: skip
         except _INPUT_ERRORS as e:
             raise APIError(400, str(e)) from None
 
-    def prepare_completion(self, body: CompletionRequest, request: Request) -> Prepared:
-        request.state.handler_ns = time.time_ns()
+    def prepare_completion(
+        self, body: CompletionRequest, ctx: RequestContext, path: str
+    ) -> Prepared:
+        ctx.handler_ns = time.time_ns()
         self.check_model(body.model)
         try:
             body.check_supported()
             prompts = [self.engine.tokenize(p) for p in _as_prompts(body.prompts())]
-            return self._prepare(body, request, prompts, body.max_tokens, body.logprobs, False)
+            return self._prepare(body, ctx, path, prompts, body.max_tokens, body.logprobs, False)
         except _INPUT_ERRORS as e:
             raise APIError(400, str(e)) from None
 
     def _prepare(
         self,
         body: ChatCompletionRequest | CompletionRequest,
-        request: Request,
+        ctx: RequestContext,
+        path: str,
         prompts: list[tuple[str | None, list[int]]],
         max_tokens: int | None,
         num_logprobs: int | None,
@@ -139,10 +141,13 @@ class Serving:
         params = body.sampling_params(self._max_tokens(longest, max_tokens), num_logprobs)
         if plan is not None:
             params = params.clone(structured_outputs=plan.structured_outputs())
-        for _, ids in prompts:
-            self.engine.validate(ids, params)
+        # The one validation a served prompt gets: the engine runs it as it is.
+        checked = [
+            self.engine.prepare({"prompt": text, "prompt_token_ids": ids}, params)
+            for text, ids in prompts
+        ]
         head = ResponseHead(
-            id=request.state.request_id,
+            id=ctx.request_id,
             created=int(time.time()),
             model=self.model_name,
             chat=chat,
@@ -150,21 +155,16 @@ class Serving:
             include_usage=body.stream and body.include_usage,
             tools=plan,
         )
-        state = request.state
         prep = Prepared(
-            prompts, params, head, body.stream, body.priority, state.arrival_ns,
-            state.http_start_ns, state.http, include_timing=body.stream and body.include_timing,
+            checked, params, head, body.stream, body.priority, ctx,
+            include_timing=body.stream and body.include_timing,
         )  # fmt: skip
-        state.stream, state.request_ids = prep.stream, prep.request_ids
+        ctx.stream = prep.stream
         if (tracer := self.tracer) is not None:
-            for rid in prep.request_ids:
-                tracer.start(
-                    Start(rid, prep.arrival_ns, request.url.path, self.model_name, prep.stream,
-                          getattr(state, "traceparent", None),
-                          getattr(state, "client_request_id", None), prep.http_start_ns,
-                          state.handler_ns)
-                )  # fmt: skip
-            state.traced = True  # the front door closes the traces once the response is written
+            request_ids = prep.request_ids
+            for rid in request_ids:
+                tracer.start(ctx.trace_start(rid, path, self.model_name, prep.stream))
+            ctx.traced_ids = request_ids  # the front door closes them once the response is written
         return prep
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
@@ -193,7 +193,7 @@ class Serving:
             try:
                 started = time.time_ns()
                 await self.admission.acquire()
-                prep.facts.admission_wait_ns = time.time_ns() - started
+                prep.ctx.http.admission_wait_ns = time.time_ns() - started
             except AdmissionRefused as e:
                 self.metrics.reject(e.reason)
                 status = 429 if e.reason == "queue_full" else 503
@@ -253,7 +253,7 @@ class Serving:
             prep.num_prompt_tokens,
             sum(len(c.token_ids) for c in choices.values()),
         )
-        timing = server_timing(timings, prep.http_start_ns, time.time_ns())
+        timing = server_timing(timings, prep.ctx.http_start_ns, time.time_ns())
         header = ", ".join(f"{k};dur={v:.1f}" for k, v in timing.items())
         return Response(_encode(body), media_type="application/json",
                         headers={"Server-Timing": header})  # fmt: skip
@@ -263,7 +263,7 @@ class Serving:
         num_completion_tokens = 0
         offsets: defaultdict[int, int] = defaultdict(int)
         timings: list[dict[str, float]] = []
-        facts = prep.facts
+        facts = prep.ctx.http
         streams: dict[int, tools.ToolStream] = {}  # per choice, where tools are in play
         try:
             if head.chat:
@@ -297,7 +297,7 @@ class Serving:
                 if not head.include_usage:
                     del last["usage"]
                 if prep.include_timing:
-                    last["timing"] = server_timing(timings, prep.http_start_ns, time.time_ns())
+                    last["timing"] = server_timing(timings, prep.ctx.http_start_ns, time.time_ns())
                 yield sse(_encode(last))
             yield DONE
         except EngineDeadError as e:
@@ -311,18 +311,17 @@ class Serving:
 
     async def _generate(self, prep: Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Deltas of every prompt's request, tagged with the prompt's index."""
-        ids = prep.request_ids
+        arrival_ns = prep.ctx.arrival_ns
         gens = [
-            self.engine.generate(
-                {"prompt": text, "prompt_token_ids": tokens},
-                prep.params,
+            self.engine.generate_prepared(
+                prompt,
                 request_id=rid,
                 priority=prep.priority,
-                arrival_ns=prep.arrival_ns,
+                arrival_ns=arrival_ns,
                 stream=prep.stream,
-                close_trace=False,  # closed in _close_traces, once the response is written
+                close_trace=False,  # the front door closes it, once the response is written
             )
-            for rid, (text, tokens) in zip(ids, prep.prompts)
+            for rid, prompt in zip(prep.request_ids, prep.prompts)
         ]
         if len(gens) == 1:
             try:

@@ -18,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from service.context import find_context
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
@@ -75,7 +77,8 @@ class EventStream(Response):
         self.on_end = on_end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        deliver = scope.get("state", {}).get("deliver", send)
+        ctx = find_context(scope)
+        deliver = ctx.deliver if ctx is not None and ctx.deliver is not None else send
         writer = asyncio.ensure_future(self._write(send, deliver))
         watcher = asyncio.ensure_future(wait_disconnect(receive))
         self._sending_since: float | None = None

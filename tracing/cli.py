@@ -1,5 +1,6 @@
-"""`lumen trace show ID` (a request's waterfall), `lumen trace top` (the slowest requests) and
-`lumen trace why ID` (what one request's time went to, in sentences)."""
+"""`lumen trace show ID` (a request's waterfall), `lumen trace top` (the slowest requests and the
+part that dominated each, as `trace why` and `replay report` judge it) and `lumen trace why ID`
+(what one request's time went to, in sentences)."""
 
 from __future__ import annotations
 
@@ -110,46 +111,26 @@ def _why(args: argparse.Namespace) -> int:
     return 0
 
 
-# Per request, its time per boundary. A first core.schedule span that began before its step
-# (traces written before core.queue existed) waited in the queue: that part is core.queue.
-_TOP_SQL = """
-WITH r AS (
-    SELECT * FROM requests WHERE {order} IS NOT NULL ORDER BY {order} DESC LIMIT ?
-),
-s AS (
-    SELECT s.request_id, s.name, s.start_ns, s.end_ns,
-        greatest(s.start_ns, least(coalesce(st.schedule_start_ns, s.start_ns), s.end_ns)) AS cut
-    FROM spans s JOIN r ON s.request_id = r.request_id AND s.trace_id = r.trace_id
-    LEFT JOIN steps st ON s.name = 'core.schedule' AND st.run_id = s.run_id
-        AND st.step_id = s.step_id
-    WHERE s.name <> 'llm_request'
-),
-parts AS (
-    SELECT request_id, name, end_ns - cut AS ns FROM s WHERE name = 'core.schedule'
-    UNION ALL
-    SELECT request_id, 'core.queue', cut - start_ns FROM s WHERE name = 'core.schedule'
-    UNION ALL
-    SELECT request_id, name, end_ns - start_ns FROM s WHERE name <> 'core.schedule'
-),
-b AS (SELECT request_id, name, sum(ns) AS total FROM parts GROUP BY ALL HAVING sum(ns) > 0),
-d AS (SELECT request_id, arg_max(name, total) AS name, max(total) AS total
-      FROM b GROUP BY request_id)
-SELECT r.request_id, r.status, r.e2e_ns, r.ttft_ns, r.prompt_tokens,
-       r.output_tokens, d.name, d.total
-FROM r LEFT JOIN d USING (request_id) ORDER BY r.{order} DESC
-"""
-
-
 def _top(args: argparse.Namespace) -> int:
+    from tracing.diagnose import diagnose_run
+    from tracing.judge import dominant_words
+
     order = "e2e_ns" if args.by == "e2e" else "ttft_ns"
     with open_db(args.db) as con:
-        rows = con.execute(_TOP_SQL.format(order=order), [args.limit]).fetchall()
+        rows = con.execute(
+            f"SELECT run_id, request_id FROM requests WHERE {order} IS NOT NULL "
+            f"ORDER BY {order} DESC LIMIT ?",
+            [args.limit],
+        ).fetchall()
     if not rows:
         print(f"no requests in {args.db}")
         return 0
+    # What dominated each is its run's diagnosis: the same words as `trace why` and the report.
+    runs = {run_id: diagnose_run(args.db, run_id) for run_id in dict.fromkeys(r for r, _ in rows)}
     print(f"{'request':<30}{'status':<9}{'e2e ms':>10}{'TTFT ms':>10}{'in':>7}{'out':>7}  "
           "dominated by")  # fmt: skip
-    for rid, status, e2e, ttft, n_in, n_out, name, total in rows:
-        share = f"{name} ({total / max(e2e, 1):.0%})" if name else "-"
-        print(f"{rid:<30}{status:<9}{_ms(e2e):>10}{_ms(ttft):>10}{n_in:>7}{n_out:>7}  {share}")
+    for run_id, rid in rows:
+        r = next(q for q in runs[run_id].requests if q.request_id == rid)
+        print(f"{rid:<30}{r.status:<9}{_ms(r.e2e_ns):>10}{_ms(r.ttft_ns):>10}"
+              f"{r.prompt_tokens:>7}{r.output_tokens:>7}  {dominant_words(r)}")  # fmt: skip
     return 0

@@ -25,6 +25,16 @@ MIN_CAUSE_SHARE = 0.10
 TAIL_PERCENTILE = 90
 
 
+@dataclass(frozen=True)
+class Dominant:
+    """The part that dominated a request (tracing.judge.dominant_part decides it)."""
+
+    part: str
+    phase: str  # ttft | decode: the phase it was judged in
+    ns: int  # the request's time in it
+    judged: bool  # named by the rule (beyond the run's median); else merely its largest part
+
+
 @dataclass
 class RequestDiagnosis:
     request_id: str
@@ -55,6 +65,7 @@ class RequestDiagnosis:
     kv_freed_ns: int | None = None
     # Set by explain_request: the run's median per part (phase -> part -> ns; decode per token).
     run_medians: dict[str, dict[str, float]] = field(default_factory=dict)
+    dominant: Dominant | None = None  # set once the run is judged
 
     @property
     def ttft_phase_ns(self) -> int:

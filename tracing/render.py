@@ -11,6 +11,7 @@ from tracing.diagnosis import (
     RequestDiagnosis,
     RunDiagnosis,
 )
+from tracing.judge import dominant_words
 from tracing.verdict import headline
 from tracing.words import WHAT, ms
 
@@ -28,6 +29,7 @@ LABELS = {
     "e2e_s": "E2E",
 }
 WIDTH = 100
+SLOWEST = 5  # requests the report lists with what dominated each (as `lumen trace top`)
 
 
 def _bullet(text: str) -> str:
@@ -56,8 +58,20 @@ def render_run(run: RunDiagnosis) -> str:
             found += [f.text for f in run.findings if f.kind == "expected"]
         if found:
             lines += ["", title, *(_bullet(t) for t in found)]
+    lines += slowest_requests(run)
     lines += _part_tables(run)
     return "\n".join(lines)
+
+
+def slowest_requests(run: RunDiagnosis, limit: int = SLOWEST) -> list[str]:
+    """The slowest requests end to end and the part that dominated each: the words `lumen
+    trace top` and `lumen trace why` print for them."""
+    slow = sorted(run.requests, key=lambda r: -r.e2e_ns)[:limit]
+    if not slow:
+        return []
+    lines = ["", "Slowest requests (end to end) and what dominated each"]
+    lines += [f"  {r.request_id} ({r.status}) {ms(r.e2e_ns)}: {dominant_words(r)}" for r in slow]
+    return lines
 
 
 def _largest(run: RunDiagnosis, limit: int = 3) -> str:
@@ -101,7 +115,7 @@ def _part_tables(run: RunDiagnosis) -> list[str]:
 def render_request(req: RequestDiagnosis, sentences: list[str]) -> str:
     head = (
         f"{req.request_id}  {req.status}  prompt {req.prompt_tokens:,}, output "
-        f"{req.output_tokens:,} tokens  e2e {ms(req.e2e_ns)}"
+        f"{req.output_tokens:,} tokens  e2e {ms(req.e2e_ns)}  dominated by {dominant_words(req)}"
     )
     lines = [head, *(textwrap.fill(s, WIDTH) for s in sentences)]
     for phase, mine, parts in (

@@ -26,7 +26,6 @@ import numpy as np
 from tracing import verdict_steps
 from tracing.diagnosis import (
     DECODE_PARTS,
-    EXPECTED_PARTS,
     MIN_CAUSE_NS,
     MIN_CAUSE_SHARE,
     TAIL_PERCENTILE,
@@ -37,10 +36,12 @@ from tracing.diagnosis import (
     RunDiagnosis,
     StepFacts,
 )
+from tracing.judge import JUDGED_APART, call_part, dominant_part, passes, slow_delivery_ns
 from tracing.words import QUEUE_LIMITS, WHAT, count, ms, tokens_of
 
+__all__ = ["JUDGED_APART", "describe", "headline", "judge", "neighbour_names", "passes"]
+
 PHASE_PARTS = {"ttft": TTFT_PARTS, "decode": DECODE_PARTS}
-JUDGED_APART = {"delivery"}  # per request, below
 NAMED = ("cause", "paid", "step")  # the kinds of finding that name what made requests slow
 
 
@@ -75,13 +76,8 @@ def part_stats(
     return stats, float(np.median(totals)), tail
 
 
-def passes(value_ns: float, phase_median_ns: float, scale: float = 1.0) -> bool:
-    """The two bars: large in absolute terms and against the phase."""
-    return value_ns * scale >= MIN_CAUSE_NS and value_ns >= MIN_CAUSE_SHARE * phase_median_ns
-
-
 def judge(run: RunDiagnosis) -> None:
-    """Fill run.parts, run.phase_median_ns and run.findings."""
+    """Fill run.parts, run.phase_median_ns, run.findings and each request's dominant part."""
     findings: list[Finding] = []
     for phase in ("ttft", "decode"):
         reqs = phase_requests(run, phase)
@@ -99,6 +95,8 @@ def judge(run: RunDiagnosis) -> None:
     findings += verdict_steps.cancellations(run)
     findings += _expected(run, findings)
     run.findings = findings
+    for r in run.requests:
+        r.dominant = dominant_part(r, run)
 
 
 def _part_findings(
@@ -112,11 +110,14 @@ def _part_findings(
     out = []
     stats, median = run.parts[phase], run.phase_median_ns[phase]
     for part, stat in stats.items():
-        if part in EXPECTED_PARTS or part in JUDGED_APART:
+        called = call_part(
+            part, stat.tail_extra_ns, stat.median_ns, median, median, scale, len(tail) < len(reqs)
+        )
+        if called is None:
             continue
         what, action = WHAT[part]
         paid = passes(stat.median_ns, median, scale)
-        if passes(stat.tail_extra_ns, median, scale) and len(tail) < len(reqs):
+        if called.beyond:
             detail, action = describe(run, phase, part, tail, action, stat.tail_extra_ns * scale)
             text = _tail_text(phase, stat.tail_extra_ns, scale, what + detail)
             if paid:
@@ -132,7 +133,7 @@ def _part_findings(
                     request_ids=[r.request_id for r in tail],
                 )
             )
-        elif paid:
+        else:
             detail, action = describe(run, phase, part, reqs, action, stat.median_ns * scale)
             text = _paid_text(phase, stat.median_ns, scale, median, what + detail)
             out.append(
@@ -231,12 +232,7 @@ def neighbour_names(reqs: list[RequestDiagnosis], phase: str | None = None, limi
 
 
 def _slow_readers(run: RunDiagnosis) -> list[Finding]:
-    slow = []
-    for r in run.requests:
-        delivery = r.ttft.get("delivery", 0) + r.decode.get("delivery", 0)
-        life = r.ttft_phase_ns + r.decode_phase_ns
-        if passes(delivery, life):
-            slow.append((delivery, r))
+    slow = [(d, r) for r in run.requests if (d := slow_delivery_ns(r)) is not None]
     if not slow:
         return []
     slow.sort(key=lambda x: -x[0])

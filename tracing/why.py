@@ -1,13 +1,14 @@
 """`lumen trace why ID`: one request's time in sentences, against its run (the same parts,
-bars and words as the run's verdict in ``tracing.verdict``)."""
+words and rule as the run's verdict: ``tracing.judge`` calls its parts)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from tracing import verdict_steps
-from tracing.diagnosis import EXPECTED_PARTS, MIN_CAUSE_NS, RequestDiagnosis, RunDiagnosis
-from tracing.verdict import JUDGED_APART, describe, neighbour_names, passes
+from tracing.diagnosis import MIN_CAUSE_NS, RequestDiagnosis, RunDiagnosis
+from tracing.judge import request_calls, slow_delivery_ns
+from tracing.verdict import describe, neighbour_names
 from tracing.words import WHAT, count, ms, tokens_of
 
 
@@ -32,12 +33,11 @@ def explain(req: RequestDiagnosis, run: RunDiagnosis) -> list[str]:
 
 
 def _delivery(req: RequestDiagnosis) -> list[str]:
-    delivery = req.ttft.get("delivery", 0) + req.decode.get("delivery", 0)
     waited = (
         f"the server's writes waited {ms(req.send_wait_ns or 0)} on its socket, "
         f"{tokens_of(req.bytes_sent or 0)} bytes sent"
     )
-    if passes(delivery, req.ttft_phase_ns + req.decode_phase_ns):
+    if (delivery := slow_delivery_ns(req)) is not None:
         return [
             f"It was delivered late: {ms(delivery)} after the engine had produced its output "
             f"({waited}): the client read slowly (a slow reader)."
@@ -68,8 +68,8 @@ def _opening(req: RequestDiagnosis, run: RunDiagnosis) -> str:
 
 
 def _beyond_median(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list[str]:
-    """Its parts that pass the two bars against the run's median for the same part; then
-    large parts it shares with the median request (the same bars against its own phase)."""
+    """Its parts called beyond the run's median for the same part; then large parts it shares
+    with the median request (tracing.judge.request_calls)."""
     stats = run.parts.get(phase)
     mine = req.ttft if phase == "ttft" else req.decode
     if not stats or not mine:
@@ -77,17 +77,15 @@ def _beyond_median(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list
     n = max(req.output_tokens - 1, 1) if phase == "decode" else 1
     when = "Before its first token" if phase == "ttft" else f"Over its {n} decode tokens"
     beyond, shared = [], []
-    for part, stat in stats.items():
-        if part in EXPECTED_PARTS or part in JUDGED_APART:
-            continue
-        value, median = mine.get(part, 0), stat.median_ns * n
+    for call in request_calls(req, run, phase):
+        part = call.part
+        value, median = mine.get(part, 0), stats[part].median_ns * n
         what, action = WHAT[part]
-        if passes(value - median, run.phase_median_ns[phase] * n):
-            detail, action = describe(run, phase, part, [req], action, value - median)
+        detail, action = describe(run, phase, part, [req], action, call.ns)
+        if call.beyond:
             said = f"({ms(value - median)} more than the run's median request){detail}"
             beyond.append((value - median, f"{when} it spent {ms(value)} in {what} {said}", action))
-        elif passes(value, sum(mine.values())):
-            detail, action = describe(run, phase, part, [req], action, value)
+        else:
             said = f"{detail} (the run's median request: {ms(median)})"
             shared.append((value, f"{when} it spent {ms(value)} in {what}{said}", action))
     out = [f"{text}: {action}." if action else f"{text}." for _, text, action in

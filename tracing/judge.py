@@ -1,0 +1,125 @@
+"""One judgement of a part, for a run and for one request, and the part that dominated a
+request: what `replay report`, `lumen trace top` and `lumen trace why` all print.
+
+The bars (``passes``): a time is named only when it is at least MIN_CAUSE_NS (times ``scale``)
+and at least MIN_CAUSE_SHARE of the phase time it is set against. ``call_part`` applies them
+the same way to a run (the tail's extra over the median request, and the median itself, against
+the median request's phase) and to one request (its excess over the run's median, against the
+run's median phase; and its own time, against its own phase). Parts in EXPECTED_PARTS (the
+model doing the request's own work) are never called; delivery is judged apart, per request.
+
+The dominant part of a request (``dominant_part``): of its parts called beyond the run's median
+in either phase, and its delivery where that passes the bars against its own life, the one with
+the most time beyond the reference; where none is called, the largest part of its time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tracing.diagnosis import (
+    EXPECTED_PARTS,
+    MIN_CAUSE_NS,
+    MIN_CAUSE_SHARE,
+    Dominant,
+    RequestDiagnosis,
+    RunDiagnosis,
+)
+from tracing.parts import BY_KEY
+
+JUDGED_APART = {"delivery"}  # per request: a slow reader is one client
+
+
+def passes(value_ns: float, phase_median_ns: float, scale: float = 1.0) -> bool:
+    """The two bars: large in absolute terms and against the phase."""
+    return value_ns * scale >= MIN_CAUSE_NS and value_ns >= MIN_CAUSE_SHARE * phase_median_ns
+
+
+@dataclass(frozen=True)
+class Call:
+    """A part named: ``beyond`` its reference (the tail over the median request, or a request
+    over the run's median), or else large in itself (paid by every request, or shared with the
+    run's median request). ``ns`` is the amount that passed."""
+
+    part: str
+    beyond: bool
+    ns: float
+
+
+def call_part(
+    part: str,
+    extra_ns: float,
+    own_ns: float,
+    extra_phase_ns: float,
+    own_phase_ns: float,
+    scale: float = 1.0,
+    has_reference: bool = True,
+) -> Call | None:
+    """The one rule: beyond the reference where the extra passes, else large where its own
+    time passes, else nothing (and never an expected or per-request part)."""
+    if part in EXPECTED_PARTS or part in JUDGED_APART:
+        return None
+    if has_reference and passes(extra_ns, extra_phase_ns, scale):
+        return Call(part, True, extra_ns)
+    if passes(own_ns, own_phase_ns, scale):
+        return Call(part, False, own_ns)
+    return None
+
+
+def request_calls(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list[Call]:
+    """One request's parts in a phase, each against the run's median request for it (the
+    decode phase over as many tokens as it had)."""
+    stats = run.parts.get(phase)
+    mine = req.ttft if phase == "ttft" else req.decode
+    if not stats or not mine:
+        return []
+    n = max(req.output_tokens - 1, 1) if phase == "decode" else 1
+    total = sum(mine.values())
+    calls = []
+    for part, stat in stats.items():
+        value = mine.get(part, 0)
+        extra = value - stat.median_ns * n
+        found = call_part(part, extra, value, run.phase_median_ns[phase] * n, total)
+        if found is not None:
+            calls.append(found)
+    return calls
+
+
+def slow_delivery_ns(req: RequestDiagnosis) -> int | None:
+    """Its delivery where it passes the bars against its own life (a slow reader), else None."""
+    delivery = req.ttft.get("delivery", 0) + req.decode.get("delivery", 0)
+    return delivery if passes(delivery, req.ttft_phase_ns + req.decode_phase_ns) else None
+
+
+def dominant_part(req: RequestDiagnosis, run: RunDiagnosis) -> Dominant:
+    """The part that dominated the request (the module docstring's rule)."""
+    judged = [
+        (call.ns, phase, call.part)
+        for phase in ("ttft", "decode")
+        for call in request_calls(req, run, phase)
+        if call.beyond
+    ]
+    if (delivery := slow_delivery_ns(req)) is not None:
+        phase = "decode" if req.decode.get("delivery", 0) else "ttft"
+        judged.append((float(delivery), phase, "delivery"))
+    if judged:
+        _, phase, part = max(judged, key=lambda j: j[0])
+        mine = req.ttft if phase == "ttft" else req.decode
+        ns = req.ttft.get(part, 0) + req.decode.get(part, 0) if part == "delivery" else mine[part]
+        return Dominant(part, phase, ns, judged=True)
+    largest = [(ns, phase, part) for phase, mine in (("ttft", req.ttft), ("decode", req.decode))
+               for part, ns in mine.items()]  # fmt: skip
+    ns, phase, part = max(largest, key=lambda j: j[0], default=(0, "ttft", "unattributed"))
+    return Dominant(part, phase, ns, judged=False)
+
+
+def dominant_words(req: RequestDiagnosis) -> str:
+    """'queue in core.queue (85%)': the part, the span `trace show` draws it in, its share of
+    the request's recorded life. What all three commands print."""
+    d = req.dominant
+    if d is None:
+        return "-"
+    life = max(req.ttft_phase_ns + req.decode_phase_ns, 1)
+    span = BY_KEY[d.part].span
+    where = f" in {span}" if span else ""
+    return f"{d.part}{where} ({d.ns / life:.0%})"

@@ -27,14 +27,13 @@ LUMEN_API_KEY = EnvVar("LUMEN_API_KEY", "", "bearer key `lumen serve` requires (
 LUMEN_DEBUG_DELAY = EnvVar(
     "LUMEN_DEBUG_DELAY",
     "",
-    "testing only: SITE=SECONDS[,SITE=SECONDS] sleeps injected once per step at a site: "
-    "schedule (the scheduler's schedule()), output (the core's output path, after "
+    "testing only (engine/faults.py): SITE=SECONDS[,SITE=SECONDS] sleeps injected once per step "
+    "at a site: schedule (the scheduler's schedule()), output (the core's output path, after "
     "update_from_output), emit (the frontend's processing of each step's outputs), "
     "grammar_compile (each grammar compile, on the grammar thread), grammar_mask (a step's "
     "token masks, when it has any); they prove the regression gate and the diagnosis catch a "
-    "slower path",
+    "slower path; an unknown site is an error",
 )
-DEBUG_DELAY_SITES = ("schedule", "output", "emit", "grammar_compile", "grammar_mask")
 LUMEN_CPU_MATMUL = EnvVar(
     "LUMEN_CPU_MATMUL",
     "auto",
@@ -94,19 +93,6 @@ ALL = (
     LUMEN_CPU_ATTENTION, LUMEN_CPU_GREEDY_HEAD, LUMEN_CPU_THREADS, LUMEN_CPU_INT8,
     LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR, LUMEN_GC,
 )  # fmt: skip
-
-
-def debug_delay(site: str) -> float:
-    """Seconds LUMEN_DEBUG_DELAY injects at ``site`` (0 when unset)."""
-    assert site in DEBUG_DELAY_SITES, site
-    for item in filter(None, LUMEN_DEBUG_DELAY.get().split(",")):
-        name, _, value = item.partition("=")
-        if name.strip() not in DEBUG_DELAY_SITES:
-            raise ValueError(f"LUMEN_DEBUG_DELAY: unknown site {name!r} "
-                             f"(one of {', '.join(DEBUG_DELAY_SITES)})")  # fmt: skip
-        if name.strip() == site:
-            return float(value)
-    return 0.0
 
 
 def lumen_home() -> Path:

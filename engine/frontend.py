@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine import envs
+from engine import faults
 from engine.client import ClientState
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from engine.output_processor import OutputProcessor, child_params
@@ -89,7 +89,7 @@ class Frontend:
         self.output_processor = OutputProcessor(processor.tokenizer.backend_tokenizer)
         self.stat_loggers = stat_loggers
         self.observer: FrontendObserver | None = None
-        self.debug_delay_s = envs.debug_delay("emit")  # a test-only slowdown
+        self.emit_fault = faults.hook("emit")  # nothing unless LUMEN_DEBUG_DELAY sets it
 
     def observe(self, observer: FrontendObserver) -> None:
         self.observer = observer
@@ -152,8 +152,7 @@ class Frontend:
             self.observer.outputs(outs, now_ns, self.state.take_acks())
         stats = IterationStats(now_ns, num_outputs=len(outs.outputs)) if self.stat_loggers else None
         results, to_abort = self.output_processor.process_outputs(outs.outputs, outs.step, stats)
-        if self.debug_delay_s:
-            time.sleep(self.debug_delay_s)
+        self.emit_fault()
         if self.observer is not None:
             for result in results:
                 if result.finished:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from engine import envs
+from engine import faults
 from engine.config import EngineConfig, ModelConfig
 from engine.core.grammar import GRAMMAR_WAIT_S, GrammarManager
 from engine.core.scheduler import Scheduler
@@ -67,8 +67,8 @@ class EngineCore:
         self.vocab_size = model_config.vocab_size
         self.scheduler = Scheduler.from_config(config, num_blocks, max_model_len)
         self.scheduler.grammars = self.grammars
-        self.scheduler.debug_delay_s = envs.debug_delay("schedule")
-        self.debug_output_delay_s = envs.debug_delay("output")
+        self.scheduler.fault = faults.hook("schedule")
+        self.output_fault = faults.hook("output")
         self.gc_pauses = GcPauses()
         self.info = EngineInfo(
             model=model_path,
@@ -167,8 +167,7 @@ class EngineCore:
         if scheduler.grammar_errors:
             outputs += self._grammar_errors()
         t_updated = time.time_ns()
-        if self.debug_output_delay_s:
-            time.sleep(self.debug_output_delay_s)
+        self.output_fault()
         kv = self.scheduler.kv_cache
         gc_pauses, gc_pause_ns = self.gc_pauses.take()
         step = StepRecord(

@@ -20,17 +20,24 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine import envs
+from engine import faults
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in its stub only
 
 logger = logging.getLogger(__name__)
 CACHE_SIZE = 256  # compiled grammars kept, least recently used out first
 # JSON as every grammar writes it: ", " and ": " between items (what the models were trained
 # on), no other whitespace (a small model let loose on whitespace can pad forever).
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+JSON_OPTIONS: JsonCompileOptions = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+}
 GRAMMAR_WAIT_S = 0.005  # how long an otherwise idle core waits for a grammar before a poll
 
 
@@ -59,8 +66,8 @@ class GrammarManager:
         self._tokenizer: Any = None
         self._cache: OrderedDict[str, Any] = OrderedDict()  # spec -> a pristine matcher
         self._pending: dict[str, Future[Any]] = {}
-        self.debug_compile_s = envs.debug_delay("grammar_compile")
-        self.debug_mask_s = envs.debug_delay("grammar_mask")
+        self.compile_fault = faults.hook("grammar_compile")
+        self.mask_fault = faults.hook("grammar_mask")
 
     # -- compiling -----------------------------------------------------------------
 
@@ -144,8 +151,7 @@ class GrammarManager:
             self._tokenizer = self._load_tokenizer()
             started = time.perf_counter_ns()  # the one-time tokenizer load is not the grammar's
         matcher = llguidance.LLMatcher(self._tokenizer, spec, log_level=0)
-        if self.debug_compile_s:
-            time.sleep(self.debug_compile_s)
+        self.compile_fault()
         return matcher, time.perf_counter_ns() - started, time.time_ns()
 
     def _load_tokenizer(self) -> Any:
@@ -180,8 +186,7 @@ class GrammarManager:
         address, stride = rows.ctypes.data, rows.strides[0]
         for i, matcher in enumerate(matchers):
             matcher.unsafe_compute_mask_ptr(address + i * stride, stride)
-        if self.debug_mask_s:
-            time.sleep(self.debug_mask_s)
+        self.mask_fault()
         return rows.tobytes()
 
     def shutdown(self) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-import time
 
+from engine import faults
 from engine.config import EngineConfig
 from engine.core.grammar import GrammarManager
 from engine.core.kv_cache_manager import KVCacheManager
@@ -51,7 +51,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         # KV blocks released since the last step record, by cause (finish, abort, preemption).
         self.num_freed_blocks = [0, 0, 0]
-        self.debug_delay_s = 0.0  # a test-only slowdown (LUMEN_DEBUG_DELAY=schedule=S)
+        self.fault = faults.nothing  # EngineCore arms LUMEN_DEBUG_DELAY's schedule site
         # Structured outputs (engine/core/grammar.py): requests whose grammar is compiling wait
         # here, outside the queue, so they hold up nothing; a grammar that failed ends its
         # request with an error the core reports.
@@ -143,8 +143,7 @@ class Scheduler:
     # -- the step --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        if self.debug_delay_s:
-            time.sleep(self.debug_delay_s)
+        self.fault()
         out = SchedulerOutput(step_id=self._step_id, finished_req_ids=self._finished_req_ids)
         self._step_id += 1
         self._finished_req_ids = []

@@ -28,6 +28,8 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 	# The floors of the request path (pyproject.toml [tool.importlinter]): no arrow the wrong way.
 	$(VENV)/bin/lint-imports
+	# Types (pyproject.toml [tool.mypy]): strict for the core, the wire messages and tracing.
+	$(VENV)/bin/mypy
 
 test: model lint
 	$(VENV)/bin/pytest
@@ -37,4 +39,4 @@ regress: model
 	$(VENV)/bin/replay regress
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .mypy_cache

@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     decode = []
     for b in batches:
         # Interleaved rounds, the fastest of each: the two figures share the machine's state.
-        floors, steps_by_ctx = [], {ctx: [] for ctx in contexts}
+        floors: list[float] = []
+        steps_by_ctx: dict[int, list[float]] = {ctx: [] for ctx in contexts}
         for _ in range(ROUNDS):
             floors.append(weights_pass(timer.model, b, device))
             for ctx in contexts:

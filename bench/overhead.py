@@ -151,7 +151,7 @@ class _Stream:
 
 
 async def _chunked(reader: asyncio.StreamReader) -> bytes:
-    parts = []
+    parts: list[bytes] = []
     while True:
         size = int((await reader.readline()).split(b";")[0], 16)
         if size == 0:
@@ -204,7 +204,8 @@ def store_bytes_per_token(trace_db: Path) -> dict[str, float]:
     con = duckdb.connect(str(trace_db))
     try:
         con.execute("CHECKPOINT")
-        tokens = con.execute("SELECT coalesce(sum(output_tokens), 0) FROM requests").fetchone()[0]
+        row = con.execute("SELECT coalesce(sum(output_tokens), 0) FROM requests").fetchone()
+        tokens = row[0] if row else 0  # an aggregate: always one row
     finally:
         con.close()
     size = trace_db.stat().st_size

@@ -33,6 +33,7 @@ class EngineCoreClient(Protocol):
     """The blocking client interface (InprocClient, SyncMPClient)."""
 
     info: EngineInfo
+    state: ClientState
 
     def add_request(self, request: EngineCoreRequest) -> None: ...
 

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from tqdm import tqdm
 
@@ -102,7 +102,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, with the tokenizer's template."""
         arrival_ns = time.time_ns()
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        several = bool(messages) and isinstance(messages[0], list)
+        conversations = cast(list[list[dict[str, Any]]], messages if several else [messages])
         tokenized: list[tuple[str | None, list[int]]] = [
             (
                 None,
@@ -160,8 +161,8 @@ class LLM:
             raise
         finally:
             bar.close()
-        for result in results:
-            errors = [c.error for c in result.outputs if c.error] if result else []
+        for done in results:
+            errors = [c.error for c in done.outputs if c.error] if done else []
             if errors:
                 raise RequestError(errors[0])
         return [r for r in results if r is not None]

@@ -84,7 +84,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
     )
     # The weights are dequantized to fp32; drop the GGUF quantizer so they save plainly.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it narrowly
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

@@ -80,10 +80,11 @@ class StepCostModel:
         # Every step counts, slow ones too (a pause is part of the run's time): with a fixed
         # term, the predicted time of the steps adds up to their measured time.
         coef = _nnls(x, y)
-        model = cls(*(float(c) for c in coef), num_steps=len(y))
+        terms: dict[str, Any] = dict(zip(TERMS, map(float, coef), strict=True))
+        model = cls(**terms, num_steps=len(y))
         fit = model.quality(x, y)
         fit["ratios"] = _time_weighted_ratios(y, model.predict(x))
-        return cls(*(float(c) for c in coef), num_steps=len(y), fit=fit)
+        return cls(**terms, num_steps=len(y), fit=fit)
 
     def noise(self, seed: int = 0) -> Callable[[], float] | None:
         """A draw of measured / predicted for one step, seeded (None: no spread recorded)."""

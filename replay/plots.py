@@ -8,10 +8,11 @@ import math
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import matplotlib
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
@@ -22,7 +23,7 @@ COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e3
           "#7f7f7f", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896",
           "#c5b0d5")  # fmt: skip
 FONTS = "'DejaVu Sans', 'Liberation Sans', Arial, Helvetica, sans-serif"
-RC = {
+RC: dict[str, Any] = {
     "svg.fonttype": "none",  # text stays text: searchable, small, drawn by the browser
     "font.family": "sans-serif",
     "font.sans-serif": ["DejaVu Sans", "Liberation Sans", "Arial", "Helvetica"],
@@ -54,7 +55,7 @@ class StepPoint(NamedTuple):
 @contextmanager
 def _figure(height_in: float, salt: str) -> Iterator[Figure]:
     # rc_context and the object API: no pyplot, no global state left behind.
-    with matplotlib.rc_context({**RC, "svg.hashsalt": salt}):
+    with matplotlib.rc_context({**RC, "svg.hashsalt": salt}):  # type: ignore[dict-item]
         yield Figure(figsize=(WIDTH_IN, height_in), layout="constrained")
 
 
@@ -191,30 +192,31 @@ def _step_rows(steps: Sequence[StepPoint]) -> tuple[np.ndarray, list[np.ndarray]
         edges = start.min() + width * np.arange(1001)
         idx = np.minimum(((start - start.min()) / width).astype(int), 999)
         count = np.bincount(idx, minlength=1000)
-        rows = []
+        binned: list[np.ndarray] = []
         for i, col in enumerate(cols):
             if i < 2:  # tokens: the mean step
                 v = np.bincount(idx, weights=col, minlength=1000) / np.maximum(count, 1)
             else:  # requests and step time: the worst step
                 v = np.full(1000, -np.inf)
                 np.maximum.at(v, idx, col)
-            rows.append(np.where(count > 0, v, np.nan))
-        return edges, rows, width
+            binned.append(np.where(count > 0, v, np.nan))
+        return edges, binned, width
     # A step is at least a couple of pixels wide; a short pause (CPU between steps) is no gap.
     min_width = span / 500
     gap = max(3 * float(np.median(end - start)), span / 400)
-    edges, rows = [start[0]], [[] for _ in cols]
+    stairs: list[float] = [start[0]]
+    rows: list[list[float]] = [[] for _ in cols]
     for i in range(len(steps)):
         nxt = start[i + 1] if i + 1 < len(steps) else math.inf
         stop = nxt if nxt - end[i] <= gap else min(max(end[i], start[i] + min_width), nxt)
         for row, col in zip(rows, cols):
             row.append(col[i])
-        edges.append(stop)
+        stairs.append(stop)
         if stop < nxt < math.inf:  # a gap: a NaN stair is drawn as nothing
             for row in rows:
                 row.append(np.nan)
-            edges.append(nxt)
-    return np.array(edges), [np.array(r) for r in rows], 0.0
+            stairs.append(nxt)
+    return np.array(stairs), [np.array(r) for r in rows], 0.0
 
 
 def ttft_breakdown(rows: dict[str, dict[str, float]], labels: dict[str, str]) -> str:
@@ -275,7 +277,7 @@ def waterfall(spans: list[tuple[str, float, float]], title: str) -> str:
         return _svg(fig)
 
 
-def _empty(fig: Figure, ax: object, text: str) -> str:
+def _empty(fig: Figure, ax: Axes, text: str) -> str:
     ax.set_axis_off()
     ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes)
     return _svg(fig)

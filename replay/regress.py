@@ -33,7 +33,9 @@ from tracing.store import open_db
 DEFAULT_DIR = Path("regress")
 EXCERPT = "mooncake-excerpt.jsonl"
 # How the gate scales the excerpt and what it simulates; part of the baseline's meaning.
-IMPORT = {"scale_lengths": 0.02, "max_prompt_len": 256, "spread": 3.0, "block_size": 16}
+IMPORT: dict[str, Any] = {
+    "scale_lengths": 0.02, "max_prompt_len": 256, "spread": 3.0, "block_size": 16,
+}  # fmt: skip
 VIRTUAL = EngineConfig(num_kv_blocks=64, block_size=16, max_num_batched_tokens=256,
                        max_num_seqs=32, max_model_len=2048)  # fmt: skip
 # The virtual layer replays 10x faster than recorded, so queues form and policy matters.

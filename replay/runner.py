@@ -171,7 +171,7 @@ async def run_replay_http(
         sent = time.monotonic()
         errors.append(sent - due)
         p = req.params
-        body = {
+        body: dict[str, Any] = {
             "prompt": req.prompt_token_ids, "max_tokens": p.max_tokens, "ignore_eos": True,
             "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
             "seed": p.seed, "n": p.n, "logprobs": p.logprobs,
@@ -214,7 +214,7 @@ async def run_replay_http(
     small = httpx.AsyncHTTPTransport(
         limits=limits, socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)]
     )
-    options = dict(base_url=url.rstrip("/"), headers=headers, timeout=None)
+    options: dict[str, Any] = dict(base_url=url.rstrip("/"), headers=headers, timeout=None)
     async with (
         httpx.AsyncClient(limits=limits, **options) as fast,
         httpx.AsyncClient(transport=small, **options) as slow,

@@ -193,8 +193,8 @@ def request_spans(req: RequestTrace, run_id: str) -> tuple[list[Span], list[Span
     for seq, first in sorted(req.first_steps.items()):
         received = req.received_ns.get(seq, first)
         add("core.queue", received, first, seq if multi else None)
-    if req.grammar_ready_ns and (received := req.received_ns.get(0)):
-        add(GRAMMAR_SPAN, received, req.grammar_ready_ns, 0 if multi else None)
+    if req.grammar_ready_ns and (grammar_from := req.received_ns.get(0)):
+        add(GRAMMAR_SPAN, grammar_from, req.grammar_ready_ns, 0 if multi else None)
         span = rows[-1]
         rows[-1] = span._replace(attributes=_encode(grammar_attributes(req)).decode())
         if multi:

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -324,10 +324,10 @@ class TraceStore:
             migrate(con)
         self._migrated = True
 
-    def add(self, table: str, rows: list[tuple[Any, ...]]) -> None:
+    def add(self, table: str, rows: Sequence[tuple[Any, ...]]) -> None:
         self.add_all({table: rows})
 
-    def add_all(self, rows_by_table: dict[str, list[tuple[Any, ...]]]) -> None:
+    def add_all(self, rows_by_table: Mapping[str, Sequence[tuple[Any, ...]]]) -> None:
         """Buffer rows of several tables together: all kept, or all dropped and counted."""
         num = sum(len(r) for r in rows_by_table.values())
         if len(self._buffer) + num > self.max_buffered_rows:
@@ -399,10 +399,12 @@ def compact(path: Path) -> bool:
     con = duckdb.connect(":memory:", config={"threads": 1})
     try:
         _while_locked(lambda: con.execute("ATTACH ? AS store", [str(path)]), 1.0)
-        total, free = con.execute(
+        size = con.execute(
             "SELECT total_blocks, free_blocks FROM pragma_database_size() "
             "WHERE database_name = 'store'"
         ).fetchone()  # fmt: skip
+        assert size is not None, "an attached database has a size"
+        total, free = size
         if not total or free < COMPACT_FREE_SHARE * total:
             return False
         fresh = path.with_name(path.name + ".compacting")
@@ -467,4 +469,4 @@ def latest_run(con: duckdb.DuckDBPyConnection, *, served_only: bool = False) -> 
     ).fetchone()
     if found is None:
         raise ValueError("the trace db holds no " + ("served " if served_only else "") + "request")
-    return found[0]
+    return str(found[0])

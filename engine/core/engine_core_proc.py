@@ -30,6 +30,7 @@ from engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineStats,
     OutputType,
     ReadyMessage,
     RequestType,
@@ -48,7 +49,7 @@ _WORKER_DIED = object()
 
 
 class EngineCoreProc:
-    def __init__(self, core: EngineCore, input_addr: str, out_sock: zmq.Socket) -> None:
+    def __init__(self, core: EngineCore, input_addr: str, out_sock: zmq.Socket[bytes]) -> None:
         self.core = core
         self.input_addr = input_addr
         self.out_sock = out_sock
@@ -126,7 +127,7 @@ class EngineCoreProc:
         elif kind == RequestType.UTILITY:
             call = self._decode_utility.decode(payload)
             result = self.core.call_utility(call)
-            if call.method == UtilityMethod.GET_STATS and result.value is not None:
+            if call.method == UtilityMethod.GET_STATS and isinstance(result.value, EngineStats):
                 result.value.num_output_backpressure = self.num_output_backpressure
             self._send(EngineCoreOutputs(outputs=self._pending, utility_result=result))
             self._pending = []

@@ -244,7 +244,8 @@ def _ttft_parts(
     api, core = run.pauses
     handler = row.handler_ns if row.http_start_ns else lo  # offline: no HTTP part
     sent, received = row.sent_ns, row.received_ns
-    first_step = (steps or later).first_start if (steps or later) else None
+    first = steps or later
+    first_step = first.first_start if first else None
     # Its first step began; a request that never ran waited in the queue to its end.
     never_ran = received and row.ttft_ns is None and first_step is None
     scheduled = first_step or row.first_scheduled_ns or (hi if never_ran else None)

@@ -244,7 +244,8 @@ def step_shares(
     e0, e1, o1 = steps.execute_start_ns[s], steps.execute_end_ns[s], out_end(steps)[s]
 
     def clipped(a: IntArray, b: IntArray) -> IntArray:
-        return np.maximum(0, np.minimum(b, hi) - np.maximum(a, lo))
+        inside: IntArray = np.maximum(0, np.minimum(b, hi) - np.maximum(a, lo))
+        return inside
 
     sched, exe, outp = clipped(s0, e0), clipped(e0, e1), clipped(e1, o1)
     gram = np.where(steps.grammar_mask_ns[s] > 0, clipped(s1, e0), 0)

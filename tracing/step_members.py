@@ -62,13 +62,14 @@ def wait_reasons(
     """Request id -> the limit most of the steps it waited through recorded (steps.wait_reason),
     from its receipt to its first step (or its end where it never ran)."""
     starts = np.array([s.start_ns for s in steps], dtype=np.int64)
-    out = {}
+    out: dict[str, str] = {}
     for i, rid in enumerate(windows.request_id):
-        if not received[i]:
+        since = received[i]
+        if not since:
             continue
         firsts = [shares[(rid, p)].first_start for p in ("ttft", "decode") if (rid, p) in shares]
         until = scheduled[i] or (min(firsts) if firsts else int(windows.end[i]))
-        during = np.flatnonzero((starts >= received[i]) & (starts < until))
+        during = np.flatnonzero((starts >= since) & (starts < until))
         held = Counter(r for k in during if (r := steps[k].wait_reason))
         if held:
             out[rid] = held.most_common(1)[0][0]

@@ -61,7 +61,10 @@ def part_matrix(reqs: list[RequestDiagnosis], phase: str) -> np.ndarray:
     if phase == "ttft":
         return np.array([[r.ttft.get(k, 0) for k in keys] for r in reqs], dtype=float)
     per = np.array([max(r.output_tokens - 1, 1) for r in reqs], dtype=float)[:, None]
-    return np.array([[r.decode.get(k, 0) for k in keys] for r in reqs], dtype=float) / per
+    per_token: np.ndarray = (
+        np.array([[r.decode.get(k, 0) for k in keys] for r in reqs], float) / per
+    )
+    return per_token
 
 
 def part_stats(

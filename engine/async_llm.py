@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from engine.config import EngineConfig
@@ -171,7 +171,7 @@ class AsyncLLM:
         arrival_ns: int | None = None,
         stream: bool = True,
         close_trace: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Validate ``prompt`` with ``params`` (ValueError), then as ``generate_prepared``."""
         arrival_ns = arrival_ns or time.time_ns()  # before tokenizing, which is the frontend's
         self._check_alive()
@@ -193,7 +193,7 @@ class AsyncLLM:
         arrival_ns: int | None = None,
         stream: bool = True,
         close_trace: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Run a prompt ``prepare`` checked, as it is (no second tokenize or validation).
 
         ``arrival_ns``: when the frontend received the request (default: now).

@@ -13,8 +13,9 @@ whose docstring states every formula): its own prefill and row, other requests' 
 "neighbours", named), and the batch's other rows. Pauses (GC, event-loop lag) are carved out
 of the parts of their process that they overlap. Columns an older trace lacks, or a request
 never reached, count as 0 or fall back to the spans. The run verdict and the words live in
-``tracing.verdict``; its rule is described there (MIN_CAUSE_NS, MIN_CAUSE_SHARE in
-``tracing.diagnosis``).
+``tracing.verdict``; its rule is described there and applied by ``tracing.judge``, which also
+decides each request's dominant part (what `lumen trace top` prints). The parts themselves are
+registered in ``tracing.parts``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Session fixtures: the default model (fetched once per machine) and a tiny random Llama."""
+"""Session fixtures: the default model (fetched once per machine), a tiny random Llama and the
+kernel-choice cache, each made once per test run (shared by pytest-xdist's workers)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,28 @@ import os
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def run_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A folder for the whole test run: every xdist worker of the run gets the same one (each
+    worker's own base temp sits in the run's), a plain run its own session's."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    folder = base / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
 @pytest.fixture(scope="session", autouse=True)
 def autotune_cache(tmp_path_factory: pytest.TempPathFactory):
-    """The CPU kernel choices cached in this session's own folder, not the user's."""
+    """The CPU kernel choices cached in this run's own folder, not the user's: timed once in
+    the run, then read by every engine the tests start."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("LUMEN_AUTOTUNE_DIR", str(tmp_path_factory.mktemp("autotune")))
+        patch.setenv("LUMEN_AUTOTUNE_DIR", str(run_folder(tmp_path_factory, "autotune")))
         yield
 
 
@@ -29,7 +43,12 @@ def default_model_path() -> Path:
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -> Path:
     from tests.helpers.models import build_tiny_llama
 
-    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_model_path)
+    folder = run_folder(tmp_path_factory, "tiny-llama")
+    with FileLock(str(folder) + ".lock"):  # the first worker builds it, the others wait
+        if not (folder / ".built").exists():
+            build_tiny_llama(folder, default_model_path)
+            (folder / ".built").touch()
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -114,6 +114,7 @@ def test_a_request_id_in_use_is_refused_and_the_first_request_loses_nothing(
     asyncio.run(main())
 
 
+@pytest.mark.serial
 def test_a_stalled_reader_is_aborted_and_slows_no_one(tiny_model_path: Path) -> None:
     async def main() -> None:
         llm = AsyncLLM(_config(tiny_model_path), stall_timeout=0.5)
@@ -136,6 +137,7 @@ def test_a_stalled_reader_is_aborted_and_slows_no_one(tiny_model_path: Path) -> 
     asyncio.run(main())
 
 
+@pytest.mark.serial
 def test_dead_engine_fails_every_open_stream_within_1s(tiny_model_path: Path) -> None:
     async def main() -> None:
         llm = AsyncLLM(_config(tiny_model_path))

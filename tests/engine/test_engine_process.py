@@ -60,6 +60,7 @@ def test_startup_failure_of_a_missing_model(tmp_path: Path) -> None:
     assert wait_no_children() == []
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_kill_9_of_the_core_fails_open_requests_within_1s(kind: str, tiny_model_path: Path) -> None:
     client = (
@@ -168,6 +169,7 @@ def test_sigterm_to_the_parent_leaves_no_core_process(tiny_model_path: Path) -> 
         parent.kill()
 
 
+@pytest.mark.serial
 def test_kill_9_of_a_tp_worker_fails_open_requests_within_1s(tiny_model_path: Path) -> None:
     client = SyncMPClient(
         EngineConfig(num_kv_blocks=64, tensor_parallel_size=2), str(tiny_model_path)

@@ -16,12 +16,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 
 from service.cli import main as lumen
 from tests.helpers.load import SlowReader, server_idle, stream_chat, wait_until
 from tests.helpers.server import LumenServer, metric
 from tracing.diagnose import RunDiagnosis, diagnose_run, render_run
 from tracing.store import open_db
+
+# Each scenario provokes latency and reads what the diagnosis says of it: a busy neighbour
+# would add latency of its own.
+pytestmark = pytest.mark.serial
 
 FAST_FLUSH = ("--trace-flush-interval", "0.2")
 

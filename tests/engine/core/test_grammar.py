@@ -67,6 +67,7 @@ def _run(client: InprocClient) -> tuple[dict[str, list[int]], dict[str, object],
     return tokens, ends, steps
 
 
+@pytest.mark.serial
 def test_a_compiling_grammar_holds_up_no_one(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -68,6 +68,7 @@ def test_tp2_greedy_matches_tp1_and_hf(tiny_model_path: Path) -> None:
     assert tp1 == hf_greedy(tiny_model_path, prompts, MAX_TOKENS)
 
 
+@pytest.mark.serial
 @pytest.mark.parametrize("when", ["idle", "pending"])
 def test_killed_worker_raises_worker_dead_error_within_1s(
     tiny_model_path: Path, tmp_path: Path, when: str

@@ -10,6 +10,9 @@ import torch
 
 from engine.worker import cpu_threads
 
+# Each case times a step made of sleeps: a busy neighbour's scheduling noise could flip a choice.
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture(autouse=True)
 def restore_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:

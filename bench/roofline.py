@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,8 +73,11 @@ def weights_pass(model: torch.nn.Module, rows: int, device: torch.device) -> flo
     with torch.inference_mode():
         for module in model.modules():
             if hasattr(module, "packed"):  # the model's Linear: a plain weight or oneDNN's copy
-                products.append(_read(module.packed, module.weight, rows, device))
-        products.append(_read(model.kernels.packed_head, model.head_weight(), rows, device))
+                # Typed loosely: bench may not import the worker's model (engine.worker.llama).
+                linear: Any = module
+                products.append(_read(linear.packed, linear.weight, rows, device))
+        llama: Any = model
+        products.append(_read(llama.kernels.packed_head, llama.head_weight(), rows, device))
 
         def one_pass() -> None:
             for product in products:

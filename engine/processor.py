@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -105,7 +105,8 @@ class InputProcessor:
             messages,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
-            tools=tools,
+            # Transformers takes a list of dicts or functions; a list is invariant.
+            tools=cast("list[dict[str, Any] | Callable[..., Any]] | None", tools),
             tokenize=True,
             return_dict=False,
         )

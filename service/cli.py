@@ -55,14 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
         precision,
         prefill,
         scheduler,
-        serve,
         structured,
         throughput,
         tracing_overhead,
     )
+    from bench import serve as bench_serve  # `serve` above is the server's parser
 
     throughput.add_parser(bench_verbs)
-    serve.add_parser(bench_verbs)
+    bench_serve.add_parser(bench_verbs)
     tracing_overhead.add_parser(bench_verbs)
     overhead.add_parser(bench_verbs)
     cold_start.add_parser(bench_verbs)

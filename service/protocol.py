@@ -3,7 +3,7 @@ onto SamplingParams. Responses are plain dicts built in ``service/serving.py``."
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field
@@ -236,12 +236,13 @@ class CompletionRequest(_SamplingBody):
             return [p]
         if not p:
             raise ValueError("prompt must not be empty")
+        # all(isinstance(...)) does not narrow p for mypy: each cast states what its check saw.
         if all(isinstance(x, int) for x in p):
-            return [list(p)]  # type: ignore[arg-type]
+            return [list(cast("list[int]", p))]
         if all(isinstance(x, str) for x in p):
-            return list(p)  # type: ignore[arg-type]
+            return list(cast("list[str]", p))
         if all(isinstance(x, list) for x in p):
-            return [list(x) for x in p]  # type: ignore[union-attr]
+            return [list(x) for x in cast("list[list[int]]", p)]
         raise ValueError("prompt must be a string, a list of strings, or token ids")
 
 

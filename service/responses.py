@@ -108,7 +108,7 @@ class ResponseHead:
     _text_parts: tuple[bytes, bytes, bytes] | None = field(default=None, repr=False)
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        body = {
+        body: dict[str, Any] = {
             "id": self.id,
             "object": "chat.completion.chunk" if self.chat else "text_completion",
             "created": self.created,

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import jinja2
@@ -258,7 +258,7 @@ class Serving:
         return Response(_encode(body), media_type="application/json",
                         headers={"Server-Timing": header})  # fmt: skip
 
-    async def _events(self, prep: Prepared) -> AsyncIterator[bytes]:
+    async def _events(self, prep: Prepared) -> AsyncGenerator[bytes, None]:
         head, n = prep.head, prep.params.n
         num_completion_tokens = 0
         offsets: defaultdict[int, int] = defaultdict(int)
@@ -309,7 +309,7 @@ class Serving:
             logger.exception("stream of %s failed", head.id)
             yield sse(_encode(error_body(500, "internal server error")))
 
-    async def _generate(self, prep: Prepared) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _generate(self, prep: Prepared) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """Deltas of every prompt's request, tagged with the prompt's index."""
         arrival_ns = prep.ctx.arrival_ns
         gens = [
@@ -336,15 +336,15 @@ class Serving:
 
 
 async def _merge(
-    gens: list[AsyncIterator[RequestOutput]],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+    gens: Sequence[AsyncGenerator[RequestOutput, None]],
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     # A bounded queue: a slow reader holds the producers back; each engine
     # stream then merges its deltas, so memory stays bounded.
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(
         len(gens)
     )
 
-    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async for out in gen:
                 await queue.put((i, out))
@@ -352,7 +352,7 @@ async def _merge(
         except Exception as e:
             await queue.put((i, e))
         finally:
-            await gen.aclose()  # type: ignore[attr-defined]
+            await gen.aclose()
 
     tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
     try:

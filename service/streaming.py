@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -63,7 +63,7 @@ class EventStream(Response):
 
     def __init__(
         self,
-        events: AsyncIterator[bytes],
+        events: AsyncGenerator[bytes, None],
         *,
         send_timeout: float,
         headers: dict[str, str] | None = None,

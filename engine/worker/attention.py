@@ -13,7 +13,7 @@ attending causally to its cached context plus itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -86,8 +86,9 @@ def paged_attention(
         if not meta.prefills:
             return od
     elif nd:
-        kd = _gather(k_cache, meta.decode_block_tables, nd).to(q.dtype)
-        vd = _gather(v_cache, meta.decode_block_tables, nd).to(q.dtype)
+        tables = cast("torch.Tensor", meta.decode_block_tables)  # set when decodes have no plan
+        kd = _gather(k_cache, tables, nd).to(q.dtype)
+        vd = _gather(v_cache, tables, nd).to(q.dtype)
         od = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
         ).squeeze(2)

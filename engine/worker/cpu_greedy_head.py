@@ -27,8 +27,10 @@ native/greedy_head.c.
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -192,9 +194,10 @@ def _time_paths(paths: _Paths, torch_path: Path) -> tuple[list[str], str]:
     names, timings = [], []
     for rows in TIMED_ROWS:
         h = torch.randn(rows, paths.weight.shape[1])
-        candidates = {name: paths.get(name) for name in paths.names()}
+        # get gives None only for a name outside names()
+        candidates = cast("dict[str, Path]", {name: paths.get(name) for name in paths.names()})
         candidates["torch"] = torch_path
-        times = autotune.best_of_each({n: lambda p=p: p(h) for n, p in candidates.items()})  # noqa: B023
+        times = autotune.best_of_each({n: functools.partial(p, h) for n, p in candidates.items()})
         name = min(times, key=times.__getitem__)
         names.append(name)
         each = ", ".join(f"{n} {t * 1e3:.2f}" for n, t in times.items())

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,8 @@ class Linear(nn.Module):
         if self.packed is not None:
             return cpu_matmul.onednn_linear(x, self.packed)
         if self.qweight is not None:
-            return self.int8.linear(x, self.qweight, self.scale)
+            # quantize sets scale with qweight; a cast, not a check, on the hot path.
+            return self.int8.linear(x, self.qweight, cast("torch.Tensor", self.scale))
         return x @ self.weight
 
     def pack(self) -> None:
@@ -271,12 +273,17 @@ class LlamaForCausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    @property
+    def decoder_layers(self) -> Sequence[DecoderLayer]:
+        """``layers`` as typed: indexing a ModuleList gives a plain Module."""
+        return cast("Sequence[DecoderLayer]", self.layers)
+
     @torch.no_grad()
     def pack_weights(self) -> None:
         """On CPU, move every matrix product to the faster kernel, measured here
         (CpuKernels.choose_matmul): the layers' kernel timed on their first weight, the LM
         head's on its own."""
-        first = self.layers[0].gate_up_proj.weight
+        first = self.decoder_layers[0].gate_up_proj.weight
         # Quantized (an emptied weight): the layers' products are int8 (cpu_int8).
         kernel = self.kernels.choose_matmul(first if first.numel() else None, self.head_weight())
         if kernel == "onednn":
@@ -298,13 +305,15 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
             module.quantize()
-        first = self.layers[0].gate_up_proj
+        first = self.decoder_layers[0].gate_up_proj
+        assert first.qweight is not None and first.scale is not None  # quantize set them
         if first.qweight.device.type != "cpu":
             return
         plan = self.kernels.plan_int8(
             quantization, first.qweight, first.scale, self.embed_tokens.weight.dtype
         )
         for module in linears:
+            assert module.qweight is not None  # quantize set it
             fits = plan.kernel is not None and plan.kernel.fits(module.qweight)
             module.int8 = plan if fits else cpu_int8.WIDEN_ONLY
 
@@ -327,7 +336,7 @@ class LlamaForCausalLM(nn.Module):
         # Full (unsharded) sizes of the dimensions each rank takes a slice of.
         rows = {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d}
         inter = cfg.intermediate_size
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{i}."
             # Hugging Face stores [out, in]; our Linear holds [in, out].
             qkv = [take(p + f"self_attn.{n}_proj.weight", rows=rows[n]) for n in "qkv"]
@@ -356,6 +365,7 @@ class _Taker:
         if self.shard.size == 1 or (rows is None and cols is None):
             return handle.get_tensor(name)
         dim, total = (0, rows) if rows is not None else (1, cols)
+        assert total is not None  # rows or cols was given (the return above)
         full = handle.get_slice(name)  # lazy: only the sliced bytes are read
         shape = full.get_shape()
         if shape[dim] != total:

@@ -198,9 +198,21 @@ def test_every_panel_query_returns_data(prometheus_and_server) -> None:
             _query(url, "sum(lumen:generation_tokens_total)")[0]["value"][1]) > 0,
         30,
     )  # fmt: skip
-    time.sleep(3)  # a few more scrapes after the load
     labels = httpx.get(f"{url}/api/v1/label/model_name/values").json()["data"]
     assert labels == [server.client().models.list().data[0].id]  # the $model variable
+    # rate() needs a few more scrapes after the load: ask again (each second) until every
+    # panel has data or the time is up.
+    deadline = time.monotonic() + 20
+    while (checked := _empty_panels(url))[0] and time.monotonic() < deadline:
+        time.sleep(1)
+    empty, count = checked
+    print(f"\n{count} panel queries checked against Prometheus")
+    assert empty == []
+
+
+def _empty_panels(url: str) -> tuple[list[str], int]:
+    """The Prometheus panel queries that return no series ("board / panel: expr"), and how
+    many there are."""
     empty, count = [], 0
     for name, board in _boards().items():
         for panel, target in _targets(board):
@@ -210,8 +222,7 @@ def test_every_panel_query_returns_data(prometheus_and_server) -> None:
             count += 1
             if not _query(url, expr):
                 empty.append(f"{name} / {panel['title']}: {expr}")
-    print(f"\n{count} panel queries checked against Prometheus")
-    assert empty == []
+    return empty, count
 
 
 def _query(url: str, expr: str) -> list:

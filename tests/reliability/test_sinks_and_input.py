@@ -20,6 +20,7 @@ from tests.conftest import API_KEY
 from tests.helpers.load import stream_chat, wait_until
 from tests.helpers.server import ROOT, LumenServer, metric
 from tracing.receiver import OtlpReceiver
+from tracing.store import open_db
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 BODY = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -34,6 +35,7 @@ def _serve_a_few(server: LumenServer, n: int = 4) -> float:
     return time.monotonic() - start
 
 
+@pytest.mark.serial  # a deadline: 4 requests within 4 s
 @pytest.mark.parametrize("mode", ["slow", "failing"])
 def test_a_bad_collector_never_slows_serving(
     tmp_path: Path, tiny_model_path: Path, mode: str
@@ -49,6 +51,8 @@ def test_a_bad_collector_never_slows_serving(
                 )
             print(f"\n{mode} collector: 4 requests in {took:.2f} s")
             assert took < 4.0  # a 5 s export stall would show here
+            # Healed, so the exit's flush need not wait out the fault (nothing times the exit).
+            collector.delay, collector.status = 0.0, 200
 
 
 def _fsize_limit(limit: int):
@@ -69,11 +73,16 @@ def test_a_full_disk_costs_trace_rows_not_requests(tmp_path: Path, tiny_model_pa
         preexec_fn=_fsize_limit(1 << 18),
     ) as server:
         took = _serve_a_few(server, 12)
-        time.sleep(1)
-        log = server.log()
         print(f"\nfile size limit 256 KiB: 12 requests in {took:.2f} s")
-        assert "trace db" in log and ("not writable" in log or "flush failed" in log), log[-2000:]
+        try:  # the failure shows at a flush (every 0.2 s)
+            wait_until(lambda: _reports_a_failed_write(server.log()), 10)
+        except AssertionError:
+            pytest.fail(f"no failed trace db write in the log:\n{server.log()[-2000:]}")
         assert httpx.get(server.url("/health")).status_code == 200
+
+
+def _reports_a_failed_write(log: str) -> bool:
+    return "trace db" in log and ("not writable" in log or "flush failed" in log)
 
 
 def test_a_read_only_trace_db_costs_trace_rows_not_requests(
@@ -125,17 +134,27 @@ def _python_for_nobody() -> str | None:
     return None
 
 
-def test_an_uncreatable_trace_db_costs_trace_rows_not_requests(
-    tmp_path: Path, tiny_model_path: Path
-) -> None:
-    blocker = tmp_path / "not-a-folder"
+@pytest.fixture(scope="module")
+def guarded_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
+    """A server with its probes behind the key and a trace db it cannot create (a file stands
+    where its folder should be): two independent faults, one server start."""
+    tmp = tmp_path_factory.mktemp("guarded")
+    blocker = tmp / "not-a-folder"
     blocker.write_text("a file where the trace folder should be")
     with LumenServer(
-        tiny_model_path, log_path=tmp_path / "serve.log", trace_db=blocker / "trace.db"
-    ) as server:
-        took = _serve_a_few(server)
-        print(f"\nuncreatable trace db: 4 requests in {took:.2f} s")
-        assert "not writable" in server.log()
+        tiny_model_path, "--protect-probes", log_path=tmp / "serve.log",
+        trace_db=blocker / "trace.db", api_key="probe-key",
+    ) as server:  # fmt: skip
+        yield server
+
+
+def test_an_uncreatable_trace_db_costs_trace_rows_not_requests(
+    guarded_server: LumenServer,
+) -> None:
+    took = _serve_a_few(guarded_server)
+    print(f"\nuncreatable trace db: 4 requests in {took:.2f} s")
+    assert "not writable" in guarded_server.log()
+    assert not guarded_server.trace_db.parent.is_dir()
 
 
 HOSTILE = [
@@ -189,24 +208,28 @@ def test_every_v1_route_needs_the_key(tiny_server: LumenServer) -> None:
         assert r.status_code == 401, (method, path)
 
 
-def test_probes_can_be_protected_too(tmp_path: Path, tiny_model_path: Path) -> None:
-    args = ["--protect-probes", "--no-trace-db"]
-    with LumenServer(
-        tiny_model_path, *args, log_path=tmp_path / "serve.log", api_key="probe-key"
-    ) as server:
-        for path in ("/health", "/metrics"):
-            assert httpx.get(server.url(path)).status_code == 401
-            assert httpx.get(server.url(path), headers=server.headers()).status_code == 200
+def test_probes_can_be_protected_too(guarded_server: LumenServer) -> None:
+    for path in ("/health", "/metrics"):
+        url = guarded_server.url(path)
+        assert httpx.get(url).status_code == 401
+        assert httpx.get(url, headers=guarded_server.headers()).status_code == 200
+
+
+def _stored(db: Path, request_id: str) -> bool:
+    with open_db(db, timeout=10) as con:
+        return bool(
+            con.execute("SELECT 1 FROM requests WHERE request_id = ?", [request_id]).fetchall()
+        )
 
 
 def test_prompts_and_completions_stay_out_of_logs_and_traces(tiny_server: LumenServer) -> None:
     marker = "zebra-quartz-7781"
     body = {"messages": [{"role": "user", "content": f"Repeat {marker} {marker}"}],
             "max_tokens": 16, "temperature": 0}  # fmt: skip
-    reply = httpx.post(tiny_server.url("/v1/chat/completions"), json=body,
-                       headers=tiny_server.headers()).json()  # fmt: skip
-    completion = reply["choices"][0]["message"]["content"]
-    time.sleep(1.5)  # a flush
+    r = httpx.post(tiny_server.url("/v1/chat/completions"), json=body,
+                   headers=tiny_server.headers())  # fmt: skip
+    completion = r.json()["choices"][0]["message"]["content"]
+    wait_until(lambda: _stored(tiny_server.trace_db, r.headers["x-request-id"]), 30)  # a flush
     stored = tiny_server.trace_db.read_bytes()
     wal = tiny_server.trace_db.with_suffix(".db.wal")
     if wal.exists():

@@ -43,6 +43,7 @@ def test_disconnected_clients_free_their_kv_blocks(tiny_server: LumenServer) -> 
     assert _delta(before, after, "lumen:generation_tokens_total") < 5 * 1800 / 2
 
 
+@pytest.mark.serial  # a ratio of rates on the wall clock
 def test_a_stalled_reader_does_not_slow_the_others(tiny_server: LumenServer) -> None:
     body = {**LONG, "max_tokens": 200}
     heavy = {**LONG, "n": 8}

@@ -13,8 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.helpers.load import wait_until
 from tests.helpers.procs import live_children, pid_alive
-from tests.helpers.server import LumenServer
+from tests.helpers.server import LumenServer, metric
 
 LONG = {
     "messages": [{"role": "user", "content": "Go on forever."}],
@@ -24,6 +25,7 @@ LONG = {
 }
 
 
+@pytest.mark.serial  # a deadline: open requests fail within 2.5 s
 def test_engine_death_fails_open_requests_then_the_server_exits(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
@@ -53,7 +55,8 @@ def test_engine_death_fails_open_requests_then_the_server_exits(
     for t in threads:
         t.start()
     started.wait()
-    time.sleep(0.3)  # all three are generating
+    # all three are generating
+    wait_until(lambda: metric(server.metrics(), "lumen:num_requests_running") == 3, 10)
     server_pid = server.proc.pid
     children = [p.pid for p in live_children(server_pid)]
     assert children

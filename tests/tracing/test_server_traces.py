@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from tests.helpers.load import stream_chat, wait_until
+from tests.helpers.procs import pid_alive
 from tests.helpers.server import ROOT, LumenServer, metric
 from tracing.receiver import GrpcOtlpReceiver, OtlpReceiver
 from tracing.spans import BOUNDARIES, GRAMMAR_SPAN
@@ -254,7 +254,9 @@ def test_kill_9_leaves_whole_requests(tmp_path: Path, tiny_model_path: Path) -> 
     threads = [threading.Thread(target=load) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(3)
+    # Kill mid-load once a few requests are in the file (flushed every 0.2 s).
+    wait_until(lambda: len(_rows(server.trace_db, "SELECT 1 FROM requests")) >= 8, 60)
+    core = server.core_pid()
     os.kill(server.proc.pid, signal.SIGKILL)
     stop.set()
     for t in threads:
@@ -271,5 +273,5 @@ def test_kill_9_leaves_whole_requests(tmp_path: Path, tiny_model_path: Path) -> 
         assert span_names[rid] == {"llm_request", *BOUNDARIES}, rid
     print(f"\n{len(rows)} whole requests survived the kill -9")
     server.stop()
-    time.sleep(0.5)  # the orphaned core notices its parent is gone
+    wait_until(lambda: not pid_alive(core), 10)  # the orphaned core notices its parent is gone
     assert json.dumps(rows)

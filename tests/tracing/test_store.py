@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tracing.store import MIGRATIONS, TraceStore, compact, open_db
 
 HOLD = """
@@ -59,6 +61,7 @@ def test_an_old_file_migrates_and_keeps_its_spans(tmp_path: Path) -> None:
     assert kind == ("VIEW",)
 
 
+@pytest.mark.serial  # a deadline: the busy flush gives up within 1 s
 def test_a_reader_in_another_process_defers_a_flush_without_losing_rows(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     store = TraceStore(db)
@@ -89,6 +92,7 @@ def test_a_full_buffer_drops_and_counts(tmp_path: Path) -> None:
         assert con.execute("SELECT count(*) FROM spans").fetchone() == (8,)
 
 
+@pytest.mark.serial  # a wait measured on the wall clock
 def test_readers_wait_for_a_flush_to_release_the_file(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     TraceStore(db)

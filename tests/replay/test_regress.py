@@ -50,6 +50,7 @@ def test_the_virtual_layer_fails_on_a_policy_change(
     assert "REGRESSION" in table and "ttft_s.p" in table and "baseline" in table
 
 
+@pytest.mark.serial  # provokes latency and asserts what the gate measured of it
 def test_the_measured_layer_names_each_slower_path(
     folder: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -87,6 +87,12 @@ def _post(server: LumenServer, body: dict, path: str = "/v1/completions") -> htt
     return r
 
 
+def _wait_running(server: LumenServer, num_requests: int) -> None:
+    """Until the engine runs ``num_requests`` (a poll, not a fixed sleep that a slow start
+    could outlast)."""
+    wait_until(lambda: metric(server.metrics(), "lumen:num_requests_running") >= num_requests, 30)
+
+
 def _concurrently(n: int, fn: Callable[[int], str]) -> list[str]:
     with ThreadPoolExecutor(n) as pool:
         return list(pool.map(fn, range(n)))
@@ -177,7 +183,7 @@ def test_long_prefill_names_the_noisy_neighbour(tmp_path: Path, tiny_model_path:
         threads = [threading.Thread(target=decoder, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.3)
+        _wait_running(server, 4)  # the neighbours arrive while all four decode
         neighbours = _concurrently(
             4, lambda i: _post(server, {"prompt": [100 + i] * 1900, "max_tokens": 2}).headers[
                 "x-request-id"]
@@ -295,7 +301,7 @@ def test_slow_grammar_masks_are_named_for_the_plain_requests_beside_them(
         threads = [threading.Thread(target=grammar, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
-        time.sleep(0.2)
+        _wait_running(server, 2)  # the plain requests arrive while both grammar streams run
         plain = _concurrently(
             4, lambda i: _post(server, {"prompt": f"Plain {i}", "max_tokens": 24,
                                         "ignore_eos": True}).headers["x-request-id"]

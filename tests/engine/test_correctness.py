@@ -13,6 +13,11 @@ from engine import LLM, SamplingParams
 from tests.helpers.models import hf_greedy
 
 MAX_TOKENS = 12
+# SmolLM2's runs (ten engines, two Hugging Face references of 16 prompts each) generate fewer
+# tokens, to keep the suite short: with eight, six of the sixteen prompts still cross a KV block
+# boundary in decode and every kernel runs seven decode steps of the whole batch (the tiny
+# model's runs, cheap, keep twelve).
+SMOL_MAX_TOKENS = 8
 NUM_PROMPTS = 16
 
 
@@ -34,19 +39,27 @@ SETTINGS: dict[str, tuple[dict[str, Any], int]] = {
 }
 
 
-def _check_setting(model_path: Path, name: str, references: dict[int, list[list[int]]]) -> None:
+def _check_setting(
+    model_path: Path,
+    name: str,
+    references: dict[int, list[list[int]]],
+    max_tokens: int = MAX_TOKENS,
+) -> None:
+    """The setting's engine against Hugging Face; ``references`` (one per module, keyed by the
+    prompts' shared prefix) keeps each reference for the tests that share its prompts."""
     options, shared = SETTINGS[name]
     prompts = _random_prompts(seed=shared, shared_prefix=shared)
     if shared not in references:
-        references[shared] = hf_greedy(model_path, prompts, MAX_TOKENS)
+        references[shared] = hf_greedy(model_path, prompts, max_tokens)
     expected = references[shared]
     llm = LLM(str(model_path), **options)
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+        SamplingParams(temperature=0, max_tokens=max_tokens),
         use_tqdm=False,
     )
     metrics = llm.get_metrics()
+    llm.shutdown()
     print(f"{name}: {metrics}")
     for i, (out, ref) in enumerate(zip(outs, expected)):
         assert out.outputs[0].token_ids == ref, f"prompt {i} (len {len(prompts[i])}) differs"
@@ -81,7 +94,7 @@ def smol_references() -> dict[int, list[list[int]]]:
 def test_smollm2_matches_hf(
     setting: str, default_model_path: Path, smol_references: dict[int, list[list[int]]]
 ) -> None:
-    _check_setting(default_model_path, setting, smol_references)
+    _check_setting(default_model_path, setting, smol_references, SMOL_MAX_TOKENS)
 
 
 @pytest.mark.real_model
@@ -98,7 +111,7 @@ def test_smollm2_matches_hf_with_each_cpu_kernel(
     if kernel == "onednn" and not cpu_matmul.onednn_available(torch.float32):
         pytest.skip("this torch has no oneDNN")
     monkeypatch.setenv("LUMEN_CPU_MATMUL", kernel)
-    _check_setting(default_model_path, "default", smol_references)
+    _check_setting(default_model_path, "default", smol_references, SMOL_MAX_TOKENS)
 
 
 def test_unknown_cpu_kernel_is_a_clear_error(
@@ -119,7 +132,7 @@ def test_smollm2_matches_hf_with_each_attention_kernel(
 ) -> None:
     """Decode attention by torch's products or by the compiled kernel: greedy tokens match HF's."""
     monkeypatch.setenv("LUMEN_CPU_ATTENTION", kernel)
-    _check_setting(default_model_path, "default", smol_references)
+    _check_setting(default_model_path, "default", smol_references, SMOL_MAX_TOKENS)
 
 
 def test_unknown_cpu_attention_kernel_is_a_clear_error(
@@ -158,7 +171,7 @@ def test_smollm2_matches_hf_with_each_greedy_head(
     if kernel == "screened" and not cpu_matmul.onednn_available(torch.bfloat16):
         pytest.skip("this torch's oneDNN has no bf16")
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", kernel)
-    _check_setting(default_model_path, "default", smol_references)
+    _check_setting(default_model_path, "default", smol_references, SMOL_MAX_TOKENS)
 
 
 def test_bf16_kv_cache_holds_twice_the_tokens_and_every_decode_path_agrees(

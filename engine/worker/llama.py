@@ -229,7 +229,12 @@ class LlamaForCausalLM(nn.Module):
         self.shard = shard or Shard()
         self.kernels = kernels or CpuKernels()
         check_tensor_parallel(cfg, self.shard.size)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # An uninitialised weight (load_weights fills it): nn.Embedding's own random init on
+        # the meta device goes through torch._refs, whose first use imports torch._dynamo
+        # (1.7 s of every engine start).
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from replay.server import ROOT, LumenServer, free_port, metric, parse_metrics
 
 __all__ = [
@@ -68,6 +70,7 @@ class TransformersServer(LumenServer):
         self.api_key = None
         self.model = str(model)
         self.base_url = f"http://127.0.0.1:{self.port}"
+        self.http = httpx.Client(timeout=10)
         cmd = [python, "-m", "transformers.cli.transformers", "serve", "--continuous-batching"]
         cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args, self.model]
         self.log_path = log_path

@@ -212,9 +212,14 @@ def test_slow_reader_is_named_as_delivery(tmp_path: Path, tiny_model_path: Path)
     body = {"prompt": ["a", "b", "c", "d", "e", "f", "g", "h"], "max_tokens": 150,
             "temperature": 0, "ignore_eos": True}  # fmt: skip
 
+    total = 2 * len(body["prompt"]) * body["max_tokens"] + 2 * 150
+
     def provoke(server: LumenServer) -> list[str]:
         def generated() -> bool:
-            return metric(server.metrics(), "lumen:num_requests_running") == 0
+            # Every token generated, counted as the API process takes them from the core (the
+            # running gauge reads 0 too before the requests are scheduled: a stall that ends
+            # early lets the slow readers catch up before the end).
+            return metric(server.metrics(), "lumen:generation_tokens_total") >= total
 
         slow = [SlowReader(server, body, stall_s=1.0, until=generated) for _ in range(2)]
         threads = [threading.Thread(target=s.run) for s in slow]

@@ -20,8 +20,14 @@ A step's cost, and one row's share of it (d prices decode tokens; only the fallb
     cost(step)  = max(a + b * prefill tokens + c * rows + d * decode tokens, 1e-9)
     per_row     = a / max(rows, 1) + c
     own         = net * min((b * its tokens + per_row) / cost, 1)          (TTFT phase only)
-    neighbours  = min(net * min(b * (prefill tokens - its own) / cost, 1), net - own)
-    decode      = net - own - neighbours           (the batch's other rows; its own decode)
+    neighbours  = min(net * min((b * other prefill tokens
+                                 + per_row * other prefill rows) / cost, 1), net - own)
+    decode      = net - own - neighbours     (the batch's decode rows; its own decode)
+
+A step's prefill rows are its rows less its decode rows (one decode token each); the row itself
+is a prefill row in its TTFT phase or with more than one token (a recompute). So the per-row
+cost of other prefill rows is the neighbours' prefill, never decode: a step of prefills alone
+files nothing under decode, under the fit and under either fallback.
 
 where ``net`` is the execute time inside the row's output window less the core GC inside it.
 
@@ -260,8 +266,13 @@ def step_shares(
     tokens = members.tokens
     net = exe - ge
     own = np.where(ttft, net * np.minimum((weights.b * tokens + per_row) / cost, 1), 0.0)
+    # A row is a prefill row in its TTFT phase, or with more than one token (a recompute after
+    # a preemption): the scheduler's own split of prefill and decode tokens.
+    prefill_row = ttft | (tokens > 1)
     others = np.maximum(prefill - np.where(ttft, tokens, 0), 0)
-    nb = np.minimum(net * np.minimum(weights.b * others / cost, 1), net - own)
+    other_rows = np.maximum(rows - steps.decode_tokens[s] - prefill_row, 0)
+    nb_cost = weights.b * others + per_row * other_rows
+    nb = np.minimum(net * np.minimum(nb_cost / cost, 1), net - own)
     per_member = {
         "own_prefill": own,
         "neighbour_prefill": nb,

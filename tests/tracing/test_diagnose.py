@@ -363,3 +363,35 @@ def test_trace_top_calls_the_queue_wait_core_queue(
     print(out)
     late = next(line for line in out.splitlines() if line.startswith("late"))
     assert "core.queue" in late and "core.schedule" not in out
+
+
+@pytest.mark.parametrize(
+    ("num_decode_steps", "prompt"),
+    [(30, 96), (2, 96), (2, 16)],
+    ids=["fit", "token-fallback", "row-fallback"],
+)
+def test_a_step_of_prefills_alone_files_nothing_under_decode(
+    tmp_path: Path, num_decode_steps: int, prompt: int
+) -> None:
+    """19 prompts prefilled in one step with no decode row (a 415.8 ms step was once filed as
+    "the batch's other rows (decode) 395.0 ms"): each request's share of the others' rows is
+    their prefill, whether the run has a fit, only prompts a token could be priced by, or
+    neither."""
+    tr = Trace()
+    tr.request("d", 0.0, prompt=8, output=num_decode_steps + 40)
+    tr.step({"d": 8}, 5.0)
+    for _ in range(num_decode_steps):
+        tr.step({"d": 1}, 5.0)
+    tr.step({"d": 1}, 5.0)
+    burst = [f"p{i}" for i in range(19)]
+    for rid in burst:
+        tr.request(rid, tr.now / MS - T0 / MS, prompt=prompt, output=2)
+    tr.step({rid: prompt for rid in burst}, 400.0)  # no decode row: "d" sits this one out
+    while any(r.status is None for r in tr.reqs.values()):
+        tr.step({rid: 1 for rid, r in tr.reqs.items() if r.status is None}, 6.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    print(render_run(run))
+    for r in run.requests:
+        if r.request_id in burst:
+            assert r.ttft.get("decode", 0) < 1e6, (r.request_id, r.ttft)
+            assert r.ttft["own_prefill"] + r.ttft["neighbour_prefill"] >= 390e6, r.ttft

@@ -7,6 +7,9 @@ the same way to a run (the tail's extra over the median request, and the median 
 the median request's phase) and to one request (its excess over the run's median, against the
 run's median phase; and its own time, against its own phase). Parts in EXPECTED_PARTS (the
 model doing the request's own work) are never called; delivery is judged apart, per request.
+Neighbours' prefill is called only where a neighbour carried a prefill a fit could price
+(MIN_PRICED_PREFILL tokens, ``priced_neighbours``): a step slowed by contention that happened to
+hold a few short prompts is an outlier step, and capping the chunk size would not help.
 
 The dominant part of a request (``dominant_part``): of its parts called beyond the run's median
 in either phase, and its delivery where that passes the bars against its own life, the one with
@@ -26,6 +29,7 @@ from tracing.diagnosis import (
     RunDiagnosis,
 )
 from tracing.parts import BY_KEY
+from tracing.shares import MIN_PRICED_PREFILL
 
 JUDGED_APART = {"delivery"}  # per request: a slow reader is one client
 
@@ -54,10 +58,14 @@ def call_part(
     own_phase_ns: float,
     scale: float = 1.0,
     has_reference: bool = True,
+    priced: bool = True,
 ) -> Call | None:
     """The one rule: beyond the reference where the extra passes, else large where its own
-    time passes, else nothing (and never an expected or per-request part)."""
+    time passes, else nothing (and never an expected or per-request part, nor neighbours'
+    prefill that no neighbour carried enough of to price: ``priced``)."""
     if part in EXPECTED_PARTS or part in JUDGED_APART:
+        return None
+    if part == "neighbour_prefill" and not priced:
         return None
     if has_reference and passes(extra_ns, extra_phase_ns, scale):
         return Call(part, True, extra_ns)
@@ -79,10 +87,23 @@ def request_calls(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list[
     for part, stat in stats.items():
         value = mine.get(part, 0)
         extra = value - stat.median_ns * n
-        found = call_part(part, extra, value, run.phase_median_ns[phase] * n, total)
+        found = call_part(
+            part, extra, value, run.phase_median_ns[phase] * n, total,
+            priced=priced_neighbours([req], phase),
+        )  # fmt: skip
         if found is not None:
             calls.append(found)
     return calls
+
+
+def priced_neighbours(reqs: list[RequestDiagnosis], phase: str) -> bool:
+    """Whether a neighbour in these requests' steps of a phase carried a prefill a fit could
+    price (MIN_PRICED_PREFILL tokens)."""
+    return any(
+        n >= MIN_PRICED_PREFILL
+        for r in reqs
+        for n, _ in r.neighbour_steps.get(phase, {}).values()
+    )
 
 
 def slow_delivery_ns(req: RequestDiagnosis) -> int | None:

@@ -36,7 +36,14 @@ from tracing.diagnosis import (
     RunDiagnosis,
     StepFacts,
 )
-from tracing.judge import JUDGED_APART, call_part, dominant_part, passes, slow_delivery_ns
+from tracing.judge import (
+    JUDGED_APART,
+    call_part,
+    dominant_part,
+    passes,
+    priced_neighbours,
+    slow_delivery_ns,
+)
 from tracing.words import QUEUE_LIMITS, WHAT, count, ms, tokens_of
 
 __all__ = ["JUDGED_APART", "describe", "headline", "judge", "neighbour_names", "passes"]
@@ -114,8 +121,9 @@ def _part_findings(
     stats, median = run.parts[phase], run.phase_median_ns[phase]
     for part, stat in stats.items():
         called = call_part(
-            part, stat.tail_extra_ns, stat.median_ns, median, median, scale, len(tail) < len(reqs)
-        )
+            part, stat.tail_extra_ns, stat.median_ns, median, median, scale,
+            len(tail) < len(reqs), priced_neighbours(reqs, phase),
+        )  # fmt: skip
         if called is None:
             continue
         what, action = WHAT[part]

@@ -100,9 +100,7 @@ def priced_neighbours(reqs: list[RequestDiagnosis], phase: str) -> bool:
     """Whether a neighbour in these requests' steps of a phase carried a prefill a fit could
     price (MIN_PRICED_PREFILL tokens)."""
     return any(
-        n >= MIN_PRICED_PREFILL
-        for r in reqs
-        for n, _ in r.neighbour_steps.get(phase, {}).values()
+        n >= MIN_PRICED_PREFILL for r in reqs for n, _ in r.neighbour_steps.get(phase, {}).values()
     )
 
 

@@ -65,6 +65,7 @@ class _Run:
     preemptions: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     neighbours: step_members.Neighbours = field(default_factory=dict)
     wait_reasons: dict[str, str] = field(default_factory=dict)
+    in_flight: shares.InFlight | None = None
 
 
 def diagnose_run(db_path: str | Path, run_id: str | None = None) -> RunDiagnosis:
@@ -93,6 +94,7 @@ def diagnose_run(db_path: str | Path, run_id: str | None = None) -> RunDiagnosis
     ctx = _Run(
         step_parts=parts,
         pauses=pauses,
+        in_flight=shares.InFlight(facts.step_times, weights),
         preemptions=step_members.preemptions(
             facts.preempted, facts.members, placed, facts.step_times, win
         ),
@@ -262,7 +264,10 @@ def _ttft_parts(
     admission = min(row.admission_wait_ns or 0, parts["frontend"])
     parts["admission"], parts["frontend"] = admission, parts["frontend"] - admission
     if window := span(sent, received):
-        parts["ipc"] = window[1] - window[0]
+        ipc = window[1] - window[0]
+        # The step in flight, up to its expected time: expected (shares.InFlight).
+        waited = min(run.in_flight(*window), ipc) if run.in_flight else 0
+        parts["step_in_flight"], parts["ipc"] = waited, ipc - waited
     if window := span(received, scheduled):
         # Structured outputs: until its grammar compiled it was not in the queue at all.
         ready = row.grammar_ready_ns

@@ -9,18 +9,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tracing.parts import phase_labels
+from tracing.shares import MIN_CAUSE_NS as MIN_CAUSE_NS  # beside the step math that uses it
 
 # What a request's time is made of, per phase: key -> its label in the phase's table (keys of
 # RequestDiagnosis.ttft and .decode), from the registry in tracing.parts.
 TTFT_PARTS = phase_labels("ttft")
 DECODE_PARTS = phase_labels("decode")
 # Parts that are the model doing the request's own work: reported, never named as a cause.
-EXPECTED_PARTS = {"own_prefill", "decode"}
+EXPECTED_PARTS = {"own_prefill", "decode", "step_in_flight"}
 
 # The verdict's rule (tracing.verdict): a part is named only when the time is large in absolute
 # terms AND relative to the phase: at least MIN_CAUSE_NS and at least MIN_CAUSE_SHARE of the
 # median request's phase time. "The tail" is the requests at or above TAIL_PERCENTILE.
-MIN_CAUSE_NS = 20_000_000
 MIN_CAUSE_SHARE = 0.10
 TAIL_PERCENTILE = 90
 

@@ -104,9 +104,22 @@ def priced_neighbours(reqs: list[RequestDiagnosis], phase: str) -> bool:
     )
 
 
+# A slow reader fell behind the token rate by at least this many tokens' worth of time (its
+# own time per output token), besides passing the two bars: a busy machine's write waits of a
+# few ms per chunk are not a slow reader.
+SLOW_READER_TOKENS = 4
+
+
 def slow_delivery_ns(req: RequestDiagnosis) -> int | None:
-    """Its delivery where it passes the bars against its own life (a slow reader), else None."""
+    """Its delivery where it is a slow reader, else None: the time its bytes waited on the
+    client's socket after the engine had produced them passes the bars against its own life,
+    and is at least SLOW_READER_TOKENS times its time per output token."""
     delivery = req.ttft.get("delivery", 0) + req.decode.get("delivery", 0)
+    per_token = 0.0
+    if req.ttft_ns is not None and req.output_tokens >= 2:
+        per_token = (req.e2e_ns - req.ttft_ns) / (req.output_tokens - 1)
+    if delivery < SLOW_READER_TOKENS * per_token:
+        return None
     return delivery if passes(delivery, req.ttft_phase_ns + req.decode_phase_ns) else None
 
 

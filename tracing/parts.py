@@ -70,7 +70,16 @@ PARTS: tuple[Part, ...] = (
         "the core takes new requests between steps, so arrivals wait for the step in "
         "flight: long steps (cap them with --max-num-batched-tokens) or CPU contention "
         "lengthen this",
-        "sent to received: the socket, and the core finishing the step in flight",
+        "sent to received, less `step_in_flight`: the socket, and a step in flight that ran "
+        "past its expected time",
+        "core.receive",
+    ),
+    Part(
+        "step_in_flight", "waiting for the step in flight (its expected time)", None,
+        "waiting for the core's step in flight", "",
+        "sent to received, while the core finished the step in flight, up to that step's "
+        "expected time (its fitted execute time, its schedule and output): expected, as in "
+        "every step-based server; the rest of the wait stays in `ipc`",
         "core.receive",
     ),
     Part(

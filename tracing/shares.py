@@ -54,6 +54,8 @@ import numpy.typing as npt
 
 from tracing.pauses import Intervals
 
+MIN_CAUSE_NS = 20_000_000  # the verdict's absolute bar (tracing.diagnosis describes the rule)
+OUTLIER_FACTOR = 3.0  # a step this many times its shape's expected time is an outlier
 COLD_STEPS = 3  # the first steps, judged against a fit of the others
 MIN_FIT_STEPS = 8  # fewer steps than this: no fit (no cold or outlier verdict, token shares)
 MIN_PRICED_PREFILL = 64  # prefill tokens some step must carry before a token gets its own price
@@ -70,6 +72,7 @@ class StepWeights:
     b: float
     c: float
     d: float
+    fitted: bool = False  # a, b, c are ns from the fit (else the fallback's unitless shares)
 
 
 @dataclass(frozen=True)
@@ -201,10 +204,53 @@ def step_weights(prefill: IntArray, rows: IntArray, execute: IntArray) -> StepWe
     fallback (module docstring)."""
     coef = fit_step_shape(prefill, rows, execute)
     if coef is not None and coef.sum() > 0:
-        return StepWeights(float(coef[0]), float(coef[1]), float(coef[2]), 0.0)
+        return StepWeights(float(coef[0]), float(coef[1]), float(coef[2]), 0.0, fitted=True)
     if int(prefill.max(initial=0)) < MIN_PRICED_PREFILL:
         return StepWeights(0.0, 0.0, 1.0, 0.0)
     return StepWeights(0.0, 1.0, 0.0, 1.0)
+
+
+def outlier(execute_ns: npt.ArrayLike, expected_ns: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+    """Steps slow for their shape: OUTLIER_FACTOR times their expected execute time, and
+    MIN_CAUSE_NS over it."""
+    execute, expected = np.asarray(execute_ns, float), np.asarray(expected_ns, float)
+    slow: npt.NDArray[np.bool_] = (execute >= OUTLIER_FACTOR * expected) & (
+        execute - expected >= MIN_CAUSE_NS
+    )
+    return slow
+
+
+class InFlight:
+    """How long a request sent to the core waited for the step in flight: all of it, unless
+    that step was itself an outlier for its shape; then up to what it was expected to take.
+
+    The core takes new requests between steps, so a request sent while a step runs waits for
+    it: expected, in every step-based server, whatever the step's length (a long step is named
+    for itself, as a prefill stall or by its shape). A step's expected execute time is the
+    fit's a + b * prefill tokens + c * rows, or without a fit the median busy step's. An
+    outlier step (``outlier``) is expected to end at its start plus its own schedule and output
+    time plus that expected execute time; the wait beyond stays IPC, and the verdict names the
+    step in flight."""
+
+    def __init__(self, steps: StepTimes, weights: StepWeights) -> None:
+        busy = (steps.prefill_tokens + steps.decode_tokens) > 0
+        executed = steps.execute_end_ns - steps.execute_start_ns
+        if weights.fitted:
+            expected = weights.a + weights.b * steps.prefill_tokens + weights.c * steps.rows
+        else:
+            typical = float(np.median(executed[busy])) if busy.any() else 0.0
+            expected = np.full(len(executed), typical)
+        self.start = steps.schedule_start_ns
+        self.end = out_end(steps) if len(steps.step_id) else steps.output_ns
+        cpu = (steps.execute_start_ns - steps.schedule_start_ns) + (self.end - steps.execute_end_ns)
+        capped = self.start + np.maximum(cpu, 0) + expected.astype(np.int64)
+        self.expected_end = np.where(busy & outlier(executed, expected), capped, self.end)
+
+    def __call__(self, sent: int, received: int) -> int:
+        i = int(np.searchsorted(self.start, sent, side="right")) - 1
+        if i < 0 or self.end[i] <= sent:
+            return 0
+        return max(0, min(received, int(self.end[i]), int(self.expected_end[i])) - sent)
 
 
 def place(members: Memberships, steps: StepTimes, windows: Windows) -> MemberPhases:

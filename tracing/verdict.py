@@ -282,7 +282,9 @@ def _expected(run: RunDiagnosis, findings: list[Finding]) -> list[Finding]:
                 "info",
                 "Nothing stands out: no part of any request's time, no cost every request "
                 f"pays and no step passes {ms(MIN_CAUSE_NS)} and {MIN_CAUSE_SHARE:.0%} of the "
-                "phase.",
+                "phase, up to the client's kernel (a response that fits in the socket buffers, "
+                "about 80 KiB and the client's receive buffer, is accepted whole whether or not "
+                "the client reads it).",
             )
         )
     if said:

@@ -14,13 +14,13 @@ from tracing.diagnosis import (
     RunDiagnosis,
     StepFacts,
 )
-from tracing.shares import COLD_STEPS, MIN_PRICED_PREFILL, fit_step_shape
+from tracing.shares import COLD_STEPS, MIN_PRICED_PREFILL, OUTLIER_FACTOR, fit_step_shape, outlier
 from tracing.words import WHAT, count, ms, tokens_of
 
-OUTLIER_FACTOR = 3.0  # a step this many times its shape's expected time is an outlier
 # Slow-for-shape steps are named only when more than this share of the requests met them.
 MIN_OUTLIER_SHARE = 0.10
 STALL_FACTOR = 2.0  # a mixed step this many times the median decode-only step stalls decodes
+COLD_NOISE = 3.0  # a cold first step exceeds its reference by this many robust deviations
 MIN_STEP_CPU_NS = 2_000_000  # scheduler / output CPU per step worth naming (with the share)
 
 
@@ -67,8 +67,49 @@ def expected_ns(coef: np.ndarray, s: StepFacts) -> float:
 
 
 def _slow_for_shape(s: StepFacts, coef: np.ndarray) -> bool:
-    want = expected_ns(coef, s)
-    return s.execute_ns >= OUTLIER_FACTOR * want and s.execute_ns - want >= MIN_CAUSE_NS
+    return bool(outlier(s.execute_ns, expected_ns(coef, s)))
+
+
+def _comparable(s: StepFacts, other: StepFacts) -> bool:
+    """Steps of about the same shape: prefill tokens and rows each within a factor of 2."""
+
+    def near(a: int, b: int) -> bool:
+        return a == b or (a > 0 and b > 0 and max(a, b) <= 2 * min(a, b))
+
+    return near(s.prefill_tokens, other.prefill_tokens) and near(
+        s.rows or s.running, other.rows or other.running
+    )
+
+
+def _cold_reference(s: StepFacts, rest: list[StepFacts], coef: np.ndarray) -> tuple[float, float]:
+    """What one of the first steps should have taken, and the noise around it.
+
+    The reference is the fit's expectation; for a prefill step where the fit has no price per
+    prefill token (its prompts were too short to price one), the larger of that and the median
+    of the later steps of about its shape: such a fit expects a decode's time of a prefill. The
+    noise is 1.4826 x the median absolute deviation of the residuals, against the reference, of
+    the later steps of about its shape (of all later steps where fewer than 3 are)."""
+    fitted = expected_ns(coef, s)
+    alike = [o for o in rest if _comparable(s, o)]
+    if len(alike) < 3:
+        alike = rest
+    times = np.array([o.execute_ns for o in alike], dtype=float)
+    if not len(times):
+        return fitted, 0.0
+    expected = np.array([expected_ns(coef, o) for o in alike], dtype=float)
+    want = fitted
+    if s.prefill_tokens and coef[1] == 0 and alike is not rest:
+        want = max(fitted, float(np.median(times)))
+        expected = np.full(len(times), want)
+    residual = times - expected
+    return want, 1.4826 * float(np.median(np.abs(residual - np.median(residual))))
+
+
+def _cold(s: StepFacts, rest: list[StepFacts], coef: np.ndarray) -> bool:
+    """One of the first steps slow for its shape (``outlier``) beyond the noise: by more than
+    COLD_NOISE robust deviations of the steps it is set against."""
+    want, noise = _cold_reference(s, rest, coef)
+    return bool(outlier(s.execute_ns, want)) and s.execute_ns - want > COLD_NOISE * noise
 
 
 def _step(text: str, ms_: float, part: str | None = None, ids: list[str] | None = None) -> Finding:
@@ -81,15 +122,17 @@ def _cold_and_outliers(
     if coef is None:
         return []
     out = []
-    cold = [s for s in busy[:COLD_STEPS] if _slow_for_shape(s, coef)]
+    rest = busy[COLD_STEPS:]
+    cold = [s for s in busy[:COLD_STEPS] if _cold(s, rest, coef)]
     if cold:
-        first, want = cold[0], expected_ns(coef, cold[0])
+        first, want = cold[0], _cold_reference(cold[0], rest, coef)[0]
         shape = (
             f"{tokens_of(first.prefill_tokens)} prefill tokens, "
             f"{count(first.rows or first.running, 'request')}"
         )
         took = "; ".join(
-            f"step {s.step_id}: {ms(s.execute_ns)} against {ms(expected_ns(coef, s))}" for s in cold
+            f"step {s.step_id}: {ms(s.execute_ns)} against {ms(_cold_reference(s, rest, coef)[0])}"
+            for s in cold
         )
         text = (
             f"Cold start: the first step took {ms(first.execute_ns)} against {ms(want)} "
@@ -238,7 +281,7 @@ def _growth(busy: list[StepFacts], coef: np.ndarray | None) -> list[Finding]:
     return [Finding("info", text, ms=coef[2] * (hi - lo) / 1e6, section="steps")]
 
 
-WAITING_PARTS = ("http", "frontend", "admission", "loop_lag", "ipc", "queue")
+WAITING_PARTS = ("http", "frontend", "admission", "loop_lag", "ipc", "step_in_flight", "queue")
 PAUSE_WORDS = {"gc": "garbage collection", "loop_lag": "event-loop lag"}
 
 

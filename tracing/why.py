@@ -42,8 +42,6 @@ def _delivery(req: RequestDiagnosis) -> list[str]:
             f"It was delivered late: {ms(delivery)} after the engine had produced its output "
             f"({waited}): the client read slowly (a slow reader)."
         ]
-    if req.send_wait_ns and req.send_wait_ns >= MIN_CAUSE_NS:
-        return [f"Its client read slowly: {waited}."]
     return []
 
 

@@ -348,42 +348,62 @@ def _size_kv_cache(
     return num_blocks, max_model_len
 
 
-WARMUP_PROMPT_TOKENS = 32
+WARMUP_PROMPT_TOKENS = (32, 80)  # a greedy request and a sampled one, of two lengths
 WARMUP_DECODE_STEPS = 2
 
 
 def _warm_up(executor: Executor, config: EngineConfig, num_blocks: int) -> float:
-    """One short prefill and a few decode steps through the real executor, before READY.
+    """What the first real steps run, through the real executor, before READY.
 
-    The first forward pays one-time costs (kernel selection, allocator growth, lazy init)
-    that would otherwise land on the first requests as a cold first step. It bypasses the
-    scheduler: its blocks are free ones the KV cache manager hands out later (their stale
-    contents are overwritten before any read), and the runner forgets the request at the end.
-    Returns the seconds it took.
+    The first forward of each path pays one-time costs (kernel selection, allocator growth,
+    lazy init) that would otherwise land on the first requests as a cold first step. Two
+    requests: A, greedy (the greedy head), and B, sampled with temperature, top-k, top-p and
+    logprobs (full logits and the sampler), of another prompt length. The steps: A's prefill
+    alone; B's prefill beside A's decode row (a mixed step); WARMUP_DECODE_STEPS decodes of
+    both (a batch); one decode of A alone. It bypasses the scheduler: its blocks are free ones
+    the KV cache manager hands out later (their stale contents are overwritten before any
+    read), and the runner forgets the requests at the end. Returns the seconds it took.
     """
     started = time.monotonic()
-    rid = "lumen-warmup"
-    num_tokens = WARMUP_PROMPT_TOKENS + WARMUP_DECODE_STEPS
-    num_needed = -(-num_tokens // config.block_size)
-    if num_needed > num_blocks:
+    steps = WARMUP_DECODE_STEPS + 2
+    needed = [-(-(n + steps) // config.block_size) for n in WARMUP_PROMPT_TOKENS]
+    if sum(needed) > num_blocks:
         return 0.0
-    blocks = list(range(num_needed))
-    prompt = [1 + i % 100 for i in range(WARMUP_PROMPT_TOKENS)]
-    params = SamplingParams(temperature=0.0, max_tokens=WARMUP_DECODE_STEPS + 1)
-    new = NewRequestData(rid, prompt, params, frozenset())
-    out = executor.execute_model(
-        SchedulerOutput(
-            -1, [new], [rid], [prompt], [0], [blocks], [True], num_prefill_tokens=len(prompt)
-        )
-    )
-    position = len(prompt)
-    for _ in range(WARMUP_DECODE_STEPS):
-        token = out.sampled_token_ids[0] if out.sampled_token_ids else 1
+    ids = ("lumen-warmup-greedy", "lumen-warmup-sampled")
+    tables = [list(range(needed[0])), list(range(needed[0], sum(needed)))]
+    prompts = [
+        [1 + (i * 7 + j) % 100 for j in range(n)] for i, n in enumerate(WARMUP_PROMPT_TOKENS)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=steps + 1),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, logprobs=2, max_tokens=steps + 1),
+    ]
+    new = [NewRequestData(rid, p, sp, frozenset()) for rid, p, sp in zip(ids, prompts, params)]
+    positions = [len(p) for p in prompts]
+    last = [1, 1]
+
+    def run(rows: list[int], new_rows: list[int]) -> None:
+        """One step: the rows in ``new_rows`` prefill their prompt, the others decode one."""
+        tokens = [prompts[i] if i in new_rows else [last[i]] for i in rows]
         out = executor.execute_model(
             SchedulerOutput(
-                -1, [], [rid], [[token]], [position], [blocks], [True], num_decode_tokens=1
+                -1, [new[i] for i in new_rows], [ids[i] for i in rows], tokens,
+                [0 if i in new_rows else positions[i] for i in rows], [tables[i] for i in rows],
+                [True] * len(rows),
+                num_prefill_tokens=sum(len(prompts[i]) for i in new_rows),
+                num_decode_tokens=len(rows) - len(new_rows),
             )
-        )
-        position += 1
-    executor.execute_model(SchedulerOutput(-1, finished_req_ids=[rid]))
+        )  # fmt: skip
+        for i in rows:
+            if i not in new_rows:
+                positions[i] += 1
+            if ids[i] in out.req_ids:
+                last[i] = out.sampled_token_ids[out.req_ids.index(ids[i])]
+
+    run([0], [0])
+    run([0, 1], [1])
+    for _ in range(WARMUP_DECODE_STEPS):
+        run([0, 1], [])
+    run([0], [])
+    executor.execute_model(SchedulerOutput(-1, finished_req_ids=list(ids)))
     return time.monotonic() - started

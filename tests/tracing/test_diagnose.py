@@ -395,3 +395,71 @@ def test_a_step_of_prefills_alone_files_nothing_under_decode(
         if r.request_id in burst:
             assert r.ttft.get("decode", 0) < 1e6, (r.request_id, r.ttft)
             assert r.ttft["own_prefill"] + r.ttft["neighbour_prefill"] >= 390e6, r.ttft
+
+
+def _sent_during(tr: Trace, rid: str, step_ms: float, rows: dict[str, int]) -> None:
+    """Run a step of ``step_ms`` while ``rid`` is sent to the core 10 ms into it: the core
+    receives it when the step's outputs are out."""
+    start_ms = (max(tr.now, *(tr.reqs[r].received for r in rows)) + MS // 10 - T0) / MS
+    tr.request(rid, start_ms + 10.0, prompt=16, output=4,
+               ipc_ms=step_ms + 0.4 - 10.0 - 1.2)  # fmt: skip
+    tr.step(rows, step_ms)
+
+
+@pytest.mark.parametrize("outlier", [False, True], ids=["normal-step", "outlier-step"])
+def test_waiting_for_the_step_in_flight_is_expected_unless_the_step_is_not(
+    tmp_path: Path, outlier: bool
+) -> None:
+    """Requests sent while a long prefill (priced: four of them) runs wait for it: expected,
+    not IPC, and no cause; the prefill is named as the stall it is. A decode step 30x its
+    expected time is no shape's price: the wait beyond its expected time stays IPC."""
+    tr = Trace()
+
+    def cost(rows: int, k: int = 0) -> float:  # 5 ms a step, 2.5 ms a row, a little jitter
+        return 5.0 + 2.5 * rows + 0.5 * (k % 3)
+
+    for i in range(4):
+        tr.request(f"d{i}", 0.0, prompt=8, output=200)
+    tr.step({f"d{i}": 8 for i in range(4)}, 15.0)
+    for k in range(20):
+        tr.step({f"d{i}": 1 for i in range(4)}, cost(4, k))
+    for j in range(4):
+        decoders = {f"d{i}": 1 for i in range(4)}
+        if outlier:
+            _sent_during(tr, f"s{j}", 30 * cost(4) if j == 0 else cost(4), decoders)
+        else:  # 0.29 ms per prefill token
+            tr.request(f"L{j}", (tr.now - T0) / MS, prompt=1000, output=2)
+            _sent_during(tr, f"s{j}", cost(5) + 290.0, {**decoders, f"L{j}": 1000})
+        for k in range(20):
+            live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
+            tr.step(live, cost(len(live), k))
+    while any(r.status is None for r in tr.reqs.values()):
+        live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
+        tr.step(live, cost(len(live)))
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    s0 = next(r for r in run.requests if r.request_id == "s0")
+    if outlier:
+        assert s0.ttft["ipc"] >= 250 * MS, s0.ttft
+        assert "while the core was busy in step" in text, text
+    else:
+        assert s0.ttft["step_in_flight"] >= 290 * MS and s0.ttft["ipc"] < MS, s0.ttft
+        assert "ipc" not in {f.part for f in run.findings if f.kind in ("cause", "paid")}, text
+        assert "stalled 4 decoding requests" in text, text
+
+
+def test_a_first_prefill_within_its_shapes_noise_is_not_a_cold_start(tmp_path: Path) -> None:
+    """Short prompts (too short for the fit to price a prefill token) prefilled in 30-50 ms
+    beside 20 ms decodes; the first took 79 ms. Against the fit (a decode's time) that is
+    4x; against prefills of its shape it is within their spread: no cold start."""
+    tr = Trace()
+    for i in range(20):
+        at = i * 400.0
+        tr.request(f"r{i}", at, prompt=38 + i % 8, output=10)
+        serve_alone(tr, f"r{i}", at + 2, prefill_ms=79.0 if i == 0 else 30.0 + 20.0 * (i % 5) / 4,
+                    decode_ms=20.0)  # fmt: skip
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    assert "Cold start" not in text, text

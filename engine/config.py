@@ -155,6 +155,13 @@ class EngineConfig:
         default=2048, metadata={"help": "token budget of one engine step"}
     )
     max_num_seqs: int = field(default=128, metadata={"help": "most requests running at once"})
+    max_logprobs: int = field(
+        default=20,
+        metadata={
+            "help": "most log probabilities a request may ask for per token (top_logprobs, "
+            "logprobs), as vLLM's; -1: the whole vocabulary"
+        },
+    )
     scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs or priority"})
     tensor_parallel_size: int = field(
         default=1, metadata={"help": "workers that shard each layer (a process per rank when > 1)"}
@@ -188,6 +195,8 @@ class EngineConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no cap) or more, got {self.max_logprobs}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -177,6 +177,12 @@ class StepRecord(msgspec.Struct, array_like=True, gc=False):
     # between the scheduler's decision (schedule_end_ns) and the execute start; and how many.
     grammar_mask_ns: int = 0
     num_grammar_rows: int = 0
+    # Inside execute: the sampler on the full logits, and logprobs, with the rows that asked
+    # for logprobs and the most asked per token (engine.worker.messages.ModelRunnerOutput).
+    sample_ns: int = 0
+    logprobs_ns: int = 0
+    num_logprobs_rows: int = 0
+    max_logprobs: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -199,6 +205,7 @@ class EngineInfo(msgspec.Struct, array_like=True):
     dtype: str
     device: str
     version: str
+    max_logprobs: int = 20  # the most a request may ask for; -1: no cap (--max-logprobs)
 
 
 class ReadyMessage(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -163,4 +163,10 @@ class InputProcessor:
         for tid in params.stop_token_ids:
             if tid >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {tid} is outside the vocabulary")
+        cap = self.info.max_logprobs
+        if params.logprobs is not None and params.logprobs > (self.vocab_size if cap < 0 else cap):
+            raise ValueError(
+                f"{params.logprobs} log probabilities per token requested (top_logprobs, or "
+                f"logprobs in completions), more than the server allows: --max-logprobs {cap}"
+            )
         structured_outputs.prepare(params)

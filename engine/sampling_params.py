@@ -119,7 +119,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         for tid in self.stop_token_ids:
             _check_int("stop_token_ids", tid, low=0, high=MAX_INT32)
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=20)
+            # The cap is the server's (--max-logprobs, engine.processor checks it).
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_INT32)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _check_float("repetition_penalty", self.repetition_penalty, low=0.0)

@@ -158,7 +158,7 @@ class ChatCompletionRequest(_SamplingBody):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)  # the cap: --max-logprobs (engine.processor)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
@@ -215,7 +215,7 @@ class ChatCompletionRequest(_SamplingBody):
 class CompletionRequest(_SamplingBody):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0)  # the cap: --max-logprobs (engine.processor)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

@@ -86,7 +86,7 @@ def diagnose_run(db_path: str | Path, run_id: str | None = None) -> RunDiagnosis
     weights = shares.step_weights(
         np.array([s.prefill_tokens for s in busy], dtype=np.int64),
         np.array([s.rows for s in busy], dtype=np.int64),
-        np.array([s.execute_ns for s in busy], dtype=np.int64),
+        np.array([s.forward_ns for s in busy], dtype=np.int64),
     )
     placed = shares.place(facts.members, facts.step_times, win)
     pauses = pauses_of(facts.pauses)
@@ -294,8 +294,12 @@ def _ttft_parts(
 # A StepShare's parts, as each phase takes them.
 _STEP_KEYS_TTFT = (
     "own_prefill", "neighbour_prefill", "decode", "schedule", "output", "gc", "grammar_mask",
+    "sampling", "logprobs",
 )  # fmt: skip
-_STEP_KEYS_DECODE = ("decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask")
+_STEP_KEYS_DECODE = (
+    "decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask", "sampling",
+    "logprobs",
+)  # fmt: skip
 
 
 def _decode_parts(

@@ -112,6 +112,10 @@ STEP_COLUMNS = [
     "idle",
     "gc_pause_ns",
     "grammar_mask_ns",
+    "sample_ns",
+    "logprobs_ns",
+    "logprobs_rows",
+    "max_logprobs",
 ]
 
 
@@ -188,6 +192,10 @@ def _step_facts(s: dict[str, Any]) -> StepFacts:
         build_ns=None if s["update_end_ns"] is None else s["update_end_ns"] - s["execute_end_ns"],
         gc_pause_ns=s["gc_pause_ns"] or 0,
         grammar_mask_ns=s["grammar_mask_ns"] or 0,
+        sample_ns=s["sample_ns"] or 0,
+        logprobs_ns=s["logprobs_ns"] or 0,
+        logprobs_rows=s["logprobs_rows"] or 0,
+        max_logprobs=s["max_logprobs"] or 0,
     )
 
 
@@ -206,6 +214,8 @@ def _step_times(rows: list[dict[str, Any]]) -> StepTimes:
         decode_tokens=col("num_decode_tokens"),
         rows=col("num_rows"),
         grammar_mask_ns=col("grammar_mask_ns"),
+        sample_ns=col("sample_ns"),
+        logprobs_ns=col("logprobs_ns"),
     )
 
 

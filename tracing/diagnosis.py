@@ -109,6 +109,16 @@ class StepFacts:
     build_ns: int | None = None  # building outputs (update_end - execute_end), where recorded
     gc_pause_ns: int = 0
     grammar_mask_ns: int = 0  # structured outputs' token masks (inside schedule_ns)
+    # Inside execute_ns: the sampler on the full logits, and logprobs (for logprobs_rows rows,
+    # at most max_logprobs per token). The rest is the forward.
+    sample_ns: int = 0
+    logprobs_ns: int = 0
+    logprobs_rows: int = 0
+    max_logprobs: int = 0
+
+    @property
+    def forward_ns(self) -> int:
+        return max(self.execute_ns - self.sample_ns - self.logprobs_ns, 0)
 
 
 @dataclass

@@ -34,6 +34,8 @@ _OTHERS_PREFILL = "other requests' prefill in the steps it shared"
 _SCHEDULER = "scheduler CPU"
 _MASKS = "structured outputs' token masks in the steps it shared"
 _OUTPUT = "output building and sending in the core"
+_SAMPLING = "the sampler in the steps it shared (full logits)"
+_LOGPROBS = "logprobs in the steps it shared"
 _EMIT = "IPC back, detokenize and emit"
 _DELIVERY = "delivery to the client (its socket accepting the bytes)"
 _UNEXPLAINED = "time between recorded boundaries that no record explains"
@@ -139,6 +141,24 @@ PARTS: tuple[Part, ...] = (
         "`schedule_end_ns` and `execute_start_ns`): every row waits for them, its own "
         "grammar's or its neighbours'",
         "core.schedule",
+    ),
+    Part(
+        "sampling", _SAMPLING, _SAMPLING, "sampling on the full logits in the steps it shared",
+        "rows that are not plain greedy (temperature, top-k/p, penalties, a grammar, logprobs) "
+        "take the full logits and the sampler, and every row of their step waits; plain greedy "
+        "batches take the fused greedy head",
+        "the sampler's part of its steps' execute (`steps.sample_ns`): penalties, grammar "
+        "masks applied, temperature and top-k/p on the full logits; the LM head itself is "
+        "the forward's",
+        "worker.execute",
+    ),
+    Part(
+        "logprobs", _LOGPROBS, _LOGPROBS, "computing logprobs in the steps it shared",
+        "ask for fewer top_logprobs (the server caps them: --max-logprobs); every row of a "
+        "step waits for the rows that asked",
+        "the logprobs part of its steps' execute (`steps.logprobs_ns`, for "
+        "`steps.logprobs_rows` rows, at most `steps.max_logprobs` per token)",
+        "worker.execute",
     ),
     Part(
         "output", _OUTPUT, _OUTPUT, "building and sending outputs in the core",

@@ -320,6 +320,7 @@ def _step_row(run_id: str, s: Any) -> tuple[Any, ...]:
         list(s.req_ids), list(s.num_scheduled), list(s.preempted_req_ids),
         s.update_end_ns or None, s.wait_reason or None, *(s.num_blocks_freed or (0, 0, 0)),
         s.idle, s.gc_pause_ns, s.grammar_mask_ns or None, s.num_grammar_rows or None,
+        s.sample_ns, s.logprobs_ns, s.num_logprobs_rows, s.max_logprobs,
     )  # fmt: skip
 
 

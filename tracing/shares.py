@@ -29,7 +29,10 @@ is a prefill row in its TTFT phase or with more than one token (a recompute). So
 cost of other prefill rows is the neighbours' prefill, never decode: a step of prefills alone
 files nothing under decode, under the fit and under either fallback.
 
-where ``net`` is the execute time inside the row's output window less the core GC inside it.
+where ``net`` is the forward: the execute time inside the row's output window, less the core
+GC inside it, less the row's sampling and logprobs (the step's sample_ns and logprobs_ns, times
+the row's share of the step's execute: they run at the end of execute, every row waits for
+them). The fit prices the forward too: execute_ns less sample_ns and logprobs_ns.
 
 The output window: a row is in its request's TTFT phase while the step's output instant is at
 or before the request's first token (or it never got one), else in its decode phase; its
@@ -89,6 +92,8 @@ class StepTimes:
     decode_tokens: IntArray
     rows: IntArray  # requests scheduled in it
     grammar_mask_ns: IntArray
+    sample_ns: IntArray  # inside execute: the sampler, then logprobs; the rest is the forward
+    logprobs_ns: IntArray
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,8 @@ class StepShare:
     output: float
     gc: float
     grammar_mask: float
+    sampling: float
+    logprobs: float
     total: int  # the clipped schedule, execute and output intervals
     first_start: int  # the first of its steps began
     last_output: int  # the last of its steps' outputs left the core
@@ -234,7 +241,8 @@ class InFlight:
 
     def __init__(self, steps: StepTimes, weights: StepWeights) -> None:
         busy = (steps.prefill_tokens + steps.decode_tokens) > 0
-        executed = steps.execute_end_ns - steps.execute_start_ns
+        sampler = steps.sample_ns + steps.logprobs_ns  # named on their own, not an outlier
+        executed = np.maximum(steps.execute_end_ns - steps.execute_start_ns - sampler, 0)
         if weights.fitted:
             expected = weights.a + weights.b * steps.prefill_tokens + weights.c * steps.rows
         else:
@@ -243,7 +251,7 @@ class InFlight:
         self.start = steps.schedule_start_ns
         self.end = out_end(steps) if len(steps.step_id) else steps.output_ns
         cpu = (steps.execute_start_ns - steps.schedule_start_ns) + (self.end - steps.execute_end_ns)
-        capped = self.start + np.maximum(cpu, 0) + expected.astype(np.int64)
+        capped = self.start + np.maximum(cpu, 0) + sampler + expected.astype(np.int64)
         self.expected_end = np.where(busy & outlier(executed, expected), capped, self.end)
 
     def __call__(self, sent: int, received: int) -> int:
@@ -310,7 +318,15 @@ def step_shares(
     cost = np.maximum(cost, 1e-9)
     per_row = weights.a / np.maximum(rows, 1) + weights.c
     tokens = members.tokens
-    net = exe - ge
+    # The sampler and logprobs run at the end of execute: each row's share of them is its
+    # share of the step's execute; the forward is the rest.
+    full = np.maximum(e1 - e0, 1)
+    net_all = exe - ge
+    sampling = net_all * np.minimum(steps.sample_ns[s] / full, 1.0)
+    logprobs = np.minimum(
+        net_all * np.minimum(steps.logprobs_ns[s] / full, 1.0), net_all - sampling
+    )
+    net = net_all - sampling - logprobs
     own = np.where(ttft, net * np.minimum((weights.b * tokens + per_row) / cost, 1), 0.0)
     # A row is a prefill row in its TTFT phase, or with more than one token (a recompute after
     # a preemption): the scheduler's own split of prefill and decode tokens.
@@ -327,6 +343,8 @@ def step_shares(
         "output": outp - go,
         "gc": gs + ge + go,
         "grammar_mask": np.minimum(gram, sched - gs),
+        "sampling": sampling,
+        "logprobs": logprobs,
     }
     return _by_request_phase(per_member, sched + exe + outp, s0, o1, placed, steps, windows)
 

@@ -139,6 +139,13 @@ STEP_COLUMNS = {
     # schedule_end_ns and execute_start_ns, and how many rows had one.
     "grammar_mask_ns": "BIGINT",
     "grammar_rows": "INTEGER",
+    # Migration 5: the sampler's share of execute (the rest is the forward, the greedy head's
+    # LM head included): sampling on the full logits (penalties, grammar masks applied,
+    # temperature, top-k/p), and logprobs, with the rows that asked and the most asked per token.
+    "sample_ns": "BIGINT",
+    "logprobs_ns": "BIGINT",
+    "logprobs_rows": "INTEGER",
+    "max_logprobs": "INTEGER",
 }
 RUN_COLUMNS = {
     "run_id": "VARCHAR",
@@ -197,8 +204,9 @@ _ADDED_IN = {
     },
     4: {
         "requests": _from(REQUEST_COLUMNS, "grammar"),
-        "steps": _from(STEP_COLUMNS, "grammar_mask_ns"),
+        "steps": _from(STEP_COLUMNS, "grammar_mask_ns", "grammar_rows"),
     },
+    5: {"steps": _from(STEP_COLUMNS, "sample_ns")},
 }
 
 
@@ -252,6 +260,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
     (2, "a request's whole life, KV frees, idle steps and pauses", _m002_whole_life),
     (3, "per-step facts once per step, emits in the request row: spans a view", _m003_compact),
     (4, "structured outputs: grammar compile per request, token masks per step", _m004_grammar),
+    (5, "the sampler and logprobs apart from the forward, per step", lambda c: _add_columns(c, 5)),
 ]
 
 

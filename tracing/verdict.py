@@ -205,6 +205,9 @@ def describe(
         return f", held by {words}" + (_busy(run, step) if step and not limit else ""), action
     if part == "admission":
         return ", held by the admission limit (--max-concurrent-requests)", action
+    if part in ("logprobs", "sampling"):
+        said = verdict_steps.sampler_words(verdict_steps.busy_steps(run), part)
+        return (f" ({said})" if said else ""), action
     if part == "neighbour_prefill":
         names = neighbour_names(reqs, phase)
         return (f", mostly {names}" if names else ""), action

@@ -58,7 +58,7 @@ def shape_model(busy: list[StepFacts]) -> np.ndarray | None:
     return fit_step_shape(
         np.array([s.prefill_tokens for s in busy]),
         np.array([s.rows or s.running for s in busy]),
-        np.array([s.execute_ns for s in busy]),
+        np.array([s.forward_ns for s in busy]),
     )
 
 
@@ -67,7 +67,7 @@ def expected_ns(coef: np.ndarray, s: StepFacts) -> float:
 
 
 def _slow_for_shape(s: StepFacts, coef: np.ndarray) -> bool:
-    return bool(outlier(s.execute_ns, expected_ns(coef, s)))
+    return bool(outlier(s.forward_ns, expected_ns(coef, s)))
 
 
 def _comparable(s: StepFacts, other: StepFacts) -> bool:
@@ -93,7 +93,7 @@ def _cold_reference(s: StepFacts, rest: list[StepFacts], coef: np.ndarray) -> tu
     alike = [o for o in rest if _comparable(s, o)]
     if len(alike) < 3:
         alike = rest
-    times = np.array([o.execute_ns for o in alike], dtype=float)
+    times = np.array([o.forward_ns for o in alike], dtype=float)
     if not len(times):
         return fitted, 0.0
     expected = np.array([expected_ns(coef, o) for o in alike], dtype=float)
@@ -109,7 +109,7 @@ def _cold(s: StepFacts, rest: list[StepFacts], coef: np.ndarray) -> bool:
     """One of the first steps slow for its shape (``outlier``) beyond the noise: by more than
     COLD_NOISE robust deviations of the steps it is set against."""
     want, noise = _cold_reference(s, rest, coef)
-    return bool(outlier(s.execute_ns, want)) and s.execute_ns - want > COLD_NOISE * noise
+    return bool(outlier(s.forward_ns, want)) and s.forward_ns - want > COLD_NOISE * noise
 
 
 def _step(text: str, ms_: float, part: str | None = None, ids: list[str] | None = None) -> Finding:
@@ -131,30 +131,30 @@ def _cold_and_outliers(
             f"{count(first.rows or first.running, 'request')}"
         )
         took = "; ".join(
-            f"step {s.step_id}: {ms(s.execute_ns)} against {ms(_cold_reference(s, rest, coef)[0])}"
+            f"step {s.step_id}: {ms(s.forward_ns)} against {ms(_cold_reference(s, rest, coef)[0])}"
             for s in cold
         )
         text = (
-            f"Cold start: the first step took {ms(first.execute_ns)} against {ms(want)} "
+            f"Cold start: the first step took {ms(first.forward_ns)} against {ms(want)} "
             f"expected for its shape ({shape})"
             + (f" ({took})" if len(cold) > 1 else "")
             + ": send a warm-up request before taking traffic (the first step compiles and "
             "allocates; lumen serve warms up unless --no-warmup)."
         )
-        out.append(_step(text, (first.execute_ns - want) / 1e6))
+        out.append(_step(text, (first.forward_ns - want) / 1e6))
     late = [s for s in busy[COLD_STEPS:] if s.step_id not in stalled and _slow_for_shape(s, coef)]
     if late:
-        worst = max(late, key=lambda s: s.execute_ns - expected_ns(coef, s))
+        worst = max(late, key=lambda s: s.forward_ns - expected_ns(coef, s))
         want = expected_ns(coef, worst)
         slow = {s.step_id for s in late}
         met = sum(bool(slow.intersection(r.step_ids)) for r in run.requests)
         text = (
             f"{count(len(late), 'step')} took at least {OUTLIER_FACTOR:g}x the time expected "
-            f"for their shape (worst: step {worst.step_id}, {ms(worst.execute_ns)} against "
+            f"for their shape (worst: step {worst.step_id}, {ms(worst.forward_ns)} against "
             f"{ms(want)}), met by {count(met, 'request')}: a pause (GC), CPU contention or a "
             "kernel compiled for a new shape; see the pauses table."
         )
-        finding = _step(text, (worst.execute_ns - want) / 1e6)
+        finding = _step(text, (worst.forward_ns - want) / 1e6)
         if met <= MIN_OUTLIER_SHARE * len(run.requests):
             finding.kind = "info"  # a lone hiccup: reported, within the run's noise
         out.append(finding)
@@ -171,7 +171,7 @@ def stall_steps(
     an outlier, not a stall. Without one (too few steps), the prefill must at least be one a
     fit could price (MIN_PRICED_PREFILL tokens): a few prompt tokens in a step slowed by
     contention stall nothing."""
-    decode_only = [s.execute_ns for s in busy if s.prefill_tokens == 0 and s.decode_tokens > 0]
+    decode_only = [s.forward_ns for s in busy if s.prefill_tokens == 0 and s.decode_tokens > 0]
     if not decode_only:
         return [], 0.0
     typical = float(np.median(decode_only))
@@ -180,8 +180,8 @@ def stall_steps(
         for s in busy
         if s.prefill_tokens
         and s.decode_tokens
-        and s.execute_ns >= MIN_CAUSE_NS
-        and s.execute_ns >= STALL_FACTOR * typical
+        and s.forward_ns >= MIN_CAUSE_NS
+        and s.forward_ns >= STALL_FACTOR * typical
         and (
             s.prefill_tokens >= MIN_PRICED_PREFILL
             if coef is None
@@ -194,19 +194,19 @@ def stall_steps(
 def _stalls(run: RunDiagnosis, stalls: list[StepFacts], typical: float) -> list[Finding]:
     if not stalls:
         return []
-    worst = max(stalls, key=lambda s: s.execute_ns)
+    worst = max(stalls, key=lambda s: s.forward_ns)
     more = f"; {count(len(stalls) - 1, 'more such step')}" if len(stalls) > 1 else ""
     itl = run.summary.get("itl_s", {}).get("p99")
     quoted = f" p99 ITL is {ms(itl * 1e9)}." if itl is not None else ""
     chunk = prefill_of(run, worst)
     text = (
         f"{chunk[0].upper()}{chunk[1:]} stalled "
-        f"{count(worst.decode_tokens, 'decoding request')} for {ms(worst.execute_ns)} "
+        f"{count(worst.decode_tokens, 'decoding request')} for {ms(worst.forward_ns)} "
         f"(step {worst.step_id}; decode-only steps take {ms(typical)}){more}.{quoted} "
         "--max-num-batched-tokens caps the chunk."
     )
     ids = [rid for rid, _ in run.prefill_members.get(worst.step_id, [])]
-    return [_step(text, worst.execute_ns / 1e6, "neighbour_prefill", ids)]
+    return [_step(text, worst.forward_ns / 1e6, "neighbour_prefill", ids)]
 
 
 def _cpu(run: RunDiagnosis, busy: list[StepFacts], named: set[str | None]) -> list[Finding]:
@@ -228,6 +228,7 @@ def _cpu(run: RunDiagnosis, busy: list[StepFacts], named: set[str | None]) -> li
         )
         out.append(_step(text, typical / 1e6, "schedule"))
     out += _grammar_masks(busy, named, step_ns)
+    out += _sampler(busy, named)
     output = float(np.median([s.output_ns for s in busy]))
     if "output" not in named and output >= MIN_STEP_CPU_NS and output >= MIN_CAUSE_SHARE * step_ns:
         builds = [s.build_ns for s in busy if s.build_ns is not None]
@@ -259,6 +260,45 @@ def _grammar_masks(busy: list[StepFacts], named: set[str | None], step_ns: float
         f"waited for them: {WHAT['grammar_mask'][1]}."
     )
     return [_step(text, typical / 1e6, "grammar_mask")]
+
+
+def sampler_words(busy: list[StepFacts], part: str) -> str | None:
+    """'top-20 logprobs for 48 rows took 9.1 ms of a 12.4 ms step at the median, in 120
+    steps' (part: logprobs | sampling), or None where no step had any."""
+    key = "logprobs_ns" if part == "logprobs" else "sample_ns"
+    had = [s for s in busy if getattr(s, key)]
+    if not had:
+        return None
+    took = float(np.median([getattr(s, key) for s in had]))
+    step = float(np.median([s.execute_ns for s in had]))
+    if part == "logprobs":
+        rows = int(np.median([s.logprobs_rows for s in had]))
+        k = max(s.max_logprobs for s in had)
+        what = f"top-{k} logprobs for {count(rows, 'row')}"
+    else:
+        rows = int(np.median([s.rows or s.running for s in had]))
+        what = f"sampling on the full logits for {count(rows, 'row')}"
+    return (
+        f"{what} took {ms(took)} of a {ms(step)} step at the median, in {count(len(had), 'step')}"
+    )
+
+
+def _sampler(busy: list[StepFacts], named: set[str | None]) -> list[Finding]:
+    """The sampler and logprobs inside execute: every row of a step waits for them."""
+    out = []
+    for part, key in (("logprobs", "logprobs_ns"), ("sampling", "sample_ns")):
+        had = [s for s in busy if getattr(s, key)]
+        if part in named or not had:
+            continue
+        typical = float(np.median([getattr(s, key) for s in had]))
+        step_ns = float(np.median([s.execute_ns for s in had]))
+        if typical < MIN_STEP_CPU_NS or typical < MIN_CAUSE_SHARE * step_ns:
+            continue
+        words = sampler_words(busy, part)
+        text = f"{words[0].upper()}{words[1:]}" if words else part
+        out.append(_step(f"{text}; every row of those steps waited: {WHAT[part][1]}.",
+                         typical / 1e6, part))  # fmt: skip
+    return out
 
 
 def _growth(busy: list[StepFacts], coef: np.ndarray | None) -> list[Finding]:

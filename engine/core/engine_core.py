@@ -78,6 +78,7 @@ class EngineCore:
             dtype=str(dtype).removeprefix("torch."),
             device=str(device),
             version=__version__,
+            max_logprobs=config.max_logprobs,
         )
         logger.info(
             "engine ready: %s on %s (%s%s), %d KV blocks of %d tokens, max_model_len %d, "
@@ -197,6 +198,10 @@ class EngineCore:
             gc_pause_ns=gc_pause_ns,
             grammar_mask_ns=t_execute - t_scheduled if num_grammar_rows else 0,
             num_grammar_rows=num_grammar_rows,
+            sample_ns=runner_out.sample_ns,
+            logprobs_ns=runner_out.logprobs_ns,
+            num_logprobs_rows=runner_out.num_logprobs_rows,
+            max_logprobs=runner_out.max_logprobs,
         )
         return EngineCoreOutputs(outputs, step)
 

@@ -79,6 +79,13 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    # The sampler's share of the step (engine.worker.sampler): penalties, grammar masks,
+    # temperature and top-k/p on the full logits; and the logprobs asked for, by how many rows,
+    # the most per token. 0 on the greedy head's path (that head is part of the forward).
+    sample_ns: int = 0
+    logprobs_ns: int = 0
+    num_logprobs_rows: int = 0
+    max_logprobs: int = 0
 
 
 # -- executor -> worker ---------------------------------------------------------

@@ -6,7 +6,6 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.messages import Logprobs
 from engine.worker import cpu_threads
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask
 from engine.worker.cpu_kernels import CpuKernels
@@ -153,18 +152,24 @@ class ModelRunner:
         if rows and not sched.grammar_req_ids and plain_greedy(rows):
             # Only each row's best token is needed: no logits (cpu_greedy_head).
             sampled = self.model.greedy_tokens(hidden).tolist()
-            logprobs: list[Logprobs | None] = [None] * len(rows)
-        else:
-            grammar = None
-            if sched.grammar_req_ids:
-                grammar = (inputs.sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask)
-            sampled, logprobs = self.sampler(self.model.logits(hidden), rows, grammar)
+            for row, token in zip(rows, sampled):
+                row.output_token_ids.append(token)
+            return ModelRunnerOutput(inputs.sample_req_ids, sampled)
+        grammar = None
+        if sched.grammar_req_ids:
+            grammar = (inputs.sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask)
+        sampled, logprobs = self.sampler(self.model.logits(hidden), rows, grammar)
         for row, token in zip(rows, sampled):
             row.output_token_ids.append(token)
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         return ModelRunnerOutput(
             inputs.sample_req_ids,
             sampled,
             {r: lp for r, lp in zip(inputs.sample_req_ids, logprobs) if lp is not None},
+            sample_ns=self.sampler.sample_ns,
+            logprobs_ns=self.sampler.logprobs_ns,
+            num_logprobs_rows=len(asked),
+            max_logprobs=max(asked, default=0),
         )
 
     def _add_request(self, new: NewRequestData) -> None:

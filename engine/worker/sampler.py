@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,14 @@ def plain_greedy(rows: list[SamplingRow]) -> bool:
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
+        # The last call's split (engine/worker/model_runner: the step record's sample_ns and
+        # logprobs_ns). Sampling, from the call to its tokens on the host: on CUDA between two
+        # events, the second recorded just before the copy to the host that synchronises, so
+        # reading them costs no extra synchronisation (the forward's kernels may still run when
+        # the call starts). Logprobs: wall time, every row of it synchronises.
+        self.sample_ns = 0
+        self.logprobs_ns = 0
+        self._cuda = device.type == "cuda"
         # Requests without a seed share one generator, seeded per engine.
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._shifts: torch.Tensor | None = None
@@ -73,6 +82,10 @@ class Sampler:
         """logits: [B, V] fp32, one row per entry of ``rows``; ``grammar``: the rows' request
         ids, and those of the rows that sample under a grammar with their masks. Logprobs are
         the model's, before penalties and masks."""
+        start, events = time.perf_counter_ns(), None
+        if self._cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         raw = logits
         if grammar is not None:
             logits = self.apply_grammar(logits, *grammar)
@@ -80,8 +93,17 @@ class Sampler:
         greedy = [r.params.greedy for r in rows]
         # The common all-greedy batch skips the sampling machinery.
         sampled = argmax(logits) if all(greedy) else self._sample(logits, rows, greedy)
+        if events is not None:
+            events[1].record()
         sampled_ids = sampled.tolist()
-        return sampled_ids, self._logprobs(raw, rows, sampled)
+        sampled_at = time.perf_counter_ns()
+        if events is not None:
+            self.sample_ns = int(events[0].elapsed_time(events[1]) * 1e6)
+        else:
+            self.sample_ns = sampled_at - start
+        logprobs = self._logprobs(raw, rows, sampled)
+        self.logprobs_ns = time.perf_counter_ns() - sampled_at
+        return sampled_ids, logprobs
 
     def apply_grammar(
         self, logits: torch.Tensor, req_ids: list[str], grammar_ids: list[str], bitmask: bytes

@@ -174,7 +174,7 @@ def test_completions_take_text_lists_and_token_ids(tiny_server: LumenServer) -> 
         ({"max_tokens": 100_000}, 400, ["2048", "100000"]),
         ({"messages": [{"role": "user", "content": "x " * 3000}]}, 400, ["2048"]),
         ({"temperature": -1}, 400, ["temperature"]),
-        ({"top_logprobs": 50, "logprobs": True}, 400, ["top_logprobs"]),
+        ({"top_logprobs": 50, "logprobs": True}, 400, ["top_logprobs", "--max-logprobs 20"]),
         ({"messages": []}, 400, ["messages"]),
         (
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -321,3 +321,25 @@ def test_slow_grammar_masks_are_named_for_the_plain_requests_beside_them(
     assert "grammar_mask" in _causes(diag), text
     assert "schedule" not in _causes(diag), text
     assert "token masks" in _why(db, ids[0])
+
+
+def test_logprobs_are_named_apart_from_the_model(tmp_path: Path, tiny_model_path: Path) -> None:
+    """48 streams asking for 25 top logprobs a token (allowed by --max-logprobs 25): the
+    sampler's log-softmax and top-k over the vocabulary for every row, every step. The step's
+    record splits it from the forward; the verdict names logprobs with the knob, and expected
+    compute is the forward's alone."""
+    body = {"prompt": "Tell me", "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "logprobs": 25}  # fmt: skip
+
+    def provoke(server: LumenServer) -> list[str]:
+        refused = httpx.post(server.url("/v1/completions"), headers=server.headers(),
+                             json={**body, "logprobs": 26})  # fmt: skip
+        assert refused.status_code == 400 and "--max-logprobs 25" in refused.text, refused.text
+        return _concurrently(48, lambda i: _post(server, body).headers["x-request-id"])
+
+    db, ids = _record(tmp_path, tiny_model_path, provoke, "--max-logprobs", "25")
+    diag, text = _report(db)
+    assert "logprobs" in _causes(diag), text
+    assert "top-25 logprobs for" in text and "--max-logprobs" in text, text
+    why = _why(db, ids[0])
+    assert "logprobs" in why, why

@@ -206,6 +206,9 @@ class EngineInfo(msgspec.Struct, array_like=True):
     device: str
     version: str
     max_logprobs: int = 20  # the most a request may ask for; -1: no cap (--max-logprobs)
+    # The warm-up's price of a step, [a, b, c] ns of execute = a + b * prefill tokens + c *
+    # rows ([]: no warm-up); the diagnosis's prior (tracing.shares).
+    step_prior: list[float] = msgspec.field(default_factory=list)
 
 
 class ReadyMessage(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -87,6 +87,7 @@ def diagnose_run(db_path: str | Path, run_id: str | None = None) -> RunDiagnosis
         np.array([s.prefill_tokens for s in busy], dtype=np.int64),
         np.array([s.rows for s in busy], dtype=np.int64),
         np.array([s.forward_ns for s in busy], dtype=np.int64),
+        facts.step_prior,
     )
     placed = shares.place(facts.members, facts.step_times, win)
     pauses = pauses_of(facts.pauses)
@@ -118,6 +119,7 @@ def diagnose_run(db_path: str | Path, run_id: str | None = None) -> RunDiagnosis
         num_error=statuses.count("error"),
         prefill_members=step_members.prefill_members(facts.members, placed),
         pauses=list(facts.pauses),
+        step_prior=facts.step_prior,
     )
     verdict.judge(run)
     return run

@@ -59,6 +59,15 @@ class RunFacts:
     members: Memberships
     preempted: Memberships  # (step, request) for each request a step preempted; tokens 0
     pauses: list[PauseRow]
+    step_prior: list[float] | None = None  # the warm-up's [a, b, c] (tracing.shares)
+
+
+def load_step_prior(con: duckdb.DuckDBPyConnection, run_id: str) -> list[float] | None:
+    """The run's warm-up prior, where its db and its engine recorded one."""
+    if "step_prior" not in _columns(con, "runs"):
+        return None
+    row = con.execute("SELECT step_prior FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    return list(row[0]) if row and row[0] and len(row[0]) == 3 else None
 
 
 def _columns(con: duckdb.DuckDBPyConnection, table: str) -> set[str]:
@@ -284,6 +293,7 @@ def load_run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunFacts:
         members=_memberships(con, run_id, "request_ids"),
         preempted=preempted,
         pauses=load_pauses(con, run_id),
+        step_prior=load_step_prior(con, run_id),
     )
 
 

@@ -147,6 +147,7 @@ class RunDiagnosis:
     # step id -> the requests prefilling in it and their tokens there.
     prefill_members: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
     pauses: list[tuple[str, str, int, int]] = field(default_factory=list)  # process, kind, ns
+    step_prior: list[float] | None = None  # the warm-up's price of a step (tracing.shares)
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

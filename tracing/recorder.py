@@ -333,5 +333,5 @@ def _run_row(
         cfg = None
     return (
         run_id, time.time_ns(), info.model, info.version, info.max_model_len, info.num_kv_blocks,
-        info.block_size, cfg, config.trace_prompts, "steps",
+        info.block_size, cfg, config.trace_prompts, "steps", list(info.step_prior) or None,
     )  # fmt: skip

@@ -11,9 +11,14 @@ steps with MIN_PRICED_PREFILL prefill tokens: they alone price a token); no coef
 b never above c (a prefill token is the same matmul work as a row, batched); b = 0 where no step
 carried MIN_PRICED_PREFILL prefill tokens or b is within 3 standard errors of 0.
 
-The fallback (step_weights): with fewer than MIN_FIT_STEPS steps to fit (or a fit that is all
-0), plain token shares (a = c = 0, b = d = 1); and if no step carried MIN_PRICED_PREFILL
-prefill tokens, rows share alike (a = b = d = 0, c = 1).
+The prior: the warm-up's own fit over a few timed shapes (engine.core.warmup, the runs row's
+step_prior). Where the run cannot price a prefill token (no step carried MIN_PRICED_PREFILL,
+or the price is within noise), b is the prior's and a, c are fitted to what it leaves; with
+fewer than MIN_FIT_STEPS steps, the prior is the fit. ``price_source`` says which.
+
+The fallback (step_weights, where the run recorded no prior): with fewer than MIN_FIT_STEPS
+steps to fit (or a fit that is all 0), plain token shares (a = c = 0, b = d = 1); and if no
+step carried MIN_PRICED_PREFILL prefill tokens, rows share alike (a = b = d = 0, c = 1).
 
 A step's cost, and one row's share of it (d prices decode tokens; only the fallback sets it)::
 
@@ -148,7 +153,10 @@ class MemberPhases:
 
 
 def fit_step_shape(
-    prefill: npt.ArrayLike, rows: npt.ArrayLike, execute: npt.ArrayLike
+    prefill: npt.ArrayLike,
+    rows: npt.ArrayLike,
+    execute: npt.ArrayLike,
+    prior: list[float] | None = None,
 ) -> FloatArray | None:
     """[a, b, c] of execute = a + b * prefill tokens + c * rows (the module docstring), or
     None with fewer than MIN_FIT_STEPS steps after the first COLD_STEPS.
@@ -161,9 +169,9 @@ def fit_step_shape(
     x = x[COLD_STEPS:]
     y = np.asarray(execute, dtype=float)[COLD_STEPS:]
     if len(y) < MIN_FIT_STEPS:
-        return None
+        return None if prior is None else np.array(prior, dtype=float)
     if x[:, 1].max() < MIN_PRICED_PREFILL:
-        x[:, 1] = 0.0
+        return _with_prior_price(x, y, prior)
     coef = _nonnegative_fit(x, y)
     residual = y - x @ coef
     spread = 1.4826 * float(np.median(np.abs(residual - np.median(residual)))) or 1.0
@@ -172,10 +180,38 @@ def fit_step_shape(
         x, y = x[keep], y[keep]
         coef = _nonnegative_fit(x, y)
     if not _beyond_noise(x, y, coef, 1):  # a price the steps cannot tell from noise: none
-        x[:, 1] = 0.0
-        coef = _nonnegative_fit(x, y)
+        return _with_prior_price(x, y, prior)
     a, b, c = coef
     return np.array([a, min(b, c) if c > 0 else b, c])
+
+
+def _with_prior_price(x: FloatArray, y: FloatArray, prior: list[float] | None) -> FloatArray:
+    """The fit where the run cannot price a prefill token: the prior's price (b) where there is
+    one, a and c fitted to what the prefill leaves; else no price (b = 0)."""
+    b = float(prior[1]) if prior is not None else 0.0
+    x = x.copy()
+    prefill = x[:, 1].copy()
+    x[:, 1] = 0.0
+    coef = _nonnegative_fit(x, y - b * prefill)
+    return np.array([coef[0], b, coef[2]])
+
+
+def price_source(
+    prefill: npt.ArrayLike, rows: npt.ArrayLike, execute: npt.ArrayLike, prior: list[float] | None
+) -> str:
+    """Where the fit's prices come from: "run" (its own steps), "prior" (the warm-up's price of
+    a prefill token, the run's prefills being too few or too short), "prior-all" (every price:
+    too few steps), or "none"."""
+    if prior is None:
+        return "run"
+    with_prior = fit_step_shape(prefill, rows, execute, prior)
+    if with_prior is None:
+        return "none"
+    if len(np.asarray(execute)) - COLD_STEPS < MIN_FIT_STEPS:
+        return "prior-all"
+    without = fit_step_shape(prefill, rows, execute)
+    same = without is not None and np.allclose(without, with_prior)
+    return "run" if same or with_prior[1] == 0 else "prior"
 
 
 def _nonnegative_fit(x: FloatArray, y: FloatArray) -> FloatArray:
@@ -206,10 +242,12 @@ def _beyond_noise(x: FloatArray, y: FloatArray, coef: FloatArray, i: int) -> boo
     return bool(coef[i] > 3 * np.sqrt(max(cov[i, i], 0.0)))
 
 
-def step_weights(prefill: IntArray, rows: IntArray, execute: IntArray) -> StepWeights:
-    """The run's StepWeights from its busy steps' shapes and execute times: the fit, else the
-    fallback (module docstring)."""
-    coef = fit_step_shape(prefill, rows, execute)
+def step_weights(
+    prefill: IntArray, rows: IntArray, execute: IntArray, prior: list[float] | None = None
+) -> StepWeights:
+    """The run's StepWeights from its busy steps' shapes and forward times: the fit (with the
+    warm-up's prior where the run cannot price a step), else the fallback (module docstring)."""
+    coef = fit_step_shape(prefill, rows, execute, prior)
     if coef is not None and coef.sum() > 0:
         return StepWeights(float(coef[0]), float(coef[1]), float(coef[2]), 0.0, fitted=True)
     if int(prefill.max(initial=0)) < MIN_PRICED_PREFILL:

@@ -160,6 +160,9 @@ RUN_COLUMNS = {
     # Migration 3. "steps": the run's per-step spans live in steps and requests.emit_*, and the
     # spans view derives them; NULL: every span is a row of span_rows (runs recorded before).
     "span_layout": "VARCHAR",
+    # Migration 5: the warm-up's price of a step, [a, b, c] ns of execute = a + b * prefill
+    # tokens + c * rows (engine.core.warmup); the diagnosis's prior.
+    "step_prior": "DOUBLE[]",
 }
 # Migration 3: the core ids of a request that ran as several ("ID-i": prompts and samples),
 # so that the steps table's request_ids map to requests. A lone core id is the request id.
@@ -200,13 +203,13 @@ _ADDED_IN = {
     },
     3: {
         "requests": _from(REQUEST_COLUMNS, "parent_span_id", "emit_delivery_us"),
-        "runs": _from(RUN_COLUMNS, "span_layout"),
+        "runs": _from(RUN_COLUMNS, "span_layout", "span_layout"),
     },
     4: {
         "requests": _from(REQUEST_COLUMNS, "grammar"),
         "steps": _from(STEP_COLUMNS, "grammar_mask_ns", "grammar_rows"),
     },
-    5: {"steps": _from(STEP_COLUMNS, "sample_ns")},
+    5: {"steps": _from(STEP_COLUMNS, "sample_ns"), "runs": _from(RUN_COLUMNS, "step_prior")},
 }
 
 
@@ -260,7 +263,11 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
     (2, "a request's whole life, KV frees, idle steps and pauses", _m002_whole_life),
     (3, "per-step facts once per step, emits in the request row: spans a view", _m003_compact),
     (4, "structured outputs: grammar compile per request, token masks per step", _m004_grammar),
-    (5, "the sampler and logprobs apart from the forward, per step", lambda c: _add_columns(c, 5)),
+    (
+        5,
+        "the sampler and logprobs per step, the warm-up's step prior",
+        lambda c: _add_columns(c, 5),
+    ),
 ]
 
 

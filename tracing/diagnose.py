@@ -207,7 +207,12 @@ def _decompose(row: RequestFacts, window: Window, run: _Run) -> RequestDiagnosis
         bytes_sent=row.bytes_sent,
         kv_freed_ns=row.kv_freed_ns,
         wait_reason=run.wait_reasons.get(rid),
+        body_bytes=row.body_bytes,
     )
+    if row.body_read_ns and row.handler_ns and row.handler_ns >= row.body_read_ns:
+        req.parse_span = (row.body_read_ns, row.handler_ns)
+    if row.handler_ns and row.sent_ns and row.sent_ns >= row.handler_ns:
+        req.frontend_span = (row.handler_ns, row.sent_ns - (row.admission_wait_ns or 0))
     steps_t = run.step_parts.get((rid, "ttft"))
     steps_d = run.step_parts.get((rid, "decode"))
     req.ttft = _ttft_parts(row, run, start, ttft_end, steps_t, steps_d)
@@ -260,7 +265,11 @@ def _ttft_parts(
     def span(a: int | None, b: int | None) -> tuple[int, int] | None:
         return None if a is None or b is None else (max(a, lo), max(min(b, hi), a, lo))
 
-    for part, window in (("http", span(lo, handler)), ("frontend", span(handler, sent))):
+    # The body read whole: receiving it before, decoding and validating its JSON after.
+    read = min(max(row.body_read_ns, lo), handler) if row.body_read_ns and handler else handler
+    for part, window in (
+        ("http", span(lo, read)), ("parse", span(read, handler)), ("frontend", span(handler, sent)),
+    ):  # fmt: skip
         if window:
             parts[part] = api.carve(parts, *window)
     admission = min(row.admission_wait_ns or 0, parts["frontend"])

@@ -46,6 +46,8 @@ class RequestFacts:
     bytes_sent: int | None
     kv_freed_ns: int | None
     grammar_ready_ns: int | None
+    body_bytes: int | None
+    body_read_ns: int | None  # the body read whole; decoded and validated until handler_ns
     last_emit_start_ns: int | None  # the last frontend.emit span began
     emit_ends_ns: list[int] | None  # each frontend.emit span's end, in order
     emit_step_ids: list[int | None] | None  # the step each frontend.emit span came from
@@ -101,6 +103,8 @@ NEW_REQUEST_COLUMNS = [
     "bytes_sent",
     "kv_freed_ns",
     "grammar_ready_ns",
+    "body_bytes",
+    "body_read_ns",
 ]
 STEP_COLUMNS = [
     "step_id",

@@ -63,6 +63,11 @@ class RequestDiagnosis:
     send_wait_ns: int | None = None
     bytes_sent: int | None = None
     kv_freed_ns: int | None = None
+    # The API process's work on it, as instants: decoding and validating its body (with the
+    # body's size), and the chat template and tokenizer (handler to sent, less admission).
+    body_bytes: int | None = None
+    parse_span: tuple[int, int] | None = None
+    frontend_span: tuple[int, int] | None = None
     # Set by explain_request: the run's median per part (phase -> part -> ns; decode per token).
     run_medians: dict[str, dict[str, float]] = field(default_factory=dict)
     dominant: Dominant | None = None  # set once the run is judged

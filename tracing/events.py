@@ -27,6 +27,8 @@ class Start:
     client_request_id: str | None = None
     http_start_ns: int = 0  # the server read the request's first byte (0: unknown)
     handler_ns: int = 0  # body read and validated: the route's handler began
+    body_read_ns: int = 0  # the body was read whole (then decoded and validated to handler_ns)
+    body_bytes: int = 0
 
 
 @dataclass(slots=True)

@@ -42,10 +42,19 @@ _UNEXPLAINED = "time between recorded boundaries that no record explains"
 
 PARTS: tuple[Part, ...] = (
     Part(
-        "http", "HTTP receive and parse before the handler", None,
-        "receiving and parsing the HTTP request",
+        "http", "HTTP receive (the body read whole)", None,
+        "receiving the HTTP request",
         "a slow client upload or a busy API process (see event-loop lag)",
-        "first byte read to handler: receiving and parsing the body",
+        "first byte read to the body read whole (`body_read_ns`; to `handler_ns` where not "
+        "recorded): receiving the request",
+    ),
+    Part(
+        "parse", "decoding and validating the JSON body", None,
+        "decoding and validating its JSON body",
+        "the API process decodes and validates each body on its event loop: large bodies "
+        "(long histories, unused fields) cost it, and every request waits; send smaller ones",
+        "`body_read_ns` to `handler_ns`: the body read whole, then decoded and validated "
+        "(`body_bytes` its size)",
     ),
     Part(
         "frontend", "frontend CPU (chat template, tokenize)", None,

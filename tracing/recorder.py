@@ -196,6 +196,7 @@ class Tracer:
         req.endpoint, req.model, req.stream = e.endpoint, e.model, e.stream
         req.client_request_id = e.client_request_id
         req.http_start_ns, req.handler_ns = e.http_start_ns, e.handler_ns
+        req.body_read_ns, req.body_bytes = e.body_read_ns, e.body_bytes
         if (parent := parse_traceparent(e.traceparent)) is not None:
             req.trace_id, req.parent_span_id = parent
 

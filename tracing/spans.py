@@ -76,6 +76,8 @@ class RequestTrace:
     parent_span_id: str | None = None  # from an incoming traceparent
     http_start_ns: int = 0  # the first byte the server read (0: not over HTTP)
     handler_ns: int = 0
+    body_read_ns: int = 0  # the body read whole; JSON decoded and validated to handler_ns
+    body_bytes: int = 0
     http: HttpFacts | None = None  # what the HTTP layer measured, at close
     # Set when it is handed to the engine.
     sent_ns: int = 0
@@ -353,6 +355,8 @@ def build_request_row(
         req.grammar_compile_ns if req.grammar_ready_ns else None,
         req.grammar_cached if req.grammar_ready_ns else None,
         req.grammar_mask_ns or None,
+        req.body_bytes if req.body_read_ns else None,
+        req.body_read_ns or None,
     )
 
 

@@ -92,6 +92,10 @@ REQUEST_COLUMNS = {
     "grammar_compile_ns": "BIGINT",
     "grammar_cached": "BOOLEAN",
     "grammar_mask_ns": "BIGINT",  # token masks of the steps it took part in (anyone's grammar)
+    # Migration 5: the request body, its size and when it was read whole; from then to
+    # handler_ns the API process decoded and validated its JSON.
+    "body_bytes": "BIGINT",
+    "body_read_ns": "BIGINT",
 }
 SPAN_COLUMNS = {
     "run_id": "VARCHAR",
@@ -206,10 +210,14 @@ _ADDED_IN = {
         "runs": _from(RUN_COLUMNS, "span_layout", "span_layout"),
     },
     4: {
-        "requests": _from(REQUEST_COLUMNS, "grammar"),
+        "requests": _from(REQUEST_COLUMNS, "grammar", "grammar_mask_ns"),
         "steps": _from(STEP_COLUMNS, "grammar_mask_ns", "grammar_rows"),
     },
-    5: {"steps": _from(STEP_COLUMNS, "sample_ns"), "runs": _from(RUN_COLUMNS, "step_prior")},
+    5: {
+        "steps": _from(STEP_COLUMNS, "sample_ns"),
+        "runs": _from(RUN_COLUMNS, "step_prior"),
+        "requests": _from(REQUEST_COLUMNS, "body_bytes"),
+    },
 }
 
 
@@ -265,7 +273,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
     (4, "structured outputs: grammar compile per request, token masks per step", _m004_grammar),
     (
         5,
-        "the sampler and logprobs per step, the warm-up's step prior",
+        "sampler and logprobs per step, the warm-up's step prior, request bodies",
         lambda c: _add_columns(c, 5),
     ),
 ]

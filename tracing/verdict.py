@@ -20,6 +20,7 @@ every request pays, no step) gets "Nothing stands out" with its expected compute
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -44,6 +45,7 @@ from tracing.judge import (
     priced_neighbours,
     slow_delivery_ns,
 )
+from tracing.pauses import Intervals
 from tracing.words import QUEUE_LIMITS, WHAT, count, ms, tokens_of
 
 __all__ = ["JUDGED_APART", "describe", "headline", "judge", "neighbour_names", "passes"]
@@ -205,6 +207,8 @@ def describe(
         return f", held by {words}" + (_busy(run, step) if step and not limit else ""), action
     if part == "admission":
         return ", held by the admission limit (--max-concurrent-requests)", action
+    if part == "loop_lag":
+        return _lag_work(run, action)
     if part in ("logprobs", "sampling"):
         said = verdict_steps.sampler_words(verdict_steps.busy_steps(run), part)
         return (f" ({said})" if said else ""), action
@@ -214,6 +218,38 @@ def describe(
     if step is not None:
         return _busy(run, step), action
     return "", action
+
+
+def _lag_work(run: RunDiagnosis, action: str) -> tuple[str, str]:
+    """What the API process was doing while its event loop lagged, where one kind of work
+    overlapped at least half the lag: decoding and validating request bodies, or chat
+    templates and tokenizing."""
+    lags = Intervals([(s, s + d) for p, k, s, d in run.pauses if p == "api" and k == "loop_lag"])
+    total = lags.within(min(lags.starts, default=0), max(lags.ends, default=0))
+    if not total:
+        return "", action
+    bodies = [r for r in run.requests if r.parse_span is not None and lags.within(*r.parse_span)]
+    parse = sum(lags.within(a, b) for a, b in _merged([r.parse_span for r in bodies]))
+    front = sum(lags.within(a, b) for a, b in _merged([r.frontend_span for r in run.requests]))
+    if max(parse, front) < total / 2:
+        return "", action
+    if parse >= front:
+        largest = max(r.body_bytes or 0 for r in bodies)
+        n = count(len(bodies), "body", "bodies")
+        return (
+            f", while it decoded and validated request bodies ({n}, "
+            f"up to {largest / 1e3:,.0f} KB; {ms(parse)} of the {ms(total)} of lag)",
+            WHAT["parse"][1],
+        )
+    return (
+        f", while it ran chat templates and the tokenizer ({ms(front)} of the {ms(total)} of lag)",
+        WHAT["frontend"][1],
+    )
+
+
+def _merged(spans: Sequence[tuple[int, int] | None]) -> list[tuple[int, int]]:
+    merged = Intervals([s for s in spans if s is not None])
+    return list(zip(merged.starts.tolist(), merged.ends.tolist()))
 
 
 def _busy(run: RunDiagnosis, step: StepFacts) -> str:

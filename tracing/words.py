@@ -42,6 +42,6 @@ def tokens_of(n: int) -> str:
     return f"{n:,}"
 
 
-def count(n: int, noun: str) -> str:
-    """'1 request', '3 requests'."""
-    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """'1 request', '3 requests' ('2 bodies' with ``plural``)."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"

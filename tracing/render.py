@@ -32,8 +32,17 @@ WIDTH = 100
 SLOWEST = 5  # requests the report lists with what dominated each (as `lumen trace top`)
 
 
+def _fill(text: str, initial_indent: str = "", subsequent_indent: str = "") -> str:
+    """Wrapped at WIDTH, never inside a word: "--max-num-batched-tokens" stays whole, so a
+    knob can be copied (and searched for) from the text."""
+    return textwrap.fill(
+        text, WIDTH, initial_indent=initial_indent, subsequent_indent=subsequent_indent,
+        break_on_hyphens=False, break_long_words=False,
+    )  # fmt: skip
+
+
 def _bullet(text: str) -> str:
-    return textwrap.fill(text, WIDTH, initial_indent="  - ", subsequent_indent="    ")
+    return _fill(text, initial_indent="  - ", subsequent_indent="    ")
 
 
 def percentile_table(summary: dict[str, dict[str, float]]) -> list[str]:
@@ -49,9 +58,9 @@ def render_run(run: RunDiagnosis) -> str:
     counts = f"{run.num_ok} ok, {run.num_aborted} aborted, {run.num_error} error"
     busy = sum(not s.idle for s in run.steps)
     lines = [f"run {run.run_id}: {len(run.requests)} requests ({counts}), {busy} engine steps", ""]
-    lines += [*percentile_table(run.summary), "", textwrap.fill(headline(run), WIDTH)]
+    lines += [*percentile_table(run.summary), "", _fill(headline(run))]
     if largest := _largest(run):
-        lines.append(textwrap.fill("Largest first: " + largest + ".", WIDTH))
+        lines.append(_fill("Largest first: " + largest + "."))
     for section, title in SECTIONS.items():
         found = [f.text for f in run.findings if f.section == section and f.kind != "expected"]
         if section == "causes":
@@ -117,7 +126,7 @@ def render_request(req: RequestDiagnosis, sentences: list[str]) -> str:
         f"{req.request_id}  {req.status}  prompt {req.prompt_tokens:,}, output "
         f"{req.output_tokens:,} tokens  e2e {ms(req.e2e_ns)}  dominated by {dominant_words(req)}"
     )
-    lines = [head, *(textwrap.fill(s, WIDTH) for s in sentences)]
+    lines = [head, *(_fill(s) for s in sentences)]
     for phase, mine, parts in (
         ("ttft", req.ttft, TTFT_PARTS),
         ("decode", req.decode, DECODE_PARTS),

@@ -128,6 +128,12 @@ def _step(text: str, ms_: float, part: str | None = None, ids: list[str] | None 
     return Finding("step", text, ms=ms_, part=part, request_ids=ids or [], section="steps")
 
 
+def _api_paused_during(run: RunDiagnosis, s: StepFacts) -> bool:
+    return any(
+        p == "api" and start < s.end_ns and start + d > s.start_ns for p, _, start, d in run.pauses
+    )
+
+
 def _cold_and_outliers(
     run: RunDiagnosis, busy: list[StepFacts], coef: np.ndarray | None, stalled: set[int]
 ) -> list[Finding]:
@@ -135,7 +141,10 @@ def _cold_and_outliers(
         return []
     out = []
     rest = busy[COLD_STEPS:]
-    cold = [s for s in busy[:COLD_STEPS] if _cold(s, rest, coef)]
+    # A first step the API process paused in (GC, event-loop lag) shared the CPU with it:
+    # contention is as likely as a cold start, so it is judged as any later step.
+    contended = [s for s in busy[:COLD_STEPS] if _api_paused_during(run, s)]
+    cold = [s for s in busy[:COLD_STEPS] if s not in contended and _cold(s, rest, coef)]
     if cold:
         first, want = cold[0], _cold_reference(cold[0], rest, coef)[0]
         shape = (
@@ -154,7 +163,7 @@ def _cold_and_outliers(
             "allocates; lumen serve warms up unless --no-warmup)."
         )
         out.append(_step(text, (first.forward_ns - want) / 1e6))
-    late = [s for s in busy[COLD_STEPS:] if s.step_id not in stalled and _slow_for_shape(s, coef)]
+    late = [s for s in contended + rest if s.step_id not in stalled and _slow_for_shape(s, coef)]
     if late:
         worst = max(late, key=lambda s: s.forward_ns - expected_ns(coef, s))
         want = expected_ns(coef, worst)

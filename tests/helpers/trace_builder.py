@@ -63,8 +63,10 @@ class Trace:
     def step(
         self, rows: dict[str, int], exec_ms: float, *, at_ms: float = 0.0,
         schedule_ms: float = 0.2, output_ms: float = 0.2, wait_reason: str = "", waiting: int = 0,
-        preempted: tuple[str, ...] = (),
+        preempted: tuple[str, ...] = (), logprobs_ms: float = 0.0,
     ) -> None:  # fmt: skip
+        """A step of ``exec_ms`` (of which ``logprobs_ms`` computed top-20 logprobs for every
+        row)."""
         arrived = max(self.reqs[rid].received for rid in rows)
         start = max(self.now, arrived, T0 + int(at_ms * MS)) + MS // 10
         execute = start + int(schedule_ms * MS)
@@ -89,6 +91,8 @@ class Trace:
             kv_blocks_total=NUM_BLOCKS, request_ids=list(rows), num_scheduled=list(rows.values()),
             preempted_request_ids=list(preempted), update_end_ns=executed + MS // 10,
             wait_reason=wait_reason, idle=False, gc_pause_ns=0,
+            logprobs_ns=int(logprobs_ms * MS), logprobs_rows=len(rows) if logprobs_ms else 0,
+            max_logprobs=20 if logprobs_ms else 0,
         ))  # fmt: skip
         self.now = out
         for r in live:

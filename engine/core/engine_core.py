@@ -62,7 +62,7 @@ class EngineCore:
         self.warmup_s = 0.0
         step_prior: list[float] = []
         if config.warmup:
-            warmed_s, step_prior = warm_up(executor, config, num_blocks)
+            warmed_s, step_prior = warm_up(executor, config, num_blocks, max_model_len)
             self.warmup_s = warmed_s + self.grammars.warm_up()
         self.sleeping = False
         self.max_model_len = max_model_len

@@ -16,7 +16,9 @@ WARMUP_PROMPT_TOKENS = (32, 80)  # a greedy request and a sampled one, of two le
 WARMUP_DECODE_STEPS = 2
 
 
-def warm_up(executor: Executor, config: EngineConfig, num_blocks: int) -> tuple[float, list[float]]:
+def warm_up(
+    executor: Executor, config: EngineConfig, num_blocks: int, max_model_len: int
+) -> tuple[float, list[float]]:
     """What the first real steps run, through the real executor, before READY.
 
     The first forward of each path pays one-time costs (kernel selection, allocator growth,
@@ -29,18 +31,18 @@ def warm_up(executor: Executor, config: EngineConfig, num_blocks: int) -> tuple[
     read), and the runner forgets the requests at the end.
 
     Then, warm, it times a few shapes for the diagnosis's prior price of a step (``_prior``).
-    Returns the seconds it all took, and the prior ([] where the KV cache is too small).
+    Every sequence stays within ``max_model_len`` (prompts are cut to fit). Returns the
+    seconds it all took, and the prior ([] where the KV cache or the context is too small).
     """
     started = time.monotonic()
     steps = WARMUP_DECODE_STEPS + 2
-    needed = [-(-(n + steps) // config.block_size) for n in WARMUP_PROMPT_TOKENS]
-    if sum(needed) > num_blocks:
+    lengths = [min(n, max_model_len - steps - 1) for n in WARMUP_PROMPT_TOKENS]
+    needed = [-(-(n + steps) // config.block_size) for n in lengths]
+    if min(lengths) < 1 or sum(needed) > num_blocks:
         return 0.0, []
     ids = ("lumen-warmup-greedy", "lumen-warmup-sampled")
     tables = [list(range(needed[0])), list(range(needed[0], sum(needed)))]
-    prompts = [
-        [1 + (i * 7 + j) % 100 for j in range(n)] for i, n in enumerate(WARMUP_PROMPT_TOKENS)
-    ]
+    prompts = [[1 + (i * 7 + j) % 100 for j in range(n)] for i, n in enumerate(lengths)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=steps + 1),
         SamplingParams(temperature=0.7, top_k=50, top_p=0.9, logprobs=2, max_tokens=steps + 1),
@@ -74,7 +76,7 @@ def warm_up(executor: Executor, config: EngineConfig, num_blocks: int) -> tuple[
     run([0], [])
     executor.execute_model(SchedulerOutput(-1, finished_req_ids=list(ids)))
     free = range(sum(needed), num_blocks)
-    prior = _prior(executor, config, list(free)) if config.max_num_batched_tokens >= 16 else []
+    prior = _prior(executor, config, list(free), max_model_len)
     return time.monotonic() - started, prior
 
 
@@ -83,13 +85,18 @@ PRIOR_ROWS = (1, 2)  # decode batches it times, each PRIOR_REPEATS times
 PRIOR_REPEATS = 3
 
 
-def _prior(executor: Executor, config: EngineConfig, blocks: list[int]) -> list[float]:
+def _prior(
+    executor: Executor, config: EngineConfig, blocks: list[int], max_model_len: int
+) -> list[float]:
     """[a, b, c] ns of execute = a + b * prefill tokens + c * rows, fitted to warm steps of a
     few shapes (greedy, the fused head): what the diagnosis prices a step by where the run
     itself has too few steps, or too few long prompts, to price one (tracing.shares). Each
     timing is the executor's whole call, as the step record's execute is."""
-    lengths = [min(n, config.max_num_batched_tokens) for n in PRIOR_PREFILLS]
     steps = PRIOR_REPEATS * len(PRIOR_ROWS) + 1
+    cap = min(config.max_num_batched_tokens, max_model_len - steps - 1)
+    lengths = [min(n, cap) for n in PRIOR_PREFILLS]
+    if lengths[0] == lengths[1] or lengths[0] < 1:
+        return []  # two lengths are what price a prefill token
     bs = config.block_size
     needed = [-(-(n + steps) // bs) for n in lengths]
     if sum(needed) > len(blocks):

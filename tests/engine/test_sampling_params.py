@@ -23,7 +23,7 @@ from engine import SamplingParams
         ({"stop": [""]}, "stop"),
         ({"stop": [3]}, "stop"),
         ({"stop_token_ids": [-4]}, "stop_token_ids"),
-        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),  # the upper cap is the server's: --max-logprobs
         ({"presence_penalty": 3.0}, "presence_penalty"),
         ({"frequency_penalty": float("nan")}, "frequency_penalty"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),

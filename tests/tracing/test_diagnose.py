@@ -116,16 +116,23 @@ def test_long_prefill_stalls_decodes_and_the_neighbour_is_named(tmp_path: Path) 
     assert "queue" not in {f.part for f in run.findings}
 
 
+def _four_decoders(output: int, prefill_ms: float, steps: int, step_ms: float) -> Trace:
+    """Four requests of 8-token prompts prefilled together, then ``steps`` decode steps of
+    about ``step_ms`` (0 to 2 x 10% more, in turn)."""
+    tr = Trace()
+    for i in range(4):
+        tr.request(f"d{i}", 0.0, prompt=8, output=output)
+    tr.step({f"d{i}": 8 for i in range(4)}, prefill_ms)
+    for k in range(steps):
+        tr.step({f"d{i}": 1 for i in range(4)}, step_ms * (1.0 + 0.1 * (k % 3)))
+    return tr
+
+
 def test_two_long_prefills_among_many_decodes_are_priced_not_dropped(tmp_path: Path) -> None:
     """A run of decodes with two steps of long prefill (as recorded: 1,900 tokens in one,
     5,700 in the next): the fit misses both, and trimmed as outliers they would leave a
     prefill token priced at 0 and both steps called contention."""
-    tr = Trace()
-    for i in range(4):
-        tr.request(f"d{i}", 0.0, prompt=8, output=80)
-    tr.step({f"d{i}": 8 for i in range(4)}, 8.0)
-    for k in range(30):
-        tr.step({f"d{i}": 1 for i in range(4)}, 6.0 + 0.4 * (k % 3))
+    tr = _four_decoders(output=80, prefill_ms=8.0, steps=30, step_ms=6.0)
     # As in CI: a decode step slowed by the API process tokenizing the long prompts, and a
     # price per prefill token that is not quite linear (1,900 tokens +48 ms, 5,700 +61 ms):
     # with 5 and 8 rows there, an exact fit of those two steps wants a negative price per row.
@@ -469,12 +476,7 @@ def test_one_long_prompt_among_decoders_is_the_stall_it_is(tmp_path: Path) -> No
     """Four decoders whose steps cost the same whatever the batch, then one 1,400-token prompt
     whose prefill takes 420 ms: named as the stall, with the request, not as a step slow for
     its shape (the refit keeps the one step that prices a prefill token)."""
-    tr = Trace()
-    for i in range(4):
-        tr.request(f"d{i}", 0.0, prompt=8, output=60)
-    tr.step({f"d{i}": 8 for i in range(4)}, 12.0)
-    for k in range(25):
-        tr.step({f"d{i}": 1 for i in range(4)}, 11.0 + 2.0 * (k % 3))
+    tr = _four_decoders(output=60, prefill_ms=12.0, steps=25, step_ms=11.0)
     tr.request("long", (tr.now - T0) / MS, prompt=1400, output=4)
     tr.step({**{f"d{i}": 1 for i in range(4)}, "long": 1400}, 420.0)
     while any(r.status is None for r in tr.reqs.values()):

@@ -348,3 +348,32 @@ def test_logprobs_are_named_apart_from_the_model(tmp_path: Path, tiny_model_path
     assert "top-25 logprobs for" in text and "--max-logprobs" in text, text
     why = _why(db, ids[0])
     assert "logprobs" in why, why
+
+
+def test_a_step_of_prefills_alone_is_prefill_in_every_part(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """Eight prompts of one completion reach the core together and prefill in steps with no
+    decode row: each request's share of such a step is its own prefill and its neighbours',
+    never "the batch's other rows (decode)"."""
+    prompts = [" ".join(f"w{i}{j}" for j in range(60)) for i in range(8)]
+
+    def provoke(server: LumenServer) -> list[str]:
+        body = {"prompt": prompts, "max_tokens": 1, "temperature": 0}  # no decode rows at all
+        return [_post(server, body).headers["x-request-id"]]
+
+    db, _ = _record(tmp_path, tiny_model_path, provoke)
+    diag, _ = _report(db)
+    with open_db(db, timeout=10) as con:
+        steps = con.execute(
+            "SELECT request_ids FROM steps WHERE num_prefill_tokens > 0 "
+            "AND num_decode_tokens = 0 AND len(request_ids) > 1"
+        ).fetchall()
+    alone = {rid for (ids,) in steps for rid in ids}
+    assert len(alone) >= 4, steps  # the shape under test: prefills with no decode row
+    for r in diag.requests:
+        if r.request_id in alone:
+            assert r.ttft.get("decode", 0) < 0.5e6, (r.request_id, r.ttft)
+            assert r.ttft["neighbour_prefill"] > r.ttft.get("decode", 0), r.ttft
+    why = _why(db, sorted(alone)[-1])
+    assert "Other requests' prefill shared its steps" in why, why

@@ -14,6 +14,7 @@ from tracing.diagnosis import (
     RunDiagnosis,
     StepFacts,
 )
+from tracing.judge import passes
 from tracing.shares import (
     COLD_STEPS,
     MIN_PRICED_PREFILL,
@@ -373,14 +374,26 @@ PAUSE_WORDS = {"gc": "garbage collection", "loop_lag": "event-loop lag"}
 
 
 def _pauses(run: RunDiagnosis) -> list[Finding]:
-    """Pauses while requests were in flight (start-up's are not theirs)."""
+    """Pauses while requests were in flight (start-up's are not theirs), of a kind that cost
+    some request both bars against its own life (its gc or loop_lag part): a 20 ms lag in a
+    run of 3 s requests is the machine's noise, not a cause."""
     if not run.requests:
         return []
+    costly = {
+        kind
+        for kind in PAUSE_WORDS
+        if any(
+            passes(r.ttft.get(kind, 0) + r.decode.get(kind, 0), r.ttft_phase_ns + r.decode_phase_ns)
+            for r in run.requests
+        )
+    }
     lo = min(r.start_ns for r in run.requests)
     hi = max(r.end_ns for r in run.requests)
     out = []
     for process in ("api", "core"):
         for kind, words in PAUSE_WORDS.items():
+            if kind not in costly:
+                continue
             durations = [
                 d
                 for p, k, s, d in run.pauses

@@ -164,9 +164,11 @@ class InputProcessor:
             if tid >= self.vocab_size:
                 raise ValueError(f"stop_token_ids: {tid} is outside the vocabulary")
         cap = self.info.max_logprobs
-        if params.logprobs is not None and params.logprobs > (self.vocab_size if cap < 0 else cap):
+        limit = self.vocab_size if cap < 0 else min(cap, self.vocab_size)
+        if params.logprobs is not None and params.logprobs > limit:
             raise ValueError(
                 f"{params.logprobs} log probabilities per token requested (top_logprobs, or "
-                f"logprobs in completions), more than the server allows: --max-logprobs {cap}"
+                f"logprobs in completions), more than the server allows: --max-logprobs {cap}, "
+                f"a vocabulary of {self.vocab_size}"
             )
         structured_outputs.prepare(params)

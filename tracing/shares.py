@@ -6,10 +6,12 @@ The fit (fit_step_shape, on the run's busy steps after the first COLD_STEPS)::
 
     execute_ns = a + b * prefill tokens + c * rows
 
-least squares, refitted without the steps it misses by more than 3 robust deviations (except
-steps with MIN_PRICED_PREFILL prefill tokens: they alone price a token); no coefficient below 0;
-b never above c (a prefill token is the same matmul work as a row, batched); b = 0 where no step
-carried MIN_PRICED_PREFILL prefill tokens or b is within 3 standard errors of 0.
+least squares, refitted without the steps more than 3 robust deviations from its median residual
+(except steps with MIN_PRICED_PREFILL prefill tokens: they alone price a token); no coefficient
+below 0;
+b never above c (a prefill token is the same matmul work as a row, batched); where no step
+carried MIN_PRICED_PREFILL prefill tokens or b is within 3 standard errors of 0, b is the prior's
+(as measured, not capped by c) or else 0, and a, c are fitted the same robust way to the rest.
 
 The prior: the warm-up's own fit over a few timed shapes (engine.core.warmup, the runs row's
 step_prior). Where the run cannot price a prefill token (no step carried MIN_PRICED_PREFILL,
@@ -158,8 +160,8 @@ def fit_step_shape(
     execute: npt.ArrayLike,
     prior: list[float] | None = None,
 ) -> FloatArray | None:
-    """[a, b, c] of execute = a + b * prefill tokens + c * rows (the module docstring), or
-    None with fewer than MIN_FIT_STEPS steps after the first COLD_STEPS.
+    """[a, b, c] of execute = a + b * prefill tokens + c * rows (the module docstring): with
+    fewer than MIN_FIT_STEPS steps after the first COLD_STEPS, the prior (None without one).
 
     A step slowed by contention or a pause must not set the price of a token, hence the refit
     without outliers; but in a run of decodes the few long prefills are the only steps that
@@ -170,30 +172,40 @@ def fit_step_shape(
     y = np.asarray(execute, dtype=float)[COLD_STEPS:]
     if len(y) < MIN_FIT_STEPS:
         return None if prior is None else np.array(prior, dtype=float)
-    if x[:, 1].max() < MIN_PRICED_PREFILL:
-        return _with_prior_price(x, y, prior)
-    coef = _nonnegative_fit(x, y)
-    residual = y - x @ coef
-    spread = 1.4826 * float(np.median(np.abs(residual - np.median(residual)))) or 1.0
-    keep = (np.abs(residual) <= 3 * spread) | (x[:, 1] >= MIN_PRICED_PREFILL)
-    if keep.sum() >= MIN_FIT_STEPS:
-        x, y = x[keep], y[keep]
-        coef = _nonnegative_fit(x, y)
-    if not _beyond_noise(x, y, coef, 1):  # a price the steps cannot tell from noise: none
-        return _with_prior_price(x, y, prior)
+    price = float(prior[1]) if prior is not None else 0.0
+    if x[:, 1].max() < MIN_PRICED_PREFILL:  # no step can price a token: the prior's, or 0
+        return _robust_fit(x, y, price)[0]
+    coef, kept = _robust_fit(x, y)
+    if not _beyond_noise(x[kept], y[kept], coef, 1):  # a price within noise: the prior's, or 0
+        return _robust_fit(x, y, price)[0]
     a, b, c = coef
     return np.array([a, min(b, c) if c > 0 else b, c])
 
 
-def _with_prior_price(x: FloatArray, y: FloatArray, prior: list[float] | None) -> FloatArray:
-    """The fit where the run cannot price a prefill token: the prior's price (b) where there is
-    one, a and c fitted to what the prefill leaves; else no price (b = 0)."""
-    b = float(prior[1]) if prior is not None else 0.0
-    x = x.copy()
-    prefill = x[:, 1].copy()
-    x[:, 1] = 0.0
-    coef = _nonnegative_fit(x, y - b * prefill)
-    return np.array([coef[0], b, coef[2]])
+def _robust_fit(
+    x: FloatArray, y: FloatArray, price: float | None = None
+) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
+    """The fit, refitted without the steps it misses by more than 3 robust deviations (steps
+    with MIN_PRICED_PREFILL prefill tokens are always kept), and the steps it kept; with
+    ``price``, b is fixed to it and a, c are fitted to what the prefill leaves."""
+    tokens = x[:, 1]
+    if price is not None:
+        y = y - price * tokens
+        x = x.copy()
+        x[:, 1] = 0.0
+    coef = _nonnegative_fit(x, y)
+    # Distance from the median residual: slow steps pull the first fit, so the others' residuals
+    # sit off 0 together.
+    deviation = np.abs((y - x @ coef) - np.median(y - x @ coef))
+    spread = 1.4826 * float(np.median(deviation)) or 1.0
+    kept: npt.NDArray[np.bool_] = (deviation <= 3 * spread) | (tokens >= MIN_PRICED_PREFILL)
+    if kept.sum() >= MIN_FIT_STEPS:
+        coef = _nonnegative_fit(x[kept], y[kept])
+    else:
+        kept = np.ones(len(y), dtype=bool)
+    if price is not None:
+        coef[1] = price
+    return coef, kept
 
 
 def price_source(

@@ -129,9 +129,13 @@ def _step(text: str, ms_: float, part: str | None = None, ids: list[str] | None 
     return Finding("step", text, ms=ms_, part=part, request_ids=ids or [], section="steps")
 
 
-def _api_paused_during(run: RunDiagnosis, s: StepFacts) -> bool:
-    return any(
-        p == "api" and start < s.end_ns and start + d > s.start_ns for p, _, start, d in run.pauses
+def _api_paused_during(run: RunDiagnosis, s: StepFacts) -> int:
+    """How long the API process paused (GC, event-loop lag) during the step, ns: what it took
+    of the CPU the step shared with it."""
+    return sum(
+        max(0, min(start + d, s.end_ns) - max(start, s.start_ns))
+        for p, _, start, d in run.pauses
+        if p == "api"
     )
 
 
@@ -142,9 +146,14 @@ def _cold_and_outliers(
         return []
     out = []
     rest = busy[COLD_STEPS:]
-    # A first step the API process paused in (GC, event-loop lag) shared the CPU with it:
-    # contention is as likely as a cold start, so it is judged as any later step.
-    contended = [s for s in busy[:COLD_STEPS] if _api_paused_during(run, s)]
+    # A first step the API process paused in (GC, event-loop lag) for at least half its excess
+    # shared the CPU with it: contention is as likely as a cold start, so it is judged as any
+    # later step.
+    contended = [
+        s
+        for s in busy[:COLD_STEPS]
+        if 2 * _api_paused_during(run, s) >= s.forward_ns - _cold_reference(s, rest, coef)[0]
+    ]
     cold = [s for s in busy[:COLD_STEPS] if s not in contended and _cold(s, rest, coef)]
     if cold:
         first, want = cold[0], _cold_reference(cold[0], rest, coef)[0]
@@ -302,7 +311,7 @@ def sampler_words(busy: list[StepFacts], part: str) -> str | None:
     if part == "logprobs":
         rows = int(np.median([s.logprobs_rows for s in had]))
         k = max(s.max_logprobs for s in had)
-        what = f"top-{k} logprobs for {count(rows, 'row')}"
+        what = f"{f'top-{k} logprobs' if k else 'logprobs'} for {count(rows, 'row')}"
     else:
         rows = int(np.median([s.rows or s.running for s in had]))
         what = f"sampling on the full logits for {count(rows, 'row')}"

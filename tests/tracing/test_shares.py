@@ -1,0 +1,30 @@
+"""The step-cost fit (tracing.shares) on shapes laid out by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tracing.shares import COLD_STEPS, fit_step_shape, outlier
+
+MS = 1e6
+
+
+@pytest.mark.parametrize("prior", [None, [1.0 * MS, 0.3 * MS, 2.0 * MS]], ids=["no-prior", "prior"])
+def test_slow_steps_do_not_set_the_price_when_prompts_are_short(prior: list[float] | None) -> None:
+    """Decode steps of 3 to 5 rows at 2.5 ms a row, 8 of 40 held to 50 ms (a pause), prompts of
+    20 tokens (too short to price): the fit drops the slow steps before pricing the rest, so
+    all 8 are outliers."""
+    rng = np.random.default_rng(0)
+    n = COLD_STEPS + 40
+    rows = rng.integers(3, 6, n)
+    prefill = np.where(np.arange(n) % 10 == 1, 20, 0)
+    execute = 2.5 * MS * rows + rng.normal(0, 0.2 * MS, n)
+    slow = np.zeros(n, dtype=bool)
+    slow[COLD_STEPS + np.arange(2, 40, 5)] = True
+    execute[slow] = 50 * MS
+    coef = fit_step_shape(prefill, rows, execute, prior)
+    assert coef is not None
+    expected = coef @ np.vstack([np.ones(n), prefill, rows])
+    assert outlier(execute, expected)[slow].all(), (coef, expected[slow])
+    assert not outlier(execute, expected)[~slow].any()

@@ -8,15 +8,14 @@ The fit (fit_step_shape, on the run's busy steps after the first COLD_STEPS)::
 
 least squares, refitted without the steps more than 3 robust deviations from its median residual
 (except steps with MIN_PRICED_PREFILL prefill tokens: they alone price a token); no coefficient
-below 0;
-b never above c (a prefill token is the same matmul work as a row, batched); where no step
+below 0; b never above c (a prefill token is the same matmul work as a row, batched); where no step
 carried MIN_PRICED_PREFILL prefill tokens or b is within 3 standard errors of 0, b is the prior's
 (as measured, not capped by c) or else 0, and a, c are fitted the same robust way to the rest.
 
 The prior: the warm-up's own fit over a few timed shapes (engine.core.warmup, the runs row's
 step_prior). Where the run cannot price a prefill token (no step carried MIN_PRICED_PREFILL,
 or the price is within noise), b is the prior's and a, c are fitted to what it leaves; with
-fewer than MIN_FIT_STEPS steps, the prior is the fit. ``price_source`` says which.
+fewer than MIN_FIT_STEPS steps, the prior is the fit. The fit's ``source`` says which.
 
 The fallback (step_weights, where the run recorded no prior): with fewer than MIN_FIT_STEPS
 steps to fit (or a fit that is all 0), plain token shares (a = c = 0, b = d = 1); and if no
@@ -58,6 +57,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -154,14 +154,23 @@ class MemberPhases:
     ttft: npt.NDArray[np.bool_]
 
 
+class StepFit(NamedTuple):
+    """[a, b, c] of execute = a + b * prefill tokens + c * rows, and where the prices come from:
+    "run" (its own steps), "prior" (the warm-up's price of a prefill token: the run's prefills
+    are too few or too short to price one) or "prior-all" (every price: too few steps)."""
+
+    coef: FloatArray
+    source: str
+
+
 def fit_step_shape(
     prefill: npt.ArrayLike,
     rows: npt.ArrayLike,
     execute: npt.ArrayLike,
     prior: list[float] | None = None,
-) -> FloatArray | None:
-    """[a, b, c] of execute = a + b * prefill tokens + c * rows (the module docstring): with
-    fewer than MIN_FIT_STEPS steps after the first COLD_STEPS, the prior (None without one).
+) -> StepFit | None:
+    """The run's StepFit (the module docstring): with fewer than MIN_FIT_STEPS steps after the
+    first COLD_STEPS, the prior (None without one).
 
     A step slowed by contention or a pause must not set the price of a token, hence the refit
     without outliers; but in a run of decodes the few long prefills are the only steps that
@@ -171,15 +180,21 @@ def fit_step_shape(
     x = x[COLD_STEPS:]
     y = np.asarray(execute, dtype=float)[COLD_STEPS:]
     if len(y) < MIN_FIT_STEPS:
-        return None if prior is None else np.array(prior, dtype=float)
-    price = float(prior[1]) if prior is not None else 0.0
-    if x[:, 1].max() < MIN_PRICED_PREFILL:  # no step can price a token: the prior's, or 0
-        return _robust_fit(x, y, price)[0]
+        return None if prior is None else StepFit(np.array(prior, dtype=float), "prior-all")
+
+    def unpriced() -> StepFit:
+        """The run cannot price a prefill token (no step can, or its price is within noise):
+        the prior's price, or none."""
+        price = float(prior[1]) if prior is not None else 0.0
+        return StepFit(_robust_fit(x, y, price)[0], "prior" if price > 0 else "run")
+
+    if x[:, 1].max() < MIN_PRICED_PREFILL:
+        return unpriced()
     coef, kept = _robust_fit(x, y)
-    if not _beyond_noise(x[kept], y[kept], coef, 1):  # a price within noise: the prior's, or 0
-        return _robust_fit(x, y, price)[0]
+    if not _beyond_noise(x[kept], y[kept], coef, 1):
+        return unpriced()
     a, b, c = coef
-    return np.array([a, min(b, c) if c > 0 else b, c])
+    return StepFit(np.array([a, min(b, c) if c > 0 else b, c]), "run")
 
 
 def _robust_fit(
@@ -206,24 +221,6 @@ def _robust_fit(
     if price is not None:
         coef[1] = price
     return coef, kept
-
-
-def price_source(
-    prefill: npt.ArrayLike, rows: npt.ArrayLike, execute: npt.ArrayLike, prior: list[float] | None
-) -> str:
-    """Where the fit's prices come from: "run" (its own steps), "prior" (the warm-up's price of
-    a prefill token, the run's prefills being too few or too short), "prior-all" (every price:
-    too few steps), or "none"."""
-    if prior is None:
-        return "run"
-    with_prior = fit_step_shape(prefill, rows, execute, prior)
-    if with_prior is None:
-        return "none"
-    if len(np.asarray(execute)) - COLD_STEPS < MIN_FIT_STEPS:
-        return "prior-all"
-    without = fit_step_shape(prefill, rows, execute)
-    same = without is not None and np.allclose(without, with_prior)
-    return "run" if same or with_prior[1] == 0 else "prior"
 
 
 def _nonnegative_fit(x: FloatArray, y: FloatArray) -> FloatArray:
@@ -259,7 +256,8 @@ def step_weights(
 ) -> StepWeights:
     """The run's StepWeights from its busy steps' shapes and forward times: the fit (with the
     warm-up's prior where the run cannot price a step), else the fallback (module docstring)."""
-    coef = fit_step_shape(prefill, rows, execute, prior)
+    fit = fit_step_shape(prefill, rows, execute, prior)
+    coef = None if fit is None else fit.coef
     if coef is not None and coef.sum() > 0:
         return StepWeights(float(coef[0]), float(coef[1]), float(coef[2]), 0.0, fitted=True)
     if int(prefill.max(initial=0)) < MIN_PRICED_PREFILL:

@@ -19,9 +19,9 @@ from tracing.shares import (
     COLD_STEPS,
     MIN_PRICED_PREFILL,
     OUTLIER_FACTOR,
+    StepFit,
     fit_step_shape,
     outlier,
-    price_source,
 )
 from tracing.words import WHAT, count, ms, tokens_of
 
@@ -51,28 +51,26 @@ def step_findings(run: RunDiagnosis, said: list[Finding]) -> list[Finding]:
     if not busy:
         return []
     named = {f.part for f in said}
-    coef = shape_model(busy, run.step_prior)
+    fit = shape_model(busy, run.step_prior)
+    coef = None if fit is None else fit.coef
     stalls, typical = stall_steps(busy, coef)
     out = _cold_and_outliers(run, busy, coef, {s.step_id for s in stalls})
     out += _stalls(run, stalls, typical)
     out += _cpu(run, busy, named)
     out += _growth(busy, coef)
-    out += _priced_by_prior(busy, coef, run.step_prior)
+    out += _priced_by_prior(busy, fit)
     out += _pauses(run)
     return out
 
 
-def _shapes(busy: list[StepFacts]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return (
+def shape_model(busy: list[StepFacts], prior: list[float] | None = None) -> StepFit | None:
+    """Forward time = a + b * prefill tokens + c * rows (tracing.shares.fit_step_shape)."""
+    return fit_step_shape(
         np.array([s.prefill_tokens for s in busy]),
         np.array([s.rows or s.running for s in busy]),
         np.array([s.forward_ns for s in busy]),
+        prior,
     )
-
-
-def shape_model(busy: list[StepFacts], prior: list[float] | None = None) -> np.ndarray | None:
-    """Forward time = a + b * prefill tokens + c * rows (tracing.shares.fit_step_shape)."""
-    return fit_step_shape(*_shapes(busy), prior)
 
 
 def expected_ns(coef: np.ndarray, s: StepFacts) -> float:
@@ -338,14 +336,12 @@ def _sampler(busy: list[StepFacts], named: set[str | None]) -> list[Finding]:
     return out
 
 
-def _priced_by_prior(
-    busy: list[StepFacts], coef: np.ndarray | None, prior: list[float] | None
-) -> list[Finding]:
+def _priced_by_prior(busy: list[StepFacts], fit: StepFit | None) -> list[Finding]:
     """Say when a price rests on the warm-up's prior rather than the run's own steps."""
-    source = price_source(*_shapes(busy), prior)
-    if coef is None or source not in ("prior", "prior-all"):
+    if fit is None or fit.source == "run":
         return []
-    if source == "prior-all":
+    coef = fit.coef
+    if fit.source == "prior-all":
         text = (
             f"Step prices come from the warm-up ({count(len(busy), 'step')}, too few to fit): "
             f"{ms(coef[0])} a step, {coef[1] / 1e3:,.0f} us a prefill token, {ms(coef[2])} a row."

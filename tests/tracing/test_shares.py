@@ -23,8 +23,9 @@ def test_slow_steps_do_not_set_the_price_when_prompts_are_short(prior: list[floa
     slow = np.zeros(n, dtype=bool)
     slow[COLD_STEPS + np.arange(2, 40, 5)] = True
     execute[slow] = 50 * MS
-    coef = fit_step_shape(prefill, rows, execute, prior)
-    assert coef is not None
+    fit = fit_step_shape(prefill, rows, execute, prior)
+    assert fit is not None
+    coef = fit.coef
     expected = coef @ np.vstack([np.ones(n), prefill, rows])
     assert outlier(execute, expected)[slow].all(), (coef, expected[slow])
     assert not outlier(execute, expected)[~slow].any()

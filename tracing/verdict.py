@@ -225,7 +225,7 @@ def _lag_work(run: RunDiagnosis, action: str) -> tuple[str, str]:
     overlapped at least half the lag: decoding and validating request bodies, or chat
     templates and tokenizing."""
     lags = Intervals([(s, s + d) for p, k, s, d in run.pauses if p == "api" and k == "loop_lag"])
-    total = lags.within(min(lags.starts, default=0), max(lags.ends, default=0))
+    total = int(lags.cum[-1]) if len(lags.cum) else 0
     if not total:
         return "", action
     bodies = [r for r in run.requests if r.parse_span is not None and lags.within(*r.parse_span)]

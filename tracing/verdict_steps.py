@@ -15,6 +15,7 @@ from tracing.diagnosis import (
     StepFacts,
 )
 from tracing.judge import passes
+from tracing.pauses import Intervals
 from tracing.shares import (
     COLD_STEPS,
     MIN_PRICED_PREFILL,
@@ -130,11 +131,8 @@ def _step(text: str, ms_: float, part: str | None = None, ids: list[str] | None 
 def _api_paused_during(run: RunDiagnosis, s: StepFacts) -> int:
     """How long the API process paused (GC, event-loop lag) during the step, ns: what it took
     of the CPU the step shared with it."""
-    return sum(
-        max(0, min(start + d, s.end_ns) - max(start, s.start_ns))
-        for p, _, start, d in run.pauses
-        if p == "api"
-    )
+    api = Intervals([(start, start + d) for p, _, start, d in run.pauses if p == "api"])
+    return api.within(s.start_ns, s.end_ns)
 
 
 def _cold_and_outliers(

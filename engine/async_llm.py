@@ -16,7 +16,7 @@ from engine.messages import EngineInfo, EngineStats, UtilityMethod
 from engine.model_files import resolve_model
 from engine.mp_client import AsyncMPClient
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.processor import InputProcessor, PreparedPrompt, PromptType
+from engine.processor import InputProcessor, PreparedPrompt, PromptType, start_loading_tokenizer
 from engine.request_ids import new_request_id
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger
@@ -101,8 +101,9 @@ class AsyncLLM:
     ) -> None:
         path = str(resolve_model(config.model))
         self.config = config
+        tokenizer = start_loading_tokenizer(path)  # while the core starts
         self.client = AsyncMPClient(config, path)
-        self.processor = InputProcessor.for_model(path, self.client.info)
+        self.processor = InputProcessor.for_model(path, self.client.info, tokenizer)
         self.tokenizer = self.processor.tokenizer
         self.frontend = Frontend(self.processor, self.client.state, stat_loggers)
         self.stall_timeout = stall_timeout

@@ -17,7 +17,7 @@ from engine.frontend import Frontend
 from engine.messages import EngineStats, StepRecord, UtilityMethod
 from engine.model_files import resolve_model
 from engine.outputs import RequestOutput
-from engine.processor import InputProcessor, PromptType
+from engine.processor import InputProcessor, PromptType, start_loading_tokenizer
 from engine.request_ids import new_request_id
 from engine.sampling_params import SamplingParams
 from engine.stats import IterationStats
@@ -54,8 +54,9 @@ class LLM:
         tracing = {k: options.pop(k) for k in list(options) if k in tracing_names}
         self.config = EngineConfig(model=model, **options)
         path = str(resolve_model(model))
+        tokenizer = start_loading_tokenizer(path)  # while the core starts
         self.client = make_client(self.config, path)
-        self.processor = InputProcessor.for_model(path, self.client.info)
+        self.processor = InputProcessor.for_model(path, self.client.info, tokenizer)
         self.tokenizer = self.processor.tokenizer
         self.frontend = Frontend(self.processor, self.client.state, stat_loggers=(self,))
         self.tracer: Tracer | None = None

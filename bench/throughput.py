@@ -61,6 +61,18 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload's lengths and ids")
     p.add_argument(
+        "--prompt-lens",
+        default=",".join(map(str, PROMPT_LENS)),
+        metavar="MIN,MAX",
+        help="prompt lengths, drawn uniformly in [MIN, MAX] (default %(default)s)",
+    )
+    p.add_argument(
+        "--output-lens",
+        default=",".join(map(str, OUTPUT_LENS)),
+        metavar="MIN,MAX",
+        help="output lengths, drawn uniformly in [MIN, MAX] (default %(default)s)",
+    )
+    p.add_argument(
         "--hf-batch-sizes",
         default="16,32,64",
         help="HF generate static batch sizes, comma-separated (the best one counts)",
@@ -73,11 +85,18 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def make_workload(num_requests: int, seed: int, vocab_size: int, special: set[int]) -> Workload:
+def make_workload(
+    num_requests: int,
+    seed: int,
+    vocab_size: int,
+    special: set[int],
+    prompt_range: tuple[int, int] = PROMPT_LENS,
+    output_range: tuple[int, int] = OUTPUT_LENS,
+) -> Workload:
     """Synthetic prompts of random non-special token ids; the same for a given seed."""
     rng = np.random.default_rng(seed)
-    prompt_lens = rng.integers(PROMPT_LENS[0], PROMPT_LENS[1] + 1, size=num_requests)
-    output_lens = rng.integers(OUTPUT_LENS[0], OUTPUT_LENS[1] + 1, size=num_requests)
+    prompt_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, size=num_requests)
+    output_lens = rng.integers(output_range[0], output_range[1] + 1, size=num_requests)
     allowed = np.setdiff1d(np.arange(vocab_size), np.fromiter(special, dtype=np.int64))
     prompts = [rng.choice(allowed, size=int(n)).tolist() for n in prompt_lens]
     return Workload(prompts, output_lens.tolist())
@@ -136,14 +155,21 @@ def run_hf(model: Any, work: Workload, batch_size: int, pad_id: int, device: tor
     return seconds
 
 
-def run_hf_cb(model: Any, work: Workload, device: torch.device) -> float:
+HF_PAGE_TOKENS = 256  # a block of HF's paged cache (ContinuousBatchingConfig.page_size)
+
+
+def run_hf_cb(model: Any, work: Workload, device: torch.device, kv_tokens: int) -> float:
     """Hugging Face continuous batching: the manager that ``generate_batch`` drives.
 
     ``generate_batch`` takes one ``max_new_tokens`` for every prompt; the
     workload gives each request its own, so each is added with its own
-    length (and EOS off) to the same manager, sized by the same hints.
+    length (and EOS off) to the same manager, sized by the same hints. Its paged
+    cache holds ``kv_tokens``, Lumen's KV pool: left to itself, HF sizes the cache
+    from free memory (14 GB on a 24 GB CPU machine, for any workload), and
+    allocating it took longer than the run.
     """
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
     config = GenerationConfig(
@@ -157,7 +183,14 @@ def run_hf_cb(model: Any, work: Workload, device: torch.device) -> float:
     _sync(device)
     t0 = time.perf_counter()
     with model.continuous_batching_context_manager(
-        generation_config=config, block=True, timeout=30, warmup=False, workload_hints=hints
+        generation_config=config,
+        block=True,
+        timeout=30,
+        warmup=False,
+        workload_hints=hints,
+        continuous_batching_config=ContinuousBatchingConfig(
+            num_blocks=-(-kv_tokens // HF_PAGE_TOKENS), page_size=HF_PAGE_TOKENS
+        ),
     ) as manager:
         ids = [
             manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
@@ -183,7 +216,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _length_range(value: str, flag: str) -> tuple[int, int]:
+    lengths = parse_ints(value, flag)
+    if len(lengths) != 2 or lengths[0] > lengths[1]:
+        raise ValueError(f"{flag} takes MIN,MAX with MIN <= MAX, got {value!r}")
+    return lengths[0], lengths[1]
+
+
 def _validate(args: argparse.Namespace) -> list[int]:
+    args.prompt_range = _length_range(args.prompt_lens, "--prompt-lens")
+    args.output_range = _length_range(args.output_lens, "--output-lens")
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be at least 1, got {args.num_requests}")
     if args.threads is not None and args.threads < 1:
@@ -207,7 +249,9 @@ def run(args: argparse.Namespace) -> int:
     llm = LLM(**engine_options(args, skip=ENGINE_SKIP))
     tok = llm.get_tokenizer()
     special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
-    work = make_workload(args.num_requests, args.seed, vocab_size, special)
+    work = make_workload(
+        args.num_requests, args.seed, vocab_size, special, args.prompt_range, args.output_range
+    )
     warm = warmup_workload(args.seed, vocab_size, special)
     device = llm.config.resolve_device()
     dtype = llm.config.resolve_dtype(device)
@@ -224,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {system}: {seconds:.2f} s, {r.output_tok_s:.1f} output tok/s", flush=True)
         return r
 
+    stats = llm.get_stats()
+    kv_tokens = stats.num_kv_blocks_total * llm.config.block_size  # HF's paged cache gets as much
     run_lumen(llm, warm)
     llm.reset_prefix_cache()
     lumen = result("lumen", run_lumen(llm, work))
@@ -242,8 +288,8 @@ def run(args: argparse.Namespace) -> int:
             for bs in batch_sizes:
                 static.append(result(f"hf_generate_b{bs}", run_hf(model, work, bs, pad_id, device)))
         if not args.skip_hf_cb:
-            run_hf_cb(model, warm, device)
-            cb = result("hf_generate_batch", run_hf_cb(model, work, device))
+            run_hf_cb(model, warm, device, kv_tokens)
+            cb = result("hf_generate_batch", run_hf_cb(model, work, device, kv_tokens))
         del model
         gc.collect()
 
@@ -278,8 +324,8 @@ def run(args: argparse.Namespace) -> int:
             "workload": {
                 "num_requests": args.num_requests,
                 "seed": args.seed,
-                "prompt_len_range": list(PROMPT_LENS),
-                "output_len_range": list(OUTPUT_LENS),
+                "prompt_len_range": list(args.prompt_range),
+                "output_len_range": list(args.output_range),
                 "prompt_tokens": work.prompt_tokens,
                 "output_tokens": work.output_tokens,
                 "model": path.name,

@@ -99,12 +99,15 @@ def test_throughput_bench_runs_every_system(tmp_path: Path, tiny_model_path: Pat
     out = tmp_path / "tp.json"
     r = lumen_bench(
         "throughput", "--model", str(tiny_model_path), "--num-requests", "6",
+        "--prompt-lens", "16,128", "--output-lens", "8,48",
         "--hf-batch-sizes", "2,4", "--num-kv-blocks", "256", "--json", str(out),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
     # Every system delivered the workload's exact output lengths (each run checks).
     assert [h["batch_size"] for h in doc["hf_generate"]] == [2, 4]
+    assert doc["workload"]["output_len_range"] == [8, 48]
+    assert 6 * 8 <= doc["lumen"]["output_tokens"] <= 6 * 48
     assert doc["hf_generate_batch"]["output_tokens"] == doc["lumen"]["output_tokens"]
     best = min(doc["hf_generate"], key=lambda h: h["seconds"])
     assert doc["hf_generate_best"] == best["system"]
@@ -119,6 +122,7 @@ def test_throughput_bench_runs_every_system(tmp_path: Path, tiny_model_path: Pat
     "args, message",
     [
         (("throughput", "--hf-batch-sizes", "16,x"), "--hf-batch-sizes takes comma-separated"),
+        (("throughput", "--output-lens", "64,8"), "--output-lens takes MIN,MAX with MIN <= MAX"),
         (("scheduler", "--sizes", "0"), "--sizes takes integers >= 1"),
         (("serve", "--rates", "-1"), "--rates must be positive"),
         (("mfu", "--json", "/nonexistent-folder/x.json"), "does not exist"),

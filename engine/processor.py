@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, cast
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine import structured_outputs
+from engine.background import in_background
 from engine.config import ModelConfig
 from engine.messages import EngineCoreRequest, EngineInfo
 from engine.sampling_params import SamplingParams
@@ -40,10 +41,7 @@ def start_loading_tokenizer(path: str) -> Future[PreTrainedTokenizerBase]:
     """``load_tokenizer`` on a thread of its own. Started before the core process, it overlaps
     the core's start-up instead of following its READY: a first load imports about 1.5 s of
     transformers on a 2-core machine, which every start of a server or an ``LLM`` paid."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="lumen-tokenizer")
-    future = pool.submit(load_tokenizer, path)
-    pool.shutdown(wait=False)
-    return future
+    return in_background(load_tokenizer, path, name="lumen-tokenizer")
 
 
 class InputProcessor:

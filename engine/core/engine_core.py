@@ -8,6 +8,7 @@ import time
 import torch
 
 from engine import faults
+from engine.background import in_background
 from engine.config import EngineConfig, ModelConfig
 from engine.core.grammar import GRAMMAR_WAIT_S, GrammarManager
 from engine.core.scheduler import Scheduler
@@ -45,6 +46,16 @@ class EngineCore:
                 f"{model_config.max_position_embeddings}"
             )
         kv_dtype = config.resolve_kv_cache_dtype(dtype)
+        self.grammars = GrammarManager(
+            model_path, model_config.vocab_size, model_config.eos_token_ids
+        )
+        # The grammar engine warms up (its tokenizer, 0.4 s) while the model loads; the model's
+        # own warm-up, whose steps the diagnosis's prior times, waits for it.
+        grammar_warmup = (
+            in_background(self.grammars.warm_up, name="lumen-grammar-warmup")
+            if config.warmup
+            else None
+        )
         executor = make_executor(
             config, model_config, device, dtype, max_model_len, owns_process=owns_process
         )
@@ -54,16 +65,18 @@ class EngineCore:
         except BaseException:
             executor.shutdown()  # no worker outlives a failed start
             raise
+        finally:
+            waited = time.monotonic()
+            if grammar_warmup is not None:
+                grammar_warmup.result()
+            waited = time.monotonic() - waited
         self.executor = executor
         self.num_blocks = num_blocks
-        self.grammars = GrammarManager(
-            model_path, model_config.vocab_size, model_config.eos_token_ids
-        )
         self.warmup_s = 0.0
         step_prior: list[float] = []
         if config.warmup:
             warmed_s, step_prior = warm_up(executor, config, num_blocks, max_model_len)
-            self.warmup_s = warmed_s + self.grammars.warm_up()
+            self.warmup_s = warmed_s + waited
         self.sleeping = False
         self.max_model_len = max_model_len
         self.vocab_size = model_config.vocab_size

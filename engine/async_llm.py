@@ -14,7 +14,7 @@ from engine.errors import EngineDeadError
 from engine.frontend import Frontend, FrontendObserver
 from engine.messages import EngineInfo, EngineStats, UtilityMethod
 from engine.model_files import resolve_model
-from engine.mp_client import AsyncMPClient
+from engine.mp_client import AsyncMPClient, CoreProcess
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.processor import InputProcessor, PreparedPrompt, PromptType, start_loading_tokenizer
 from engine.request_ids import new_request_id
@@ -83,7 +83,8 @@ def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
 
 
 class AsyncLLM:
-    """Create inside a running event loop (the core process starts here).
+    """Create inside a running event loop (the core process starts here, unless ``core`` is
+    one ``launch_core`` started for the same config).
 
     ``generate`` yields delta RequestOutputs until the request finishes
     (``generate_prepared`` for a prompt ``prepare`` already checked).
@@ -98,11 +99,12 @@ class AsyncLLM:
         *,
         stall_timeout: float = 60.0,
         stat_loggers: tuple[StatLogger, ...] = (),
+        core: CoreProcess | None = None,
     ) -> None:
         path = str(resolve_model(config.model))
         self.config = config
         tokenizer = start_loading_tokenizer(path)  # while the core starts
-        self.client = AsyncMPClient(config, path)
+        self.client = AsyncMPClient(config, path, core=core)
         self.processor = InputProcessor.for_model(path, self.client.info, tokenizer)
         self.tokenizer = self.processor.tokenizer
         self.frontend = Frontend(self.processor, self.client.state, stat_loggers)

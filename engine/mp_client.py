@@ -51,7 +51,9 @@ class CoreProcess:
     moment the process ends, so a kill -9 is noticed at once, not by timeout.
     """
 
-    def __init__(self, config: EngineConfig, model_path: str, *, startup_timeout: float) -> None:
+    def __init__(self, config: EngineConfig, model_path: str) -> None:
+        """Spawns the process; ``wait_ready`` waits for its READY (the caller may do its own
+        start-up meanwhile: `lumen serve` imports the server while the core loads)."""
         self.ctx = zmq.Context()
         self.endpoints = Endpoints(config.transport)
         self.in_sock, self.out_sock = self.endpoints.bind(self.ctx)
@@ -68,11 +70,14 @@ class CoreProcess:
         )
         self.proc.start()
         self._finalizer = weakref.finalize(self, _kill, self.proc, self.endpoints)
+
+    def wait_ready(self, timeout: float) -> EngineInfo:
         try:
-            self.info = self._wait_ready(startup_timeout)
+            self.info = self._wait_ready(timeout)
         except BaseException:
             self.close(timeout=2)  # a core that failed is exiting already: let it
             raise
+        return self.info
 
     def _wait_ready(self, timeout: float) -> EngineInfo:
         deadline = time.monotonic() + timeout
@@ -180,9 +185,15 @@ def _kill(proc: multiprocessing.process.BaseProcess, endpoints: Endpoints) -> No
 class _MPClient:
     """What the two MP clients share: the process, request state, utility calls in flight."""
 
-    def __init__(self, config: EngineConfig, model_path: str, startup_timeout: float) -> None:
-        self.core = CoreProcess(config, model_path, startup_timeout=startup_timeout)
-        self.info = self.core.info
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        startup_timeout: float,
+        core: CoreProcess | None = None,
+    ) -> None:
+        self.core = core if core is not None else CoreProcess(config, model_path)
+        self.info = self.core.wait_ready(startup_timeout)
         self.state = ClientState()
         self._calls: dict[int, Any] = {}  # call id -> future of its UtilityResult
         self._call_ids = itertools.count()
@@ -284,12 +295,18 @@ class SyncMPClient(_MPClient):
 
 
 class AsyncMPClient(_MPClient):
-    """asyncio client for the server: sends never block the event loop."""
+    """asyncio client for the server: sends never block the event loop. ``core``: a core
+    process already spawned for ``config`` (``CoreProcess``), else it spawns one."""
 
     def __init__(
-        self, config: EngineConfig, model_path: str, *, startup_timeout: float = STARTUP_TIMEOUT_S
+        self,
+        config: EngineConfig,
+        model_path: str,
+        *,
+        startup_timeout: float = STARTUP_TIMEOUT_S,
+        core: CoreProcess | None = None,
     ) -> None:
-        super().__init__(config, model_path, startup_timeout)
+        super().__init__(config, model_path, startup_timeout, core)
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         # Set the moment the core (or a worker) dies, even while nothing is open.

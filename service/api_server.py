@@ -20,6 +20,7 @@ from engine import __version__
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.gc_pauses import gc_setting, settle_heap
+from engine.launch import CoreProcess
 from engine.model_files import served_name
 from engine.request_ids import new_request_id
 from service import http_timing
@@ -274,16 +275,20 @@ def _describe(errors: Any) -> str:
 
 
 async def serve(
-    engine_config: EngineConfig, config: ServerConfig, tracing: TracingConfig | None = None
+    engine_config: EngineConfig,
+    config: ServerConfig,
+    tracing: TracingConfig | None = None,
+    core: CoreProcess | None = None,
 ) -> int:
-    """Run until SIGINT/SIGTERM (exit 0) or the engine's death (exit 1, after the grace period)."""
+    """Run until SIGINT/SIGTERM (exit 0) or the engine's death (exit 1, after the grace period).
+    ``core``: the core process, already launched for ``engine_config`` (``launch_core``)."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
-    gc_setting()  # a bad LUMEN_GC fails here, before the engine starts
+    gc_setting()  # a bad LUMEN_GC fails here, before the engine starts (if not launched)
     model_name = config.served_model_name or served_name(engine_config.model)
     # Starts the core process and waits for it (the loop serves nothing yet).
-    engine = AsyncLLM(engine_config, stall_timeout=config.stream_stall_timeout)
+    engine = AsyncLLM(engine_config, stall_timeout=config.stream_stall_timeout, core=core)
     metrics = ServerMetrics(model_name, engine.max_model_len)
     engine.add_stat_logger(metrics)
     # Always a tracer, even with no store or collector: it feeds /metrics' boundary histograms.

@@ -85,14 +85,21 @@ def _model_path(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from service.api_server import serve
+    from engine.gc_pauses import gc_setting
+    from engine.launch import launch_core
 
     engine = engine_options(args, skip=("core_process",))
     if args.model_arg is not None:
         engine["model"] = args.model_arg
     server_config = ServerConfig(**options(ServerConfig, args))
     tracing = TracingConfig(**options(TracingConfig, args))
-    return asyncio.run(serve(EngineConfig(**engine, core_process=True), server_config, tracing))
+    engine_config = EngineConfig(**engine, core_process=True)
+    gc_setting()  # a bad LUMEN_GC fails here, before the core starts
+    # The core imports torch and loads the model while this process imports the server.
+    core = launch_core(engine_config)
+    from service.api_server import serve
+
+    return asyncio.run(serve(engine_config, server_config, tracing, core))
 
 
 def _generate(args: argparse.Namespace) -> int:

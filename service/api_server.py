@@ -287,7 +287,8 @@ async def serve(
 
     gc_setting()  # a bad LUMEN_GC fails here, before the engine starts (if not launched)
     model_name = config.served_model_name or served_name(engine_config.model)
-    # Starts the core process and waits for it (the loop serves nothing yet).
+    # Starts the core process (unless `core` was launched already) and waits for its READY
+    # (the loop serves nothing yet).
     engine = AsyncLLM(engine_config, stall_timeout=config.stream_stall_timeout, core=core)
     metrics = ServerMetrics(model_name, engine.max_model_len)
     engine.add_stat_logger(metrics)

@@ -25,7 +25,7 @@ from typing import Any
 import psutil
 
 from bench.common import check_json_path, machine, parse_ints, print_table, write_json
-from bench.server import LumenServer, TransformersServer, streamed_chat
+from bench.server import KV_TOKENS, LumenServer, TransformersServer, kv_flags, streamed_chat
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -43,6 +43,9 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
                         "per stream)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="times each level is run per server")
     p.add_argument("--skip-hf", action="store_true", help="no transformers serve baseline")
+    p.add_argument("--kv-tokens", type=int, default=KV_TOKENS,
+                   help="KV cache capacity in tokens, the same for Lumen and transformers serve "
+                        "(default %(default)s)")  # fmt: skip
     p.add_argument("--model", default=None,
                    help="serve this model instead of building the tiny one")  # fmt: skip
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
@@ -217,8 +220,8 @@ def run(args: argparse.Namespace) -> int:
     from engine.model_files import resolve_model
 
     levels = parse_ints(args.streams, "--streams")
-    if min(args.max_tokens, args.tokens_per_level, args.rounds) < 1:
-        raise ValueError("--max-tokens, --tokens-per-level and --rounds must be >= 1")
+    if min(args.max_tokens, args.tokens_per_level, args.rounds, args.kv_tokens) < 1:
+        raise ValueError("--max-tokens, --tokens-per-level, --rounds and --kv-tokens must be >= 1")
     check_json_path(args.json)
     results: list[Level] = []
     with tempfile.TemporaryDirectory(prefix="lumen-overhead-") as tmp_dir:
@@ -226,7 +229,8 @@ def run(args: argparse.Namespace) -> int:
         model = (Path(args.model) if args.model
                  else build_tiny_llama(tmp / "tiny-llama", resolve_model(None)))  # fmt: skip
         top = str(max(levels))
-        common = ("--max-num-seqs", top, "--max-concurrent-requests", str(4 * max(levels)))
+        common = ("--max-num-seqs", top, "--max-concurrent-requests", str(4 * max(levels)),
+                  *kv_flags(args.kv_tokens))  # fmt: skip
         servers: list[tuple[str, LumenServer]] = []
         try:
             servers.append(
@@ -241,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
                 model, *common, "--no-trace-db", log_path=tmp / "untraced.log")))  # fmt: skip
             if not args.skip_hf:
                 servers.append(("transformers serve", TransformersServer(
-                    model, log_path=tmp / "hf.log")))  # fmt: skip
+                    model, log_path=tmp / "hf.log", kv_tokens=args.kv_tokens)))  # fmt: skip
             for _, server in servers:  # the first requests pay one-off costs
                 asyncio.run(_load(server.port, _body(server, 8), 4, 1))
             for _ in range(args.rounds):

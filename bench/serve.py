@@ -26,7 +26,7 @@ import httpx
 import numpy as np
 
 from bench.common import check_json_path, machine, parse_ints, percentiles, print_table, write_json
-from bench.server import LumenServer, TransformersServer, streamed_chat
+from bench.server import KV_TOKENS, LumenServer, TransformersServer, kv_flags, streamed_chat
 
 TOPICS = ("rivers", "mountains", "the sea", "forests", "cities", "deserts", "rain", "bridges")
 
@@ -96,6 +96,9 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput SLO: TPOT seconds")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     p.add_argument("--skip-hf", action="store_true", help="run against lumen serve only")
+    p.add_argument("--kv-tokens", type=int, default=KV_TOKENS,
+                   help="KV cache capacity in tokens, the same for Lumen and transformers serve "
+                        "(default %(default)s)")  # fmt: skip
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     p.set_defaults(func=run)
 
@@ -184,8 +187,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--rates takes comma-separated numbers, not {args.rates!r}") from None
     if any(r <= 0 for r in rates):
         raise ValueError(f"--rates must be positive, got {args.rates!r}")
-    if min(args.requests_per_stream, args.poisson_requests, args.max_tokens) < 1:
-        raise ValueError("--requests-per-stream, --poisson-requests, --max-tokens must be >= 1")
+    if min(args.requests_per_stream, args.poisson_requests, args.max_tokens, args.kv_tokens) < 1:
+        raise ValueError(
+            "--requests-per-stream, --poisson-requests, --max-tokens, --kv-tokens must be >= 1"
+        )
     check_json_path(args.json)
     path = resolve_model(args.model)
     context = 48 + args.max_tokens // 2
@@ -194,13 +199,16 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     arrivals = {r: np.cumsum(rng.exponential(1 / r, args.poisson_requests)).tolist() for r in rates}
     phases: list[Phase] = []
+    kv_tokens = args.kv_tokens  # the same KV capacity for both servers
+    kv = kv_flags(kv_tokens)
     with tempfile.TemporaryDirectory() as tmp:
         servers: list[tuple[str, LumenServer]] = [
-            ("lumen", LumenServer(path, log_path=Path(tmp) / "lumen.log"))
+            ("lumen", LumenServer(path, *kv, log_path=Path(tmp) / "lumen.log"))
         ]
         try:
             if not args.skip_hf:
-                servers.append(("hf", TransformersServer(path, log_path=Path(tmp) / "hf.log")))
+                hf = TransformersServer(path, log_path=Path(tmp) / "hf.log", kv_tokens=kv_tokens)
+                servers.append(("hf", hf))
             for _, server in servers:  # warm-up: the first requests pay one-off costs
                 asyncio.run(_closed_loop(server, 2, 1, 8))
             plan = [("concurrency", c) for c in levels] + [("poisson", r) for r in rates]

@@ -43,6 +43,16 @@ def streamed_chat(server: LumenServer, content: str, max_tokens: int) -> dict[st
     return body
 
 
+HF_PAGE_TOKENS = 256  # a page of HF's paged cache (ContinuousBatchingConfig.page_size)
+KV_TOKENS = 32768  # the KV capacity the server benchmarks give each system (--kv-tokens)
+
+
+def kv_flags(kv_tokens: int, block_size: int = 16) -> tuple[str, ...]:
+    """`lumen serve`'s flags for a KV pool of ``kv_tokens``, as TransformersServer's
+    ``kv_tokens`` sizes HF's: the same capacity on both sides."""
+    return ("--num-kv-blocks", str(-(-kv_tokens // block_size)), "--block-size", str(block_size))
+
+
 class TransformersServer(LumenServer):
     """``transformers serve --continuous-batching MODEL`` on a loopback port (the HF baseline).
 
@@ -59,7 +69,12 @@ class TransformersServer(LumenServer):
         log_path: Path,
         startup_timeout: float = 300.0,
         python: str = sys.executable,
+        kv_tokens: int | None = None,
     ) -> None:
+        """``kv_tokens``: what its paged cache holds (``--cb-num-blocks`` of 256-token pages).
+        Left to itself, transformers serve sizes that cache from free memory on its first
+        request: 14 GB on a 24 GB CPU machine, which made that request take 22.7 s against
+        0.5 s for 64 pages."""
         from transformers.utils import is_serve_available
 
         if not is_serve_available():
@@ -72,7 +87,10 @@ class TransformersServer(LumenServer):
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.http = httpx.Client(timeout=10)
         cmd = [python, "-m", "transformers.cli.transformers", "serve", "--continuous-batching"]
-        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args, self.model]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), *args]
+        if kv_tokens is not None:
+            cmd += ["--cb-num-blocks", str(-(-kv_tokens // HF_PAGE_TOKENS))]
+        cmd.append(self.model)
         self.log_path = log_path
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)

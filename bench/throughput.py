@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from bench.common import check_json_path, machine, parse_ints, print_table, write_json
+from bench.server import HF_PAGE_TOKENS
 
 PROMPT_LENS = (32, 512)
 OUTPUT_LENS = (16, 256)
@@ -153,9 +154,6 @@ def run_hf(model: Any, work: Workload, batch_size: int, pad_id: int, device: tor
         if out.shape[1] - width != max_new:
             raise RuntimeError(f"HF generated {out.shape[1] - width} tokens, expected {max_new}")
     return seconds
-
-
-HF_PAGE_TOKENS = 256  # a block of HF's paged cache (ContinuousBatchingConfig.page_size)
 
 
 def run_hf_cb(model: Any, work: Workload, device: torch.device, kv_tokens: int) -> float:

@@ -25,7 +25,13 @@ from typing import Any
 import psutil
 
 from bench.common import check_json_path, machine, parse_ints, print_table, write_json
-from bench.server import KV_TOKENS, LumenServer, TransformersServer, kv_flags, streamed_chat
+from bench.server import (
+    LumenServer,
+    TransformersServer,
+    add_kv_tokens_option,
+    kv_flags,
+    streamed_chat,
+)
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -43,9 +49,7 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
                         "per stream)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="times each level is run per server")
     p.add_argument("--skip-hf", action="store_true", help="no transformers serve baseline")
-    p.add_argument("--kv-tokens", type=int, default=KV_TOKENS,
-                   help="KV cache capacity in tokens, the same for Lumen and transformers serve "
-                        "(default %(default)s)")  # fmt: skip
+    add_kv_tokens_option(p)
     p.add_argument("--model", default=None,
                    help="serve this model instead of building the tiny one")  # fmt: skip
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")

@@ -26,7 +26,13 @@ import httpx
 import numpy as np
 
 from bench.common import check_json_path, machine, parse_ints, percentiles, print_table, write_json
-from bench.server import KV_TOKENS, LumenServer, TransformersServer, kv_flags, streamed_chat
+from bench.server import (
+    LumenServer,
+    TransformersServer,
+    add_kv_tokens_option,
+    kv_flags,
+    streamed_chat,
+)
 
 TOPICS = ("rivers", "mountains", "the sea", "forests", "cities", "deserts", "rain", "bridges")
 
@@ -96,9 +102,7 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--slo-tpot", type=float, default=0.2, help="goodput SLO: TPOT seconds")
     p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
     p.add_argument("--skip-hf", action="store_true", help="run against lumen serve only")
-    p.add_argument("--kv-tokens", type=int, default=KV_TOKENS,
-                   help="KV cache capacity in tokens, the same for Lumen and transformers serve "
-                        "(default %(default)s)")  # fmt: skip
+    add_kv_tokens_option(p)
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     p.set_defaults(func=run)
 

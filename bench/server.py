@@ -3,6 +3,7 @@ transformers baseline, and their metrics."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -45,6 +46,14 @@ def streamed_chat(server: LumenServer, content: str, max_tokens: int) -> dict[st
 
 HF_PAGE_TOKENS = 256  # a page of HF's paged cache (ContinuousBatchingConfig.page_size)
 KV_TOKENS = 32768  # the KV capacity the server benchmarks give each system (--kv-tokens)
+
+
+def add_kv_tokens_option(p: argparse.ArgumentParser) -> None:
+    """--kv-tokens, for the benchmarks that start both servers (kv_flags and TransformersServer's
+    ``kv_tokens`` apply it)."""
+    p.add_argument("--kv-tokens", type=int, default=KV_TOKENS,
+                   help="KV cache capacity in tokens, the same for Lumen and transformers serve "
+                        "(default %(default)s)")  # fmt: skip
 
 
 def kv_flags(kv_tokens: int, block_size: int = 16) -> tuple[str, ...]:

@@ -12,10 +12,9 @@ Semantics every client keeps (tests/engine/test_clients.py runs one suite on all
 from __future__ import annotations
 
 from collections import Counter
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
 from engine.errors import EngineDeadError
 from engine.messages import (
     EngineCoreOutput,
@@ -27,6 +26,9 @@ from engine.messages import (
     UtilityMethod,
     UtilityRequest,
 )
+
+if TYPE_CHECKING:
+    from engine.core.engine_core import EngineCore
 
 
 class EngineCoreClient(Protocol):
@@ -103,7 +105,9 @@ class InprocClient:
     """The core in this process: get_output runs one engine step."""
 
     def __init__(self, config: EngineConfig, model_path: str) -> None:
-        self.core = EngineCore(config, model_path)
+        from engine.core.engine_core import EngineCore  # torch: only where the core runs here
+
+        self.core: EngineCore = EngineCore(config, model_path)
         self.info = self.core.info
         self.state = ClientState()
         self._pending: list[EngineCoreOutput] = []

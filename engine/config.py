@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine import envs
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where a dtype or device is resolved, not here: `lumen` parses its arguments
+# and spawns the core before the API process pays for torch.
 
 GiB = 1 << 30
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
@@ -77,7 +80,7 @@ class ModelConfig:
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
@@ -91,7 +94,7 @@ def _eos_token_ids(path: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name
 
 QUANTIZATIONS = ("int8",)  # weight-only, engine.worker.cpu_int8
 
@@ -204,12 +207,14 @@ class EngineConfig:
         if self.transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be ipc or tcp, not {self.transport!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
-            self.resolve_kv_cache_dtype(torch.float32)  # raises, saying what is accepted
+            self.resolve_kv_cache_dtype(None)  # raises, saying what is accepted
         check_quantization(self.quantization)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         choice = envs.LUMEN_DEVICE.get() or self.device
         if choice == "auto":
             choice = "cuda" if torch.cuda.is_available() else "cpu"
@@ -218,6 +223,8 @@ class EngineConfig:
         return torch.device(choice)
 
     def resolve_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             # bf16 is emulated (slow) on most CPUs.
             return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -225,10 +232,11 @@ class EngineConfig:
             raise ValueError(
                 f"dtype must be auto or one of {', '.join(DTYPES)}, not {self.dtype!r}"
             )
-        return DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
-    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype | None) -> torch.dtype:
         if self.kv_cache_dtype == "auto":
+            assert model_dtype is not None
             return model_dtype
         if self.kv_cache_dtype not in DTYPES:
             raise ValueError(
@@ -236,12 +244,16 @@ class EngineConfig:
                 f"{self.kv_cache_dtype!r}" + (" (fp8 KV caches are not supported)"
                                               if "fp8" in self.kv_cache_dtype else "")
             )  # fmt: skip
-        return DTYPES[self.kv_cache_dtype]
+        import torch
+
+        return getattr(torch, self.kv_cache_dtype)
 
     def resolve_kv_cache_bytes(self, device: torch.device) -> int:
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
         if device.type == "cuda":
+            import torch
+
             free, _ = torch.cuda.mem_get_info(device)
             return int(free * 0.8)
         return 4 * GiB

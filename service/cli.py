@@ -13,7 +13,9 @@ from service.config import ServerConfig
 from tracing.config import TracingConfig
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for ``argv``: the benchmarks' verbs (they import torch and the engine) are
+    added only when ``argv`` asks for `lumen bench`, so `lumen serve` starts its core first."""
     parser = argparse.ArgumentParser(prog="lumen", description="Lumen LLM inference server")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     nouns = parser.add_subparsers(dest="noun", required=True)
@@ -46,6 +48,16 @@ def build_parser() -> argparse.ArgumentParser:
     trace_cli.add_parser(nouns)
 
     bench = nouns.add_parser("bench", help="benchmarks, side by side with baselines")
+    if _noun(sys.argv[1:] if argv is None else argv) == "bench":
+        _add_bench_verbs(bench)
+    return parser
+
+
+def _noun(argv: list[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _add_bench_verbs(bench: argparse.ArgumentParser) -> None:
     bench_verbs = bench.add_subparsers(dest="verb", required=True)
     from bench import (
         cold_start,
@@ -72,7 +84,6 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_parser(bench_verbs)
     precision.add_parser(bench_verbs)
     structured.add_parser(bench_verbs)
-    return parser
 
 
 def _model_path(args: argparse.Namespace) -> int:
@@ -120,7 +131,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",

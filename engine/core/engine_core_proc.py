@@ -17,13 +17,12 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
 from engine.gc_pauses import settle_heap
 from engine.ipc import make_socket
 from engine.messages import (
@@ -37,6 +36,9 @@ from engine.messages import (
     UtilityMethod,
     UtilityRequest,
 )
+
+if TYPE_CHECKING:  # the client's process imports this module for its entry point only
+    from engine.core.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +189,8 @@ def run_engine_core(
     out_sock = make_socket(zmq.Context.instance(), zmq.PUSH, output_addr, bind=False)
     encoder = msgspec.msgpack.Encoder()
     try:
+        from engine.core.engine_core import EngineCore
+
         core = EngineCore(config, model_path, owns_process=True)
         settle_heap()  # the model is loaded and warm: what lives now lives for good
     except Exception as e:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
 from engine import structured_outputs
 from engine.background import in_background
@@ -31,10 +33,33 @@ class PreparedPrompt:
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, **_plain_config(path))
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{path} has no fast tokenizer (tokenizer.json), which Lumen needs")
     return tokenizer
+
+
+def _plain_config(path: str) -> dict[str, Any]:
+    """AutoTokenizer's ``config``, read as a plain PreTrainedConfig where the folder's
+    tokenizer_config.json names its tokenizer class.
+
+    AutoTokenizer reads the model's config for its model_type, tokenizer_class and name only.
+    Through AutoConfig it imports the architecture's config module, which in transformers 5
+    imports torch.distributed.tensor: 1.1-1.3 s on a 2-core machine, in every server's API
+    process. The plain config carries the same fields. A folder whose tokenizer_config.json
+    names no class is left to AutoConfig: AutoTokenizer then maps the config's type to a class.
+    """
+    folder = Path(path)
+    try:
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config:
+        return {}
+    if not isinstance(config, dict) or "model_type" not in config:
+        return {}
+    return {"config": PreTrainedConfig.from_dict(config, _name_or_path=path)}
 
 
 def start_loading_tokenizer(path: str) -> Future[PreTrainedTokenizerBase]:

@@ -16,7 +16,7 @@ import pytest
 from bench.roofline import FlopCounter
 from engine import SamplingParams
 from engine.config import ModelConfig
-from tests.helpers.bench import bench_json, lumen_bench, ratio_keys
+from tests.helpers.bench import bench_json, lumen_bench, lumen_bench_refused, ratio_keys
 
 
 def test_flop_counter_counts_every_token_of_a_run(tiny_llm, tiny_model_path: Path) -> None:
@@ -131,9 +131,9 @@ def test_throughput_bench_runs_every_system(tmp_path: Path, tiny_model_path: Pat
     ],
 )
 def test_bad_input_is_one_clear_line(args: tuple[str, ...], message: str) -> None:
-    r = lumen_bench(*args, timeout=120)
-    assert r.returncode == 2
-    assert message in r.stderr and "Traceback" not in r.stderr
+    code, stderr = lumen_bench_refused(*args)
+    assert code == 2, stderr
+    assert message in stderr and "Traceback" not in stderr
 
 
 def test_precision_bench_compares_each_dtype_with_fp32(
@@ -158,9 +158,9 @@ def test_precision_bench_compares_each_dtype_with_fp32(
 
 
 def test_precision_bench_refuses_an_unknown_dtype() -> None:
-    r = lumen_bench("precision", "--dtypes", "int4")
-    assert r.returncode != 0
-    assert "int4 not one of float32, bfloat16, float16" in r.stderr
-    r = lumen_bench("precision", "--kv-cache-dtypes", "fp8")
-    assert r.returncode != 0
-    assert "--kv-cache-dtypes: fp8 not one of" in r.stderr
+    code, stderr = lumen_bench_refused("precision", "--dtypes", "int4")
+    assert code != 0
+    assert "int4 not one of float32, bfloat16, float16" in stderr
+    code, stderr = lumen_bench_refused("precision", "--kv-cache-dtypes", "fp8")
+    assert code != 0
+    assert "--kv-cache-dtypes: fp8 not one of" in stderr

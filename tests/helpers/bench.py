@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -18,6 +20,21 @@ def lumen_bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess
         text=True,
         timeout=timeout,
     )
+
+
+def lumen_bench_refused(*args: str) -> tuple[int, str]:
+    """``lumen bench ARGS`` through the CLI's own ``main`` in this process: its exit status and
+    stderr. For arguments the CLI refuses before a benchmark starts, where a fresh interpreter
+    would add only its 2-3 s of imports."""
+    from service.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = main(["bench", *args])
+        except SystemExit as e:  # argparse's refusals
+            code = e.code if isinstance(e.code, int) else 1
+    return code, err.getvalue()
 
 
 def bench_json(tmp_path: Path, *args: str) -> tuple[str, dict]:

@@ -454,10 +454,17 @@ def cancellations(run: RunDiagnosis) -> list[Finding]:
     last_end = max(r.arrival_ns + r.e2e_ns for r in run.requests)
     after = [s for s in run.steps if s.start_ns >= last_abort]
     if not after:
+        # The core can record its idle state a moment before the frontend closes the last
+        # cancelled stream: the abort reaches the core ahead of the frontend's bookkeeping. The
+        # core records idle only once nothing runs, so an idle record after the last busy step
+        # holds the state after every abort.
+        busy_end = max((s.end_ns for s in run.steps if not s.idle), default=0)
+        after = [s for s in run.steps if s.idle and s.start_ns >= busy_end]
+    if not after:
         text += "; no step record follows the last cancellation: the KV state after it is unknown."
         return [Finding("info", text, section="cancellations")]
     last = max(after, key=lambda s: (s.start_ns, s.step_id))
-    if last.kv_blocks_used and last.start_ns >= last_end:
+    if last.kv_blocks_used and (last.start_ns >= last_end or last.idle):
         leak = (
             f"{last.kv_blocks_used} KV blocks still held after every request ended (of "
             f"{last.kv_blocks_total}, step record {last.step_id}): blocks leak on abort "

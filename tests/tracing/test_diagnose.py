@@ -141,7 +141,7 @@ def test_slow_reader_delivery(tmp_path: Path) -> None:
     assert "slow reader" in slow.text and "waited 500.0 ms on its socket" in slow.text
 
 
-def _all_aborted(kv_left: int) -> Trace:
+def _all_aborted(kv_left: int, idle_at_ms: float = 62.0) -> Trace:
     tr = Trace()
     for i in range(6):
         tr.request(f"a{i}", 0.0, output=100)
@@ -150,7 +150,7 @@ def _all_aborted(kv_left: int) -> Trace:
         tr.step({f"a{i}": 1 for i in range(6)}, 5.0)
     for i in range(6):
         tr.abort(f"a{i}", 60.0)
-    tr.idle(62.0, kv_used=kv_left)
+    tr.idle(idle_at_ms, kv_used=kv_left)
     return tr
 
 
@@ -167,10 +167,22 @@ def test_every_request_aborted_is_reported_with_kv_freed(tmp_path: Path) -> None
     assert not kinds(run, "cause")
 
 
-def test_kv_blocks_held_after_every_request_ended(tmp_path: Path) -> None:
-    run = diagnose_run(_all_aborted(40).write(tmp_path / "t.db"))
+@pytest.mark.parametrize("idle_at_ms", [62.0, 59.5])
+def test_kv_blocks_held_after_every_request_ended(tmp_path: Path, idle_at_ms: float) -> None:
+    run = diagnose_run(_all_aborted(40, idle_at_ms).write(tmp_path / "t.db"))
     [held] = [f for f in run.findings if f.kind == "cause"]
     assert held.text.startswith("40 KV blocks still held after every request ended")
+
+
+def test_an_idle_record_just_before_the_frontend_closed_the_last_abort_counts(
+    tmp_path: Path,
+) -> None:
+    """The core records its idle state once the aborts reach it, which can be a moment before
+    the frontend's own record of the last cancelled stream's end: that idle record still
+    holds the KV state after every cancellation."""
+    run = diagnose_run(_all_aborted(0, idle_at_ms=59.5).write(tmp_path / "t.db"))
+    [cancelled] = [f.text for f in run.findings if f.section == "cancellations"]
+    assert "KV blocks in use after the last cancellation: 0 of 512" in cancelled, cancelled
 
 
 def test_pauses_are_carved_out_of_the_parts_they_overlap(tmp_path: Path) -> None:

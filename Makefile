@@ -35,7 +35,7 @@ lint: install
 # the `serial` ones (wall-clock deadlines, provoked latency) alone, so no neighbour makes them
 # flaky. Both passes run; either failing fails the target.
 test: model lint
-	$(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial" --durations=20; a=$$?; \
+	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" --durations=20; a=$$?; \
 	$(VENV)/bin/pytest -m serial --durations=20; b=$$?; \
 	test $$a = 0 && test $$b = 0
 

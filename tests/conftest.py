@@ -31,6 +31,27 @@ def _share_the_cores() -> None:
 
 _share_the_cores()
 
+# The parallel pass hands whole files to its two workers in collection order (the Makefile's
+# --no-loadscope-reorder; xdist's own order puts the files of most tests first, which left the
+# few-test, long-running ones to the end, and one worker idle while the other ran them). The
+# files that took longest go first, longest first (worker seconds, 2 cores, 2026-12-01); the
+# rest keep pytest's order.
+LONGEST_FIRST = (
+    "tests/engine/test_correctness.py",  # SmolLM2 in four engines, 55-95 s
+    "tests/benchmarks/test_bench_servers.py",  # Lumen's and HF's servers under load, 80 s
+    "tests/replay/test_replay_run.py",  # recordings, replays and capacity searches, 70 s
+    "tests/benchmarks/test_bench.py",
+    "tests/tracing/test_server_traces.py",
+    "tests/service/test_schema_fuzz.py",
+    "tests/engine/test_engine_process.py",
+    "tests/reliability/test_sinks_and_input.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
 
 def run_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
     """A folder for the whole test run: every xdist worker of the run gets the same one (each

@@ -195,6 +195,9 @@ def test_validate_sets_virtual_against_real_against_recorded(
     assert {"r2", "err_p50", "err_p90", "err_p99"} <= set(data["held_out_fit"])
     for text in ("held-out steps", "TTFT p50", "E2E p99", "virtual vs real:", "through a `lumen"):
         assert text in printed
+    # The virtual run is priced by the machine as the real replays found it.
+    assert "fitted on every other step of the 2 real replays" in printed
+    assert data["steps_from"] == "the 2 real replays"
 
 
 def test_capacity_finds_the_rate_that_meets_a_target(

@@ -224,8 +224,8 @@ def run(args: argparse.Namespace) -> int:
     from engine.model_files import resolve_model
 
     levels = parse_ints(args.streams, "--streams")
-    if min(args.max_tokens, args.tokens_per_level, args.rounds, args.kv_tokens) < 1:
-        raise ValueError("--max-tokens, --tokens-per-level, --rounds and --kv-tokens must be >= 1")
+    if min(args.max_tokens, args.tokens_per_level, args.rounds) < 1:
+        raise ValueError("--max-tokens, --tokens-per-level and --rounds must be >= 1")
     check_json_path(args.json)
     results: list[Level] = []
     with tempfile.TemporaryDirectory(prefix="lumen-overhead-") as tmp_dir:

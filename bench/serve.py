@@ -191,10 +191,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--rates takes comma-separated numbers, not {args.rates!r}") from None
     if any(r <= 0 for r in rates):
         raise ValueError(f"--rates must be positive, got {args.rates!r}")
-    if min(args.requests_per_stream, args.poisson_requests, args.max_tokens, args.kv_tokens) < 1:
-        raise ValueError(
-            "--requests-per-stream, --poisson-requests, --max-tokens, --kv-tokens must be >= 1"
-        )
+    if min(args.requests_per_stream, args.poisson_requests, args.max_tokens) < 1:
+        raise ValueError("--requests-per-stream, --poisson-requests, --max-tokens must be >= 1")
     check_json_path(args.json)
     path = resolve_model(args.model)
     context = 48 + args.max_tokens // 2
@@ -203,15 +201,16 @@ def run(args: argparse.Namespace) -> int:
     rng = np.random.default_rng(args.seed)
     arrivals = {r: np.cumsum(rng.exponential(1 / r, args.poisson_requests)).tolist() for r in rates}
     phases: list[Phase] = []
-    kv_tokens = args.kv_tokens  # the same KV capacity for both servers
-    kv = kv_flags(kv_tokens)
+    kv = kv_flags(args.kv_tokens)  # the same KV capacity for both servers
     with tempfile.TemporaryDirectory() as tmp:
         servers: list[tuple[str, LumenServer]] = [
             ("lumen", LumenServer(path, *kv, log_path=Path(tmp) / "lumen.log"))
         ]
         try:
             if not args.skip_hf:
-                hf = TransformersServer(path, log_path=Path(tmp) / "hf.log", kv_tokens=kv_tokens)
+                hf = TransformersServer(
+                    path, log_path=Path(tmp) / "hf.log", kv_tokens=args.kv_tokens
+                )
                 servers.append(("hf", hf))
             for _, server in servers:  # warm-up: the first requests pay one-off costs
                 asyncio.run(_closed_loop(server, 2, 1, 8))

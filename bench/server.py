@@ -50,10 +50,20 @@ KV_TOKENS = 32768  # the KV capacity the server benchmarks give each system (--k
 
 def add_kv_tokens_option(p: argparse.ArgumentParser) -> None:
     """--kv-tokens, for the benchmarks that start both servers (kv_flags and TransformersServer's
-    ``kv_tokens`` apply it)."""
-    p.add_argument("--kv-tokens", type=int, default=KV_TOKENS,
+    ``kv_tokens`` apply it); argparse refuses a count below 1."""
+    p.add_argument("--kv-tokens", type=_token_count, default=KV_TOKENS,
                    help="KV cache capacity in tokens, the same for Lumen and transformers serve "
                         "(default %(default)s)")  # fmt: skip
+
+
+def _token_count(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes an integer, not {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {n}")
+    return n
 
 
 def kv_flags(kv_tokens: int, block_size: int = 16) -> tuple[str, ...]:

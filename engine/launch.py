@@ -13,6 +13,6 @@ __all__ = ["CoreProcess", "launch_core"]
 def launch_core(config: EngineConfig) -> CoreProcess:
     """The core process for ``config``, spawned now and not waited for: pass it to
     ``AsyncLLM(config, core=...)``, which waits for its READY. The core then imports torch and
-    loads the model while the caller does its own start-up (the server's imports, about 1 s
+    loads the model while the caller does its own start-up (the server's imports, about 3 s
     on 2 cores). A core nobody waits for is killed when the interpreter exits."""
     return CoreProcess(config, str(resolve_model(config.model)))

@@ -128,6 +128,8 @@ def test_throughput_bench_runs_every_system(tmp_path: Path, tiny_model_path: Pat
         (("mfu", "--json", "/nonexistent-folder/x.json"), "does not exist"),
         (("overhead", "--streams", "16,0"), "--streams takes integers >= 1"),
         (("structured", "--rounds", "0"), "must be >= 1"),
+        (("serve", "--kv-tokens", "0"), "--kv-tokens: must be >= 1, not 0"),
+        (("overhead", "--kv-tokens", "many"), "--kv-tokens: takes an integer, not 'many'"),
     ],
 )
 def test_bad_input_is_one_clear_line(args: tuple[str, ...], message: str) -> None:

@@ -9,6 +9,8 @@ Two layers:
    and emit. A figure fails only when it is more than its tolerance (at least
    MIN_TOLERANCE of a step) above the baseline in the first run AND in the median of
    CONFIRM_RUNS more runs: one noisy run on a loaded machine is re-measured, not reported.
+   The runs of one measurement (the baseline's, or a check's and its confirmations) share
+   one engine, each recorded into a trace db of its own.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import asyncio
 import json
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from replay.formats import read_trace, transform
 from replay.importer import write_trace_db
@@ -66,15 +70,44 @@ def virtual_layer(db: Path, cost: StepCostModel) -> dict[str, Any]:
     return run_virtual(work, VIRTUAL, cost, speed=VIRTUAL_SPEED).to_json()
 
 
-def measured_layer(
-    db: Path, model: str | None, workdir: Path, settings: dict[str, Any]
-) -> tuple[dict[str, float], Path]:
-    """Normalised figures of one real replay, and its trace db."""
-    out = workdir / f"measured-{len(list(workdir.glob('measured-*')))}.db"
-    config = EngineConfig(model=model, core_process=True, num_kv_blocks=512)
-    result = asyncio.run(run_replay(str(db), str(out), config, progress=False, **settings))
-    if result.num_failed:
-        raise RuntimeError(f"{result.num_failed} requests failed in the measured replay")
+Figures = dict[str, float]
+
+
+def measured_runs(
+    db: Path,
+    model: str | None,
+    workdir: Path,
+    settings: dict[str, Any],
+    more: Callable[[list[Figures]], bool],
+) -> list[tuple[Figures, Path]]:
+    """Real replays of ``db`` while ``more(figures so far)`` asks for another, all through one
+    engine (its start, not the replay, is most of a run's time), each into a trace db of its
+    own: the normalised figures of each, and its db."""
+
+    async def session() -> list[tuple[Figures, Path]]:
+        config = EngineConfig(model=model, core_process=True, num_kv_blocks=512)
+        engine = AsyncLLM(config)
+        runs: list[tuple[Figures, Path]] = []
+        try:
+            while more([f for f, _ in runs]):
+                out = workdir / f"measured-{len(list(workdir.glob('measured-*')))}.db"
+                result = await run_replay(
+                    str(db), str(out), config, progress=False, engine=engine, **settings
+                )
+                if result.num_failed:
+                    raise RuntimeError(
+                        f"{result.num_failed} requests failed in the measured replay"
+                    )
+                runs.append((_figures(out), out))
+        finally:
+            await engine.shutdown()
+        return runs
+
+    return asyncio.run(session())
+
+
+def _figures(out: Path) -> Figures:
+    """One replay's medians, in shares of its median model step."""
     with open_db(out, timeout=10) as con:
         steps = con.execute(
             "SELECT output_ns - schedule_start_ns, execute_end_ns - execute_start_ns, "
@@ -92,7 +125,7 @@ def measured_layer(
     medians = dict(spans)
     for name in ("frontend.enqueue", "core.receive", "core.output", "frontend.emit"):
         figures[f"{name}_over_execute"] = medians.get(name, 0) / execute
-    return figures, out
+    return figures
 
 
 def update_baseline(
@@ -101,12 +134,9 @@ def update_baseline(
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         db = import_excerpt(folder, work / "excerpt.db")
-        runs = []
-        for _ in range(BASELINE_RUNS):
-            figures, trace = measured_layer(db, model, work, settings)
-            runs.append(figures)
-            if len(runs) == 1:
-                StepCostModel.calibrate(trace).save(folder / "cost.json")
+        measured = measured_runs(db, model, work, settings, lambda r: len(r) < BASELINE_RUNS)
+        StepCostModel.calibrate(measured[0][1]).save(folder / "cost.json")
+        runs = [figures for figures, _ in measured]
         cost = StepCostModel.load(folder / "cost.json")
         virtual = virtual_layer(db, cost)
     measured = {}
@@ -158,13 +188,16 @@ def _measured(
     times and fails only if the median of all its runs is still over."""
     settings = baseline["measured_settings"]
     gated = {k: v for k, v in baseline["measured"].items() if v.get("tolerance") is not None}
-    runs = [measured_layer(db, model, work, settings)[0]]
 
     def over(name: str, value: float) -> bool:
         return value > gated[name]["value"] + gated[name]["tolerance"]
 
-    if any(over(name, runs[0][name]) for name in gated):
-        runs += [measured_layer(db, model, work, settings)[0] for _ in range(CONFIRM_RUNS)]
+    def more(runs: list[Figures]) -> bool:
+        if not runs:
+            return True
+        return len(runs) < 1 + CONFIRM_RUNS and any(over(n, runs[0][n]) for n in gated)
+
+    runs = [figures for figures, _ in measured_runs(db, model, work, settings, more)]
     lines = [
         f"measured layer: medians in shares of the median model step ({len(runs)} "
         f"run{'s' if len(runs) > 1 else ''}; step {runs[0]['execute_ms']:.1f} ms here, "

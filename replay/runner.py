@@ -64,25 +64,32 @@ async def run_replay(
     run_id: str | None = None,
     window: tuple[float, float] = (0.0, float("inf")),
     progress: bool = True,
+    engine: AsyncLLM | None = None,
 ) -> RunResult:
+    """One replay into ``out``, through a fresh engine, or through ``engine`` when given (left
+    running for the next replay: one start for several runs, as the regression gate does)."""
     if speed <= 0:
         raise ValueError("--speed must be positive")
     path = str(resolve_model(engine_config.model))
     source_run, work = load_workload(
         db, vocab=vocabulary(path), run_id=run_id, limit=limit, window=window
     )
-    engine = AsyncLLM(engine_config)
-    tracer = Tracer(
-        TracingConfig(trace_db=out, trace_prompts="hashes"), engine.info,
-        engine_config=engine_config,
-    )  # fmt: skip
-    engine.observe(tracer)
+    owned = engine is None
+    if engine is None:
+        engine = AsyncLLM(engine_config)
     too_long = [r for r in work if len(r.prompt_token_ids) >= engine.max_model_len]
     if too_long:
+        if owned:
+            await engine.shutdown()
         raise ValueError(
             f"{len(too_long)} prompts do not fit max_model_len {engine.max_model_len} "
             "(import with --max-prompt-len or --scale-lengths)"
         )
+    tracer = Tracer(
+        TracingConfig(trace_db=out, trace_prompts="hashes"), engine.info,
+        engine_config=engine_config,
+    )  # fmt: skip
+    engine.observe(tracer)  # a shared engine's next replay observes with its own tracer
     bar = tqdm(total=len(work), desc="replay", disable=not progress, unit="req")
     errors: list[float] = []
     failed = 0
@@ -117,7 +124,8 @@ async def run_replay(
         seconds = time.monotonic() - start
     finally:
         bar.close()
-        await engine.shutdown()
+        if owned:
+            await engine.shutdown()
         await asyncio.to_thread(tracer.shutdown)
     return RunResult(tracer.run_id, source_run, len(work), failed, seconds, tokens, errors)
 

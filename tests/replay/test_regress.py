@@ -14,8 +14,9 @@ from replay import regress
 from replay.virtual import StepCostModel
 from tests.helpers.server import ROOT
 
-# Half the gate's usual load: 8 requests still give some 30 steps per median, and each run's
-# engine start (not its requests) is most of its time, 13 runs in all.
+# Half the gate's usual load: 8 requests still give some 30 steps per median. Each measurement
+# (the baseline's 3 runs, or a check's 1 or 3) starts one engine, and its start, not the
+# requests, is most of its time: 5 starts for 13 runs.
 FAST = {"limit": 8, "speed": 8.0}
 
 

@@ -81,6 +81,12 @@ LUMEN_AUTOTUNE = EnvVar(
 LUMEN_AUTOTUNE_DIR = EnvVar(
     "LUMEN_AUTOTUNE_DIR", "", "folder of the cached CPU kernel choices; empty = LUMEN_HOME/autotune"
 )
+LUMEN_TOKENIZER_DIR = EnvVar(
+    "LUMEN_TOKENIZER_DIR",
+    "",
+    "folder of the recorded tokenizer classes (a server's API process loads its tokenizer "
+    "without importing torch); empty = LUMEN_HOME/tokenizers",
+)
 LUMEN_GC = EnvVar(
     "LUMEN_GC",
     "serving",
@@ -91,9 +97,14 @@ LUMEN_GC = EnvVar(
 ALL = (
     LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_CPU_MATMUL,
     LUMEN_CPU_ATTENTION, LUMEN_CPU_GREEDY_HEAD, LUMEN_CPU_THREADS, LUMEN_CPU_INT8,
-    LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR, LUMEN_GC,
+    LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR, LUMEN_TOKENIZER_DIR, LUMEN_GC,
 )  # fmt: skip
 
 
 def lumen_home() -> Path:
     return Path(LUMEN_HOME.get()).expanduser()
+
+
+def tokenizer_dir() -> Path:
+    folder = LUMEN_TOKENIZER_DIR.get().strip()
+    return Path(folder).expanduser() if folder else lumen_home() / "tokenizers"

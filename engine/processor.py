@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-from transformers import AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
-
-from engine import structured_outputs
+from engine import cache_files, envs, structured_outputs
 from engine.background import in_background
 from engine.config import ModelConfig
 from engine.messages import EngineCoreRequest, EngineInfo
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # A prompt is a string, or a dict with "prompt_token_ids" (vLLM's TokensPrompt).
 PromptType = str | dict[str, Any]
@@ -33,10 +36,64 @@ class PreparedPrompt:
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    tokenizer = AutoTokenizer.from_pretrained(path, **_plain_config(path))
+    """The folder's tokenizer, as ``AutoTokenizer.from_pretrained`` loads it.
+
+    AutoTokenizer chooses the class through transformers' configuration code, which imports
+    torch: 1.5 s of a 2-core machine, in an API process that needs no torch otherwise. So the
+    class it chose is recorded (LUMEN_TOKENIZER_DIR), keyed by the transformers version, the
+    folder and its files' sizes and times, and a later load of the unchanged folder imports
+    and calls only that class, as AutoTokenizer would have.
+    """
+    record = _class_record(path)
+    cls = _recorded_class(*record) if record else None
+    if cls is not None:
+        tokenizer = cls.from_pretrained(path, _from_auto=True)  # AutoTokenizer's own call
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, **_plain_config(path))
+        if record is not None:
+            _record_class(*record, type(tokenizer))
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{path} has no fast tokenizer (tokenizer.json), which Lumen needs")
     return tokenizer
+
+
+def _class_record(path: str) -> tuple[Path, dict[str, Any]] | None:
+    """Where the class AutoTokenizer chose for the folder as it is now is recorded, and the
+    key the record must carry; None for a folder whose tokenizer is remote code."""
+    from transformers import __version__ as transformers_version
+
+    folder = Path(path)
+    try:
+        if "auto_map" in json.loads((folder / "tokenizer_config.json").read_text()):
+            return None
+        stats = sorted((f.name, f.stat()) for f in folder.iterdir() if f.is_file())
+    except (OSError, ValueError):
+        return None
+    files = [[name, st.st_size, st.st_mtime_ns] for name, st in stats]  # as JSON reads it back
+    key = {"transformers": transformers_version, "folder": str(folder.resolve()), "files": files}
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    return envs.tokenizer_dir() / f"{digest}.json", key
+
+
+def _recorded_class(record: Path, key: dict[str, Any]) -> type | None:
+    from transformers import PreTrainedTokenizerBase
+
+    entry = cache_files.read_json(record, "the recorded tokenizer class")
+    if entry is None or entry.get("key") != key:
+        return None
+    module, name = entry.get("module"), entry.get("class")
+    if not isinstance(module, str) or not module.startswith("transformers.") or not name:
+        return None
+    cls = getattr(importlib.import_module(module), str(name), None)
+    return cls if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase) else None
+
+
+def _record_class(record: Path, key: dict[str, Any], cls: type) -> None:
+    if cls.__module__.startswith("transformers."):
+        entry = {"key": key, "module": cls.__module__, "class": cls.__qualname__}
+        cache_files.write_json(record, entry, "the tokenizer class")
 
 
 def _plain_config(path: str) -> dict[str, Any]:
@@ -59,6 +116,8 @@ def _plain_config(path: str) -> dict[str, Any]:
         return {}
     if not isinstance(config, dict) or "model_type" not in config:
         return {}
+    from transformers import PreTrainedConfig
+
     return {"config": PreTrainedConfig.from_dict(config, _name_or_path=path)}
 
 

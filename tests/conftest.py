@@ -65,11 +65,13 @@ def run_folder(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def autotune_cache(tmp_path_factory: pytest.TempPathFactory):
-    """The CPU kernel choices cached in this run's own folder, not the user's: timed once in
-    the run, then read by every engine the tests start."""
+def run_caches(tmp_path_factory: pytest.TempPathFactory):
+    """The CPU kernel choices and the tokenizer classes cached in this run's own folders, not
+    the user's: timed (or chosen) once in the run, then read by every engine and server the
+    tests start."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LUMEN_AUTOTUNE_DIR", str(run_folder(tmp_path_factory, "autotune")))
+        patch.setenv("LUMEN_TOKENIZER_DIR", str(run_folder(tmp_path_factory, "tokenizers")))
         yield
 
 

@@ -21,9 +21,7 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
@@ -32,7 +30,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from engine import envs
+from engine import cache_files, envs
 from engine.version import __version__
 from engine.worker import native_build
 
@@ -105,7 +103,8 @@ def decide(name: str, shape: Mapping[str, Any], measure: Callable[[], tuple[Any,
     if mode() == "cache" and (entry := _read(path)) is not None and entry.get("key") == key:
         return Decision(entry["choice"], f"cached: {entry['why']}", cached=True)
     choice, why = measure()
-    _write(path, {"key": key, "choice": choice, "why": why})
+    entry = {"key": key, "choice": choice, "why": why}
+    cache_files.write_json(path, entry, "the kernel decision")
     return Decision(choice, why)
 
 
@@ -149,24 +148,5 @@ def source_hash() -> str:
 
 
 def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        if not native_build.trusted(path, "the cached kernel decision"):
-            return None
-        entry = json.loads(path.read_text())
-    except (OSError, ValueError):  # absent, unreadable or torn: time again
-        return None
-    return entry if isinstance(entry, dict) and {"choice", "why"} <= entry.keys() else None
-
-
-def _write(path: Path, entry: dict[str, Any]) -> None:
-    """Atomically, readable by all and writable by this user only; a cache that cannot be
-    written (a read-only LUMEN_HOME) only costs the next start its timing."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(entry, f, indent=1)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except OSError as e:
-        logger.warning("could not cache the kernel decision in %s: %s", path, e)
+    entry = cache_files.read_json(path, "the cached kernel decision")  # None: time again
+    return entry if entry is not None and {"choice", "why"} <= entry.keys() else None

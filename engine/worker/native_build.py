@@ -21,13 +21,13 @@ import tempfile
 from pathlib import Path
 
 from engine import envs
+from engine.cache_files import trusted
 
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).with_name("native")  # shipped as package data (pyproject.toml)
 CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 LDFLAGS = ("-shared", "-fopenmp")
-_warned: set[Path] = set()  # untrusted files already warned about: one warning each
 
 
 def cpu_key() -> str:
@@ -53,22 +53,6 @@ def compiler() -> str | None:
 def source(name: str) -> str:
     """The text of the kernel source ``name`` (a file in engine/worker/native/)."""
     return (SOURCES / name).read_text()
-
-
-def trusted(path: Path, what: str) -> bool:
-    """Whether ``path`` is owned by the current user and writable by nobody else; else
-    False, with one warning per file (``what`` names it for the log)."""
-    st = path.stat()
-    if st.st_uid == os.getuid() and not st.st_mode & 0o022:
-        return True
-    if path not in _warned:
-        _warned.add(path)
-        logger.warning(
-            "not loading %s %s: it is owned by uid %d with mode %o, and only files of this "
-            "user (uid %d) that group and others cannot write are loaded; replacing it",
-            what, path, st.st_uid, st.st_mode & 0o777, os.getuid(),
-        )  # fmt: skip
-    return False
 
 
 def compile_library(stem: str, source_name: str, defines: tuple[str, ...] = ()) -> Path:

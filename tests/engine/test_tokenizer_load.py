@@ -1,12 +1,16 @@
-"""load_tokenizer gives what AutoTokenizer gives, without importing the model's config module."""
+"""load_tokenizer gives what AutoTokenizer gives, without importing the model's config module,
+and once AutoTokenizer's choice of class is recorded, without importing torch."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from engine.processor import load_tokenizer
 from tests.helpers.server import ROOT
@@ -46,17 +50,66 @@ def test_the_same_tokenizer_as_autotokenizer(default_model_path: Path, tmp_path:
     _same(load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder))
 
 
-def test_loading_it_imports_no_model_code(default_model_path: Path) -> None:
-    """AutoConfig would import the architecture's config module, and through it
-    torch.distributed.tensor: about a second of every server's start on 2 cores."""
+def _imports_after_loading(folder: Path, records: Path) -> tuple[str, list[str]]:
+    """In a fresh process: the loaded tokenizer's class, and which of torch,
+    torch.distributed.tensor and the Llama model code the load imported."""
     probe = (
         "import sys; from engine.processor import load_tokenizer; "
-        f"load_tokenizer({str(default_model_path)!r}); "
+        f"t = load_tokenizer({str(folder)!r}); print(type(t).__name__); "
         "print(sorted(m for m in sys.modules if m.startswith('transformers.models.llama')"
-        " or m == 'torch.distributed.tensor'))"
+        " or m in ('torch', 'torch.distributed.tensor')))"
     )
+    env = {**os.environ, "LUMEN_TOKENIZER_DIR": str(records)}
     r = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env=env,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "[]", r.stdout
+    name, modules = r.stdout.strip().splitlines()
+    return name, json.loads(modules.replace("'", '"'))
+
+
+def test_loading_it_imports_no_model_code_then_no_torch(
+    default_model_path: Path, tmp_path: Path
+) -> None:
+    """AutoConfig would import the architecture's config module, and through it
+    torch.distributed.tensor: about a second of every server's start on 2 cores. AutoTokenizer
+    itself imports torch (transformers' configuration code): once its class is recorded, the
+    next load (the next server's API process) imports neither."""
+    records = tmp_path / "records"
+    name, modules = _imports_after_loading(default_model_path, records)
+    assert modules == ["torch"], modules  # the first load asks AutoTokenizer, recording it
+    assert len(list(records.glob("*.json"))) == 1
+    assert _imports_after_loading(default_model_path, records) == (name, [])
+
+
+def test_a_recorded_class_is_used_only_for_the_folder_as_it_was(
+    default_model_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from transformers import AutoTokenizer
+
+    records = tmp_path / "records"
+    monkeypatch.setenv("LUMEN_TOKENIZER_DIR", str(records))
+    folder = tmp_path / "model"
+    shutil.copytree(default_model_path, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    load_tokenizer(str(folder))
+    (record,) = records.glob("*.json")
+    _same(load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder))  # from the record
+
+    # An edited folder is another key: AutoTokenizer chooses again, and is recorded again.
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["model_max_length"] = 1234
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert load_tokenizer(str(folder)).model_max_length == 1234
+    assert len(list(records.glob("*.json"))) == 2
+
+    # A record that names code outside transformers, or that others may write, is not used:
+    # AutoTokenizer chooses, and the record is written again.
+    (current,) = set(records.glob("*.json")) - {record}
+    entry = json.loads(current.read_text())
+    current.write_text(json.dumps({**entry, "module": "os", "class": "PathLike"}))
+    _same(load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder))
+    assert json.loads(current.read_text()) == entry
+    os.chmod(current, 0o666)
+    _same(load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder))
+    assert current.stat().st_mode & 0o777 == 0o644

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import cache_files
 from engine.worker import native_build
 from tests.helpers.native import built
 
@@ -30,7 +31,7 @@ def test_every_kernel_source_ships_as_package_data() -> None:
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("LUMEN_HOME", str(tmp_path))
-    monkeypatch.setattr(native_build, "_warned", set())
+    monkeypatch.setattr(cache_files, "_warned", set())
     return tmp_path
 
 

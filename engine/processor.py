@@ -77,7 +77,7 @@ def _class_record(path: str) -> tuple[Path, dict[str, Any]] | None:
     return envs.tokenizer_dir() / f"{digest}.json", key
 
 
-def _recorded_class(record: Path, key: dict[str, Any]) -> type | None:
+def _recorded_class(record: Path, key: dict[str, Any]) -> type[PreTrainedTokenizerBase] | None:
     from transformers import PreTrainedTokenizerBase
 
     entry = cache_files.read_json(record, "the recorded tokenizer class")

@@ -134,9 +134,9 @@ def update_baseline(
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         db = import_excerpt(folder, work / "excerpt.db")
-        measured = measured_runs(db, model, work, settings, lambda r: len(r) < BASELINE_RUNS)
-        StepCostModel.calibrate(measured[0][1]).save(folder / "cost.json")
-        runs = [figures for figures, _ in measured]
+        replays = measured_runs(db, model, work, settings, lambda r: len(r) < BASELINE_RUNS)
+        StepCostModel.calibrate(replays[0][1]).save(folder / "cost.json")
+        runs = [figures for figures, _ in replays]
         cost = StepCostModel.load(folder / "cost.json")
         virtual = virtual_layer(db, cost)
     measured = {}

@@ -5,6 +5,7 @@ into a fresh trace db."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import statistics
 import tempfile
@@ -44,14 +45,18 @@ class RunResult:
                 f"max {errs[-1] * 1000:.1f} ms")  # fmt: skip
 
 
+@functools.lru_cache(maxsize=4)
 def vocabulary(model_path: str) -> np.ndarray:
-    """Token ids synthetic prompts may use: the vocabulary without special or added tokens."""
+    """Token ids synthetic prompts may use: the vocabulary without special or added tokens
+    (once per model in a process: a regression gate or a validation replays several times)."""
     from engine.processor import load_tokenizer
 
     tok = load_tokenizer(model_path)
     special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
     size = ModelConfig.from_path(model_path).vocab_size
-    return np.setdiff1d(np.arange(size), np.fromiter(special, dtype=np.int64))
+    ids = np.setdiff1d(np.arange(size), np.fromiter(special, dtype=np.int64))
+    ids.setflags(write=False)  # shared by every caller of the cache
+    return ids
 
 
 async def run_replay(

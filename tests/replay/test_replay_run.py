@@ -192,6 +192,7 @@ def test_validate_sets_virtual_against_real_against_recorded(
         assert {m: set(cells[m]) for m in metrics} == {m: {"p50", "p90", "p99"} for m in metrics}
         assert all(cells[m][p] is not None for m in metrics for p in cells[m])
     assert set(data["verdicts"]) == {"virtual_vs_real", "real_vs_recorded"}
+    assert data["judged"] == ["ttft", "tpot", "e2e"]  # ITL is shown, not judged
     assert {"r2", "err_p50", "err_p90", "err_p99"} <= set(data["held_out_fit"])
     for text in ("held-out steps", "TTFT p50", "E2E p99", "virtual vs real:", "through a `lumen"):
         assert text in printed

@@ -171,3 +171,10 @@ _TINY_TOKENIZER = (
     '"unk_token":"a"},"decoder":null,"pre_tokenizer":null,"normalizer":null,'
     '"post_processor":null,"added_tokens":[],"truncation":null,"padding":null}'
 )
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_at_start(tiny_model_path: Path) -> None:
+    """The KV pool takes its pages as it fills (calloc): one that cannot fit is refused at
+    start, not found out mid-serving."""
+    with pytest.raises(ValueError, match=r"more than the [\d.]+ GiB of memory available"):
+        LLM(str(tiny_model_path), kv_cache_memory_bytes=1 << 50)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-_TOKENIZER_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
@@ -45,7 +45,7 @@ def build_tiny_llama(out: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]  # a stub quirk
     model.save_pretrained(out)
-    for name in _TOKENIZER_FILES:
+    for name in TOKENIZER_FILES:
         if (tokenizer_from / name).exists():
             shutil.copy(tokenizer_from / name, out / name)
     return out

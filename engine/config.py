@@ -15,7 +15,44 @@ if TYPE_CHECKING:
 # and spawns the core before the API process pays for torch.
 
 GiB = 1 << 30
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+
+
+def _llama_flags(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Llama and Mistral: biases only where the config asks (attention_bias, mlp_bias)."""
+    bias = bool(cfg.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias", False)),
+            "qk_norm": False, "window": cfg.get("sliding_window")}  # fmt: skip
+
+
+def _qwen2_flags(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2 / Qwen2.5: biases on q, k and v (not o); a window only with use_sliding_window."""
+    return {"qkv_bias": True, "o_bias": False, "mlp_bias": False, "qk_norm": False,
+            "window": _qwen_window(cfg)}  # fmt: skip
+
+
+def _qwen3_flags(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3: an RMSNorm over each q and k head before RoPE; biases where attention_bias."""
+    bias = bool(cfg.get("attention_bias", False))
+    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False, "qk_norm": True,
+            "window": _qwen_window(cfg)}  # fmt: skip
+
+
+def _qwen_window(cfg: dict[str, Any]) -> int | None:
+    """Qwen configs carry sliding_window beside use_sliding_window: false, which turns it off."""
+    sliding = "sliding_attention" in (cfg.get("layer_types") or [])
+    return cfg.get("sliding_window") if cfg.get("use_sliding_window") or sliding else None
+
+
+# The one registry of families: each architecture's config translated into the switches the
+# shared decoder (engine/worker/llama.py) takes. They differ from Llama only by these flags,
+# so they share one module.
+ARCHITECTURES = {
+    "LlamaForCausalLM": _llama_flags,
+    "MistralForCausalLM": _llama_flags,
+    "Qwen2ForCausalLM": _qwen2_flags,
+    "Qwen3ForCausalLM": _qwen3_flags,
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -37,6 +74,10 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen2)
+    o_bias: bool = False  # ... and on the output projection
+    mlp_bias: bool = False  # ... and on gate, up and down
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
@@ -52,8 +93,9 @@ class ModelConfig:
                 f"unsupported architecture {archs or cfg.get('model_type')!r} in {path}: "
                 f"Lumen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if cfg.get("sliding_window"):
-            raise ValueError(f"sliding-window attention (in {path}) is not supported")
+        flags = ARCHITECTURES[arch](cfg)
+        if flags.pop("window"):
+            raise ValueError(f"sliding-window attention ({arch} in {path}) is not supported yet")
         num_heads = cfg["num_attention_heads"]
         # transformers 5 moved rope_theta (and the scaling dict) into rope_parameters.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
@@ -77,6 +119,7 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=_eos_token_ids(path, cfg),
+            **flags,
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:

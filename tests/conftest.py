@@ -95,6 +95,23 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, default_model_path
 
 
 @pytest.fixture(scope="session")
+def tiny_family_path(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path):
+    """family -> a tiny random checkpoint of it (tests.helpers.models.FAMILIES), built once per
+    run on first use."""
+    from tests.helpers.models import build_tiny_family
+
+    def path(family: str) -> Path:
+        folder = run_folder(tmp_path_factory, f"tiny-{family}")
+        with FileLock(str(folder) + ".lock"):
+            if not (folder / ".built").exists():
+                build_tiny_family(folder, default_model_path, family)
+                (folder / ".built").touch()
+        return folder
+
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tiny_model_path: Path):
     """One engine on the tiny model, shared by tests that only send requests."""
     from engine import LLM

@@ -60,9 +60,10 @@ class Linear(nn.Module):
     fast for prefill chunks.
     """
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # set: oneDNN's copy (cpu_matmul) replaces weight
         # Set by quantize: int8 [out, in] and its per-channel scales replace weight.
         self.qweight: torch.Tensor | None = None
@@ -71,11 +72,13 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return cpu_matmul.onednn_linear(x, self.packed)
-        if self.qweight is not None:
+            y = cpu_matmul.onednn_linear(x, self.packed)
+        elif self.qweight is not None:
             # quantize sets scale with qweight; a cast, not a check, on the hot path.
-            return self.int8.linear(x, self.qweight, cast("torch.Tensor", self.scale))
-        return x @ self.weight
+            y = self.int8.linear(x, self.qweight, cast("torch.Tensor", self.scale))
+        else:
+            y = x @ self.weight
+        return y if self.bias is None else y + self.bias
 
     def pack(self) -> None:
         """Hand the weight to oneDNN in its blocked layout; the plain copy is freed."""
@@ -177,12 +180,17 @@ class DecoderLayer(nn.Module):
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         inter = cfg.intermediate_size // tp
         self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size)
-        self.o_proj = Linear(q_size, cfg.hidden_size)
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter)
-        self.down_proj = Linear(inter, cfg.hidden_size)
+        # A row-parallel product's bias is added once, on rank 0, before the all-reduce.
+        first = shard.rank == 0
+        self.qkv_proj = Linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias and first)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias and first)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Qwen3: each q and k head normalised over head_dim before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
 
     def forward(
@@ -197,7 +205,11 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k heads side by side, rotated in one pass.
         num_qk = self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv[:, : num_qk * self.head_dim].view(num_tokens, num_qk, -1), rotary)
+        qk = qkv[:, : num_qk * self.head_dim].view(num_tokens, num_qk, -1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = apply_rotary(qk, rotary)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.index)
@@ -352,6 +364,27 @@ class LlamaForCausalLM(nn.Module):
             layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight", cols=inter).t())
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            self._copy_optional(layer, p, take)
+
+    def _copy_optional(self, layer: DecoderLayer, p: str, take: _Taker) -> None:
+        """What a family's flags add: biases (column-parallel ones sliced like their weight's
+        rows, row-parallel ones whole, on rank 0 only) and the q/k norms."""
+        cfg, d = self.cfg, self.cfg.head_dim
+        rows = {"q": cfg.num_heads * d, "k": cfg.num_kv_heads * d, "v": cfg.num_kv_heads * d}
+        if layer.qkv_proj.bias is not None:
+            qkv = [take(p + f"self_attn.{n}_proj.bias", rows=rows[n]) for n in "qkv"]
+            layer.qkv_proj.bias.copy_(torch.cat(qkv))
+        if layer.o_proj.bias is not None:
+            layer.o_proj.bias.copy_(take(p + "self_attn.o_proj.bias"))
+        if layer.gate_up_proj.bias is not None:
+            gate_up = [take(p + f"mlp.{n}_proj.bias", rows=cfg.intermediate_size)
+                       for n in ("gate", "up")]  # fmt: skip
+            layer.gate_up_proj.bias.copy_(torch.cat(gate_up))
+        if layer.down_proj.bias is not None:
+            layer.down_proj.bias.copy_(take(p + "mlp.down_proj.bias"))
+        if layer.q_norm is not None and layer.k_norm is not None:
+            layer.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
+            layer.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
 
 
 class _Taker:

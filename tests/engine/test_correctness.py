@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.helpers.models import hf_greedy
+from tests.helpers.models import FAMILIES, hf_greedy
 
 MAX_TOKENS = 12
 # SmolLM2's runs generate as many: with twelve, nine of the sixteen prompts cross a KV block
@@ -80,6 +81,24 @@ def test_tiny_llama_matches_hf(
     setting: str, tiny_model_path: Path, tiny_references: dict[int, list[list[int]]]
 ) -> None:
     _check_setting(tiny_model_path, setting, tiny_references)
+
+
+@pytest.fixture(scope="module")
+def family_references() -> dict[str, dict[int, list[list[int]]]]:
+    return {family: {} for family in FAMILIES}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_families_match_hf(
+    family: str,
+    setting: str,
+    tiny_family_path: Callable[[str], Path],
+    family_references: dict[str, dict[int, list[list[int]]]],
+) -> None:
+    """Each family beside Llama, its quirks switched on (tests.helpers.models), alone against
+    HF and in every scheduling regime: batched, chunked, prefix-cached, preempted."""
+    _check_setting(tiny_family_path(family), setting, family_references[family])
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,8 +36,33 @@ def test_missing_and_unsupported_models_raise_clearly(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"no config\.json"):
         resolve_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match=r"unsupported architecture.*GPT2LMHeadModel") as e:
         resolve_model(str(tmp_path))
+    assert "Qwen2ForCausalLM" in str(e.value) and "Qwen3ForCausalLM" in str(e.value)
+
+
+def test_each_family_translates_its_config(
+    tiny_family_path: Callable[[str], Path], tmp_path: Path
+) -> None:
+    qwen2 = ModelConfig.from_path(tiny_family_path("qwen2"))
+    qwen3 = ModelConfig.from_path(tiny_family_path("qwen3"))
+    # Qwen2's sliding_window (32 here) is off: use_sliding_window is false.
+    assert (qwen2.qkv_bias, qwen2.o_bias, qwen2.qk_norm, qwen2.rope_theta) == (
+        True, False, False, 1e6
+    )  # fmt: skip
+    assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
+    # A window that is on, or a Llama whose config asks for biases.
+    config = json.loads((tiny_family_path("qwen2") / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}))
+    with pytest.raises(ValueError, match=r"sliding-window attention \(Qwen2ForCausalLM"):
+        ModelConfig.from_path(tmp_path)
+    llama = {**config, "architectures": ["LlamaForCausalLM"], "attention_bias": True}
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    with pytest.raises(ValueError, match=r"sliding-window attention \(LlamaForCausalLM"):
+        ModelConfig.from_path(tmp_path)  # for Llama and Mistral, sliding_window is a window
+    llama["sliding_window"] = None
+    (tmp_path / "config.json").write_text(json.dumps(llama))
+    assert ModelConfig.from_path(tmp_path).o_bias
 
 
 def _lumen(*args: str) -> subprocess.CompletedProcess[str]:

@@ -9,9 +9,64 @@ from pathlib import Path
 
 import torch
 
-from bench.tiny_model import build_tiny_llama
+from bench.tiny_model import TOKENIZER_FILES, build_tiny_llama
 
-__all__ = ["build_tiny_llama", "hf_greedy"]
+__all__ = ["FAMILIES", "build_tiny_family", "build_tiny_llama", "hf_greedy"]
+
+# Families beside Llama, each as a tiny random checkpoint with its quirks switched on.
+FAMILIES = ("qwen2", "qwen3")
+
+
+def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int = 0) -> Path:
+    """A random 2-layer model of ``family`` (hidden 64) with the SmolLM2 tokenizer, at the
+    tiny Llama's decisive init scale. Its biases and q/k norms are drawn at random too (the
+    library's init leaves them at 0 and 1, where a missed bias or norm would not show):
+    - qwen2: biases on q, k and v, tied embeddings, RoPE theta 1e6, and the hub's quirk of a
+      sliding_window beside use_sliding_window: false, which turns it off;
+    - qwen3: q/k RMSNorm per head, a head_dim (32) other than hidden / heads (16);
+    - llama_bias (not in FAMILIES: for tensor parallelism's row-parallel biases): a Llama
+      with attention_bias and mlp_bias, biases on every product."""
+    import shutil
+
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rms_norm_eps=1e-5, rope_theta=1e6, initializer_range=0.5, bos_token_id=1,
+        eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    if family == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    elif family == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, tie_word_embeddings=False))
+    elif family == "llama_bias":
+        config = LlamaConfig(**common, attention_bias=True, mlp_bias=True)
+        model = LlamaForCausalLM(config)
+    else:
+        raise ValueError(f"no tiny {family!r}: one of {', '.join(FAMILIES)} or llama_bias")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0.0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.uniform_(0.5, 1.5)
+    model.to(torch.float32).save_pretrained(out)
+    if family == "qwen2":
+        config = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**config, "sliding_window": 32}))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_from / name).exists():
+            shutil.copy(tokenizer_from / name, out / name)
+    return out
 
 
 def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

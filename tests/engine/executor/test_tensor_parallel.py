@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,23 @@ def test_tp2_greedy_matches_tp1_and_hf(tiny_model_path: Path) -> None:
     for i, (a, b) in enumerate(zip(tp1, tp2)):
         assert a == b, f"prompt {i} (len {len(prompts[i])}): TP=2 differs from TP=1"
     assert tp1 == hf_greedy(tiny_model_path, prompts, MAX_TOKENS)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama_bias"])
+def test_tp2_of_other_families_matches_hf(
+    family: str, tiny_family_path: Callable[[str], Path]
+) -> None:
+    """Qwen3's q/k norms over sharded heads; a Llama with a bias on every product: q, k, v,
+    gate and up sliced with their rows, o and down added once (rank 0) before the all-reduce."""
+    model = tiny_family_path(family)
+    prompts = _prompts()
+    llm = LLM(str(model), tensor_parallel_size=2, num_kv_blocks=128)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model, prompts, MAX_TOKENS)
 
 
 @pytest.mark.serial

@@ -99,9 +99,11 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several, with the tokenizer's template."""
+        """One conversation (a list of messages) or several, with the tokenizer's template;
+        ``chat_template_kwargs`` become the template's variables (Qwen3's enable_thinking)."""
         arrival_ns = time.time_ns()
         several = bool(messages) and isinstance(messages[0], list)
         conversations = cast(list[list[dict[str, Any]]], messages if several else [messages])
@@ -109,7 +111,10 @@ class LLM:
             (
                 None,
                 self.processor.apply_chat_template(
-                    conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                    conv,
+                    add_generation_prompt=add_generation_prompt,
+                    chat_template=chat_template,
+                    template_kwargs=chat_template_kwargs,
                 ),
             )
             for conv in conversations

@@ -121,6 +121,28 @@ def _plain_config(path: str) -> dict[str, Any]:
     return {"config": PreTrainedConfig.from_dict(config, _name_or_path=path)}
 
 
+# apply_chat_template's own parameters: a template variable of one of these names would change
+# the call instead of reaching the template.
+_RESERVED_TEMPLATE_NAMES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+    "processor_kwargs",
+})  # fmt: skip
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError("chat_template_kwargs must be an object of named values")
+    if taken := sorted(set(kwargs) & _RESERVED_TEMPLATE_NAMES):
+        raise ValueError(
+            f"chat_template_kwargs cannot set {', '.join(taken)}: the request's own fields do"
+        )
+    return kwargs
+
+
 def start_loading_tokenizer(path: str) -> Future[PreTrainedTokenizerBase]:
     """``load_tokenizer`` on a thread of its own. Started before the core process, it overlaps
     the core's start-up instead of following its READY: a first load imports about 1.5 s of
@@ -190,7 +212,12 @@ class InputProcessor:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
+        """The conversation through the chat template, tokenized. ``template_kwargs`` (vLLM's
+        ``chat_template_kwargs``, such as Qwen3's ``enable_thinking``) become variables of the
+        template; a name the call itself takes is refused."""
+        kwargs = _template_kwargs(template_kwargs)
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for m in messages:
@@ -208,6 +235,7 @@ class InputProcessor:
             tools=cast("list[dict[str, Any] | Callable[..., Any]] | None", tools),
             tokenize=True,
             return_dict=False,
+            **kwargs,
         )
         return list(ids)
 

@@ -163,6 +163,8 @@ class ChatCompletionRequest(_SamplingBody):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    # Variables of the chat template, as vLLM takes them (Qwen3: {"enable_thinking": false}).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()

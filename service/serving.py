@@ -106,6 +106,7 @@ class Serving:
                 messages, add_generation_prompt=body.add_generation_prompt,
                 tools=[{"type": "function", "function": f} for f in plan.functions]
                 if plan is not None and native else None,
+                template_kwargs=body.chat_template_kwargs,
             )  # fmt: skip
             return self._prepare(
                 body, ctx, path, [(None, ids)], body.requested_max_tokens, body.num_logprobs,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,20 @@ def test_a_kv_cache_larger_than_memory_is_refused_at_start(tiny_model_path: Path
     start, not found out mid-serving."""
     with pytest.raises(ValueError, match=r"more than the [\d.]+ GiB of memory available"):
         LLM(str(tiny_model_path), kv_cache_memory_bytes=1 << 50)
+
+
+def test_chat_template_kwargs_reach_the_template(
+    tiny_family_path: Callable[[str], Path],
+) -> None:
+    llm = LLM(str(tiny_family_path("qwen3")), num_kv_blocks=64)
+    try:
+        messages = [{"role": "user", "content": "Hi"}]
+        params = SamplingParams(temperature=0, max_tokens=1)
+        (plain,) = llm.chat(messages, params, use_tqdm=False)
+        closed, = llm.chat(messages, params, use_tqdm=False,
+                           chat_template_kwargs={"enable_thinking": False})  # fmt: skip
+    finally:
+        llm.shutdown()
+    # enable_thinking false appends an empty think block to the prompt (THINKING_TEMPLATE).
+    assert len(closed.prompt_token_ids) > len(plain.prompt_token_ids)
+    assert closed.prompt_token_ids[: len(plain.prompt_token_ids)] == plain.prompt_token_ids

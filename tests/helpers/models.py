@@ -23,7 +23,8 @@ def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int
     library's init leaves them at 0 and 1, where a missed bias or norm would not show):
     - qwen2: biases on q, k and v, tied embeddings, RoPE theta 1e6, and the hub's quirk of a
       sliding_window beside use_sliding_window: false, which turns it off;
-    - qwen3: q/k RMSNorm per head, a head_dim (32) other than hidden / heads (16);
+    - qwen3: q/k RMSNorm per head, a head_dim (32) other than hidden / heads (16), and a
+      chat template that enable_thinking switches (THINKING_TEMPLATE);
     - llama_bias (not in FAMILIES: for tensor parallelism's row-parallel biases): a Llama
       with attention_bias and mlp_bias, biases on every product."""
     import shutil
@@ -66,7 +67,20 @@ def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int
     for name in TOKENIZER_FILES:
         if (tokenizer_from / name).exists():
             shutil.copy(tokenizer_from / name, out / name)
+    if family == "qwen3":
+        (out / "chat_template.jinja").write_text(THINKING_TEMPLATE)
     return out
+
+
+# Qwen3's template, cut to what its enable_thinking switches: false closes an empty think
+# block after the generation prompt, so that the reply starts with the answer.
+THINKING_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
 
 
 def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

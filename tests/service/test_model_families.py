@@ -1,0 +1,62 @@
+"""A family beside Llama through a real `lumen serve` and the official client: Qwen3 (tiny,
+random) answers, and a request's chat_template_kwargs reach its template."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers.server import LumenServer
+
+MESSAGES = [{"role": "user", "content": "Is it raining?"}]
+
+
+@pytest.fixture(scope="module")
+def qwen3_server(
+    tmp_path_factory: pytest.TempPathFactory, tiny_family_path: Callable[[str], Path]
+) -> Iterator[LumenServer]:
+    log = tmp_path_factory.mktemp("qwen3") / "serve.log"
+    with LumenServer(tiny_family_path("qwen3"), "--num-kv-blocks", "256", log_path=log) as s:
+        yield s
+
+
+def test_qwen3_answers_and_its_template_takes_the_request_variables(
+    qwen3_server: LumenServer,
+) -> None:
+    client = qwen3_server.client()
+    model = client.models.list().data[0].id
+
+    def prompt_tokens(**extra: object) -> int:
+        reply = client.chat.completions.create(
+            model=model, messages=MESSAGES, max_tokens=4, temperature=0, extra_body=extra
+        )  # type: ignore[call-overload]
+        assert reply.choices[0].finish_reason == "length" and reply.usage is not None
+        return reply.usage.prompt_tokens
+
+    plain = prompt_tokens()
+    # enable_thinking false closes an empty think block after the prompt: more prompt tokens.
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": False}) > plain
+    assert prompt_tokens(chat_template_kwargs={"enable_thinking": True}) == plain
+
+
+def test_bad_chat_template_kwargs_are_a_400_and_the_server_serves_on(
+    qwen3_server: LumenServer,
+) -> None:
+    url = qwen3_server.url("/v1/chat/completions")
+    for kwargs, says in (({"tokenize": False}, "cannot set tokenize"),
+                         ({"add_generation_prompt": False}, "cannot set add_generation_prompt"),
+                         ("thinking", "chat_template_kwargs")):  # fmt: skip
+        r = httpx.post(url, json={"messages": MESSAGES, "chat_template_kwargs": kwargs})
+        assert r.status_code == 400 and says in r.text, r.text
+    client = qwen3_server.client()
+    with pytest.raises(openai.BadRequestError, match="cannot set tools"):
+        client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=MESSAGES,
+            extra_body={"chat_template_kwargs": {"tools": []}},
+        )  # type: ignore[call-overload]  # fmt: skip
+    ok = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 2})
+    assert ok.status_code == 200, ok.text

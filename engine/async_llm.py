@@ -105,7 +105,9 @@ class AsyncLLM:
         self.config = config
         tokenizer = start_loading_tokenizer(path)  # while the core starts
         self.client = AsyncMPClient(config, path, core=core)
-        self.processor = InputProcessor.for_model(path, self.client.info, tokenizer)
+        self.processor = InputProcessor.for_model(
+            path, self.client.info, tokenizer, config.sampling_defaults(path)
+        )
         self.tokenizer = self.processor.tokenizer
         self.frontend = Frontend(self.processor, self.client.state, stat_loggers)
         self.stall_timeout = stall_timeout

@@ -139,6 +139,11 @@ def _eos_token_ids(path: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name
 
+# The generation_config.json keys that become defaults of a request (vLLM's list).
+GENERATION_DEFAULTS = (
+    "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
+)  # fmt: skip
+
 QUANTIZATIONS = ("int8",)  # weight-only, engine.worker.cpu_int8
 
 
@@ -220,6 +225,15 @@ class EngineConfig:
     transport: str = field(
         default="ipc", metadata={"help": "frontend <-> core sockets: ipc (private folder) or tcp"}
     )
+    generation_config: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: the model's generation_config.json sampling defaults (temperature, "
+            "top_p, top_k, min_p, repetition_penalty, max_new_tokens) apply where a request "
+            "leaves them out, as vLLM's; none: ignore them; or a folder holding a "
+            "generation_config.json"
+        },
+    )
     warmup: bool = field(
         default=True,
         metadata={
@@ -254,6 +268,34 @@ class EngineConfig:
         check_quantization(self.quantization)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if (
+            self.generation_config not in ("auto", "none")
+            and not Path(self.generation_config).is_dir()
+        ):
+            raise ValueError(
+                "generation_config must be auto, none or a folder holding a "
+                f"generation_config.json, not {self.generation_config!r}"
+            )
+
+    def sampling_defaults(self, model_path: str | Path) -> dict[str, Any]:
+        """SamplingParams fields a request leaves out take these (generation_config)."""
+        if self.generation_config == "none":
+            return {}
+        folder = Path(model_path if self.generation_config == "auto" else self.generation_config)
+        file = folder / "generation_config.json"
+        if not file.is_file():
+            if self.generation_config == "auto":
+                return {}
+            raise ValueError(f"generation_config: {folder} holds no generation_config.json")
+        try:
+            found = json.loads(file.read_text())
+        except ValueError as e:
+            raise ValueError(f"generation_config: {file} is not JSON ({e})") from None
+        return {
+            ("max_tokens" if key == "max_new_tokens" else key): found[key]
+            for key in GENERATION_DEFAULTS
+            if isinstance(found, dict) and found.get(key) is not None
+        }
 
     def resolve_device(self) -> torch.device:
         import torch

@@ -56,7 +56,9 @@ class LLM:
         path = str(resolve_model(model))
         tokenizer = start_loading_tokenizer(path)  # while the core starts
         self.client = make_client(self.config, path)
-        self.processor = InputProcessor.for_model(path, self.client.info, tokenizer)
+        self.processor = InputProcessor.for_model(
+            path, self.client.info, tokenizer, self.config.sampling_defaults(path)
+        )
         self.tokenizer = self.processor.tokenizer
         self.frontend = Frontend(self.processor, self.client.state, stat_loggers=(self,))
         self.tracer: Tracer | None = None
@@ -129,7 +131,7 @@ class LLM:
         use_tqdm: bool,
         arrival_ns: int,
     ) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params, len(tokenized))
+        params = _per_prompt(sampling_params, len(tokenized), self.processor.sampling_defaults)
         priorities = list(priority) if priority is not None else [0] * len(tokenized)
         if len(priorities) != len(tokenized):
             raise ValueError("priority must have one entry per prompt")
@@ -228,10 +230,12 @@ class LLM:
 
 
 def _per_prompt(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num: int
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+    num: int,
+    defaults: dict[str, Any],
 ) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * num
+    if sampling_params is None:  # the model's generation config's defaults, as vLLM's
+        return [SamplingParams(**defaults)] * num
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num
     params = list(sampling_params)

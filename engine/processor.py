@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -20,6 +21,8 @@ from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 # A prompt is a string, or a dict with "prompt_token_ids" (vLLM's TokensPrompt).
 PromptType = str | dict[str, Any]
@@ -143,6 +146,19 @@ def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
+def _check_sampling_defaults(defaults: dict[str, Any]) -> None:
+    """At start, not in every request's 400: the generation config's values must be valid."""
+    try:
+        SamplingParams(**{k: v for k, v in defaults.items() if k != "max_tokens"})
+        max_tokens = defaults.get("max_tokens", 1)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_tokens!r}")
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"the model's generation config: {e} (--generation-config none ignores it)"
+        ) from None
+
+
 def start_loading_tokenizer(path: str) -> Future[PreTrainedTokenizerBase]:
     """``load_tokenizer`` on a thread of its own. Started before the core process, it overlaps
     the core's start-up instead of following its READY: a first load imports about 1.5 s of
@@ -160,10 +176,13 @@ class InputProcessor:
         *,
         vocab_size: int,
         eos_token_ids: Sequence[int],
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.info = info
         self.vocab_size = vocab_size
+        # What a request that leaves a field out gets (EngineConfig.generation_config).
+        self.sampling_defaults = dict(sampling_defaults or {})
         eos = list(eos_token_ids)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
             eos.append(tokenizer.eos_token_id)
@@ -175,15 +194,24 @@ class InputProcessor:
         path: str,
         info: EngineInfo,
         tokenizer: Future[PreTrainedTokenizerBase] | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> InputProcessor:
         """The processor of a model folder: its tokenizer (``tokenizer``'s, where one is being
         loaded already), vocabulary and EOS ids."""
         model_config = ModelConfig.from_path(path)
+        if sampling_defaults:
+            _check_sampling_defaults(sampling_defaults)
+            logger.info(
+                "sampling defaults from the model's generation config, where a request leaves "
+                "them out: %s (--generation-config none ignores them)",
+                ", ".join(f"{k} {v}" for k, v in sampling_defaults.items()),
+            )
         return cls(
             tokenizer.result() if tokenizer is not None else load_tokenizer(path),
             info,
             vocab_size=model_config.vocab_size,
             eos_token_ids=model_config.eos_token_ids,
+            sampling_defaults=sampling_defaults,
         )
 
     @property

@@ -116,9 +116,14 @@ class _SamplingBody(_Body):
             )
         return found[0][1] if found else None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError naming the field for any value out of range."""
-        defaults = SamplingParams()
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, model_defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        """Raises ValueError naming the field for any value out of range. A field the request
+        leaves out takes ``model_defaults``' value (the model's generation config), else the
+        library's."""
+        given = {k: v for k, v in (model_defaults or {}).items() if k != "max_tokens"}
+        defaults = SamplingParams(**given)
         return SamplingParams(
             n=self.n,
             temperature=defaults.temperature if self.temperature is None else self.temperature,

@@ -139,7 +139,10 @@ class Serving:
         plan: tools.ToolPlan | None = None,
     ) -> Prepared:
         longest = max(len(ids) for _, ids in prompts)
-        params = body.sampling_params(self._max_tokens(longest, max_tokens), num_logprobs)
+        defaults = self.engine.processor.sampling_defaults
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")
+        params = body.sampling_params(self._max_tokens(longest, max_tokens), num_logprobs, defaults)
         if plan is not None:
             params = params.clone(structured_outputs=plan.structured_outputs())
         # The one validation a served prompt gets: the engine runs it as it is.

@@ -196,3 +196,26 @@ def test_chat_template_kwargs_reach_the_template(
     # enable_thinking false appends an empty think block to the prompt (THINKING_TEMPLATE).
     assert len(closed.prompt_token_ids) > len(plain.prompt_token_ids)
     assert closed.prompt_token_ids[: len(plain.prompt_token_ids)] == plain.prompt_token_ids
+
+
+def test_generation_config_defaults_auto_none_or_a_folder(
+    tiny_family_path: Callable[[str], Path], tiny_model_path: Path
+) -> None:
+    qwen3 = tiny_family_path("qwen3")
+    llm = LLM(str(qwen3), num_kv_blocks=64)
+    try:
+        assert llm.processor.sampling_defaults == {
+            "temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 3
+        }  # fmt: skip
+        (out,) = llm.generate("Hi", use_tqdm=False)  # no params: the model's defaults
+        assert len(out.outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+    from engine.config import EngineConfig
+
+    assert EngineConfig(generation_config="none").sampling_defaults(qwen3) == {}
+    assert EngineConfig().sampling_defaults(tiny_model_path) == {}  # SmolLM2's sets none
+    borrowed = EngineConfig(generation_config=str(qwen3)).sampling_defaults(tiny_model_path)
+    assert borrowed["max_tokens"] == 3
+    with pytest.raises(ValueError, match="generation_config must be auto, none or a folder"):
+        EngineConfig(generation_config="greedy")

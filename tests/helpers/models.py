@@ -23,8 +23,9 @@ def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int
     library's init leaves them at 0 and 1, where a missed bias or norm would not show):
     - qwen2: biases on q, k and v, tied embeddings, RoPE theta 1e6, and the hub's quirk of a
       sliding_window beside use_sliding_window: false, which turns it off;
-    - qwen3: q/k RMSNorm per head, a head_dim (32) other than hidden / heads (16), and a
-      chat template that enable_thinking switches (THINKING_TEMPLATE);
+    - qwen3: q/k RMSNorm per head, a head_dim (32) other than hidden / heads (16), a chat
+      template that enable_thinking switches (THINKING_TEMPLATE), and sampling defaults in its
+      generation_config.json (Qwen3's, and max_new_tokens 3);
     - llama_bias (not in FAMILIES: for tensor parallelism's row-parallel biases): a Llama
       with attention_bias and mlp_bias, biases on every product."""
     import shutil
@@ -69,6 +70,10 @@ def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int
             shutil.copy(tokenizer_from / name, out / name)
     if family == "qwen3":
         (out / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+        # Qwen3's own sampling defaults, and a max_new_tokens to see them applied by.
+        generation = json.loads((out / "generation_config.json").read_text())
+        generation.update(temperature=0.6, top_k=20, top_p=0.95, max_new_tokens=3)
+        (out / "generation_config.json").write_text(json.dumps(generation))
     return out
 
 

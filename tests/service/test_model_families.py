@@ -1,5 +1,6 @@
 """A family beside Llama through a real `lumen serve` and the official client: Qwen3 (tiny,
-random) answers, and a request's chat_template_kwargs reach its template."""
+random) answers, a request's chat_template_kwargs reach its template, and its generation
+config's sampling defaults apply where a request leaves a field out."""
 
 from __future__ import annotations
 
@@ -60,3 +61,14 @@ def test_bad_chat_template_kwargs_are_a_400_and_the_server_serves_on(
         )  # type: ignore[call-overload]  # fmt: skip
     ok = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+def test_the_generation_config_fills_what_a_request_leaves_out(qwen3_server: LumenServer) -> None:
+    """The tiny Qwen3's generation_config.json sets max_new_tokens 3 (and Qwen3's sampling)."""
+    url = qwen3_server.url("/v1/chat/completions")
+    left_out = httpx.post(url, json={"messages": MESSAGES}, timeout=60).json()
+    assert left_out["usage"]["completion_tokens"] == 3, left_out
+    given = httpx.post(url, json={"messages": MESSAGES, "max_tokens": 5, "ignore_eos": True},
+                       timeout=60).json()  # fmt: skip
+    assert given["usage"]["completion_tokens"] == 5, given
+    assert "sampling defaults from the model's generation config" in qwen3_server.log()

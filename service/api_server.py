@@ -309,6 +309,7 @@ async def serve(
         model_name=model_name,
         stall_timeout=config.stream_stall_timeout,
         tracer=tracer,
+        reasoning_parser=config.reasoning_parser,
     )
     app = FrontDoor(build_app(serving), serving, config)
     http_timing.install()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine import envs
+from service import reasoning
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,13 @@ class ServerConfig:
         default=60.0,
         metadata={"help": "seconds a stream may go unread before its request is aborted"},
     )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata={
+            "help": "qwen3 or deepseek_r1: a chat reply's <think> block comes back as "
+            "reasoning_content, apart from content, as vLLM's --reasoning-parser"
+        },
+    )
     exit_grace_period: float = field(
         default=2.0,
         metadata={"help": "seconds between the engine's death and the server's exit (code 1)"},
@@ -54,5 +62,6 @@ class ServerConfig:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.api_key is None and (key := envs.LUMEN_API_KEY.get()):
             object.__setattr__(self, "api_key", key)
+        reasoning.check_parser(self.reasoning_parser)
         if self.api_key == "":
             raise ValueError("api_key must not be empty")

@@ -8,6 +8,8 @@ from typing import Any
 import msgspec
 
 from engine.outputs import CompletionOutput, Logprob
+from service import reasoning
+from service.reasoning import ReasoningStream
 from service.tools import ToolPlan, ToolStream, parse
 
 
@@ -105,6 +107,7 @@ class ResponseHead:
     num_logprobs: int = 0
     include_usage: bool = False
     tools: ToolPlan | None = None  # chat with tools in play: the text becomes tool_calls
+    reasoning: str | None = None  # chat with a reasoning parser: <think> -> reasoning_content
     _text_parts: tuple[bytes, bytes, bytes] | None = field(default=None, repr=False)
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -170,17 +173,20 @@ class ResponseHead:
             "finish_reason": delta.finish_reason,
         }
 
-    def tool_chunks(
-        self, index: int, delta: CompletionOutput, streams: dict[int, ToolStream]
+    def parsed_chunks(
+        self, index: int, delta: CompletionOutput, streams: dict[int, ReplyStream]
     ) -> list[dict[str, Any]]:
-        """The chunks of one output of a choice when tools are in play: content and tool-call
-        deltas in OpenAI's shape, the finish reason on the last."""
-        stream = streams.setdefault(index, ToolStream())
+        """The chunks of one output of a choice when tools or a reasoning parser are in play:
+        reasoning, content and tool-call deltas in OpenAI's shape, the finish reason on the
+        last."""
+        stream = streams.get(index)
+        if stream is None:
+            stream = streams[index] = ReplyStream.of(self.reasoning, self.tools is not None)
         deltas = stream.feed(delta.text) if delta.text else []
         finish = delta.finish_reason
         if finish is not None:
             deltas += stream.finish()
-            finish = self._finish_reason(finish, bool(stream.calls))
+            finish = self._finish_reason(finish, stream.called)
         logprobs = chat_logprobs(delta.token_ids, delta.logprobs, self.num_logprobs)
         if not deltas and (finish is not None or logprobs is not None):
             deltas = [{}]
@@ -202,9 +208,16 @@ class ResponseHead:
 
     def final_choice(self, index: int, choice: Choice, has_logprobs: bool) -> dict[str, Any]:
         lps = choice.logprobs if has_logprobs else None
-        if self.chat and self.tools is not None:
-            content, calls = parse(choice.text)
-            message: dict[str, Any] = {"role": "assistant", "content": content}
+        if self.chat:
+            text: str | None = choice.text
+            message: dict[str, Any] = {"role": "assistant"}
+            if self.reasoning is not None:
+                message["reasoning_content"], text = reasoning.split(choice.text, self.reasoning)
+            calls: list[dict[str, Any]] = []
+            if self.tools is not None:
+                after_think = message.get("reasoning_content") is not None
+                text, calls = parse(text or "", after_think=after_think)
+            message["content"] = text
             if calls:
                 message["tool_calls"] = calls
             finish = choice.finish_reason
@@ -213,13 +226,6 @@ class ResponseHead:
                 "message": message,
                 "logprobs": chat_logprobs(choice.token_ids, lps, self.num_logprobs),
                 "finish_reason": self._finish_reason(finish, bool(calls)) if finish else finish,
-            }
-        if self.chat:
-            return {
-                "index": index,
-                "message": {"role": "assistant", "content": choice.text},
-                "logprobs": chat_logprobs(choice.token_ids, lps, self.num_logprobs),
-                "finish_reason": choice.finish_reason,
             }
         return {
             "index": index,
@@ -239,3 +245,46 @@ class ResponseHead:
             "choices": choices,
             "usage": usage(num_prompt_tokens, num_completion_tokens),
         }
+
+
+@dataclass
+class ReplyStream:
+    """One streamed chat choice's text, split as its final message would be: a reasoning
+    parser's reasoning_content first, then content or tool calls."""
+
+    reasoning: ReasoningStream | None
+    tools: ToolStream | None
+
+    @classmethod
+    def of(cls, parser: str | None, tools: bool) -> ReplyStream:
+        return cls(ReasoningStream(parser) if parser else None, ToolStream() if tools else None)
+
+    @property
+    def called(self) -> bool:
+        return self.tools is not None and bool(self.tools.calls)
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        if self.reasoning is None:
+            return self.tools.feed(text) if self.tools is not None else [{"content": text}]
+        return self._route(self.reasoning.feed(text))
+
+    def finish(self) -> list[dict[str, Any]]:
+        out = self._route(self.reasoning.finish()) if self.reasoning is not None else []
+        return out + (self.tools.finish() if self.tools is not None else [])
+
+    def _route(self, pieces: list[tuple[str, str]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                out.append({"reasoning_content": text})
+            elif self.tools is None:
+                out.append({"content": text})
+            else:
+                if (
+                    self.reasoning is not None
+                    and self.reasoning.thought
+                    and (self.tools.mode == "undecided" and not self.tools.buffer)
+                ):
+                    self.tools.after_think()  # the calls may follow the block's whitespace
+                out += self.tools.feed(text)
+        return out

@@ -28,7 +28,7 @@ from service.context import RequestContext
 from service.errors import APIError, error_body
 from service.metrics import ServerMetrics
 from service.protocol import ChatCompletionRequest, CompletionRequest
-from service.responses import Choice, ResponseHead
+from service.responses import Choice, ReplyStream, ResponseHead
 from service.streaming import DONE, ClientGone, EventStream, sse, until_disconnect
 from tracing.recorder import Tracer
 
@@ -72,8 +72,10 @@ class Serving:
         model_name: str,
         stall_timeout: float,
         tracer: Tracer | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        self.reasoning_parser = reasoning_parser
         self.tracer = tracer
         self.metrics = metrics
         self.admission = admission
@@ -158,6 +160,7 @@ class Serving:
             num_logprobs=num_logprobs or 0,
             include_usage=body.stream and body.include_usage,
             tools=plan,
+            reasoning=self.reasoning_parser if chat else None,
         )
         prep = Prepared(
             checked, params, head, body.stream, body.priority, ctx,
@@ -268,7 +271,7 @@ class Serving:
         offsets: defaultdict[int, int] = defaultdict(int)
         timings: list[dict[str, float]] = []
         facts = prep.ctx.http
-        streams: dict[int, tools.ToolStream] = {}  # per choice, where tools are in play
+        streams: dict[int, ReplyStream] = {}  # per choice, where tools or reasoning are in play
         try:
             if head.chat:
                 for index in range(len(prep.prompts) * n):
@@ -283,8 +286,8 @@ class Serving:
                         if not (c.text or c.finish_reason or c.logprobs):
                             continue
                         index = p * n + c.index
-                        if head.tools is not None:
-                            for chunk in head.tool_chunks(index, c, streams):
+                        if head.tools is not None or head.reasoning is not None:
+                            for chunk in head.parsed_chunks(index, c, streams):
                                 yield sse(_encode(chunk))
                         elif c.text and c.finish_reason is None and c.logprobs is None:
                             yield head.text_event(index, c.text)

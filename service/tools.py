@@ -17,7 +17,9 @@ writes them.
 Every mode but ``none`` decodes under a grammar (engine/structured_outputs.py), so a call always
 names a function of the request and its arguments always conform to that function's
 ``parameters``: ``required`` and a named function must call (the named one: exactly once);
-``auto`` lets the reply be text (not starting with ``<``) or calls.
+``auto`` lets the reply be text (not starting with ``<``) or calls. In every mode the reply may
+open with one ``<think>`` block (a thinking model's, service/reasoning.py) and whitespace: the
+calls, or the text, follow it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_outputs import JSON_OPTIONS, lark_literal
+from service import reasoning
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 _HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
@@ -68,11 +71,14 @@ class ToolPlan:
         if defs:
             schema["$defs"] = defs
         calls = 'call ("\\n" call)*' if self.parallel and self.name is None else "call"
-        start = "start: calls" if self.forced else "start: TEXT | calls\nTEXT: /[^<](.|\\n)*/"
+        start = "start: think? calls" if self.forced else "start: think? (TEXT | calls)"
         return (
-            f"{start}\ncalls: {calls}\n"
+            f"{start}\nTEXT: /[^<](.|\\n)*/\ncalls: {calls}\n"
             f"call: {lark_literal(OPEN)} body {lark_literal(CLOSE)}\n"
             f"body: %json {json.dumps(schema)}\n"
+            # One <think> block (no </think> inside it), then whitespace.
+            "think: THINK /[ \\t\\r\\n]*/\n"
+            "THINK: /<think>(.|\\n)*<\\/think>/ & ~/<think>(.|\\n)*<\\/think>(.|\\n)+/\n"
         )
 
     def system_prompt(self) -> str:
@@ -227,10 +233,24 @@ def new_call_id() -> str:
     return f"call_{secrets.token_hex(12)}"
 
 
-def parse(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool_calls) of a whole reply: calls only where the reply starts with one."""
-    if not text.startswith(OPEN):
-        return text, []
+def parse(text: str, after_think: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool_calls) of a whole reply: calls only where the reply starts with one, or
+    follows the think block that opens it (which stays content), or follows whitespace
+    (``after_think``: a reasoning parser took the block out)."""
+    end = reasoning.think_block_end(text)
+    if end is not None and end > 0:
+        head, calls_text = text[:end], text[end:]
+    elif after_think and text.lstrip().startswith(OPEN):
+        head, calls_text = "", text.lstrip()
+    else:
+        head, calls_text = "", text
+    if not calls_text.startswith(OPEN):
+        return text or None, []
+    content, calls = _parse_calls(calls_text)
+    return (head + (content or "")) or None, calls
+
+
+def _parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     calls = []
     rest = text
     while rest.startswith(OPEN):
@@ -272,23 +292,63 @@ class ToolStream:
     of the call (the object's ``}`` and the closing tag)."""
 
     buffer: str = ""
-    mode: str = "undecided"  # undecided | content | calls
+    # undecided | think (a leading <think> block, passed on as content) | gap (the whitespace
+    # after a think block) | content | calls
+    mode: str = "undecided"
     calls: list[dict[str, Any]] = field(default_factory=list)
     _header: bool = False  # the open call's header went out
     _sent: int = 0  # characters of the open call's arguments already sent
+    _thinking: bool = False  # inside the think block (its open tag went out)
+    _thought: bool = False  # past a think block: no second one
+
+    def after_think(self) -> None:
+        """A reasoning parser took a think block out: whitespace may come before the calls."""
+        self.mode, self._thought = "gap", True
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self.mode == "content":
             return [{"content": text}] if text else []
         self.buffer += text
+        out: list[dict[str, Any]] = []
+        if self.mode == "undecided" and not self._thought:
+            if reasoning.OPEN.startswith(self.buffer) and OPEN.startswith(self.buffer):
+                return []  # "<" alone: either
+            if self.buffer.startswith(reasoning.OPEN[: len(self.buffer)]):
+                self.mode = "think"
+        if self.mode == "think" and not self._thinking:
+            if reasoning.OPEN.startswith(self.buffer):
+                return out
+            if self.buffer.startswith(reasoning.OPEN):
+                self._thinking = True
+            else:
+                self.mode = "undecided"  # "<th..." but not a think block
+        if self.mode == "think":
+            end = self.buffer.find(reasoning.CLOSE)
+            if end < 0:
+                cut = len(self.buffer) - reasoning.partial_tail(self.buffer, reasoning.CLOSE)
+                if cut:
+                    out.append({"content": self.buffer[:cut]})
+                    self.buffer = self.buffer[cut:]
+                return out
+            end += len(reasoning.CLOSE)
+            out.append({"content": self.buffer[:end]})
+            self.buffer, self.mode, self._thought = self.buffer[end:], "gap", True
+        if self.mode == "gap":
+            rest = self.buffer.lstrip()
+            if not rest:
+                return out  # more whitespace may follow
+            if OPEN.startswith(rest) or rest.startswith(OPEN):  # calls follow: the gap is text
+                out.append({"content": self.buffer[: len(self.buffer) - len(rest)]})
+                self.buffer = rest
+            self.mode = "undecided"
         if self.mode == "undecided":
             if OPEN.startswith(self.buffer):
-                return []
+                return out
             if not self.buffer.startswith(OPEN):
                 self.mode, text, self.buffer = "content", self.buffer, ""
-                return [{"content": text}]
+                return [*out, {"content": text}]
             self.mode = "calls"
-        return self._calls()
+        return out + self._calls()
 
     def finish(self) -> list[dict[str, Any]]:
         """What is left at the end: a call cut short (max_tokens) is sent as text."""

@@ -1,6 +1,7 @@
 """A family beside Llama through a real `lumen serve` and the official client: Qwen3 (tiny,
-random) answers, a request's chat_template_kwargs reach its template, and its generation
-config's sampling defaults apply where a request leaves a field out."""
+random) answers, a request's chat_template_kwargs reach its template, its generation config's
+sampling defaults apply where a request leaves a field out, and with --reasoning-parser qwen3 a
+reply's think block comes back as reasoning_content, whole or streamed."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def qwen3_server(
     tmp_path_factory: pytest.TempPathFactory, tiny_family_path: Callable[[str], Path]
 ) -> Iterator[LumenServer]:
     log = tmp_path_factory.mktemp("qwen3") / "serve.log"
-    with LumenServer(tiny_family_path("qwen3"), "--num-kv-blocks", "256", log_path=log) as s:
+    args = ("--num-kv-blocks", "256", "--reasoning-parser", "qwen3")
+    with LumenServer(tiny_family_path("qwen3"), *args, log_path=log) as s:
         yield s
 
 
@@ -72,3 +74,36 @@ def test_the_generation_config_fills_what_a_request_leaves_out(qwen3_server: Lum
                        timeout=60).json()  # fmt: skip
     assert given["usage"]["completion_tokens"] == 5, given
     assert "sampling defaults from the model's generation config" in qwen3_server.log()
+
+
+# The tiny model thinks only when told to: a regex makes its reply a think block, then text.
+THINKS = {"guided_regex": "<think>\n[a-z]{2,6}( [a-z]{2,6}){0,3}\n</think>\n\nParis\\."}
+
+
+def test_a_think_block_comes_back_as_reasoning_content(qwen3_server: LumenServer) -> None:
+    client = qwen3_server.client()
+    model = client.models.list().data[0].id
+    whole = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=40, temperature=0, extra_body=THINKS
+    )  # type: ignore[call-overload]
+    message = whole.choices[0].message
+    reasoning = (message.model_extra or {})["reasoning_content"]
+    assert reasoning.startswith("\n") and reasoning.endswith("\n") and "<" not in reasoning
+    assert message.content == "\n\nParis."
+    # Streamed: the same split, delta by delta, and no tag in either part.
+    stream = client.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=40, temperature=0, extra_body=THINKS,
+        stream=True,
+    )  # type: ignore[call-overload]  # fmt: skip
+    parts = {"reasoning_content": "", "content": ""}
+    for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            parts["content"] += delta.content or ""
+            parts["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+    assert parts == {"reasoning_content": reasoning, "content": "\n\nParis."}
+    # Without a think block the reply is all content.
+    plain = httpx.post(qwen3_server.url("/v1/chat/completions"), timeout=60, json={
+        "messages": MESSAGES, "max_tokens": 3, "guided_regex": "[a-z]{3}"}).json()  # fmt: skip
+    assert plain["choices"][0]["message"]["reasoning_content"] is None
+    assert len(plain["choices"][0]["message"]["content"]) == 3

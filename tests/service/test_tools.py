@@ -98,7 +98,9 @@ def test_parse_reads_calls_only_at_the_start() -> None:
 @pytest.mark.parametrize("seed", range(6))
 def test_a_stream_in_any_pieces_gives_what_parse_gives(seed: int) -> None:
     rng = random.Random(seed)
-    for text in (CALLS, "Plain <b>text</b> reply", CALLS[:-20], CALLS[:12]):
+    think = "<think>\nThe user wants </b> weather.\n</think>\n\n"
+    for text in (CALLS, "Plain <b>text</b> reply", CALLS[:-20], CALLS[:12], think + CALLS,
+                 think + "Just text.", "<think>cut short", "<thx not a block"):  # fmt: skip
         stream, deltas, i = ToolStream(), [], 0
         while i < len(text):
             n = rng.randint(1, 9)
@@ -116,6 +118,42 @@ def test_a_stream_in_any_pieces_gives_what_parse_gives(seed: int) -> None:
         assert [c["function"]["name"] for c in stream.calls] == [
             c["function"]["name"] for c in want_calls
         ]
+
+
+def test_calls_may_follow_a_think_block_in_every_mode(tiny_model_path: Path) -> None:
+    """A thinking model opens its reply with <think>...</think>: the grammar lets calls (or,
+    in auto, text) follow it, and parse reads them there, the block staying content (a
+    reasoning parser takes it out first: service/reasoning.py)."""
+    import llguidance
+
+    think = "<think>\nweather, so get_weather </b>\n</think>\n\n"
+    content, calls = parse(think + CALLS)
+    assert content == think and [c["function"]["name"] for c in calls] == ["get_weather", "now"]
+    content, calls = parse("\n\n" + CALLS, after_think=True)
+    assert content is None and len(calls) == 2
+    assert parse("\n\n" + CALLS) == ("\n\n" + CALLS, [])  # no block: text
+    tokenizer = llguidance.LLTokenizer(
+        (tiny_model_path / "tokenizer.json").read_text(), n_vocab=49152, eos_token=[2]
+    )
+    from tokenizers import Tokenizer
+
+    encode = Tokenizer.from_file(str(tiny_model_path / "tokenizer.json")).encode
+
+    def allowed(grammar: str, text: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        ids = encode(text, add_special_tokens=False).ids
+        return all(matcher.consume_token(t) for t in ids) and not matcher.is_error()
+
+    auto = plan_from_request(TOOLS, "auto", True)
+    required = plan_from_request(TOOLS, "required", True)
+    assert auto is not None and required is not None
+    for plan in (auto, required):
+        assert allowed(plan.grammar(), think + CALLS) and allowed(plan.grammar(), CALLS)
+        assert not allowed(plan.grammar(), "<bad")
+    assert allowed(auto.grammar(), think + "Sunny.")
+    assert not allowed(required.grammar(), think + "Sunny.")
+    # One block: a second </think> is text in auto (then no call follows), refused in required.
+    assert not allowed(required.grammar(), "<think>a</think>b</think>" + CALLS)
 
 
 def test_parameters_with_defs_keep_their_references() -> None:

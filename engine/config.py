@@ -37,6 +37,14 @@ def _qwen3_flags(cfg: dict[str, Any]) -> dict[str, Any]:
             "window": _qwen_window(cfg)}  # fmt: skip
 
 
+def _phi3_flags(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3, Phi-3.5, Phi-4-mini: q/k/v and gate/up fused in the checkpoint, RoPE over the
+    first partial_rotary_factor of each head (longrope: the rope type, read below)."""
+    return {"qkv_bias": False, "o_bias": False, "mlp_bias": False, "qk_norm": False,
+            "fused_checkpoint": True, "window": cfg.get("sliding_window"),
+            "partial_rotary_factor": float(cfg.get("partial_rotary_factor") or 1.0)}  # fmt: skip
+
+
 def _qwen_window(cfg: dict[str, Any]) -> int | None:
     """Qwen configs carry sliding_window beside use_sliding_window: false, which turns it off."""
     sliding = "sliding_attention" in (cfg.get("layer_types") or [])
@@ -51,6 +59,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": _llama_flags,
     "Qwen2ForCausalLM": _qwen2_flags,
     "Qwen3ForCausalLM": _qwen3_flags,
+    "Phi3ForCausalLM": _phi3_flags,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -78,6 +87,8 @@ class ModelConfig:
     o_bias: bool = False  # ... and on the output projection
     mlp_bias: bool = False  # ... and on gate, up and down
     qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
+    fused_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
+    rotary_dim: int = 0  # RoPE rotates a head's first rotary_dim dims (0: all of head_dim)
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
@@ -94,15 +105,26 @@ class ModelConfig:
                 f"Lumen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         flags = ARCHITECTURES[arch](cfg)
-        if flags.pop("window"):
+        window = flags.pop("window")
+        max_positions = cfg.get("max_position_embeddings", 2048)
+        if window and window < max_positions:  # a window as long as the context is none
             raise ValueError(f"sliding-window attention ({arch} in {path}) is not supported yet")
         num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
         # transformers 5 moved rope_theta (and the scaling dict) into rope_parameters.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "linear", "llama3"):
+        if rope_type not in ("default", "linear", "llama3", "longrope"):
             raise ValueError(f"unsupported rope type {rope_type!r} in {path}")
+        partial = flags.pop("partial_rotary_factor", rope.pop("partial_rotary_factor", 1.0))
+        flags["rotary_dim"] = int(head_dim * partial) if partial != 1.0 else 0
+        if rope_type == "longrope":
+            original = rope.get("original_max_position_embeddings") or cfg.get(
+                "original_max_position_embeddings", max_positions
+            )
+            rope = {**rope, "original_max_position_embeddings": original,
+                    "factor": rope.get("factor") or max_positions / original}  # fmt: skip
         return cls(
             path=str(path),
             architecture=arch,
@@ -112,11 +134,11 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=_eos_token_ids(path, cfg),
             **flags,

@@ -111,35 +111,65 @@ class RMSNorm(nn.Module):
 
 
 class Rotary:
-    """cos/sin tables for every position up to max_len, built once."""
+    """cos/sin tables for every position up to max_len, built once, over a head's first
+    ``rotary_dim`` dims (all of them but for partial RoPE, as Phi-3's).
+
+    longrope (Phi-3) has two tables: short factors while every position of a step is within
+    original_max_position_embeddings, long ones for a whole step once any is past it. That is
+    transformers' rule for one sequence's forward (it chooses from its longest position), and
+    vLLM's per batch: a short request batched with a long one gets the long factors then.
+    """
 
     def __init__(self, cfg: ModelConfig, max_len: int, device: torch.device) -> None:
-        dim = cfg.head_dim
-        inv_freq = 1.0 / (
-            cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-        )
-        inv_freq = _scale_inv_freq(inv_freq, cfg.rope_scaling)
-        pos = torch.arange(max_len, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
+        dim = cfg.rotary_dim or cfg.head_dim
+        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+        scaling = cfg.rope_scaling or {}
+        self.long_from = 0  # longrope: the first position that needs the long factors
+        if scaling.get("rope_type") == "longrope":
+            original = scaling["original_max_position_embeddings"]
+            factor = scaling["factor"]
+            attention = scaling.get("attention_factor") or (
+                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+            )
+            tables = [
+                self._table(1.0 / (torch.tensor(f, dtype=torch.float32) * cfg.rope_theta**shape),
+                            max_len, attention)
+                for f in (scaling["short_factor"], scaling["long_factor"])
+            ]  # fmt: skip
+            (self.cos, self.sin), (self.long_cos, self.long_sin) = (
+                (c.to(device), s.to(device)) for c, s in tables
+            )
+            self.long_from = original
+            return
+        inv_freq = _scale_inv_freq(1.0 / (cfg.rope_theta**shape), cfg.rope_scaling)
+        cos, sin = self._table(inv_freq, max_len, 1.0)
+        self.cos, self.sin = cos.to(device), sin.to(device)
+
+    @staticmethod
+    def _table(inv_freq: torch.Tensor, max_len: int, scale: float) -> RotaryTables:
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(device)
-        self.sin = emb.sin().to(device)
+        return emb.cos() * scale, emb.sin() * scale
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
         """The step's cos/sin rows, gathered once and shared by every layer."""
-        return (
-            self.cos[positions].unsqueeze(1).to(dtype),
-            self.sin[positions].unsqueeze(1).to(dtype),
-        )
+        cos, sin = self.cos, self.sin
+        if self.long_from and int(positions.max()) >= self.long_from:
+            cos, sin = self.long_cos, self.long_sin
+        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
 
 
 RotaryTables = tuple[torch.Tensor, torch.Tensor]
 
 
 def apply_rotary(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
-    """x: [T, heads, D], rotated by each token's position (Hugging Face's rotate_half form)."""
+    """x: [T, heads, D], rotated by each token's position (Hugging Face's rotate_half form);
+    with tables narrower than D (partial RoPE), only the first dims rotate."""
     cos, sin = tables
-    half = x.shape[-1] // 2
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :dim], tables), x[..., dim:]), dim=-1)
+    half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -356,10 +386,14 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.decoder_layers):
             p = f"model.layers.{i}."
             # Hugging Face stores [out, in]; our Linear holds [in, out].
-            qkv = [take(p + f"self_attn.{n}_proj.weight", rows=rows[n]) for n in "qkv"]
+            if cfg.fused_checkpoint:  # Phi-3: one tensor each; a shard cuts its part of each
+                qkv = take.fused(p + "self_attn.qkv_proj.weight", [rows[n] for n in "qkv"])
+                gate_up = take.fused(p + "mlp.gate_up_proj.weight", [inter, inter])
+            else:
+                qkv = [take(p + f"self_attn.{n}_proj.weight", rows=rows[n]) for n in "qkv"]
+                gate_up = [take(p + f"mlp.{n}_proj.weight", rows=inter) for n in ("gate", "up")]
             layer.qkv_proj.weight.copy_(torch.cat(qkv).t())
             layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight", cols=rows["q"]).t())
-            gate_up = [take(p + f"mlp.{n}_proj.weight", rows=inter) for n in ("gate", "up")]
             layer.gate_up_proj.weight.copy_(torch.cat(gate_up).t())
             layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight", cols=inter).t())
             layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
@@ -410,3 +444,12 @@ class _Taker:
             raise ValueError(f"the checkpoint's {name!r} has shape {shape}, unlike the config")
         part = self.shard.part(total)
         return full[part] if dim == 0 else full[:, part]
+
+    def fused(self, name: str, sizes: list[int]) -> list[torch.Tensor]:
+        """A tensor of parts stacked by rows (Phi-3's qkv_proj, gate_up_proj): this shard's
+        rows of each part."""
+        whole = self(name)
+        if whole.shape[0] != sum(sizes):
+            raise ValueError(f"the checkpoint's {name!r} has shape {list(whole.shape)}, "
+                             f"unlike the config's {sum(sizes)} rows")  # fmt: skip
+        return [part[self.shard.part(n)] for part, n in zip(whole.split(sizes), sizes)]

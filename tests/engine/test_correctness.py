@@ -101,6 +101,23 @@ def test_tiny_families_match_hf(
     _check_setting(tiny_family_path(family), setting, family_references[family])
 
 
+def test_phi3_longrope_past_its_original_context_matches_hf(
+    tiny_family_path: Callable[[str], Path],
+) -> None:
+    """Past original_max_position_embeddings (1024 in the tiny Phi-3) longrope's long factors
+    apply: a prompt of 1,100 tokens, alone and in one step, as transformers runs it."""
+    model = tiny_family_path("phi3")
+    rng = random.Random(5)
+    prompt = [rng.randrange(3, 49152) for _ in range(1100)]
+    llm = LLM(str(model), num_kv_blocks=128, max_num_batched_tokens=2048)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8)
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert out.outputs[0].token_ids == hf_greedy(model, [prompt], 8)[0]
+
+
 @pytest.fixture(scope="module")
 def smol_references() -> dict[int, list[list[int]]]:
     return {}

@@ -51,6 +51,10 @@ def test_each_family_translates_its_config(
         True, False, False, 1e6
     )  # fmt: skip
     assert (qwen3.qkv_bias, qwen3.qk_norm, qwen3.head_dim) == (False, True, 32)
+    phi3 = ModelConfig.from_path(tiny_family_path("phi3"))
+    assert (phi3.fused_checkpoint, phi3.rotary_dim, phi3.head_dim) == (True, 8, 16)
+    assert phi3.rope_scaling is not None and phi3.rope_scaling["rope_type"] == "longrope"
+    assert phi3.rope_scaling["original_max_position_embeddings"] == 1024
     # A window that is on, or a Llama whose config asks for biases.
     config = json.loads((tiny_family_path("qwen2") / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}))
@@ -60,6 +64,15 @@ def test_each_family_translates_its_config(
     (tmp_path / "config.json").write_text(json.dumps(llama))
     with pytest.raises(ValueError, match=r"sliding-window attention \(LlamaForCausalLM"):
         ModelConfig.from_path(tmp_path)  # for Llama and Mistral, sliding_window is a window
+    # Phi-3-mini-4k's window of 2047 is refused; Phi-4-mini's, longer than its context, is none.
+    phi3_config = json.loads((tiny_family_path("phi3") / "config.json").read_text())
+    for window, refused in ((1024, True), (1 << 20, False)):
+        (tmp_path / "config.json").write_text(json.dumps({**phi3_config, "sliding_window": window}))
+        if refused:
+            with pytest.raises(ValueError, match=r"sliding-window attention \(Phi3ForCausalLM"):
+                ModelConfig.from_path(tmp_path)
+        else:
+            assert ModelConfig.from_path(tmp_path).fused_checkpoint
     llama["sliding_window"] = None
     (tmp_path / "config.json").write_text(json.dumps(llama))
     assert ModelConfig.from_path(tmp_path).o_bias

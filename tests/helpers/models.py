@@ -14,7 +14,7 @@ from bench.tiny_model import TOKENIZER_FILES, build_tiny_llama
 __all__ = ["FAMILIES", "build_tiny_family", "build_tiny_llama", "hf_greedy"]
 
 # Families beside Llama, each as a tiny random checkpoint with its quirks switched on.
-FAMILIES = ("qwen2", "qwen3")
+FAMILIES = ("qwen2", "qwen3", "phi3")
 
 
 def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int = 0) -> Path:
@@ -26,6 +26,8 @@ def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int
     - qwen3: q/k RMSNorm per head, a head_dim (32) other than hidden / heads (16), a chat
       template that enable_thinking switches (THINKING_TEMPLATE), and sampling defaults in its
       generation_config.json (Qwen3's, and max_new_tokens 3);
+    - phi3: q/k/v and gate/up fused in the checkpoint, RoPE over half of each head, longrope
+      (short factors up to 1024 positions, long ones past it, attention factor of 2x);
     - llama_bias (not in FAMILIES: for tensor parallelism's row-parallel biases): a Llama
       with attention_bias and mlp_bias, biases on every product."""
     import shutil
@@ -33,6 +35,8 @@ def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -50,6 +54,17 @@ def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
     elif family == "qwen3":
         model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32, tie_word_embeddings=False))
+    elif family == "phi3":
+        rope = {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.3, 1.9, 2.6],
+            "long_factor": [2.0, 3.5, 6.0, 9.0],
+        }
+        config = Phi3Config(**{**common, "rope_theta": 10000.0}, partial_rotary_factor=0.5,
+                            original_max_position_embeddings=1024, rope_scaling=rope,
+                            sliding_window=None, tie_word_embeddings=False)  # fmt: skip
+        model = Phi3ForCausalLM(config)
     elif family == "llama_bias":
         config = LlamaConfig(**common, attention_bias=True, mlp_bias=True)
         model = LlamaForCausalLM(config)

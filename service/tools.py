@@ -235,13 +235,15 @@ def new_call_id() -> str:
 
 def parse(text: str, after_think: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a whole reply: calls only where the reply starts with one, or
-    follows the think block that opens it (which stays content), or follows whitespace
-    (``after_think``: a reasoning parser took the block out)."""
+    follows the think block that opens it, or whitespace (``after_think``: a reasoning parser
+    took the block out). The block and the whitespace stay content, as vLLM's parser keeps
+    what comes before the first call."""
     end = reasoning.think_block_end(text)
     if end is not None and end > 0:
         head, calls_text = text[:end], text[end:]
     elif after_think and text.lstrip().startswith(OPEN):
-        head, calls_text = "", text.lstrip()
+        gap = len(text) - len(text.lstrip())
+        head, calls_text = text[:gap], text[gap:]  # the whitespace stays content, as streamed
     else:
         head, calls_text = "", text
     if not calls_text.startswith(OPEN):

@@ -41,8 +41,7 @@ def _phi3_flags(cfg: dict[str, Any]) -> dict[str, Any]:
     """Phi-3, Phi-3.5, Phi-4-mini: q/k/v and gate/up fused in the checkpoint, RoPE over the
     first partial_rotary_factor of each head (longrope: the rope type, read below)."""
     return {"qkv_bias": False, "o_bias": False, "mlp_bias": False, "qk_norm": False,
-            "fused_checkpoint": True, "window": cfg.get("sliding_window"),
-            "partial_rotary_factor": float(cfg.get("partial_rotary_factor") or 1.0)}  # fmt: skip
+            "fused_checkpoint": True, "window": cfg.get("sliding_window")}  # fmt: skip
 
 
 def _qwen_window(cfg: dict[str, Any]) -> int | None:
@@ -117,7 +116,10 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3", "longrope"):
             raise ValueError(f"unsupported rope type {rope_type!r} in {path}")
-        partial = flags.pop("partial_rotary_factor", rope.pop("partial_rotary_factor", 1.0))
+        # Partial RoPE (Phi-3): at the top level, or among transformers 5's rope_parameters.
+        partial = float(
+            rope.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0
+        )
         flags["rotary_dim"] = int(head_dim * partial) if partial != 1.0 else 0
         if rope_type == "longrope":
             original = rope.get("original_max_position_embeddings") or cfg.get(

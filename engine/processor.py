@@ -147,12 +147,10 @@ def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _check_sampling_defaults(defaults: dict[str, Any]) -> None:
-    """At start, not in every request's 400: the generation config's values must be valid."""
+    """At start, not in every request's 400: the generation config's values must be valid
+    (SamplingParams checks them; its max_tokens is the config's max_new_tokens)."""
     try:
-        SamplingParams(**{k: v for k, v in defaults.items() if k != "max_tokens"})
-        max_tokens = defaults.get("max_tokens", 1)
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_tokens!r}")
+        SamplingParams(**defaults)
     except (TypeError, ValueError) as e:
         raise ValueError(
             f"the model's generation config: {e} (--generation-config none ignores it)"

@@ -122,8 +122,7 @@ class _SamplingBody(_Body):
         """Raises ValueError naming the field for any value out of range. A field the request
         leaves out takes ``model_defaults``' value (the model's generation config), else the
         library's."""
-        given = {k: v for k, v in (model_defaults or {}).items() if k != "max_tokens"}
-        defaults = SamplingParams(**given)
+        defaults = SamplingParams(**(model_defaults or {}))  # its max_tokens: the caller's
         return SamplingParams(
             n=self.n,
             temperature=defaults.temperature if self.temperature is None else self.temperature,

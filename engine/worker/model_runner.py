@@ -312,6 +312,9 @@ def materialize(model: M, device: torch.device, dtype: torch.dtype) -> M:
     return model
 
 
+ALIGN = 64  # bytes: the KV pool's start, as torch's own allocations are aligned
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed KV tensor. On CPU, from calloc (numpy's zeros): the kernel maps zero pages and
     fills each on its first write, so the default 4 GiB pool costs neither start-up time
@@ -321,11 +324,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGN  # 64-byte aligned, as torch's own allocations are
+    start = -raw.ctypes.data % ALIGN
     return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(shape)
-
-
-ALIGN = 64
 
 
 def _check_fits_in_memory(nbytes: int) -> None:

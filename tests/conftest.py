@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -82,16 +83,22 @@ def default_model_path() -> Path:
     return ensure_default_model()
 
 
+def built_once(folder: Path, build: Callable[[Path], object]) -> Path:
+    """``folder``, built by ``build`` once per run: the first worker builds it, the others
+    wait for it."""
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / ".built").exists():
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory, default_model_path: Path) -> Path:
     from tests.helpers.models import build_tiny_llama
 
     folder = run_folder(tmp_path_factory, "tiny-llama")
-    with FileLock(str(folder) + ".lock"):  # the first worker builds it, the others wait
-        if not (folder / ".built").exists():
-            build_tiny_llama(folder, default_model_path)
-            (folder / ".built").touch()
-    return folder
+    return built_once(folder, lambda f: build_tiny_llama(f, default_model_path))
 
 
 @pytest.fixture(scope="session")
@@ -101,12 +108,8 @@ def tiny_family_path(tmp_path_factory: pytest.TempPathFactory, default_model_pat
     from tests.helpers.models import build_tiny_family
 
     def path(family: str) -> Path:
-        folder = run_folder(tmp_path_factory, f"tiny-{family}")
-        with FileLock(str(folder) + ".lock"):
-            if not (folder / ".built").exists():
-                build_tiny_family(folder, default_model_path, family)
-                (folder / ".built").touch()
-        return folder
+        return built_once(run_folder(tmp_path_factory, f"tiny-{family}"),
+                          lambda f: build_tiny_family(f, default_model_path, family))  # fmt: skip
 
     return path
 

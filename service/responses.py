@@ -249,15 +249,23 @@ class ResponseHead:
 
 @dataclass
 class ReplyStream:
-    """One streamed chat choice's text, split as its final message would be: a reasoning
-    parser's reasoning_content first, then content or tool calls."""
+    """One streamed chat choice's text, split as its final message would be: reasoning, then
+    content or tool calls. A think block opening the reply is split off by a ReasoningStream
+    (the server's --reasoning-parser, or qwen3's rule where tools are in play without one):
+    with a parser it goes out as reasoning_content, without one as content, tags and all."""
 
     reasoning: ReasoningStream | None
     tools: ToolStream | None
+    parsed: bool = True  # the block is reasoning_content (else content again)
+    _opened: bool = False  # the block's open tag went out as content (parsed False)
+    _closed: bool = False  # the block was closed and what follows it routed
 
     @classmethod
     def of(cls, parser: str | None, tools: bool) -> ReplyStream:
-        return cls(ReasoningStream(parser) if parser else None, ToolStream() if tools else None)
+        if parser is None and not tools:
+            return cls(None, None)
+        splitter = ReasoningStream(parser or "qwen3")
+        return cls(splitter, ToolStream() if tools else None, parsed=parser is not None)
 
     @property
     def called(self) -> bool:
@@ -265,7 +273,7 @@ class ReplyStream:
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self.reasoning is None:
-            return self.tools.feed(text) if self.tools is not None else [{"content": text}]
+            return [{"content": text}]
         return self._route(self.reasoning.feed(text))
 
     def finish(self) -> list[dict[str, Any]]:
@@ -274,17 +282,27 @@ class ReplyStream:
 
     def _route(self, pieces: list[tuple[str, str]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
+        r = self.reasoning
+        assert r is not None  # feed and finish route only what it split
+        if not self.parsed and not self._opened and (r.state == "thinking" or r.thought):
+            self._opened = True
+            out.append({"content": reasoning.OPEN})
         for kind, text in pieces:
             if kind == "reasoning":
-                out.append({"reasoning_content": text})
-            elif self.tools is None:
-                out.append({"content": text})
-            else:
-                if (
-                    self.reasoning is not None
-                    and self.reasoning.thought
-                    and (self.tools.mode == "undecided" and not self.tools.buffer)
-                ):
-                    self.tools.after_think()  # the calls may follow the block's whitespace
-                out += self.tools.feed(text)
+                out.append({"reasoning_content" if self.parsed else "content": text})
+                continue
+            self._close(out)
+            out += self.tools.feed(text) if self.tools is not None else [{"content": text}]
+        self._close(out)  # a block closed with nothing after it yet
         return out
+
+    def _close(self, out: list[dict[str, Any]]) -> None:
+        """Once, when the block has closed: its close tag (as content, unparsed), and the
+        tool calls may then follow the whitespace after it."""
+        if self._closed or self.reasoning is None or not self.reasoning.thought:
+            return
+        self._closed = True
+        if not self.parsed:
+            out.append({"content": reasoning.CLOSE})
+        if self.tools is not None:
+            self.tools.after_think()

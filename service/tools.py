@@ -294,47 +294,22 @@ class ToolStream:
     of the call (the object's ``}`` and the closing tag)."""
 
     buffer: str = ""
-    # undecided | think (a leading <think> block, passed on as content) | gap (the whitespace
-    # after a think block) | content | calls
+    # undecided | gap (the whitespace after a think block: service/responses.py ReplyStream
+    # splits the block off) | content | calls
     mode: str = "undecided"
     calls: list[dict[str, Any]] = field(default_factory=list)
     _header: bool = False  # the open call's header went out
     _sent: int = 0  # characters of the open call's arguments already sent
-    _thinking: bool = False  # inside the think block (its open tag went out)
-    _thought: bool = False  # past a think block: no second one
 
     def after_think(self) -> None:
-        """A reasoning parser took a think block out: whitespace may come before the calls."""
-        self.mode, self._thought = "gap", True
+        """A think block opened the reply: whitespace may come before the calls."""
+        self.mode = "gap"
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         if self.mode == "content":
             return [{"content": text}] if text else []
         self.buffer += text
         out: list[dict[str, Any]] = []
-        if self.mode == "undecided" and not self._thought:
-            if reasoning.OPEN.startswith(self.buffer) and OPEN.startswith(self.buffer):
-                return []  # "<" alone: either
-            if self.buffer.startswith(reasoning.OPEN[: len(self.buffer)]):
-                self.mode = "think"
-        if self.mode == "think" and not self._thinking:
-            if reasoning.OPEN.startswith(self.buffer):
-                return out
-            if self.buffer.startswith(reasoning.OPEN):
-                self._thinking = True
-            else:
-                self.mode = "undecided"  # "<th..." but not a think block
-        if self.mode == "think":
-            end = self.buffer.find(reasoning.CLOSE)
-            if end < 0:
-                cut = len(self.buffer) - reasoning.partial_tail(self.buffer, reasoning.CLOSE)
-                if cut:
-                    out.append({"content": self.buffer[:cut]})
-                    self.buffer = self.buffer[cut:]
-                return out
-            end += len(reasoning.CLOSE)
-            out.append({"content": self.buffer[:end]})
-            self.buffer, self.mode, self._thought = self.buffer[end:], "gap", True
         if self.mode == "gap":
             rest = self.buffer.lstrip()
             if not rest:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from engine.processor import InputProcessor
-from service.tools import ToolStream, parse, plan_from_request, render_messages
+from service.responses import ReplyStream
+from service.tools import parse, plan_from_request, render_messages
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [
@@ -101,7 +102,7 @@ def test_a_stream_in_any_pieces_gives_what_parse_gives(seed: int) -> None:
     think = "<think>\nThe user wants </b> weather.\n</think>\n\n"
     for text in (CALLS, "Plain <b>text</b> reply", CALLS[:-20], CALLS[:12], think + CALLS,
                  think + "Just text.", "<think>cut short", "<thx not a block"):  # fmt: skip
-        stream, deltas, i = ToolStream(), [], 0
+        stream, deltas, i = ReplyStream.of(None, True), [], 0
         while i < len(text):
             n = rng.randint(1, 9)
             deltas += stream.feed(text[i : i + n])
@@ -115,7 +116,8 @@ def test_a_stream_in_any_pieces_gives_what_parse_gives(seed: int) -> None:
         want_content, want_calls = parse(text)
         assert content == want_content
         assert [args[i] for i in sorted(args)] == [c["function"]["arguments"] for c in want_calls]
-        assert [c["function"]["name"] for c in stream.calls] == [
+        assert stream.tools is not None
+        assert [c["function"]["name"] for c in stream.tools.calls] == [
             c["function"]["name"] for c in want_calls
         ]
 

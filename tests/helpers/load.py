@@ -27,9 +27,15 @@ class StreamResult:
 
 
 def stream_chat(
-    server: LumenServer, body: dict, *, stop_after: int | None = None, timeout: float = 120
+    server: LumenServer,
+    body: dict,
+    *,
+    stop_after: int | None = None,
+    until: Callable[[], bool] | None = None,
+    timeout: float = 120,
 ) -> StreamResult:
-    """Stream a chat completion; with ``stop_after``, hang up after that many chunks."""
+    """Stream a chat completion; hang up after ``stop_after`` chunks, or at the first
+    chunk once ``until()`` holds."""
     body = {**body, "stream": True}
     first = last = 0.0
     count = 0
@@ -51,7 +57,7 @@ def stream_chat(
             last = time.monotonic()
             first = first or last
             count += 1
-            if stop_after is not None and count >= stop_after:
+            if stop_after is not None and count >= stop_after or until is not None and until():
                 break  # leaving the block closes the connection
     return StreamResult(count, first, last, events)
 

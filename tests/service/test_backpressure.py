@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,6 +44,10 @@ def test_disconnected_clients_free_their_kv_blocks(tiny_server: LumenServer) -> 
     assert _delta(before, after, "lumen:generation_tokens_total") < 5 * 1800 / 2
 
 
+def _running(server: LumenServer) -> bool:
+    return metric(server.metrics(), "lumen:num_requests_running") > 0
+
+
 @pytest.mark.serial  # a ratio of rates on the wall clock
 def test_a_stalled_reader_does_not_slow_the_others(tiny_server: LumenServer) -> None:
     body = {**LONG, "max_tokens": 200}
@@ -54,12 +59,17 @@ def test_a_stalled_reader_does_not_slow_the_others(tiny_server: LumenServer) -> 
                 r.rate for r in pool.map(lambda _: stream_chat(tiny_server, body), range(3))
             )
 
-    # Baseline: the fourth client is just as heavy but reads.
+    # Baseline: the fourth client is just as heavy but reads, for as long as the three do
+    # (a stalled one keeps its eight sequences decoding throughout).
+    done = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        fourth = pool.submit(stream_chat, tiny_server, heavy, stop_after=400)
+        fourth = pool.submit(stream_chat, tiny_server, heavy, until=done.is_set)
+        wait_until(lambda: _running(tiny_server), timeout=30)
         normal = three_readers()
+        done.set()
         fourth.result()
     with StalledClient(tiny_server, heavy):
+        wait_until(lambda: _running(tiny_server), timeout=30)
         stalled = three_readers()
     ratio = stalled / normal
     print(

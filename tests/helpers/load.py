@@ -57,7 +57,7 @@ def stream_chat(
             last = time.monotonic()
             first = first or last
             count += 1
-            if stop_after is not None and count >= stop_after or until is not None and until():
+            if (stop_after is not None and count >= stop_after) or (until is not None and until()):
                 break  # leaving the block closes the connection
     return StreamResult(count, first, last, events)
 

@@ -27,14 +27,14 @@ def _llama_flags(cfg: dict[str, Any]) -> dict[str, Any]:
 def _qwen2_flags(cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen2 / Qwen2.5: biases on q, k and v (not o); a window only with use_sliding_window."""
     return {"qkv_bias": True, "o_bias": False, "mlp_bias": False, "qk_norm": False,
-            "window": _qwen_window(cfg)}  # fmt: skip
+            "window": _qwen_window(cfg), "layer_types": _qwen_layer_types(cfg)}  # fmt: skip
 
 
 def _qwen3_flags(cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3: an RMSNorm over each q and k head before RoPE; biases where attention_bias."""
     bias = bool(cfg.get("attention_bias", False))
     return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False, "qk_norm": True,
-            "window": _qwen_window(cfg)}  # fmt: skip
+            "window": _qwen_window(cfg), "layer_types": _qwen_layer_types(cfg)}  # fmt: skip
 
 
 def _phi3_flags(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -44,10 +44,39 @@ def _phi3_flags(cfg: dict[str, Any]) -> dict[str, Any]:
             "fused_checkpoint": True, "window": cfg.get("sliding_window")}  # fmt: skip
 
 
+def _gemma3_flags(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 (text): RMSNorm as (1 + w), norms before and after attention and the MLP,
+    embeddings scaled by sqrt(hidden), GeGLU (tanh GELU), q/k norms, attention scaled by
+    query_pre_attn_scalar, sliding layers interleaved with global ones (layer_types, or every
+    sliding_window_pattern-th layer global), each kind with its own RoPE base."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"Gemma 3 with {key} {cfg[key]} is not supported (Lumen runs it null)")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("Gemma 3 with use_bidirectional_attention is not supported")
+    bias = bool(cfg.get("attention_bias", False))
+    pattern = cfg.get("sliding_window_pattern", 6)
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(cfg["num_hidden_layers"])
+    ]
+    return {"qkv_bias": bias, "o_bias": bias, "mlp_bias": False, "qk_norm": True,
+            "gemma": True, "window": cfg.get("sliding_window"), "layer_types": types}  # fmt: skip
+
+
 def _qwen_window(cfg: dict[str, Any]) -> int | None:
     """Qwen configs carry sliding_window beside use_sliding_window: false, which turns it off."""
     sliding = "sliding_attention" in (cfg.get("layer_types") or [])
     return cfg.get("sliding_window") if cfg.get("use_sliding_window") or sliding else None
+
+
+def _qwen_layer_types(cfg: dict[str, Any]) -> list[str] | None:
+    """Qwen2/Qwen3 window only the layers from max_window_layers on (transformers' rule)."""
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    first = cfg.get("max_window_layers", cfg["num_hidden_layers"])
+    return ["sliding_attention" if i >= first else "full_attention"
+            for i in range(cfg["num_hidden_layers"])]  # fmt: skip
 
 
 # The one registry of families: each architecture's config translated into the switches the
@@ -59,6 +88,7 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": _qwen2_flags,
     "Qwen3ForCausalLM": _qwen3_flags,
     "Phi3ForCausalLM": _phi3_flags,
+    "Gemma3ForCausalLM": _gemma3_flags,
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
@@ -88,6 +118,13 @@ class ModelConfig:
     qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3)
     fused_checkpoint: bool = False  # the checkpoint holds qkv_proj and gate_up_proj (Phi-3)
     rotary_dim: int = 0  # RoPE rotates a head's first rotary_dim dims (0: all of head_dim)
+    # Sliding-window attention: a local layer's query at position p reads the keys at
+    # (p - sliding_window, p] (transformers' rule); 0 is no window. One window per model.
+    sliding_window: int = 0
+    local_layers: tuple[int, ...] = ()  # the sliding_attention layers
+    local_rope_theta: float = 0.0  # the local layers' own RoPE base (0: rope_theta)
+    gemma: bool = False  # Gemma 3's layer (see _gemma3_flags); query_pre_attn_scalar below
+    query_pre_attn_scalar: float = 0.0  # attention scaled by its -1/2 power (0: head_dim's)
 
     @classmethod
     def from_path(cls, path: str | Path) -> ModelConfig:
@@ -104,14 +141,21 @@ class ModelConfig:
                 f"Lumen runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
         flags = ARCHITECTURES[arch](cfg)
-        window = flags.pop("window")
         max_positions = cfg.get("max_position_embeddings", 2048)
-        if window and window < max_positions:  # a window as long as the context is none
-            raise ValueError(f"sliding-window attention ({arch} in {path}) is not supported yet")
+        flags.update(_windows(cfg, flags.pop("window"), flags.pop("layer_types", None)))
         num_heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        # transformers 5 moved rope_theta (and the scaling dict) into rope_parameters.
+        # transformers 5 moved rope_theta (and the scaling dict) into rope_parameters; Gemma 3
+        # keeps one dict per layer type there (older configs: rope_local_base_freq).
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        if "full_attention" in rope:
+            local = rope.get("sliding_attention") or {}
+            rope = dict(rope["full_attention"])
+            flags["local_rope_theta"] = float(local.get("rope_theta", 10000.0))
+        elif flags.get("gemma"):
+            flags["local_rope_theta"] = float(cfg.get("rope_local_base_freq", 10000.0))
+        if flags.get("gemma"):
+            flags["query_pre_attn_scalar"] = float(cfg.get("query_pre_attn_scalar", head_dim))
         rope_theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ("default", "linear", "llama3", "longrope"):
@@ -149,6 +193,23 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         elem = dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def _windows(cfg: dict[str, Any], window: int | None, types: list[str] | None) -> dict[str, Any]:
+    """The sliding window and the layers of the local kind: those layer_types names
+    sliding_attention, or every layer where the family has no layer_types (Mistral, Phi-3).
+    A window as long as the context is none (its layers keep their own RoPE base)."""
+    if not window:
+        return {}
+    if types is not None and len(types) != cfg["num_hidden_layers"]:
+        raise ValueError(f"layer_types names {len(types)} layers, the model has "
+                         f"{cfg['num_hidden_layers']}")  # fmt: skip
+    layers = tuple(
+        i for i in range(cfg["num_hidden_layers"])
+        if types is None or types[i] == "sliding_attention"
+    )  # fmt: skip
+    within = window < cfg.get("max_position_embeddings", 2048)
+    return {"sliding_window": int(window) if within and layers else 0, "local_layers": layers}
 
 
 def _eos_token_ids(path: Path, cfg: dict[str, Any]) -> tuple[int, ...]:

@@ -23,6 +23,10 @@ class DecodeAttention(Protocol):
     """Attention of a step's decode rows read from elsewhere than the paged cache
     (decode_cache.DecodePlan: a contiguous mirror)."""
 
+    def windowed(self) -> DecodeAttention:
+        """The same rows for a sliding-window layer: its mask hides keys past the window."""
+        ...
+
     def attention(
         self,
         layer: int,
@@ -48,7 +52,9 @@ class PrefillChunk:
     end: int
     num_computed: int  # tokens of this sequence already in the cache
     block_table: torch.Tensor | None  # set only when num_computed > 0
-    mask: torch.Tensor | None  # [chunk, context] 0 / -inf, only when num_computed > 0
+    # [chunk, context] 0 / -inf: set when num_computed > 0, or for a chunk longer than a
+    # sliding window (else the chunk is causal over itself)
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -59,6 +65,44 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] 0 / -inf
     prefills: list[PrefillChunk]
     decode_plan: DecodeAttention | None = None  # set: decode rows read the contiguous mirror
+    # The sliding-window layers' view of the step (windowed): the same rows and slots, masks
+    # that hide keys older than the window. None when no row reaches past the window.
+    local: AttentionMetadata | None = None
+
+
+def windowed(
+    meta: AttentionMetadata, window: int, decode_lens: torch.Tensor, dtype: torch.dtype
+) -> AttentionMetadata:
+    """``meta`` for a layer whose query at position p reads only the keys at (p - window, p]
+    (``decode_lens``: each decode row's context, its new token included)."""
+    local = AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        num_decodes=meta.num_decodes,
+        decode_block_tables=meta.decode_block_tables,
+        decode_mask=None,
+        prefills=[_windowed_chunk(p, window, dtype) for p in meta.prefills],
+    )
+    if meta.decode_plan is not None:
+        local.decode_plan = meta.decode_plan.windowed()
+    elif meta.decode_mask is not None:
+        keys = torch.arange(meta.decode_mask.shape[-1], device=decode_lens.device).unsqueeze(0)
+        lens = decode_lens.unsqueeze(1)
+        visible = (keys < lens) & (keys >= lens - window)
+        local.decode_mask = additive_mask(visible, dtype).view(meta.decode_mask.shape)
+    return local
+
+
+def _windowed_chunk(p: PrefillChunk, window: int, dtype: torch.dtype) -> PrefillChunk:
+    end = p.num_computed + p.end - p.start  # the chunk's context, itself included
+    if end <= window:
+        return p  # no key of it is older than the window
+    device = p.block_table.device if p.block_table is not None else None
+    q_pos = torch.arange(p.num_computed, end, device=device).unsqueeze(1)
+    keys = torch.arange(end, device=device).unsqueeze(0)  # the cached context, then the chunk
+    visible = (keys <= q_pos) & (keys > q_pos - window)
+    return PrefillChunk(
+        p.start, p.end, p.num_computed, p.block_table, additive_mask(visible, dtype)
+    )
 
 
 def paged_attention(
@@ -102,8 +146,9 @@ def paged_attention(
         if p.num_computed == 0:
             kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
             vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            causal = p.mask is None  # else a sliding window's mask
             op = F.scaled_dot_product_attention(
-                qp, kp, vp, is_causal=True, scale=scale, enable_gqa=gqa
+                qp, kp, vp, attn_mask=p.mask, is_causal=causal, scale=scale, enable_gqa=gqa
             )
         else:
             assert p.block_table is not None and p.mask is not None

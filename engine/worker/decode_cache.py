@@ -17,12 +17,15 @@ would need more runs with the gather path instead.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 
 import torch
 
 from engine.worker.attention import additive_mask
 from engine.worker.cpu_attention import NativeDecodeAttention
+
+logger = logging.getLogger(__name__)
 
 WIDTH_STEP = 128  # positions; widths are rounded up to this
 SLOT_STEP = 8
@@ -43,6 +46,14 @@ class DecodePlan:
     moves: list[Move]  # (from slot, to slot, tokens) copied first
     fills: list[tuple[int, int, torch.Tensor]]  # (slot, tokens, block ids) copied in next
     in_order: bool  # decode row i is slot i (so used == rows): q and the output stay as they are
+    # A sliding window's mask (the cache's window set), for the local layers: they run
+    # torch's path, the native kernel having no window.
+    window_mask: torch.Tensor | None = None
+    native: bool = True  # the cache's native kernel, where it has one
+
+    def windowed(self) -> DecodePlan:
+        assert self.window_mask is not None  # the cache has a window
+        return replace(self, mask=self.window_mask, native=False)
 
     def attention(
         self,
@@ -62,7 +73,7 @@ class DecodePlan:
         for slot, n, blocks in self.fills:
             kb[slot, :, :n] = _blocks(k_cache, blocks)[:n].transpose(0, 1)
             vb[slot, :, :n] = _blocks(v_cache, blocks)[:n].transpose(0, 1)
-        if self.cache.native is not None:  # it writes the rows' K and V itself
+        if self.cache.native is not None and self.native:  # it writes the rows' K and V
             return self.cache.native(q, k, v, kb, vb, self.slot_idx, self.positions, scale)
         kb[self.slot_idx, :, self.positions] = k.to(kb.dtype)
         vb[self.slot_idx, :, self.positions] = v.to(vb.dtype)
@@ -108,6 +119,7 @@ class DecodeCache:
         max_bytes: int,
         kv_dtype: torch.dtype | None = None,
         native: NativeDecodeAttention | None = None,
+        window: int = 0,
     ) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -116,6 +128,10 @@ class DecodeCache:
         self.dtype = dtype  # the model's: queries and masks
         self.kv_dtype = kv_dtype or dtype  # the mirror's, the paged cache's
         self.native = native  # the compiled CPU kernel, else torch's path
+        self.window = window  # the local layers' sliding window (0: none)
+        if native is not None and window:
+            logger.info("native decode attention has no sliding window: the local layers "
+                        "run torch's path")  # fmt: skip
         self.device = device
         self.max_bytes = max_bytes
         self.k: list[torch.Tensor] = []
@@ -171,12 +187,16 @@ class DecodeCache:
                 fills.append((slot, start, ids))
             self.length[slot] = start + 1
         dev = self.device
-        mask = None
-        if self.native is None:
+        mask = window_mask = None
+        if self.native is None or self.window:
             # A slot no row uses this step shows its first position: finite, never NaN.
-            lens = torch.tensor([max(n, 1) for n in self.length[:used]], device=dev)
-            visible = torch.arange(span, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+            lens = torch.tensor([max(n, 1) for n in self.length[:used]], device=dev).unsqueeze(1)
+            keys = torch.arange(span, device=dev).unsqueeze(0)
+            visible = keys < lens
             mask = additive_mask(visible, self.dtype).view(used, 1, 1, span)
+            if self.window:
+                visible &= keys >= lens - self.window
+                window_mask = additive_mask(visible, self.dtype).view(used, 1, 1, span)
         return DecodePlan(
             cache=self,
             slot_idx=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -187,6 +207,7 @@ class DecodeCache:
             moves=moves,
             fills=fills,
             in_order=slots == list(range(len(slots))),
+            window_mask=window_mask,
         )
 
     def _assign(self, req_ids: list[str], starts: list[int]) -> tuple[list[int], list[Move]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from engine.config import ModelConfig, check_quantization
 from engine.worker import cpu_int8, cpu_matmul
 from engine.worker.attention import AttentionMetadata, paged_attention
 from engine.worker.cpu_kernels import CpuKernels
+from engine.worker.rotary import Rotary, RotaryTables, apply_rotary
 from engine.worker.sampler import argmax
 
 
@@ -94,10 +94,14 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """``gemma``: Gemma 3's order in low precision (the weight applied in fp32, then cast);
+    its checkpoint's (1 + w) is added at load."""
+
+    def __init__(self, size: int, eps: float, gemma: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.gemma = gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -107,87 +111,9 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (x32 * self.weight.float()).to(dtype)
         return self.weight * x32.to(dtype)
-
-
-class Rotary:
-    """cos/sin tables for every position up to max_len, built once, over a head's first
-    ``rotary_dim`` dims (all of them but for partial RoPE, as Phi-3's).
-
-    longrope (Phi-3) has two tables: short factors while every position of a step is within
-    original_max_position_embeddings, long ones for a whole step once any is past it. That is
-    transformers' rule for one sequence's forward (it chooses from its longest position), and
-    vLLM's per batch: a short request batched with a long one gets the long factors then.
-    """
-
-    def __init__(self, cfg: ModelConfig, max_len: int, device: torch.device) -> None:
-        dim = cfg.rotary_dim or cfg.head_dim
-        shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        scaling = cfg.rope_scaling or {}
-        self.long_from = 0  # longrope: the first position that needs the long factors
-        if scaling.get("rope_type") == "longrope":
-            original = scaling["original_max_position_embeddings"]
-            factor = scaling["factor"]
-            attention = scaling.get("attention_factor") or (
-                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-            )
-            tables = [
-                self._table(1.0 / (torch.tensor(f, dtype=torch.float32) * cfg.rope_theta**shape),
-                            max_len, attention)
-                for f in (scaling["short_factor"], scaling["long_factor"])
-            ]  # fmt: skip
-            (self.cos, self.sin), (self.long_cos, self.long_sin) = (
-                (c.to(device), s.to(device)) for c, s in tables
-            )
-            self.long_from = original
-            return
-        inv_freq = _scale_inv_freq(1.0 / (cfg.rope_theta**shape), cfg.rope_scaling)
-        cos, sin = self._table(inv_freq, max_len, 1.0)
-        self.cos, self.sin = cos.to(device), sin.to(device)
-
-    @staticmethod
-    def _table(inv_freq: torch.Tensor, max_len: int, scale: float) -> RotaryTables:
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * scale, emb.sin() * scale
-
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
-        """The step's cos/sin rows, gathered once and shared by every layer."""
-        cos, sin = self.cos, self.sin
-        if self.long_from and int(positions.max()) >= self.long_from:
-            cos, sin = self.long_cos, self.long_sin
-        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
-
-
-RotaryTables = tuple[torch.Tensor, torch.Tensor]
-
-
-def apply_rotary(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
-    """x: [T, heads, D], rotated by each token's position (Hugging Face's rotate_half form);
-    with tables narrower than D (partial RoPE), only the first dims rotate."""
-    cos, sin = tables
-    dim = cos.shape[-1]
-    if dim < x.shape[-1]:
-        return torch.cat((apply_rotary(x[..., :dim], tables), x[..., dim:]), dim=-1)
-    half = dim // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
-    if not scaling:
-        return inv_freq
-    if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
-    # llama3: long wavelengths scaled down, short ones kept, smooth in between.
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_len = scaling["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
 # Prefill rows go through the MLP in tiles of this many: its [rows, 2 x intermediate]
@@ -216,12 +142,19 @@ class DecoderLayer(nn.Module):
         self.o_proj = Linear(q_size, cfg.hidden_size, cfg.o_bias and first)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, cfg.mlp_bias)
         self.down_proj = Linear(inter, cfg.hidden_size, cfg.mlp_bias and first)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        # Qwen3: each q and k head normalised over head_dim before RoPE.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.scale = cfg.head_dim**-0.5
+        eps, gemma = cfg.rms_norm_eps, cfg.gemma
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
+        # Llama's norm before the MLP; Gemma's after attention (pre_feedforward_layernorm
+        # then leads the MLP, and post_feedforward_layernorm follows it).
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, gemma)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, gemma) if gemma else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, gemma) if gemma else None
+        # Qwen3, Gemma 3: each q and k head normalised over head_dim before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, eps, gemma) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, eps, gemma) if cfg.qk_norm else None
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        self.local = index in cfg.local_layers  # its own RoPE base and window, where set
+        self.gelu = gemma  # GeGLU (tanh GELU) for Gemma, else SwiGLU
 
     def forward(
         self,
@@ -246,6 +179,8 @@ class DecoderLayer(nn.Module):
         out = self.o_proj(attn.reshape(num_tokens, -1))
         if self.sharded:
             dist.all_reduce(out)  # each rank holds a partial sum over its heads
+        if self.pre_feedforward_layernorm is not None:  # Gemma: a norm on each branch's output
+            out = self.post_attention_layernorm(out)
         h = h + out
         if num_tokens <= MLP_TILE_ROWS:
             out = self._mlp(h)
@@ -253,11 +188,15 @@ class DecoderLayer(nn.Module):
             out = torch.cat([self._mlp(t) for t in h.split(MLP_TILE_ROWS)])
         if self.sharded:
             dist.all_reduce(out)
+        if self.post_feedforward_layernorm is not None:
+            out = self.post_feedforward_layernorm(out)
         return h + out
 
     def _mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        norm = self.pre_feedforward_layernorm or self.post_attention_layernorm
+        gate, up = self.gate_up_proj(norm(h)).chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -278,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -298,9 +237,17 @@ class LlamaForCausalLM(nn.Module):
         """Flat batch of tokens in; logits of the rows in ``logits_indices`` out (with
         ``head=False``, their final hidden states, for ``logits`` or ``greedy_tokens``)."""
         h = self.embed_tokens(input_ids)
+        if self.cfg.gemma:  # sqrt(hidden) in fp32, cast to the weights' dtype, as HF does
+            h = h * torch.tensor(self.cfg.hidden_size**0.5).to(h.dtype)
         tables = rotary.lookup(positions, h.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, tables, kv_cache, meta)
+        # The local layers' RoPE (Gemma 3) and sliding window, where the model has them.
+        local = rotary.local.lookup(positions, h.dtype) if rotary.local is not None else tables
+        local_meta = meta.local or meta
+        for layer, kv_cache in zip(self.decoder_layers, kv_caches):
+            if layer.local:
+                h = layer(h, local, kv_cache, local_meta)
+            else:
+                h = layer(h, tables, kv_cache, meta)
         h = self.norm(h[logits_indices])
         return self.logits(h) if head else h
 
@@ -372,12 +319,12 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"no .safetensors weights in {folder}")
         with ExitStack() as stack:
             handles = [stack.enter_context(safe_open(str(f), framework="pt")) for f in files]
-            self._copy_weights(_Taker(handles, self.shard))
+            self._copy_weights(_Taker(handles, self.shard, 1.0 if self.cfg.gemma else 0.0))
 
     def _copy_weights(self, take: _Taker) -> None:
         cfg, d = self.cfg, self.cfg.head_dim
         self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
-        self.norm.weight.copy_(take("model.norm.weight"))
+        self.norm.weight.copy_(take.norm("model.norm.weight"))
         if self.lm_head is not None:
             self.lm_head.weight.copy_(take("lm_head.weight"))
         # Full (unsharded) sizes of the dimensions each rank takes a slice of.
@@ -396,8 +343,10 @@ class LlamaForCausalLM(nn.Module):
             layer.o_proj.weight.copy_(take(p + "self_attn.o_proj.weight", cols=rows["q"]).t())
             layer.gate_up_proj.weight.copy_(torch.cat(gate_up).t())
             layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight", cols=inter).t())
-            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
-            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            layer.input_layernorm.weight.copy_(take.norm(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(
+                take.norm(p + "post_attention_layernorm.weight")
+            )
             self._copy_optional(layer, p, take)
 
     def _copy_optional(self, layer: DecoderLayer, p: str, take: _Taker) -> None:
@@ -417,16 +366,30 @@ class LlamaForCausalLM(nn.Module):
         if layer.down_proj.bias is not None:
             layer.down_proj.bias.copy_(take(p + "mlp.down_proj.bias"))
         if layer.q_norm is not None and layer.k_norm is not None:
-            layer.q_norm.weight.copy_(take(p + "self_attn.q_norm.weight"))
-            layer.k_norm.weight.copy_(take(p + "self_attn.k_norm.weight"))
+            layer.q_norm.weight.copy_(take.norm(p + "self_attn.q_norm.weight"))
+            layer.k_norm.weight.copy_(take.norm(p + "self_attn.k_norm.weight"))
+        if layer.pre_feedforward_layernorm is not None:
+            layer.pre_feedforward_layernorm.weight.copy_(
+                take.norm(p + "pre_feedforward_layernorm.weight")
+            )
+        if layer.post_feedforward_layernorm is not None:
+            layer.post_feedforward_layernorm.weight.copy_(
+                take.norm(p + "post_feedforward_layernorm.weight")
+            )
 
 
 class _Taker:
     """Reads named tensors, or this shard's rows or columns of them, from open safetensors files."""
 
-    def __init__(self, handles: list[Any], shard: Shard) -> None:
+    def __init__(self, handles: list[Any], shard: Shard, norm_offset: float = 0.0) -> None:
         self.where = {name: h for h in handles for name in h.keys()}  # noqa: SIM118
         self.shard = shard
+        self.norm_offset = norm_offset  # Gemma's norms hold w and scale by (1 + w)
+
+    def norm(self, name: str) -> torch.Tensor:
+        """An RMSNorm's weight as it multiplies (in fp32, as HF adds Gemma's 1)."""
+        weight = self(name)
+        return weight.float() + self.norm_offset if self.norm_offset else weight
 
     def __call__(
         self, name: str, *, rows: int | None = None, cols: int | None = None

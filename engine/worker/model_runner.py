@@ -9,11 +9,12 @@ import torch
 
 from engine.config import GiB, ModelConfig
 from engine.worker import cpu_threads
-from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask
+from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask, windowed
 from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.decode_cache import DecodeCache
-from engine.worker.llama import LlamaForCausalLM, Rotary, Shard
+from engine.worker.llama import LlamaForCausalLM, Shard
 from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.worker.rotary import Rotary
 from engine.worker.sampler import Sampler, SamplingRow, plain_greedy
 
 
@@ -91,7 +92,7 @@ class ModelRunner:
             self.decode_cache = DecodeCache(
                 self.cfg.num_layers, num_kv_heads, self.cfg.head_dim, self.block_size,
                 self.dtype, self.device, max_bytes=num_blocks * self.block_bytes(),
-                kv_dtype=self.kv_dtype, native=choice.kernel,
+                kv_dtype=self.kv_dtype, native=choice.kernel, window=self.cfg.sliding_window,
             )  # fmt: skip
 
         if self.device.type == "cpu":
@@ -250,6 +251,14 @@ class ModelRunner:
             meta.decode_block_tables = torch.from_numpy(tables).to(dev)
             visible = torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
             meta.decode_mask = additive_mask(visible, self.dtype).view(len(decode_tables), 1, 1, -1)
+        window = self.cfg.sliding_window
+        # A row's context, itself included: past the window, the local layers mask.
+        if window and (
+            max(decode_starts, default=-1) + 1 > window
+            or any(p.num_computed + p.end - p.start > window for p in prefills)
+        ):
+            lens = torch.tensor(decode_starts, dtype=torch.long, device=dev) + 1
+            meta.local = windowed(meta, window, lens, self.dtype)
         return _StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),

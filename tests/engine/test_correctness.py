@@ -101,6 +101,17 @@ def test_tiny_families_match_hf(
     _check_setting(tiny_family_path(family), setting, family_references[family])
 
 
+def test_gemma3_local_layers_beside_the_native_decode_kernel(
+    tiny_family_path: Callable[[str], Path],
+    family_references: dict[str, dict[int, list[list[int]]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The native decode attention has no window: Gemma 3's local layers run torch's path
+    beside it, its global layer the kernel."""
+    monkeypatch.setenv("LUMEN_CPU_ATTENTION", "native")
+    _check_setting(tiny_family_path("gemma3"), "default", family_references["gemma3"])
+
+
 def test_phi3_longrope_past_its_original_context_matches_hf(
     tiny_family_path: Callable[[str], Path],
 ) -> None:

@@ -55,27 +55,39 @@ def test_each_family_translates_its_config(
     assert (phi3.fused_checkpoint, phi3.rotary_dim, phi3.head_dim) == (True, 8, 16)
     assert phi3.rope_scaling is not None and phi3.rope_scaling["rope_type"] == "longrope"
     assert phi3.rope_scaling["original_max_position_embeddings"] == 1024
-    # A window that is on, or a Llama whose config asks for biases.
+    # A window that is on windows the layers from max_window_layers on (transformers' rule).
     config = json.loads((tiny_family_path("qwen2") / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "use_sliding_window": True}))
-    with pytest.raises(ValueError, match=r"sliding-window attention \(Qwen2ForCausalLM"):
-        ModelConfig.from_path(tmp_path)
+    config.pop("layer_types", None)
+    on = {**config, "use_sliding_window": True, "max_window_layers": 1}
+    assert _config(tmp_path, on)[1:] == (32, (1,), 0.0)
+    # For Llama and Mistral, sliding_window is a window on every layer; a Llama's biases.
     llama = {**config, "architectures": ["LlamaForCausalLM"], "attention_bias": True}
-    (tmp_path / "config.json").write_text(json.dumps(llama))
-    with pytest.raises(ValueError, match=r"sliding-window attention \(LlamaForCausalLM"):
-        ModelConfig.from_path(tmp_path)  # for Llama and Mistral, sliding_window is a window
-    # Phi-3-mini-4k's window of 2047 is refused; Phi-4-mini's, longer than its context, is none.
+    cfg, *windows = _config(tmp_path, llama)
+    assert cfg.o_bias and windows == [32, (0, 1), 0.0]
+    # Phi-3-mini-4k's window of 2047 is a window; Phi-4-mini's, past its context, is none.
     phi3_config = json.loads((tiny_family_path("phi3") / "config.json").read_text())
-    for window, refused in ((1024, True), (1 << 20, False)):
-        (tmp_path / "config.json").write_text(json.dumps({**phi3_config, "sliding_window": window}))
-        if refused:
-            with pytest.raises(ValueError, match=r"sliding-window attention \(Phi3ForCausalLM"):
-                ModelConfig.from_path(tmp_path)
-        else:
-            assert ModelConfig.from_path(tmp_path).fused_checkpoint
-    llama["sliding_window"] = None
-    (tmp_path / "config.json").write_text(json.dumps(llama))
-    assert ModelConfig.from_path(tmp_path).o_bias
+    assert _config(tmp_path, {**phi3_config, "sliding_window": 1024})[1] == 1024
+    assert _config(tmp_path, {**phi3_config, "sliding_window": 1 << 20})[1] == 0
+    # Gemma 3: its layer_types, or every sixth layer global in older configs; its second RoPE
+    # base from rope_parameters, or rope_local_base_freq.
+    gemma = ModelConfig.from_path(tiny_family_path("gemma3"))
+    assert (gemma.sliding_window, gemma.local_layers, gemma.local_rope_theta) == (32, (0, 2), 1e4)
+    assert (gemma.gemma, gemma.query_pre_attn_scalar, gemma.rope_theta) == (True, 24.0, 1e6)
+    assert gemma.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    old = json.loads((tiny_family_path("gemma3") / "config.json").read_text())
+    del old["layer_types"], old["rope_parameters"]
+    old |= {"num_hidden_layers": 7, "rope_theta": 1e6, "rope_local_base_freq": 5e3}
+    assert _config(tmp_path, old)[1:] == (32, (0, 1, 2, 3, 4, 6), 5e3)
+    for key, value in (("final_logit_softcapping", 30.0), ("use_bidirectional_attention", True)):
+        with pytest.raises(ValueError, match=key):
+            _config(tmp_path, {**old, key: value})
+
+
+def _config(folder: Path, config: dict) -> tuple[ModelConfig, int, tuple[int, ...], float]:
+    """The ModelConfig of ``config`` written to ``folder``, and its windows and local base."""
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg = ModelConfig.from_path(folder)
+    return cfg, cfg.sliding_window, cfg.local_layers, cfg.local_rope_theta
 
 
 def _lumen(*args: str) -> subprocess.CompletedProcess[str]:

@@ -14,7 +14,10 @@ from bench.tiny_model import TOKENIZER_FILES, build_tiny_llama
 __all__ = ["FAMILIES", "build_tiny_family", "build_tiny_llama", "hf_greedy"]
 
 # Families beside Llama, each as a tiny random checkpoint with its quirks switched on.
-FAMILIES = ("qwen2", "qwen3", "phi3")
+FAMILIES = ("qwen2", "qwen3", "phi3", "gemma3")
+# Gemma scales its embeddings by sqrt(hidden): at the common init they drown the layers and
+# greedy repeats one token. A twentieth lets tokens vary (and a missed window change them).
+EMBED_SHRINK = 0.05
 
 
 def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int = 0) -> Path:
@@ -27,12 +30,19 @@ def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int
       template that enable_thinking switches (THINKING_TEMPLATE), and sampling defaults in its
       generation_config.json (Qwen3's, and max_new_tokens 3);
     - phi3: q/k/v and gate/up fused in the checkpoint, RoPE over half of each head, longrope
-      (short factors up to 1024 positions, long ones past it, attention factor of 2x);
+      (short factors up to 1024 positions, long ones past it, attention factor of 2x), and a
+      sliding window of 48 on every layer (shorter than most prompts);
+    - gemma3: three layers, local (a window of 32), global, local, each kind with its own
+      RoPE (10,000; 1e6 scaled linearly by 4), (1 + w) norms before and after attention and
+      the MLP, q/k norms, a head_dim (32) other than hidden / heads, attention scaled by
+      query_pre_attn_scalar 24, embeddings scaled by sqrt(hidden), GeGLU;
     - llama_bias (not in FAMILIES: for tensor parallelism's row-parallel biases): a Llama
       with attention_bias and mlp_bias, biases on every product."""
     import shutil
 
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         Phi3Config,
@@ -63,8 +73,19 @@ def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int
         }
         config = Phi3Config(**{**common, "rope_theta": 10000.0}, partial_rotary_factor=0.5,
                             original_max_position_embeddings=1024, rope_scaling=rope,
-                            sliding_window=None, tie_word_embeddings=False)  # fmt: skip
+                            sliding_window=48, tie_word_embeddings=False)  # fmt: skip
         model = Phi3ForCausalLM(config)
+    elif family == "gemma3":
+        rope = {
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+        config = Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=24,
+            sliding_window=32, rope_parameters=rope, tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )  # fmt: skip
+        model = Gemma3ForCausalLM(config)
     elif family == "llama_bias":
         config = LlamaConfig(**common, attention_bias=True, mlp_bias=True)
         model = LlamaForCausalLM(config)
@@ -76,6 +97,10 @@ def build_tiny_family(out: Path, tokenizer_from: Path, family: str, *, seed: int
                 param.normal_(0.0, 0.5)
             elif name.endswith(("q_norm.weight", "k_norm.weight")):
                 param.uniform_(0.5, 1.5)
+            elif family == "gemma3" and name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)  # Gemma scales by 1 + w: 0 would hide a missed 1
+            elif family == "gemma3" and name.endswith("embed_tokens.weight"):
+                param.mul_(EMBED_SHRINK)
     model.to(torch.float32).save_pretrained(out)
     if family == "qwen2":
         config = json.loads((out / "config.json").read_text())

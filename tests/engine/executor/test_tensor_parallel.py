@@ -69,13 +69,15 @@ def test_tp2_greedy_matches_tp1_and_hf(tiny_model_path: Path) -> None:
     assert tp1 == hf_greedy(tiny_model_path, prompts, MAX_TOKENS)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "phi3", "llama_bias"])
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "llama_bias"])
 def test_tp2_of_other_families_matches_hf(
     family: str, tiny_family_path: Callable[[str], Path]
 ) -> None:
-    """Qwen3's q/k norms over sharded heads; Phi-3's fused q/k/v and gate/up, each part cut
-    per rank; a Llama with a bias on every product: q, k, v, gate and up sliced with their
-    rows, o and down added once (rank 0) before the all-reduce."""
+    """Gemma 3's q/k norms over sharded heads and its norms after each branch, which must
+    follow the all-reduce, with its local layers' window; Phi-3's fused q/k/v and gate/up,
+    each part cut per rank, and its window on every layer; a Llama with a bias on every
+    product: q, k, v, gate and up sliced with their rows, o and down added once (rank 0)
+    before the all-reduce."""
     model = tiny_family_path(family)
     prompts = _prompts()
     llm = LLM(str(model), tensor_parallel_size=2, num_kv_blocks=128)

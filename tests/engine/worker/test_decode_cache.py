@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.worker import cpu_attention
-from engine.worker.attention import AttentionMetadata, paged_attention
+from engine.worker.attention import AttentionMetadata, paged_attention, windowed
 from engine.worker.decode_cache import DecodeCache
 from tests.helpers.native import built
 
@@ -35,12 +35,18 @@ def native_kernel() -> cpu_attention.NativeDecodeAttention:
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kernel", ["torch", "native"])
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), budget_slot_tokens=st.sampled_from([24, 200, 10_000]))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    budget_slot_tokens=st.sampled_from([24, 200, 10_000]),
+    window=st.sampled_from([0, 3, 9]),
+)
 def test_mirror_matches_gather(
-    kernel: str, kv_dtype: torch.dtype, seed: int, budget_slot_tokens: int
+    kernel: str, kv_dtype: torch.dtype, seed: int, budget_slot_tokens: int, window: int
 ) -> None:
     """Requests join, decode in shuffled order, skip steps, finish or are preempted;
-    with a budget that sometimes forces the gather path and reallocations."""
+    with a budget that sometimes forces the gather path and reallocations. With a sliding
+    window, a local layer's view of the same step (torch's path over the mirror, whichever
+    kernel the others run) matches the gather path under the window's mask."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     k_cache = torch.zeros(BLOCKS, BS, KVH, D, dtype=kv_dtype)
@@ -49,6 +55,7 @@ def test_mirror_matches_gather(
     cache = DecodeCache(
         1, KVH, D, BS, torch.float32, torch.device("cpu"), budget_slot_tokens * per_token,
         kv_dtype=kv_dtype, native=native_kernel() if kernel == "native" else None,
+        window=window,
     )  # fmt: skip
     free_blocks = list(range(BLOCKS))
     rng.shuffle(free_blocks)
@@ -78,10 +85,21 @@ def test_mirror_matches_gather(
             want = paged_attention(
                 q, k, v, ref_k, ref_v, reference_meta(slots, tables, [s + 1 for s in starts]), 0.3
             )
-            meta = reference_meta(slots, tables, [s + 1 for s in starts])
+            lens = [s + 1 for s in starts]
+            meta = reference_meta(slots, tables, lens)
             meta.decode_plan = cache.plan(rows, starts, tables)
             got = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3)
             torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+            if window:
+                ref = reference_meta(slots, tables, lens)
+                lens_t = torch.tensor(lens)
+                want = paged_attention(
+                    q, k, v, ref_k, ref_v, windowed(ref, window, lens_t, q.dtype), 0.3
+                )
+                got = paged_attention(
+                    q, k, v, k_cache, v_cache, windowed(meta, window, lens_t, q.dtype), 0.3
+                )
+                torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
             for r in rows:
                 live[r] = (live[r][0], live[r][1] + 1)
         # Some requests finish or are preempted (their blocks go back).

@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
+# The default model, and Gemma 3 270M for its equality test (each fetched and converted once).
 model: install
 	$(VENV)/bin/lumen model path
+	$(VENV)/bin/lumen model path gemma-3-270m
 
 # The OpenAI-compatible server with the default model on 127.0.0.1:8000 (ARGS for more options).
 serve: model

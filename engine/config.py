@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -186,7 +187,7 @@ class ModelConfig:
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             max_position_embeddings=max_positions,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            eos_token_ids=_eos_token_ids(path, cfg),
+            eos_token_ids=_eos_token_ids(path, cfg, flags.get("gemma", False)),
             **flags,
         )
 
@@ -212,14 +213,29 @@ def _windows(cfg: dict[str, Any], window: int | None, types: list[str] | None) -
     return {"sliding_window": int(window) if within and layers else 0, "local_layers": layers}
 
 
-def _eos_token_ids(path: Path, cfg: dict[str, Any]) -> tuple[int, ...]:
+def _eos_token_ids(path: Path, cfg: dict[str, Any], gemma: bool = False) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id, else config.json's; for Gemma, its end-of-turn
+    token too (a GGUF file's config names only <eos>, the hub's generation config both)."""
     gen_file = path / "generation_config.json"
     eos = json.loads(gen_file.read_text()).get("eos_token_id") if gen_file.is_file() else None
     if eos is None:
         eos = cfg.get("eos_token_id")
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    ids = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+    end_of_turn = _added_token(path, "<end_of_turn>") if gemma else None
+    return (*ids, end_of_turn) if end_of_turn is not None and end_of_turn not in ids else ids
+
+
+def _added_token(path: Path, content: str) -> int | None:
+    """The id of an added token of tokenizer.json, found in the added_tokens list at its
+    head without parsing the whole file (Gemma's is 33 MB)."""
+    try:
+        with open(path / "tokenizer.json", "rb") as fh:
+            head = fh.read(1 << 20)
+    except OSError:
+        return None
+    pattern = rb'"id":\s*(\d+),\s*"content":\s*"' + re.escape(content.encode()) + rb'"'
+    found = re.search(pattern, head)
+    return int(found.group(1)) if found else None
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name

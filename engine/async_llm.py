@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -13,7 +14,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.frontend import Frontend, FrontendObserver
 from engine.messages import EngineInfo, EngineStats, UtilityMethod
-from engine.model_files import resolve_model
+from engine.model_files import resolve_model, resolve_tokenizer
 from engine.mp_client import AsyncMPClient, CoreProcess
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.processor import InputProcessor, PreparedPrompt, PromptType, start_loading_tokenizer
@@ -102,8 +103,12 @@ class AsyncLLM:
         core: CoreProcess | None = None,
     ) -> None:
         path = str(resolve_model(config.model))
+        if config.tokenizer is not None:  # the core's grammars read the same folder
+            config = dataclasses.replace(
+                config, tokenizer=resolve_tokenizer(config.tokenizer, path)
+            )
         self.config = config
-        tokenizer = start_loading_tokenizer(path)  # while the core starts
+        tokenizer = start_loading_tokenizer(config.tokenizer or path)  # while the core starts
         self.client = AsyncMPClient(config, path, core=core)
         self.processor = InputProcessor.for_model(
             path, self.client.info, tokenizer, config.sampling_defaults(path)

@@ -326,6 +326,13 @@ class EngineConfig:
     transport: str = field(
         default="ipc", metadata={"help": "frontend <-> core sockets: ipc (private folder) or tcp"}
     )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "the tokenizer, where not the model's: a folder with a tokenizer.json, a "
+            "GGUF file or a packaged model's name (vLLM's --tokenizer)"
+        },
+    )
     generation_config: str = field(
         default="auto",
         metadata={

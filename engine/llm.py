@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.errors import RequestError
 from engine.frontend import Frontend
 from engine.messages import EngineStats, StepRecord, UtilityMethod
-from engine.model_files import resolve_model
+from engine.model_files import resolve_model, resolve_tokenizer
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PromptType, start_loading_tokenizer
 from engine.request_ids import new_request_id
@@ -54,7 +54,10 @@ class LLM:
         tracing = {k: options.pop(k) for k in list(options) if k in tracing_names}
         self.config = EngineConfig(model=model, **options)
         path = str(resolve_model(model))
-        tokenizer = start_loading_tokenizer(path)  # while the core starts
+        if self.config.tokenizer is not None:  # the core's grammars read the same folder
+            tokenizer_path = resolve_tokenizer(self.config.tokenizer, path)
+            self.config = dataclasses.replace(self.config, tokenizer=tokenizer_path)
+        tokenizer = start_loading_tokenizer(self.config.tokenizer or path)  # as the core starts
         self.client = make_client(self.config, path)
         self.processor = InputProcessor.for_model(
             path, self.client.info, tokenizer, self.config.sampling_defaults(path)

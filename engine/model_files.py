@@ -80,6 +80,24 @@ def resolve_model(model: str | None, *, log=print) -> Path:
     return path.resolve()
 
 
+def resolve_tokenizer(tokenizer: str | None, model_path: str | Path, *, log=print) -> str:
+    """The folder of the tokenizer: the model's, or ``tokenizer``'s (--tokenizer): a folder
+    holding a tokenizer.json, a GGUF file (converted once) or a packaged model's name."""
+    if tokenizer is None:
+        return str(model_path)
+    if tokenizer in _DEFAULT_ALIASES or tokenizer in PACKAGED:
+        return str(resolve_model(tokenizer, log=log))
+    path = Path(tokenizer).expanduser()
+    if not path.exists():
+        raise ValueError(f"tokenizer {tokenizer!r} not found: give a folder with a "
+                         "tokenizer.json, a GGUF file or a packaged model's name")  # fmt: skip
+    if path.is_file():
+        path = gguf_files.ensure_converted(path, log=log)
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"tokenizer {tokenizer!r}: {path} holds no tokenizer.json")
+    return str(path.resolve())
+
+
 def default_model_dir() -> Path:
     return envs.lumen_home() / "models" / DEFAULT_MODEL
 

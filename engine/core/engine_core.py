@@ -46,8 +46,8 @@ class EngineCore:
                 f"{model_config.max_position_embeddings}"
             )
         kv_dtype = config.resolve_kv_cache_dtype(dtype)
-        self.grammars = GrammarManager(
-            model_path, model_config.vocab_size, model_config.eos_token_ids
+        self.grammars = GrammarManager(  # the frontend resolved a --tokenizer to its folder
+            config.tokenizer or model_path, model_config.vocab_size, model_config.eos_token_ids
         )
         # The grammar engine warms up (its tokenizer, 0.4 s) while the model loads; the model's
         # own warm-up, whose steps the diagnosis's prior times, waits for it.

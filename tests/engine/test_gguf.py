@@ -14,7 +14,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.gguf_files import content_hash
-from engine.model_files import PACKAGED, ensure_packaged, served_name
+from engine.model_files import PACKAGED, ensure_packaged, resolve_model, served_name
 from tests.helpers.gguf_files import write_odd_gguf, write_tiny_llama_gguf
 
 
@@ -56,8 +56,8 @@ def test_a_gguf_file_is_converted_once_and_matches_transformers_reading_it(
     assert folder.parent == home / "models"
     assert folder.name == f"tiny-llama-{content_hash(gguf)[:12]}"
     assert "converting tiny-llama.gguf" in first.stderr
-    again = _model_path(str(gguf))
-    assert again.stdout == first.stdout and "converting" not in again.stderr
+    said: list[str] = []
+    assert resolve_model(str(gguf), log=said.append) == folder and not said  # converted once
     assert served_name(str(gguf)) == "tiny-llama"
     assert [p.name for p in (home / "models").iterdir()] == [folder.name]  # no leftovers
 
@@ -77,6 +77,34 @@ def test_a_gguf_file_is_converted_once_and_matches_transformers_reading_it(
     got = [text.prompt_token_ids, *prompts]
     expected = _hf_from_gguf(gguf, got, 8)
     assert [o.outputs[0].token_ids for o in [text, *outs]] == expected
+
+
+def test_tokenizer_option_takes_another_models_tokenizer(
+    tmp_path: Path, home: Path, default_model_path: Path, tiny_model_path: Path
+) -> None:
+    """--tokenizer (vLLM's): the tiny Llama's weights with the tokenizer of a GGUF file, whose
+    1,024-token vocabulary tokenizes otherwise; a missing one is a one-line error."""
+    from transformers import AutoTokenizer
+
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny-llama.gguf", default_model_path)
+    hf_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    prompt = "Hello world, this is a test"
+    llm = LLM(str(tiny_model_path), tokenizer=str(gguf), num_kv_blocks=64)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=2)
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert out.prompt_token_ids == hf_tokenizer(prompt)["input_ids"]
+    assert out.prompt_token_ids != _tokens_of(default_model_path, prompt)
+    with pytest.raises(ValueError, match="tokenizer 'nowhere' not found"):
+        LLM(str(tiny_model_path), tokenizer="nowhere")
+
+
+def _tokens_of(folder: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
 
 
 @pytest.mark.parametrize("kind", ["not gguf", "truncated", "architecture", "quantization"])

@@ -14,7 +14,8 @@ VOCAB = 1024
 def write_tiny_llama_gguf(out: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
     """A 2-layer Llama (hidden 64) as llama.cpp lays it out: norms and the embedding in F32,
     the layers' products quantized to Q8_0, an untied output head in F16; the first 1,024
-    tokens of the SmolLM2 tokenizer (BPE) in its metadata. transformers reads it back as it reads any GGUF file."""
+    tokens of the SmolLM2 tokenizer (BPE) in its metadata. transformers reads it back as it
+    reads any GGUF file."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 

@@ -213,6 +213,13 @@ class InputProcessor:
         )
 
     @property
+    def template_writes_llama3_calls(self) -> bool:
+        """Whether the template writes tool calls as Llama 3's do (<|python_tag|>, ipython
+        turns): service/tool_llama3.py reads them then."""
+        template = self.tokenizer.chat_template
+        return isinstance(template, str) and ("<|python_tag|>" in template or "ipython" in template)
+
+    @property
     def template_takes_tools(self) -> bool:
         """Whether the chat template renders tools itself (service/tools.py renders them for
         one that does not)."""

@@ -10,6 +10,7 @@ import msgspec
 from engine.outputs import CompletionOutput, Logprob
 from service import reasoning
 from service.reasoning import ReasoningStream
+from service.tool_llama3 import Llama3Stream
 from service.tools import ToolPlan, ToolStream, parse
 
 
@@ -181,7 +182,8 @@ class ResponseHead:
         last."""
         stream = streams.get(index)
         if stream is None:
-            stream = streams[index] = ReplyStream.of(self.reasoning, self.tools is not None)
+            fmt = self.tools.fmt if self.tools is not None else "hermes"
+            stream = streams[index] = ReplyStream.of(self.reasoning, self.tools is not None, fmt)
         deltas = stream.feed(delta.text) if delta.text else []
         finish = delta.finish_reason
         if finish is not None:
@@ -216,7 +218,7 @@ class ResponseHead:
             calls: list[dict[str, Any]] = []
             if self.tools is not None:
                 after_think = message.get("reasoning_content") is not None
-                text, calls = parse(text or "", after_think=after_think)
+                text, calls = parse(text or "", after_think=after_think, fmt=self.tools.fmt)
             message["content"] = text
             if calls:
                 message["tool_calls"] = calls
@@ -255,17 +257,19 @@ class ReplyStream:
     with a parser it goes out as reasoning_content, without one as content, tags and all."""
 
     reasoning: ReasoningStream | None
-    tools: ToolStream | None
+    tools: ToolStream | Llama3Stream | None
     parsed: bool = True  # the block is reasoning_content (else content again)
     _opened: bool = False  # the block's open tag went out as content (parsed False)
     _closed: bool = False  # the block was closed and what follows it routed
 
     @classmethod
-    def of(cls, parser: str | None, tools: bool) -> ReplyStream:
+    def of(cls, parser: str | None, tools: bool, fmt: str = "hermes") -> ReplyStream:
+        """``fmt``: the tool calls' format (ToolPlan.fmt)."""
         if parser is None and not tools:
             return cls(None, None)
         splitter = ReasoningStream(parser or "qwen3")
-        return cls(splitter, ToolStream() if tools else None, parsed=parser is not None)
+        calls = (Llama3Stream() if fmt == "llama3_json" else ToolStream()) if tools else None
+        return cls(splitter, calls, parsed=parser is not None)
 
     @property
     def called(self) -> bool:

@@ -103,6 +103,8 @@ class Serving:
                         "unless tool_choice is none"
                     )
             native = self.engine.processor.template_takes_tools
+            if plan is not None and native and self.engine.processor.template_writes_llama3_calls:
+                plan.fmt = "llama3_json"
             messages = tools.render_messages(body.plain_messages(), plan, native)
             ids = self.engine.apply_chat_template(
                 messages, add_generation_prompt=body.add_generation_prompt,

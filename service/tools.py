@@ -8,6 +8,9 @@ block per call at the start of the reply::
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+A template that writes calls as Llama 3's do gets that format instead: bare JSON objects with
+``parameters``, separated by ``; `` (service/tool_llama3.py; ``ToolPlan.fmt``).
+
 A chat template that knows tools (its source mentions ``tools``) renders them itself. One that
 does not, like SmolLM2's, gets them from Lumen (``render_messages``): a system message listing
 the functions' JSON schemas and the format above; an assistant message's ``tool_calls`` become
@@ -26,13 +29,14 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_outputs import JSON_OPTIONS, lark_literal
-from service import reasoning
+from service import reasoning, tool_llama3
+from service.tool_calls import call_delta, new_call_id
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 _HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
@@ -46,6 +50,9 @@ class ToolPlan:
     choice: str  # auto | required | named
     name: str | None = None  # the function a named tool_choice forces
     parallel: bool = True
+    # How calls are written: hermes (<tool_call> blocks, above), or llama3_json for a
+    # template that writes Llama 3's (service/tool_llama3.py)
+    fmt: str = "hermes"
 
     @property
     def forced(self) -> bool:
@@ -57,24 +64,30 @@ class ToolPlan:
     def grammar(self) -> str:
         """The Lark grammar (llguidance) of the replies this plan allows."""
         functions = [f for f in self.functions if self.name is None or f["name"] == self.name]
+        llama3 = self.fmt == "llama3_json"
+        key = "parameters" if llama3 else "arguments"
         one_of, defs = [], {}
         for i, f in enumerate(functions):
             params, own = _hoist_defs(i, f.get("parameters") or {"type": "object"})
             defs.update(own)
             one_of.append({
                 "type": "object",
-                "properties": {"name": {"const": f["name"]}, "arguments": params},
-                "required": ["name", "arguments"],
+                "properties": {"name": {"const": f["name"]}, key: params},
+                "required": ["name", key],
                 "additionalProperties": False,
             })  # fmt: skip
         schema: dict[str, Any] = {"anyOf": one_of, "x-guidance": JSON_OPTIONS}
         if defs:
             schema["$defs"] = defs
-        calls = 'call ("\\n" call)*' if self.parallel and self.name is None else "call"
+        sep = lark_literal("; " if llama3 else "\n")
+        calls = f"call ({sep} call)*" if self.parallel and self.name is None else "call"
         start = "start: think? calls" if self.forced else "start: think? (TEXT | calls)"
+        # Text may start with neither a call nor a think block.
+        call = "body" if llama3 else f"{lark_literal(OPEN)} body {lark_literal(CLOSE)}"
+        text = "/[^<{](.|\\n)*/" if llama3 else "/[^<](.|\\n)*/"
         return (
-            f"{start}\nTEXT: /[^<](.|\\n)*/\ncalls: {calls}\n"
-            f"call: {lark_literal(OPEN)} body {lark_literal(CLOSE)}\n"
+            f"{start}\nTEXT: {text}\ncalls: {calls}\n"
+            f"call: {call}\n"
             f"body: %json {json.dumps(schema)}\n"
             # One <think> block (no </think> inside it), then whitespace.
             "think: THINK /[ \\t\\r\\n]*/\n"
@@ -229,27 +242,33 @@ def _arguments(function: dict[str, Any]) -> Any:
 # -- the output ------------------------------------------------------------------------------
 
 
-def new_call_id() -> str:
-    return f"call_{secrets.token_hex(12)}"
-
-
-def parse(text: str, after_think: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
+def parse(
+    text: str, after_think: bool = False, fmt: str = "hermes"
+) -> tuple[str | None, list[dict[str, Any]]]:
     """(content, tool_calls) of a whole reply: calls only where the reply starts with one, or
     follows the think block that opens it, or whitespace (``after_think``: a reasoning parser
     took the block out). The block and the whitespace stay content, as vLLM's parser keeps
     what comes before the first call."""
+    starts: Callable[[str], bool] = _starts_calls
+    parse_calls = _parse_calls
+    if fmt == "llama3_json":
+        starts, parse_calls = tool_llama3.starts_calls, tool_llama3.parse_calls
     end = reasoning.think_block_end(text)
     if end is not None and end > 0:
         head, calls_text = text[:end], text[end:]
-    elif after_think and text.lstrip().startswith(OPEN):
+    elif after_think and starts(text.lstrip()):
         gap = len(text) - len(text.lstrip())
         head, calls_text = text[:gap], text[gap:]  # the whitespace stays content, as streamed
     else:
         head, calls_text = "", text
-    if not calls_text.startswith(OPEN):
+    if not starts(calls_text):
         return text or None, []
-    content, calls = _parse_calls(calls_text)
+    content, calls = parse_calls(calls_text)
     return (head + (content or "")) or None, calls
+
+
+def _starts_calls(text: str) -> bool:
+    return text.startswith(OPEN)
 
 
 def _parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -344,7 +363,7 @@ class ToolStream:
                 name = json.loads(head.group(1))
                 call = {"id": new_call_id(), "type": "function",
                         "function": {"name": name, "arguments": ""}}  # fmt: skip
-                out.append({"tool_calls": [_delta(len(self.calls), call)]})
+                out.append({"tool_calls": [call_delta(len(self.calls), call)]})
                 self.calls.append(call)
                 self._header = True
             end = body.find(CLOSE)
@@ -359,7 +378,7 @@ class ToolStream:
             if self._header:
                 out += self._arguments(whole["function"]["arguments"])
             else:
-                out.append({"tool_calls": [_delta(len(self.calls), whole)]})
+                out.append({"tool_calls": [call_delta(len(self.calls), whole)]})
                 self.calls.append(whole)
             self.buffer = body[end + len(CLOSE) :]
             self._header, self._sent = False, 0
@@ -381,13 +400,3 @@ class ToolStream:
         self.calls[-1]["function"]["arguments"] += piece
         index = len(self.calls) - 1
         return [{"tool_calls": [{"index": index, "function": {"arguments": piece}}]}]
-
-
-def _delta(index: int, call: dict[str, Any]) -> dict[str, Any]:
-    """A call's first delta (a copy: the call's arguments keep growing)."""
-    return {
-        "index": index,
-        "id": call["id"],
-        "type": "function",
-        "function": dict(call["function"]),
-    }

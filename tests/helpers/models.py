@@ -128,6 +128,27 @@ THINKING_TEMPLATE = (
 )
 
 
+# Llama 3.1's template, cut to what its tools switch: the tools listed in an ipython
+# environment, an assistant's calls written as JSON objects with parameters (joined by "; "),
+# tool results as ipython turns.
+LLAMA3_TOOL_TEMPLATE = (
+    "{{- bos_token }}{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\n"
+    "Environment: ipython\nRespond with a JSON for a function call: "
+    '{"name": function name, "parameters": dictionary of argument name and its value}\n'
+    "{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}<|eot_id|>{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}"
+    "<|start_header_id|>assistant<|end_header_id|>\n\n{%- for c in m.tool_calls %}"
+    '{"name": "{{ c.function.name }}", "parameters": {{ c.function.arguments | tojson }}}'
+    "{%- if not loop.last %}; {% endif %}{%- endfor %}<|eot_id|>"
+    "{%- elif m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n"
+    "{{ m.content }}<|eot_id|>"
+    "{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
+)
+
+
 def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Hugging Face generate, greedy, fp32, each prompt alone and unpadded.
 

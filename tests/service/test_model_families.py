@@ -5,6 +5,7 @@ reply's think block comes back as reasoning_content, whole or streamed."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -107,3 +108,54 @@ def test_a_think_block_comes_back_as_reasoning_content(qwen3_server: LumenServer
         "messages": MESSAGES, "max_tokens": 3, "guided_regex": "[a-z]{3}"}).json()  # fmt: skip
     assert plain["choices"][0]["message"]["reasoning_content"] is None
     assert len(plain["choices"][0]["message"]["content"]) == 3
+
+
+@pytest.fixture(scope="module")
+def llama3_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path):
+    """The tiny Llama with Llama 3.1's tool template (tests.helpers.models)."""
+    from tests.helpers.models import LLAMA3_TOOL_TEMPLATE
+
+    folder = tmp_path_factory.mktemp("llama3-tools") / "tiny-llama3"
+    folder.mkdir()
+    for f in tiny_model_path.iterdir():
+        if f.is_file() and f.name != "chat_template.jinja":
+            (folder / f.name).symlink_to(f)
+    (folder / "chat_template.jinja").write_text(LLAMA3_TOOL_TEMPLATE)
+    log = folder.parent / "serve.log"
+    with LumenServer(folder, "--num-kv-blocks", "256", log_path=log) as s:
+        yield s
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"]}}}]  # fmt: skip
+
+
+def test_llama3_template_gets_its_own_tool_call_format(llama3_server: LumenServer) -> None:
+    """A template that writes Llama 3's calls: the reply is JSON objects with parameters,
+    returned as tool_calls whole and streamed; the history's calls and results go back
+    through the template as it writes them."""
+    client = llama3_server.client()
+    model = client.models.list().data[0].id
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    whole = client.chat.completions.create(
+        model=model, messages=ask, tools=WEATHER, tool_choice="required", max_tokens=60,
+        temperature=0, parallel_tool_calls=False,
+    )  # type: ignore[call-overload]  # fmt: skip
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and "city" in json.loads(call.function.arguments)
+    assert whole.choices[0].finish_reason == "tool_calls" and not whole.choices[0].message.content
+    stream = client.chat.completions.create(
+        model=model, messages=ask, tools=WEATHER, tool_choice="required", max_tokens=60,
+        temperature=0, parallel_tool_calls=False, stream=True,
+    )  # type: ignore[call-overload]  # fmt: skip
+    streamed = [t for c in stream if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [
+        (call.function.name, call.function.arguments)
+    ]
+    # The call and its result, sent back (test_tools: how the template writes them).
+    history = [*ask, whole.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "18 C"}]  # fmt: skip
+    again = httpx.post(llama3_server.url("/v1/chat/completions"), timeout=60,
+                       json={"messages": history, "tools": WEATHER, "max_tokens": 4})  # fmt: skip
+    assert again.status_code == 200, again.text

@@ -22,6 +22,10 @@ CALLS = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris, \\"FR\\""}}\n</tool_call>\n'
     '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
 )
+LLAMA3_CALLS = (
+    '{"name": "get_weather", "parameters": {"city": "Paris, \\"FR\\""}}; '
+    '{"name": "now", "parameters": {}}'
+)
 HISTORY = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Paris?"},
@@ -83,6 +87,19 @@ def test_a_template_with_tool_syntax_renders_them_itself(tiny_model_path: Path) 
     assert "tool: 18 C" in text
 
 
+def test_a_llama3_template_takes_its_own_format(tiny_model_path: Path) -> None:
+    from tests.helpers.models import LLAMA3_TOOL_TEMPLATE
+
+    processor = InputProcessor.for_model(str(tiny_model_path), None)  # type: ignore[arg-type]
+    assert not processor.template_writes_llama3_calls
+    processor.tokenizer.chat_template = LLAMA3_TOOL_TEMPLATE
+    assert processor.template_takes_tools and processor.template_writes_llama3_calls
+    ids = processor.apply_chat_template(render_messages(HISTORY, None, native=True), tools=TOOLS)
+    text = processor.tokenizer.decode(ids)
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}' in text
+    assert "ipython<|end_header_id|>\n\n18 C" in text and "<tool_call>" not in text
+
+
 def test_parse_reads_calls_only_at_the_start() -> None:
     content, calls = parse(CALLS)
     assert content is None
@@ -96,13 +113,30 @@ def test_parse_reads_calls_only_at_the_start() -> None:
     assert len(calls) == 1 and content == cut[cut.index("<tool_call>", 10) :]
 
 
+def test_llama3_calls_are_json_objects_with_parameters() -> None:
+    content, calls = parse(LLAMA3_CALLS, fmt="llama3_json")
+    assert content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": 'Paris, "FR"'}), ("now", {}),
+    ]  # fmt: skip
+    tagged = parse("<|python_tag|>" + LLAMA3_CALLS, fmt="llama3_json")
+    assert tagged[0] is None and len(tagged[1]) == 2
+    assert parse("Sure. " + LLAMA3_CALLS, fmt="llama3_json") == ("Sure. " + LLAMA3_CALLS, [])
+    content, calls = parse(LLAMA3_CALLS[:-5], fmt="llama3_json")  # the second call cut short
+    assert len(calls) == 1 and content == '{"name": "now", "parameters"'
+    assert parse(CALLS, fmt="llama3_json") == (CALLS, [])  # Hermes blocks are text here
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_a_stream_in_any_pieces_gives_what_parse_gives(seed: int) -> None:
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_a_stream_in_any_pieces_gives_what_parse_gives(fmt: str, seed: int) -> None:
     rng = random.Random(seed)
     think = "<think>\nThe user wants </b> weather.\n</think>\n\n"
-    for text in (CALLS, "Plain <b>text</b> reply", CALLS[:-20], CALLS[:12], think + CALLS,
-                 think + "Just text.", "<think>cut short", "<thx not a block"):  # fmt: skip
-        stream, deltas, i = ReplyStream.of(None, True), [], 0
+    calls = CALLS if fmt == "hermes" else LLAMA3_CALLS
+    for text in (calls, "Plain <b>text</b> reply", calls[:-20], calls[:12], think + calls,
+                 think + "Just text.", "<think>cut short", "<thx not a block",
+                 "<|python_tag|>" + calls, calls + " and then text", "{not json"):  # fmt: skip
+        stream, deltas, i = ReplyStream.of(None, True, fmt), [], 0
         while i < len(text):
             n = rng.randint(1, 9)
             deltas += stream.feed(text[i : i + n])
@@ -113,8 +147,8 @@ def test_a_stream_in_any_pieces_gives_what_parse_gives(seed: int) -> None:
         for d in deltas:
             for t in d.get("tool_calls", []):
                 args[t["index"]] = args.get(t["index"], "") + t["function"].get("arguments", "")
-        want_content, want_calls = parse(text)
-        assert content == want_content
+        want_content, want_calls = parse(text, fmt=fmt)
+        assert content == want_content, text
         assert [args[i] for i in sorted(args)] == [c["function"]["arguments"] for c in want_calls]
         assert stream.tools is not None
         assert [c["function"]["name"] for c in stream.tools.calls] == [
@@ -154,6 +188,13 @@ def test_calls_may_follow_a_think_block_in_every_mode(tiny_model_path: Path) -> 
         assert not allowed(plan.grammar(), "<bad")
     assert allowed(auto.grammar(), think + "Sunny.")
     assert not allowed(required.grammar(), think + "Sunny.")
+    # Llama 3's format: JSON objects with parameters, "; " between them; text not "{".
+    for plan in (auto, required):
+        plan.fmt = "llama3_json"
+        assert allowed(plan.grammar(), LLAMA3_CALLS) and not allowed(plan.grammar(), CALLS)
+        assert not allowed(plan.grammar(), '{"name": "get_weather", "arguments": {}}')
+    assert allowed(auto.grammar(), "Sunny.") and not allowed(auto.grammar(), "{Sunny.")
+    assert not allowed(required.grammar(), "Sunny.")
     # One block: a second </think> is text in auto (then no call follows), refused in required.
     assert not allowed(required.grammar(), "<think>a</think>b</think>" + CALLS)
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from service.tool_calls import call_delta, new_call_id
+from service.tool_calls import CallStream, call_delta, call_from_json
 
 NAME = "llama3_json"
 PYTHON_TAG = "<|python_tag|>"
@@ -55,34 +55,15 @@ def parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 
 
 def _call(raw: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(raw)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    head = _HEAD.match(raw)
-    if head and raw.endswith("}"):  # the arguments as generated
-        arguments = raw[head.end() : -1]
-    else:
-        params = obj.get("parameters", obj.get("arguments", {}))
-        arguments = json.dumps(params, ensure_ascii=False)
-    return {
-        "id": new_call_id(),
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": arguments},
-    }
+    return call_from_json(raw, _HEAD, "parameters")
 
 
 @dataclass
-class Llama3Stream:
+class Llama3Stream(CallStream):
     """Streamed calls in Llama 3's format, as ToolStream streams Hermes blocks: text deltas in,
     OpenAI delta objects out. A call goes out whole (id, name and arguments in one delta) when
     its object closes; a reply that does not open with one is content as it comes."""
 
-    buffer: str = ""
-    mode: str = "undecided"  # undecided | content | calls
-    calls: list[dict[str, Any]] = field(default_factory=list)
     _between: bool = False  # a call closed: a "; " and another call, or the end, follow
 
     def after_think(self) -> None:
@@ -107,14 +88,6 @@ class Llama3Stream:
                 out.append({"content": self.buffer[: len(self.buffer) - len(rest)]})
             self.buffer, self.mode = body, "calls"
         return out + self._calls()
-
-    def finish(self) -> list[dict[str, Any]]:
-        """What is left at the end: a call cut short (max_tokens) is sent as text."""
-        out = self._calls() if self.mode == "calls" else []
-        if self.buffer:
-            out.append({"content": self.buffer})
-            self.buffer = ""
-        return out
 
     def _calls(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

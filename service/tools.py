@@ -30,13 +30,13 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_outputs import JSON_OPTIONS, lark_literal
 from service import reasoning, tool_llama3
-from service.tool_calls import call_delta, new_call_id
+from service.tool_calls import CallStream, call_delta, call_from_json, new_call_id
 
 OPEN, CLOSE = "<tool_call>\n", "\n</tool_call>"
 _HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
@@ -287,36 +287,18 @@ def _parse_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
 
 
 def _call(body: str) -> dict[str, Any] | None:
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    head = _HEAD.match(body)
-    if head and body.endswith("}"):  # the arguments as generated (what the stream sent)
-        arguments = body[head.end() : -1]
-    else:
-        arguments = json.dumps(obj.get("arguments", {}), ensure_ascii=False)
-    return {
-        "id": new_call_id(),
-        "type": "function",
-        "function": {"name": obj["name"], "arguments": arguments},
-    }
+    return call_from_json(body, _HEAD, "arguments")
 
 
 @dataclass
-class ToolStream:
+class ToolStream(CallStream):
     """Streamed tool calls: text deltas in, OpenAI delta objects out (``content`` or
     ``tool_calls`` entries). A call's header (id, name) goes out once its name is generated,
     then its arguments as they are generated, holding back only what could still be the end
     of the call (the object's ``}`` and the closing tag)."""
 
-    buffer: str = ""
-    # undecided | gap (the whitespace after a think block: service/responses.py ReplyStream
-    # splits the block off) | content | calls
-    mode: str = "undecided"
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    # mode: also gap (the whitespace after a think block: service/responses.py ReplyStream
+    # splits the block off)
     _header: bool = False  # the open call's header went out
     _sent: int = 0  # characters of the open call's arguments already sent
 
@@ -345,14 +327,6 @@ class ToolStream:
                 return [*out, {"content": text}]
             self.mode = "calls"
         return out + self._calls()
-
-    def finish(self) -> list[dict[str, Any]]:
-        """What is left at the end: a call cut short (max_tokens) is sent as text."""
-        out = self._calls() if self.mode == "calls" else []
-        if self.buffer:
-            out.append({"content": self.buffer})
-            self.buffer = ""
-        return out
 
     def _calls(self) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []

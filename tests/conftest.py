@@ -41,6 +41,8 @@ LONGEST_FIRST = (
     "tests/engine/test_correctness.py",  # SmolLM2 in four engines, 55-95 s
     "tests/benchmarks/test_bench_servers.py",  # Lumen's and HF's servers under load, 80 s
     "tests/replay/test_replay_run.py",  # recordings, replays and capacity searches, 70 s
+    "tests/engine/test_real_gemma.py",  # Gemma 3 270M and HF, 25 s (50 s without references)
+    "tests/engine/test_gguf.py",
     "tests/benchmarks/test_bench.py",
     "tests/tracing/test_server_traces.py",
     "tests/service/test_schema_fuzz.py",

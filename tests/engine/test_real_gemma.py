@@ -11,13 +11,17 @@ import torch
 from engine import LLM, SamplingParams
 from tests.helpers.models import hf_greedy
 
-# Gemma 3 270M's window is 512 tokens: the last two prompts reach past it.
+# Gemma 3 270M's window is 512 tokens: the last two prompts reach past it. They share their
+# first 500 tokens, so the second's prefill is a chunk with cached context under the window
+# (and the test prefills 1,100 tokens fewer on a loaded 2-core machine).
+ROME = "The history of the Roman Empire spans many centuries and includes"
+PRIMES = "In mathematics, a prime number is a natural number greater than one."
 GEMMA_PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
     "Once upon a time, in a small village,",
-    " ".join(["The history of the Roman Empire spans many centuries and includes"] * 60),
-    " ".join(["In mathematics, a prime number is a natural number greater than one."] * 50),
+    " ".join([ROME] * 48),
+    " ".join([ROME] * 46 + [PRIMES] * 3),
 ]
 
 
@@ -38,7 +42,7 @@ def test_gemma3_270m_matches_hf(gemma_model_path: Path, monkeypatch: pytest.Monk
 
     tokenizer = AutoTokenizer.from_pretrained(gemma_model_path)
     prompts = [tokenizer(text)["input_ids"] for text in GEMMA_PROMPTS]
-    assert sum(len(p) > 512 for p in prompts) == 2
+    assert sum(len(p) > 512 for p in prompts) == 2 and prompts[3][:500] == prompts[4][:500]
     llm = LLM(str(gemma_model_path), max_model_len=2048, num_kv_blocks=256)
     try:
         params = SamplingParams(temperature=0, max_tokens=32)

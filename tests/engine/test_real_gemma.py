@@ -30,14 +30,16 @@ def test_gemma3_270m_matches_hf(gemma_model_path: Path, monkeypatch: pytest.Monk
     """The real Gemma 3 270M (from its GGUF file): 32 greedy tokens of each prompt, batched,
     equal transformers' of each prompt alone. Its kernels are set, not timed (timing them on
     a 262,144-token head took 20 s of this test): oneDNN's products where this torch has
-    them, the native decode attention on the global layers beside torch's on the local ones."""
+    them, a native greedy head over the whole vocabulary, and the native decode attention on
+    the global layers beside torch's on the local ones."""
     from transformers import AutoTokenizer
 
     from engine.worker import cpu_matmul
 
     if cpu_matmul.onednn_available(torch.float32):
         monkeypatch.setenv("LUMEN_CPU_MATMUL", "onednn")
-    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "torch")
+    screened = cpu_matmul.onednn_available(torch.bfloat16)
+    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "screened" if screened else "fused")
     monkeypatch.setenv("LUMEN_CPU_ATTENTION", "native")
 
     tokenizer = AutoTokenizer.from_pretrained(gemma_model_path)

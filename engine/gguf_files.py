@@ -75,16 +75,21 @@ def ensure_converted(path: Path, *, log=print) -> Path:
     log(f"lumen: converting {path.name} to safetensors (once, into {target}) ...")
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".convert-") as tmp:
         out = Path(tmp) / "model"
-        try:
-            convert(path, out)
-        except Exception as e:  # transformers' loader: one line, nothing left behind
-            raise ValueError(f"{path} could not be converted: {_first_line(e)}") from None
+        convert(path, out)
         os.replace(out, target)
     return target
 
 
 def convert(gguf: Path, out: Path) -> None:
-    """Dequantize ``gguf`` to fp32 with transformers and save it, tokenizer included."""
+    """Dequantize ``gguf`` to fp32 with transformers and save it, tokenizer included; what
+    transformers' loader refuses is a ValueError in one line."""
+    try:
+        _convert(gguf, out)
+    except Exception as e:
+        raise ValueError(f"{gguf} could not be converted: {_first_line(e)}") from None
+
+
+def _convert(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

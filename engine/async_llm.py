@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -14,7 +13,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.frontend import Frontend, FrontendObserver
 from engine.messages import EngineInfo, EngineStats, UtilityMethod
-from engine.model_files import resolve_model, resolve_tokenizer
+from engine.model_files import resolve_config
 from engine.mp_client import AsyncMPClient, CoreProcess
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.processor import InputProcessor, PreparedPrompt, PromptType, start_loading_tokenizer
@@ -102,11 +101,10 @@ class AsyncLLM:
         stat_loggers: tuple[StatLogger, ...] = (),
         core: CoreProcess | None = None,
     ) -> None:
-        path = str(resolve_model(config.model))
-        if config.tokenizer is not None:  # the core's grammars read the same folder
-            config = dataclasses.replace(
-                config, tokenizer=resolve_tokenizer(config.tokenizer, path)
-            )
+        # A core launched ahead (launch_core) resolved the model and its tokenizer already.
+        path, config = (
+            (core.model_path, core.config) if core is not None else resolve_config(config)
+        )
         self.config = config
         tokenizer = start_loading_tokenizer(config.tokenizer or path)  # while the core starts
         self.client = AsyncMPClient(config, path, core=core)

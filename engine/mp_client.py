@@ -54,6 +54,7 @@ class CoreProcess:
     def __init__(self, config: EngineConfig, model_path: str) -> None:
         """Spawns the process; ``wait_ready`` waits for its READY (the caller may do its own
         start-up meanwhile: `lumen serve` imports the server while the core loads)."""
+        self.config, self.model_path = config, model_path
         self.ctx = zmq.Context()
         self.endpoints = Endpoints(config.transport)
         self.in_sock, self.out_sock = self.endpoints.bind(self.ctx)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from bench.tiny_model import TOKENIZER_FILES, build_tiny_llama
+from engine.gguf_files import content_hash
 
 __all__ = ["FAMILIES", "build_tiny_family", "build_tiny_llama", "hf_greedy"]
 
@@ -191,8 +192,7 @@ def _file_digests(folder: Path) -> dict[str, str]:
     digests = {}
     for f in sorted(folder.iterdir()):
         if f.suffix in (".safetensors", ".json") and f.is_file():
-            with open(f, "rb") as fh:
-                digests[f.name] = hashlib.file_digest(fh, "sha256").hexdigest()
+            digests[f.name] = content_hash(f)
     return digests
 
 

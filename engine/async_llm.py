@@ -5,16 +5,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineRestartingError, RequestAbortedError
 from engine.frontend import Frontend, FrontendObserver
 from engine.messages import EngineInfo, EngineStats, UtilityMethod
 from engine.model_files import resolve_config
-from engine.mp_client import AsyncMPClient, CoreProcess
+from engine.mp_client import STARTUP_TIMEOUT_S, AsyncMPClient, CoreProcess
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.processor import InputProcessor, PreparedPrompt, PromptType, start_loading_tokenizer
 from engine.request_ids import new_request_id
@@ -91,6 +92,10 @@ class AsyncLLM:
     Leaving the iteration early (a client that disconnects, a cancelled
     task) aborts the request in the core, freeing its KV blocks. When the
     engine dies, every open stream raises EngineDeadError.
+
+    ``supervised``: a server owns this engine. Its cores tell it of a SIGTERM
+    (it conducts the stop), open streams of a dead core raise
+    EngineRestartingError, and ``restart`` starts the next core.
     """
 
     def __init__(
@@ -100,13 +105,16 @@ class AsyncLLM:
         stall_timeout: float = 60.0,
         stat_loggers: tuple[StatLogger, ...] = (),
         core: CoreProcess | None = None,
+        supervised: bool = False,
     ) -> None:
         # A core launched ahead (launch_core) resolved the model and its tokenizer already.
         path, config = (
             (core.model_path, core.config) if core is not None else resolve_config(config)
         )
-        self.config = config
+        self.config, self.model_path, self.supervised = config, path, supervised
         tokenizer = start_loading_tokenizer(config.tokenizer or path)  # while the core starts
+        if core is None and supervised:
+            core = CoreProcess(config, path, notify_pid=os.getpid())
         self.client = AsyncMPClient(config, path, core=core)
         self.processor = InputProcessor.for_model(
             path, self.client.info, tokenizer, config.sampling_defaults(path)
@@ -115,6 +123,7 @@ class AsyncLLM:
         self.frontend = Frontend(self.processor, self.client.state, stat_loggers)
         self.stall_timeout = stall_timeout
         self.dead_error: EngineDeadError | None = None
+        self.num_failed = 0  # requests failed with a dead engine, ever (a supervisor counts)
         self._dead = asyncio.Event()  # set when the output loop fails for good
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -261,6 +270,10 @@ class AsyncLLM:
             if not isinstance(e, EngineDeadError):
                 logger.exception("output loop failed")
                 e = EngineDeadError(f"output loop failed: {e}")
+            if self.supervised:
+                e = EngineRestartingError(
+                    f"the engine core failed ({e}) and is restarting: retry the request"
+                )
             self._fail_all(e)
             self._dead.set()
 
@@ -300,10 +313,49 @@ class AsyncLLM:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         self.dead_error = error
+        self.num_failed += len(self._streams)
         for request_id, stream in self._streams.items():
             stream.fail(error)
             self.frontend.failed(request_id, str(error))
         self._streams.clear()
+
+    async def abort_all(self, message: str) -> int:
+        """End every open request now (a drain past its timeout): each stream gives what it
+        has, then raises RequestAbortedError(message); the core frees their KV blocks.
+        Returns how many were open."""
+        streams = list(self._streams.items())
+        for request_id, stream in streams:
+            await self.abort(request_id)
+            stream.fail(RequestAbortedError(message))
+        return len(streams)
+
+    async def restart(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        """Replace a dead core (or one the caller killed) with a new one for the same config,
+        the next epoch; returns once it is warm and ready (or raises why it did not start)."""
+        old = self.client
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._fail_all(EngineDeadError(old.core.dead_reason or "the engine core was replaced"))
+        await old.shutdown()
+        epoch = old.core.epoch + 1
+        core = await asyncio.to_thread(
+            CoreProcess, self.config, self.model_path, epoch=epoch, notify_pid=os.getpid()
+        )
+        await asyncio.to_thread(core.wait_ready, timeout)
+        client = AsyncMPClient(self.config, self.model_path, core=core)
+        client.state.keep_acks = old.state.keep_acks
+        client.on_output = self._wake.set
+        self.client = client
+        self.frontend.state = client.state
+        self.dead_error = None
+        self._dead = asyncio.Event()
+        self._task = asyncio.create_task(self._output_loop(), name="async-llm-output")
+
+    @property
+    def epoch(self) -> int:
+        """How many cores were started before the one serving now."""
+        return self.client.core.epoch
 
     async def shutdown(self) -> None:
         self._fail_all(EngineDeadError("the engine is shutting down"))

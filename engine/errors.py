@@ -9,3 +9,11 @@ class EngineDeadError(RuntimeError):
 
 class RequestError(ValueError):
     """The core refused or failed one request; the engine serves the others."""
+
+
+class EngineRestartingError(EngineDeadError):
+    """The core died and its server's supervisor is starting a new one: retry the request."""
+
+
+class RequestAbortedError(RuntimeError):
+    """The request was ended before it finished: the server is stopping."""

@@ -3,6 +3,8 @@ surface, for `lumen serve`, which launches the core before importing the server.
 
 from __future__ import annotations
 
+import os
+
 from engine.config import EngineConfig
 from engine.model_files import resolve_config
 from engine.mp_client import CoreProcess
@@ -10,10 +12,12 @@ from engine.mp_client import CoreProcess
 __all__ = ["CoreProcess", "launch_core"]
 
 
-def launch_core(config: EngineConfig) -> CoreProcess:
+def launch_core(config: EngineConfig, *, supervised: bool = False) -> CoreProcess:
     """The core process for ``config``, spawned now and not waited for: pass it to
     ``AsyncLLM(config, core=...)``, which waits for its READY. The core then imports torch and
     loads the model while the caller does its own start-up (the server's imports, about 3 s
-    on 2 cores). A core nobody waits for is killed when the interpreter exits."""
+    on 2 cores). A core nobody waits for is killed when the interpreter exits.
+    ``supervised``: for ``AsyncLLM(..., supervised=True)``: the core tells this process of a
+    SIGTERM instead of exiting."""
     path, config = resolve_config(config)
-    return CoreProcess(config, path)
+    return CoreProcess(config, path, notify_pid=os.getpid() if supervised else None)

@@ -193,6 +193,12 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     utility_result: UtilityResult | None = None
     # Set when the core is failing for good: the client raises EngineDeadError.
     engine_error: str | None = None
+    # The core's start number under its server (0: the first core); the client drops
+    # messages of another epoch (a dead core's late ones).
+    epoch: int = 0
+    # A heartbeat (nothing else set): for how long the core's loop has been busy in its
+    # current iteration, ns (0: idle, waiting for input). The client's watchdog reads it.
+    busy_ns: int | None = None
 
 
 class EngineInfo(msgspec.Struct, array_like=True):

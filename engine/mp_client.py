@@ -51,10 +51,26 @@ class CoreProcess:
     moment the process ends, so a kill -9 is noticed at once, not by timeout.
     """
 
-    def __init__(self, config: EngineConfig, model_path: str) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        *,
+        epoch: int = 0,
+        notify_pid: int | None = None,
+    ) -> None:
         """Spawns the process; ``wait_ready`` waits for its READY (the caller may do its own
-        start-up meanwhile: `lumen serve` imports the server while the core loads)."""
+        start-up meanwhile: `lumen serve` imports the server while the core loads).
+        ``epoch``: how many cores were started before this one for the same server (its
+        outputs carry it; others are dropped). ``notify_pid``: the process the core tells of
+        a SIGTERM (SIGUSR1), instead of exiting: the server that conducts the stop."""
         self.config, self.model_path = config, model_path
+        self.epoch = epoch
+        self.info: EngineInfo | None = None
+        # The watchdog's view: when the core was last heard from, and how long its loop had
+        # been busy in one iteration at that moment (a heartbeat's busy_ns).
+        self.last_heard = time.monotonic()
+        self.last_busy_s = 0.0
         self.ctx = zmq.Context()
         self.endpoints = Endpoints(config.transport)
         self.in_sock, self.out_sock = self.endpoints.bind(self.ctx)
@@ -66,13 +82,22 @@ class CoreProcess:
         mp = multiprocessing.get_context("spawn")
         self.proc = mp.Process(
             target=run_engine_core,
-            args=(config, model_path, self.endpoints.input, self.endpoints.output),
+            args=(
+                config,
+                model_path,
+                self.endpoints.input,
+                self.endpoints.output,
+                epoch,
+                notify_pid,
+            ),
             name="lumen-engine-core",
         )
         self.proc.start()
         self._finalizer = weakref.finalize(self, _kill, self.proc, self.endpoints)
 
     def wait_ready(self, timeout: float) -> EngineInfo:
+        if self.info is not None:
+            return self.info
         try:
             self.info = self._wait_ready(timeout)
         except BaseException:
@@ -89,6 +114,7 @@ class CoreProcess:
                     raise RuntimeError("engine core spoke before it was ready")
                 ready = msgspec.msgpack.decode(payload, type=ReadyMessage)
                 if ready.info is not None:
+                    self.last_heard = time.monotonic()
                     return ready.info
                 error = ValueError if ready.error_type == "ValueError" else RuntimeError
                 raise error(ready.error)
@@ -98,8 +124,14 @@ class CoreProcess:
                 )
         raise TimeoutError(f"engine core not ready after {timeout:.0f}s")
 
+    def stuck_for(self) -> float:
+        """Seconds the core has gone without finishing a loop iteration, as far as this side
+        can tell: silence since it was last heard, plus the busy time it reported then."""
+        return time.monotonic() - self.last_heard + self.last_busy_s
+
     def start(self, deliver: Any) -> None:
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        epoch = self.epoch
 
         def read() -> None:
             # The reader owns out_sock from here on; it closes it when the context ends.
@@ -107,6 +139,13 @@ class CoreProcess:
                 while True:
                     _, payload = self.out_sock.recv_multipart(copy=False)
                     outs = decoder.decode(payload.buffer)
+                    self.last_heard = time.monotonic()
+                    if outs.epoch != epoch:
+                        continue  # a late message of a core that is gone
+                    if outs.busy_ns is not None:
+                        self.last_busy_s = outs.busy_ns / 1e9
+                        continue
+                    self.last_busy_s = 0.0
                     if outs.engine_error is not None:
                         self.dead_reason = f"engine core failed: {outs.engine_error}"
                         deliver(_DEAD)
@@ -119,6 +158,7 @@ class CoreProcess:
 
         def monitor() -> None:
             multiprocessing.connection.wait([self.proc.sentinel])
+            self.proc.join(0.5)  # the sentinel fires a moment before the exit code is reaped
             if not self._closed:
                 self.dead_reason = self.dead_reason or (
                     f"engine core process died (exit code {self.proc.exitcode})"

@@ -101,14 +101,19 @@ class LumenServer:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-6000:]
 
-    def stop(self, timeout: float = 30.0) -> int:
+    def stop(self, timeout: float = 30.0, drain: float = 5.0) -> int:
+        """SIGTERM: the server drains; past ``drain`` s a second one aborts what is left."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout)
+                self.proc.wait(drain)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
         self._log.close()
         self.http.close()
         return self.proc.returncode

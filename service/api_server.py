@@ -6,14 +6,13 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import signal
 import time
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine import __version__
@@ -28,6 +27,7 @@ from service.admission import Admission
 from service.config import ServerConfig
 from service.context import RequestContext, attach, context_of
 from service.errors import APIError
+from service.lifecycle import READY, Lifecycle, LifecycleOptions, hang_timeout
 from service.metrics import ServerMetrics
 from service.monitor import watch_api_process
 from service.protocol import ChatCompletionRequest, CompletionRequest
@@ -75,6 +75,7 @@ class FrontDoor:
         attach(scope, ctx)
         facts = ctx.http
         id_header = (b"x-request-id", ctx.request_id.encode())
+        lifecycle = self.serving.lifecycle
         status = 0
 
         async def deliver(message: Message) -> None:
@@ -92,7 +93,10 @@ class FrontDoor:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", []), id_header]}
+                headers = [*message.get("headers", []), id_header]
+                if lifecycle is not None and lifecycle.closing:
+                    headers.append((b"connection", b"close"))  # the client reconnects elsewhere
+                message = {**message, "headers": headers}
                 await send(message)
                 return
             await deliver(message)
@@ -233,9 +237,20 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if serving.engine.is_alive:
-            return Response(status_code=200)
-        return APIError(503, "the engine is not running", code="engine_dead").response()
+        """Readiness, as vLLM's probes use it: 200 only while a request would be served now."""
+        lifecycle = serving.lifecycle
+        if lifecycle is None:
+            ok = serving.engine.is_alive
+            return JSONResponse({"status": READY if ok else "dead"}, 200 if ok else 503)
+        ok = lifecycle.state == READY and serving.engine.is_alive
+        headers = None if ok else {"Retry-After": "1"}
+        return JSONResponse(lifecycle.describe(), 200 if ok else 503, headers=headers)
+
+    @app.get("/livez")
+    async def livez() -> Response:
+        """Liveness: 200 while the process is up and its event loop answers, in every state."""
+        lifecycle = serving.lifecycle
+        return JSONResponse(lifecycle.describe() if lifecycle else {"status": "up"})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -280,8 +295,9 @@ async def serve(
     tracing: TracingConfig | None = None,
     core: CoreProcess | None = None,
 ) -> int:
-    """Run until SIGINT/SIGTERM (exit 0) or the engine's death (exit 1, after the grace period).
-    ``core``: the core process, already launched for ``engine_config`` (``launch_core``)."""
+    """Run until a stop signal's drain ends (exit 0) or a crash loop (exit 1): see
+    service/lifecycle.py. ``core``: the core process, already launched for ``engine_config``
+    (``launch_core(..., supervised=True)``)."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
@@ -289,7 +305,9 @@ async def serve(
     model_name = config.served_model_name or served_name(engine_config.model)
     # Starts the core process (unless `core` was launched already) and waits for its READY
     # (the loop serves nothing yet).
-    engine = AsyncLLM(engine_config, stall_timeout=config.stream_stall_timeout, core=core)
+    engine = AsyncLLM(
+        engine_config, stall_timeout=config.stream_stall_timeout, core=core, supervised=True
+    )
     metrics = ServerMetrics(model_name, engine.max_model_len)
     engine.add_stat_logger(metrics)
     # Always a tracer, even with no store or collector: it feeds /metrics' boundary histograms.
@@ -311,6 +329,16 @@ async def serve(
         tracer=tracer,
         reasoning_parser=config.reasoning_parser,
     )
+    options = LifecycleOptions(
+        shutdown_timeout=config.shutdown_timeout,
+        max_restarts=config.max_restarts,
+        restart_window=config.restart_window,
+        hang_timeout=hang_timeout(
+            engine.config, engine.info.step_prior, config.engine_hang_timeout
+        ),
+        exit_grace_period=config.exit_grace_period,
+    )
+    serving.lifecycle = lifecycle = Lifecycle(engine, admission, metrics, tracer, options)
     app = FrontDoor(build_app(serving), serving, config)
     http_timing.install()
     monitor = asyncio.create_task(watch_api_process(metrics, tracer), name="api-monitor")
@@ -319,38 +347,24 @@ async def serve(
     hc = Config()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.accesslog = None
-    hc.graceful_timeout = 3.0
-    stop = asyncio.Event()
-    exit_code = 0
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-
-    async def exit_when_dead() -> None:
-        nonlocal exit_code
-        reason = await engine.wait_dead()
-        logger.error(
-            "the engine died (%s): /health answers 503; exiting in %.1f s",
-            reason,
-            config.exit_grace_period,
-        )
-        await asyncio.sleep(config.exit_grace_period)
-        exit_code = 1
-        stop.set()
-
-    watcher = asyncio.create_task(exit_when_dead())
+    # The drain happened before Hypercorn is told to stop: this is only for the last bytes of
+    # the responses it ended, and idle keep-alive connections.
+    hc.graceful_timeout = 2.0
+    lifecycle.start()
     logger.info(
-        "serving %s on http://%s:%d (%s)",
+        "serving %s on http://%s:%d (%s; engine hang timeout %.0f s)",
         model_name,
         config.host,
         config.port,
         "API key required" if config.api_key else "no API key",
+        options.hang_timeout,
     )
     try:
-        await hypercorn_serve(app, hc, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        await hypercorn_serve(app, hc, shutdown_trigger=lifecycle.stopped.wait)  # type: ignore[arg-type]
     finally:
-        watcher.cancel()
+        await lifecycle.close()
         monitor.cancel()
         await engine.shutdown()
         await asyncio.to_thread(tracer.shutdown)
-    return exit_code
+    logger.info("stopped (exit code %d)", lifecycle.exit_code)
+    return lifecycle.exit_code

@@ -107,7 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
     engine_config = EngineConfig(**engine, core_process=True)
     gc_setting()  # a bad LUMEN_GC fails here, before the core starts
     # The core imports torch and loads the model while this process imports the server.
-    core = launch_core(engine_config)
+    core = launch_core(engine_config, supervised=True)
     from service.api_server import serve
 
     return asyncio.run(serve(engine_config, server_config, tracing, core))

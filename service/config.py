@@ -46,9 +46,34 @@ class ServerConfig:
             "reasoning_content, apart from content, as vLLM's --reasoning-parser"
         },
     )
+    shutdown_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "on SIGTERM or SIGINT (Ctrl-C): seconds in-flight requests get to finish "
+            "before the rest are aborted (0: abort at once); a second signal aborts at once"
+        },
+    )
+    max_restarts: int = field(
+        default=5,
+        metadata={
+            "help": "engine core restarts (after a crash or a hang) allowed within "
+            "--restart-window; one more and the server exits with code 1"
+        },
+    )
+    restart_window: float = field(
+        default=600.0, metadata={"help": "seconds over which --max-restarts is counted"}
+    )
+    engine_hang_timeout: float | None = field(
+        default=None,
+        metadata={
+            "help": "seconds the engine core may go without finishing a step before /health "
+            "answers 503 (twice as long: it is restarted); default: 20x the warm-up's price "
+            "of the largest step the token budget allows, at least 10"
+        },
+    )
     exit_grace_period: float = field(
         default=2.0,
-        metadata={"help": "seconds between the engine's death and the server's exit (code 1)"},
+        metadata={"help": "seconds /health answers 503 before a crash loop's exit (code 1)"},
     )
 
     def __post_init__(self) -> None:
@@ -57,9 +82,14 @@ class ServerConfig:
         for name in ("max_concurrent_requests", "max_request_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_queue_wait", "stream_stall_timeout", "exit_grace_period"):
+        for name in ("max_queue_wait", "stream_stall_timeout", "exit_grace_period",
+                     "shutdown_timeout", "restart_window", "max_restarts"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.engine_hang_timeout is not None and self.engine_hang_timeout <= 0:
+            raise ValueError(
+                f"engine_hang_timeout must be positive, got {self.engine_hang_timeout}"
+            )
         if self.api_key is None and (key := envs.LUMEN_API_KEY.get()):
             object.__setattr__(self, "api_key", key)
         reasoning.check_parser(self.reasoning_parser)

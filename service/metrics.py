@@ -17,7 +17,10 @@ from engine.stats import IterationStats
 from tracing.spans import BOUNDARIES
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
-REJECT_REASONS = ("queue_full", "queue_timeout", "engine_dead")
+REJECT_REASONS = ("queue_full", "queue_timeout", "engine_dead", "engine_restarting",
+                  "shutting_down")  # fmt: skip
+# The server's lifecycle (service/lifecycle.py): lumen:engine_state is 1 for the current one.
+ENGINE_STATES = ("starting", "ready", "unresponsive", "restarting", "draining", "stopping")
 # Histogram buckets as vLLM V1 chose them.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -120,6 +123,15 @@ class ServerMetrics:
             [*m, "reason"], registry=r,
         )  # fmt: skip
         self.rejections = {k: rejections.labels(model_name, k) for k in REJECT_REASONS}
+        self.engine_restarts = counter(
+            "lumen:engine_restarts",
+            "Engine cores the supervisor started after one died or hung.",
+        )
+        state = Gauge(
+            "lumen:engine_state", "The server's lifecycle state: 1 for the current one.",
+            [*m, "state"], registry=r,
+        )  # fmt: skip
+        self.engine_state = {k: state.labels(model_name, k) for k in ENGINE_STATES}
         boundary = Histogram(
             "lumen:boundary_latency_seconds", "Time spent in each request boundary (per step "
             "for the per-step ones).", [*m, "boundary"], buckets=BOUNDARY_BUCKETS, registry=r,
@@ -230,6 +242,10 @@ class ServerMetrics:
         if s.num_kv_blocks_total:
             self.kv_usage.set(s.num_kv_blocks_used / s.num_kv_blocks_total)
         self._mirror("ipc_backpressure", num_ipc_backpressure)
+
+    def set_state(self, name: str) -> None:
+        for k, g in self.engine_state.items():
+            g.set(1 if k == name else 0)
 
     def reject(self, reason: str) -> None:
         self.rejections[reason].inc()

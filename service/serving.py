@@ -16,9 +16,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.async_llm import AsyncLLM, StreamStalledError
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineRestartingError, RequestAbortedError
 from engine.frontend import Finished
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.processor import PreparedPrompt
 from engine.request_ids import child_id
 from engine.sampling_params import SamplingParams
@@ -26,6 +26,7 @@ from service import tools
 from service.admission import Admission, AdmissionRefused
 from service.context import RequestContext
 from service.errors import APIError, error_body
+from service.lifecycle import Lifecycle
 from service.metrics import ServerMetrics
 from service.protocol import ChatCompletionRequest, CompletionRequest
 from service.responses import Choice, ReplyStream, ResponseHead
@@ -81,6 +82,7 @@ class Serving:
         self.admission = admission
         self.model_name = model_name
         self.stall_timeout = stall_timeout
+        self.lifecycle: Lifecycle | None = None  # the server's (api_server.serve)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -196,9 +198,7 @@ class Serving:
     async def respond(self, prep: Prepared, request: Request) -> Response:
         """Admit, then run: a stream keeps its admission slot until it ends."""
         try:
-            if not self.engine.is_alive:
-                self.metrics.reject("engine_dead")
-                raise APIError(503, "the engine is not running", code="engine_dead")
+            await self._gate()
             try:
                 started = time.time_ns()
                 await self.admission.acquire()
@@ -224,6 +224,24 @@ class Serving:
             return await self._complete(prep, request)
         finally:
             self.admission.release()
+
+    async def _gate(self) -> None:
+        """Refuse while the server stops; while the engine restarts, wait for it as long as
+        for an admission slot (``--max-queue-wait``), then refuse."""
+        lifecycle = self.lifecycle
+        if lifecycle is None:
+            if not self.engine.is_alive:
+                self.metrics.reject("engine_dead")
+                raise APIError(503, "the engine is not running", code="engine_dead")
+            return
+        if not await lifecycle.wait_ready(self.admission.max_wait):
+            if lifecycle.closing:
+                reason, message = "shutting_down", "the server is shutting down; retry later"
+            else:
+                reason = "engine_restarting"
+                message = f"the engine is {lifecycle.state}; retry later"
+            self.metrics.reject(reason)
+            raise APIError(503, message, code=reason, headers={"Retry-After": "1"})
 
     def _stream_ended(self, prep: Prepared, reason: str) -> None:
         self.admission.release()
@@ -253,7 +271,11 @@ class Serving:
             self.metrics.disconnects.inc()
             return Response(status_code=499)
         except EngineDeadError as e:
-            raise APIError(503, f"the engine died: {e}", code="engine_dead") from None
+            message, code = _dead(e)
+            raise APIError(503, message, code=code) from None
+        except RequestAbortedError as e:
+            retry = {"Retry-After": "1"}
+            raise APIError(503, str(e), code="shutting_down", headers=retry) from None
         except StreamStalledError as e:
             raise APIError(503, str(e), code="stalled") from None
         has_logprobs = prep.params.logprobs is not None
@@ -274,6 +296,7 @@ class Serving:
         timings: list[dict[str, float]] = []
         facts = prep.ctx.http
         streams: dict[int, ReplyStream] = {}  # per choice, where tools or reasoning are in play
+        done: set[int] = set()  # choices that finished
         try:
             if head.chat:
                 for index in range(len(prep.prompts) * n):
@@ -288,6 +311,8 @@ class Serving:
                         if not (c.text or c.finish_reason or c.logprobs):
                             continue
                         index = p * n + c.index
+                        if c.finish_reason is not None:
+                            done.add(index)
                         if head.tools is not None or head.reasoning is not None:
                             for chunk in head.parsed_chunks(index, c, streams):
                                 yield sse(_encode(chunk))
@@ -310,7 +335,16 @@ class Serving:
                 yield sse(_encode(last))
             yield DONE
         except EngineDeadError as e:
-            yield sse(_encode(error_body(503, f"the engine died: {e}", code="engine_dead")))
+            message, code = _dead(e)
+            yield sse(_encode(error_body(503, message, code=code)))
+        except RequestAbortedError as e:
+            # The server stops (a drain past its timeout): every open choice ends with
+            # finish_reason "abort", then an error event the openai client raises.
+            for index in range(len(prep.prompts) * n):
+                if index not in done:
+                    end = CompletionOutput(index, "", [], finish_reason="abort")
+                    yield sse(_encode(head.chunk([head.delta_choice(index, end, offsets[index])])))
+            yield sse(_encode(error_body(503, str(e), code="shutting_down")))
         except StreamStalledError:
             return
         except Exception:
@@ -379,6 +413,13 @@ async def _merge(
             t.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _dead(e: EngineDeadError) -> tuple[str, str]:
+    """The message and code of a request that failed with the engine."""
+    if isinstance(e, EngineRestartingError):
+        return str(e), "engine_restarted"
+    return f"the engine died: {e}", "engine_dead"
 
 
 def server_timing(timings: list[dict[str, float]], start_ns: int, now_ns: int) -> dict[str, float]:

@@ -71,3 +71,17 @@ class Pause:
     start_ns: int
     duration_ns: int
     detail: str = ""
+
+
+@dataclass(slots=True)
+class Lifecycle:
+    """A drain, a restart of the engine core (after a crash or a hang) or a crash loop that
+    ended the server: a row of the ``lifecycle`` table."""
+
+    kind: str  # drain | restart | crash_loop
+    cause: str  # the signal, or why the core failed
+    start_ns: int  # the signal came, or the core was found dead
+    end_ns: int  # the drain ended, or the new core was ready
+    epoch: int = 0  # the core serving after it (restart: the new one)
+    num_finished: int = 0  # drain: requests in flight that finished within the timeout
+    num_failed: int = 0  # drain: aborted at the timeout; restart: failed with the dead core

@@ -27,7 +27,7 @@ import msgspec
 from engine.frontend import Enqueued, Finished
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineInfo, FinishReason
 from tracing.config import TracingConfig
-from tracing.events import Closed, Delivered, HttpFacts, Outputs, Pause, Start
+from tracing.events import Closed, Delivered, HttpFacts, Lifecycle, Outputs, Pause, Start
 from tracing.ids import parse_traceparent
 from tracing.spans import (
     RequestTrace,
@@ -69,7 +69,7 @@ class Tracer:
         self._handlers: dict[type, Callable[[Any], None]] = {
             Start: self._on_start, Enqueued: self._on_enqueued, Outputs: self._on_outputs,
             Delivered: self._on_delivered, Finished: self._on_finished, Closed: self._on_closed,
-            Pause: self._on_pause,
+            Pause: self._on_pause, Lifecycle: self._on_lifecycle,
         }  # fmt: skip
         self.run_id = uuid.uuid4().hex[:16]
         self.block_size = info.block_size
@@ -124,6 +124,10 @@ class Tracer:
         self._put(Closed(request_id, ns, http))
 
     def pause(self, event: Pause) -> None:
+        self._put(event)
+
+    def lifecycle(self, event: Lifecycle) -> None:
+        """A drain, restart or crash loop of the server (service/lifecycle.py)."""
         self._put(event)
 
     def _put(self, event: Any) -> None:
@@ -285,6 +289,13 @@ class Tracer:
         if self.store is not None:
             row = (self.run_id, e.process, e.kind, e.start_ns, e.duration_ns, e.detail)
             self.store.add("pauses", [row])
+
+    def _on_lifecycle(self, e: Lifecycle) -> None:
+        if self.store is not None:
+            self.store.add("lifecycle", [(
+                self.run_id, e.kind, e.cause, e.start_ns, e.end_ns, e.epoch, e.num_finished,
+                e.num_failed,
+            )])  # fmt: skip
 
     def _on_closed(self, e: Closed) -> None:
         req = self._requests.pop(e.request_id, None)

@@ -40,7 +40,7 @@ _encode = msgspec.json.encode
 
 
 class Span(NamedTuple):
-    """One row of the spans table (store.SPAN_COLUMNS, in order)."""
+    """One row of the spans table (store_schema.SPAN_COLUMNS, in order)."""
 
     run_id: str
     request_id: str
@@ -297,7 +297,7 @@ def root_attributes(req: RequestTrace) -> dict[str, Any]:
 def build_request_row(
     req: RequestTrace, run_id: str, *, trace_prompts: str, block_size: int
 ) -> tuple[Any, ...]:
-    """The request's row (columns of store.REQUEST_COLUMNS)."""
+    """The request's row (columns of store_schema.REQUEST_COLUMNS)."""
     first_schedule = min(req.first_steps.values(), default=0)  # the end of its queue wait
     received = min(req.received_ns.values(), default=0)
     http = req.http or HttpFacts()
@@ -372,7 +372,7 @@ def _params_json(params: Any) -> str | None:
 
 
 def _emit_lists(req: RequestTrace, first_step: int) -> tuple[Any, Any, Any]:
-    """The emits as store.REQUEST_COLUMNS keeps them: step deltas, received deltas (us, the
+    """The emits as store_schema.REQUEST_COLUMNS keeps them: step deltas, received deltas (us, the
     first after the arrival) and delivery times (us)."""
     if not req.emits:
         return None, None, None

@@ -5,6 +5,15 @@ Wire protocol (sockets in ``engine/ipc.py``): the frontend PUSHes
 ``[OutputType, payload]`` back. The first output is READY (EngineInfo, or the
 startup error); then one OUTPUTS message per step, plus abort
 acknowledgements and utility results. A SHUTDOWN message ends the loop.
+While nothing else is sent, a heartbeat every ``HEARTBEAT_S`` says how long
+the loop has been busy in its current iteration (0: idle), so the server
+tells a hung core from an idle one or a long step (service/lifecycle.py).
+
+Signals: the core never acts on SIGINT (Ctrl-C reaches the whole group; the
+server conducts the stop). Under a server (``notify_pid``) a SIGTERM is passed
+on to the server as SIGUSR1, "drain", whether it came to the group or to the
+core alone; the server's drain then stops the core in order. Alone (the
+offline LLM), a SIGTERM ends the core (exit 143).
 """
 
 from __future__ import annotations
@@ -47,12 +56,20 @@ logger = logging.getLogger(__name__)
 INPUT_QUEUE_SIZE = 1024
 OUTPUT_QUEUE_SIZE = 64
 _PARENT_POLL_S = 0.2
+HEARTBEAT_S = 0.5
+# A restarted core numbers its steps from epoch << 40: never the old core's ids in a trace db.
+STEP_EPOCH_BITS = 40
 _WORKER_DIED = object()
 
 
 class EngineCoreProc:
-    def __init__(self, core: EngineCore, input_addr: str, out_sock: zmq.Socket[bytes]) -> None:
+    def __init__(
+        self, core: EngineCore, input_addr: str, out_sock: zmq.Socket[bytes], epoch: int = 0
+    ) -> None:
         self.core = core
+        self.epoch = epoch
+        # When the loop's current iteration began (monotonic ns; 0: idle, waiting for input).
+        self.busy_since_ns = 0
         self.input_addr = input_addr
         self.out_sock = out_sock
         self.inputs: queue.Queue[Any] = queue.Queue(INPUT_QUEUE_SIZE)
@@ -98,7 +115,9 @@ class EngineCoreProc:
         core = self.core
         while self.running:
             if not core.has_work() and not self._pending:
+                self.busy_since_ns = 0
                 self._handle(self.inputs.get())
+            self.busy_since_ns = time.monotonic_ns()
             while not self.inputs.empty():
                 self._handle(self.inputs.get_nowait())
             if not self.running:
@@ -166,7 +185,17 @@ class EngineCoreProc:
     def _output_thread(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         buf = bytearray()
-        while (outs := self.outputs.get()) is not None:
+        epoch = self.epoch
+        while True:
+            try:
+                outs = self.outputs.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                since = self.busy_since_ns
+                outs = EngineCoreOutputs(busy_ns=time.monotonic_ns() - since if since else 0)
+            if outs is None:
+                break
+            if epoch:
+                outs.epoch = epoch
             if outs.step is not None:
                 outs.step.output_ns = time.time_ns()  # core.output ends as the batch leaves
             encoder.encode_into(outs, buf)
@@ -179,12 +208,17 @@ class EngineCoreProc:
 
 
 def run_engine_core(
-    config: EngineConfig, model_path: str, input_addr: str, output_addr: str
+    config: EngineConfig,
+    model_path: str,
+    input_addr: str,
+    output_addr: str,
+    epoch: int = 0,
+    notify_pid: int | None = None,
 ) -> None:
-    """Entry point of the core process (spawned by an MP client)."""
-    # Ctrl-C reaches the whole process group; the frontend shuts us down in order.
+    """Entry point of the core process (spawned by an MP client). ``epoch``: how many cores
+    its server started before this one; ``notify_pid``: the server that conducts the stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(notify_pid))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     out_sock = make_socket(zmq.Context.instance(), zmq.PUSH, output_addr, bind=False)
     encoder = msgspec.msgpack.Encoder()
@@ -192,6 +226,7 @@ def run_engine_core(
         from engine.core.engine_core import EngineCore
 
         core = EngineCore(config, model_path, owns_process=True)
+        core.scheduler.number_steps_from(epoch << STEP_EPOCH_BITS)
         settle_heap()  # the model is loaded and warm: what lives now lives for good
     except Exception as e:
         if isinstance(e, ValueError):  # a user error: the frontend shows the one line
@@ -207,7 +242,7 @@ def run_engine_core(
         # can outlast the frontend's patience and end in its SIGTERM.
         os._exit(1)
     out_sock.send_multipart((OutputType.READY.value, encoder.encode(ReadyMessage(info=core.info))))
-    proc = EngineCoreProc(core, input_addr, out_sock)
+    proc = EngineCoreProc(core, input_addr, out_sock, epoch)
     ok = False
     try:
         ok = proc.run()
@@ -218,3 +253,10 @@ def run_engine_core(
         if not proc.out_thread.is_alive():
             out_sock.close(linger=1000)
     sys.exit(0 if ok else 1)
+
+
+def _on_sigterm(notify_pid: int | None) -> None:
+    if notify_pid is not None and os.getppid() == notify_pid:
+        os.kill(notify_pid, signal.SIGUSR1)  # the server drains, then stops us in order
+    else:
+        sys.exit(143)

@@ -295,6 +295,10 @@ class Scheduler:
     def has_unreported_frees(self) -> bool:
         return any(self.num_freed_blocks)
 
+    def number_steps_from(self, first: int) -> None:
+        """Number this core's steps from ``first``: a restarted core's never meet the old one's."""
+        self._step_id = first
+
     def next_step_id(self) -> int:
         """A step id for a record with no batch (the KV state after aborts)."""
         self._step_id += 1

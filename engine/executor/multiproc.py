@@ -258,7 +258,8 @@ def _free_port() -> int:
 def _stop_workers(
     procs: list[BaseProcess], conns: list[Connection], grace_s: float = _SHUTDOWN_GRACE_S
 ) -> None:
-    """Ordered stop: ask, join for ``grace_s``, then SIGTERM, then SIGKILL."""
+    """Ordered stop: ask, join for ``grace_s``, then SIGKILL (ranks ignore SIGTERM: a group
+    signal is their executor's to act on)."""
     shutdown = msgspec.msgpack.encode(Shutdown())
     for conn in conns:
         with contextlib.suppress(OSError):  # a dead rank's pipe is broken
@@ -266,14 +267,13 @@ def _stop_workers(
     deadline = time.monotonic() + grace_s
     for proc in procs:
         proc.join(max(0.0, deadline - time.monotonic()))
-    for stop in (BaseProcess.terminate, BaseProcess.kill):
-        alive = [p for p in procs if p.is_alive()]
-        if alive:
-            logger.warning("%s on workers %s", stop.__name__, [p.pid for p in alive])
-        for proc in alive:
-            stop(proc)
-        for proc in alive:
-            proc.join(1.0)
+    alive = [p for p in procs if p.is_alive()]
+    if alive:
+        logger.warning("kill on workers %s", [p.pid for p in alive])
+    for proc in alive:
+        proc.kill()
+    for proc in alive:
+        proc.join(1.0)
     for conn in conns:
         conn.close()
 

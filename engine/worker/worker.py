@@ -62,8 +62,11 @@ def rank_path(path: str, rank: int) -> str:
 
 def run_worker(args: WorkerArgs, conn: Connection) -> None:
     """Process entry point: start up, report Ready or Failed, then serve until told to stop."""
-    # Ctrl-C reaches the whole process group; the executor decides when ranks stop.
+    # Ctrl-C, systemd and `kill -TERM -PGID` signal the whole process group: the executor
+    # decides when ranks stop (it asks; kill -9 past its grace), and a rank whose executor
+    # died exits with it (_exit_with_parent).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent(args.parent_pid)
     encoder = msgspec.msgpack.Encoder()
     try:

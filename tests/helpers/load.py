@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
+import openai
 
 from tests.helpers.server import LumenServer
 
@@ -161,3 +163,62 @@ def server_idle(server: LumenServer) -> bool:
         and metric(m, "lumen:kv_cache_usage_perc") == 0
         and metric(m, "lumen:num_requests_admitted") == 0
     )
+
+
+class Streams:
+    """Chat streams of fixed lengths (``max_tokens`` with ``ignore_eos``), each in its own
+    thread, through the official ``openai`` client: what each one got, and how it ended."""
+
+    def __init__(self, server: LumenServer, lengths: list[int], timeout: float = 60) -> None:
+        self.lengths = lengths
+        self.tokens = [0] * len(lengths)  # content chunks seen
+        self.usage = [0] * len(lengths)  # completion tokens, as the final usage chunk counts
+        self.finish: list[str | None] = [None] * len(lengths)
+        self.error: list[str | None] = [None] * len(lengths)  # the code of a raised APIError
+        self.ended = [0.0] * len(lengths)
+        client = server.client(timeout=timeout)
+        self._threads = [
+            threading.Thread(target=self._run, args=(client, i), daemon=True)
+            for i in range(len(lengths))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, client: openai.OpenAI, i: int) -> None:
+        try:
+            stream = client.chat.completions.create(
+                model=client.models.list().data[0].id,
+                messages=[{"role": "user", "content": f"Stream {i}: go on."}],
+                max_tokens=self.lengths[i], temperature=0, stream=True,
+                extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+            )  # fmt: skip
+            for chunk in stream:
+                if chunk.usage is not None:
+                    self.usage[i] = chunk.usage.completion_tokens
+                for choice in chunk.choices:
+                    self.tokens[i] += bool(choice.delta.content)
+                    self.finish[i] = choice.finish_reason or self.finish[i]
+        except openai.APIError as e:
+            body = e.body if isinstance(e.body, dict) else {}
+            self.error[i] = str(body.get("code") or body.get("error", {}).get("code") or e)
+        except Exception as e:  # a cut connection: what a drain must never give
+            self.error[i] = f"{type(e).__name__}: {e}"
+        self.ended[i] = time.monotonic()
+
+    def started(self, indices: range | list[int] | None = None) -> bool:
+        """Every stream (of ``indices``) has had its first token."""
+        return all(self.tokens[i] for i in indices or range(len(self.lengths)))
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(deadline - time.monotonic(), 0))
+        assert not any(t.is_alive() for t in self._threads), f"streams hang: {self.summary()}"
+
+    def whole(self, i: int) -> bool:
+        """Stream ``i`` ended normally with every token it asked for."""
+        return self.finish[i] == "length" and self.usage[i] == self.lengths[i]
+
+    def summary(self) -> list[tuple[int, int, str | None, str | None]]:
+        """(max_tokens, completion tokens, finish_reason, error code) per stream."""
+        return list(zip(self.lengths, self.usage, self.finish, self.error, strict=True))

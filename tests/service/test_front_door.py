@@ -61,7 +61,8 @@ async def _request_slowly() -> tuple[RequestContext, bytes]:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await _app(scope, receive, send, seen)
 
-    door = FrontDoor(app, SimpleNamespace(tracer=None, model_name="m"), ServerConfig())  # type: ignore[arg-type]
+    serving = SimpleNamespace(tracer=None, model_name="m", lifecycle=None)
+    door = FrontDoor(app, serving, ServerConfig())  # type: ignore[arg-type]
     port = _free_port()
     config = Config()
     config.bind = [f"127.0.0.1:{port}"]

@@ -1,0 +1,275 @@
+"""The server's lifecycle (DESIGN §5): one drain for every stop signal, a supervisor that
+restarts a dead or hung engine core, and the state that /health reports.
+
+States: ``starting`` (until the first core is warm), ``ready``, ``unresponsive`` (the core
+has not finished a loop iteration within the hang timeout), ``restarting`` (a new core is
+starting and warming up), ``draining`` (a stop signal came: admission is closed, in-flight
+requests finish within ``--shutdown-timeout``), ``stopping`` (the rest were aborted; the
+trace rows are flushed and the process exits). /health answers 200 in ``ready`` only.
+
+Stop signals: SIGTERM or SIGINT, to this process or to its whole group (Ctrl-C, systemd,
+``kill -TERM -PGID``), start the drain; the core passes a SIGTERM of its own on as SIGUSR1
+(engine/core/engine_core_proc.py), which starts the same drain; workers ignore both. A
+second SIGTERM or SIGINT cuts the drain short: the rest are aborted at once, as cleanly.
+
+Hangs: the core reports, with every output and a heartbeat every 0.5 s while idle or in a
+long step, how long its loop has been busy in one iteration. A step is bounded by the token
+budget (chunked prefill), so the hang timeout is a multiple of the warm-up's price of the
+largest step the budget allows, never under 10 s: a 4K-token prefill on CPU, split into
+chunks, stays far inside it. An idle core is not busy (its heartbeat says 0). A core that is
+silent (SIGSTOP, a kernel holding the GIL) or busy past the timeout turns /health to 503;
+past twice the timeout the supervisor kills it and starts a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+from service.admission import Admission
+from service.metrics import ServerMetrics
+from tracing.events import Lifecycle as LifecycleRow
+from tracing.recorder import Tracer
+
+logger = logging.getLogger(__name__)
+
+STARTING, READY, UNRESPONSIVE = "starting", "ready", "unresponsive"
+RESTARTING, DRAINING, STOPPING = "restarting", "draining", "stopping"
+_WATCH_S = 0.25  # how often the watchdog looks at the core
+_ABORT_WRITE_S = 2.0  # after the abort: for the aborted responses' last events to be written
+MIN_HANG_TIMEOUT_S = 10.0
+HANG_STEP_FACTOR = 20  # the hang timeout, in largest-step prices
+
+
+def hang_timeout(config: EngineConfig, step_prior: list[float], given: float | None) -> float:
+    """``given``, else max(10 s, 20 x the warm-up's price of the budget's largest step)."""
+    if given is not None:
+        return given
+    if len(step_prior) != 3:
+        return 3 * MIN_HANG_TIMEOUT_S  # no warm-up: no price to scale
+    a, b, c = step_prior
+    largest = (a + b * config.max_num_batched_tokens + c * config.max_num_seqs) / 1e9
+    return max(MIN_HANG_TIMEOUT_S, HANG_STEP_FACTOR * largest)
+
+
+@dataclass(frozen=True)
+class LifecycleOptions:
+    shutdown_timeout: float
+    max_restarts: int
+    restart_window: float
+    hang_timeout: float
+    exit_grace_period: float
+
+
+class Lifecycle:
+    """Owns the state, the stop signals, the supervisor and the watchdog of one server."""
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        admission: Admission,
+        metrics: ServerMetrics,
+        tracer: Tracer | None,
+        options: LifecycleOptions,
+    ) -> None:
+        self.engine, self.admission, self.metrics = engine, admission, metrics
+        self.tracer, self.options = tracer, options
+        self.state = STARTING
+        self.since_ns = time.time_ns()
+        self.ready = asyncio.Event()  # set while ready: requests that arrive meanwhile wait
+        self.stopped = asyncio.Event()  # Hypercorn's shutdown trigger
+        self.exit_code = 0
+        self._force = asyncio.Event()
+        self._drain: asyncio.Task[None] | None = None
+        self._restarts: collections.deque[float] = collections.deque()
+        self._hung: str | None = None  # why the watchdog killed the core
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- state -------------------------------------------------------------------------
+
+    def set(self, state: str) -> None:
+        if state == self.state:
+            return
+        logger.info("server state: %s -> %s", self.state, state)
+        self.state, self.since_ns = state, time.time_ns()
+        self.metrics.set_state(state)
+        if state == READY:
+            self.ready.set()
+        else:
+            self.ready.clear()
+
+    @property
+    def closing(self) -> bool:
+        """Draining or stopping: new requests are refused (503, Connection: close)."""
+        return self.state in (DRAINING, STOPPING)
+
+    def describe(self) -> dict[str, object]:
+        """The JSON body of /health and /livez."""
+        return {
+            "status": self.state,
+            "since": round(self.since_ns / 1e9, 3),
+            "engine_epoch": self.engine.epoch,
+            "restarts": len(self._restarts),
+        }
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait (up to ``timeout``) for the engine to be ready; False if it did not come."""
+        deadline = time.monotonic() + timeout
+        while not (self.state == READY and self.engine.is_alive):
+            left = deadline - time.monotonic()
+            if self.closing or left <= 0:
+                return False
+            # Ready but dead: the supervisor has yet to see it (it turns RESTARTING at once).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(left, 0.02 if self.state == READY else left)):
+                    await self._changed()
+        return True
+
+    async def _changed(self) -> None:
+        if self.state == READY:
+            await asyncio.sleep(0.02)
+        else:
+            await self.ready.wait()
+
+    # -- start and stop ------------------------------------------------------------------
+
+    def start(self) -> None:
+        """The engine is warm: serve, supervise, watch, and listen for stop signals."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._on_stop_signal, sig.name)
+        loop.add_signal_handler(signal.SIGUSR1, self._on_core_signal)
+        self.set(READY)
+        self._tasks = [
+            asyncio.create_task(self._supervise(), name="engine-supervisor"),
+            asyncio.create_task(self._watch(), name="engine-watchdog"),
+        ]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _on_stop_signal(self, name: str) -> None:
+        if self._drain is None:
+            self.begin_drain(name)
+        elif not self._force.is_set():
+            logger.warning("%s again: aborting the requests still in flight, then exiting", name)
+            self._force.set()
+
+    def _on_core_signal(self) -> None:
+        if self._drain is None:
+            self.begin_drain("SIGTERM to the engine core")
+
+    def begin_drain(self, cause: str) -> None:
+        self._drain = asyncio.create_task(self._drain_then_stop(cause), name="drain")
+
+    async def _drain_then_stop(self, cause: str) -> None:
+        start_ns = time.time_ns()
+        timeout = self.options.shutdown_timeout
+        in_flight = self.admission.num_in_flight
+        self.set(DRAINING)
+        logger.info(
+            "draining (%s): %d requests in flight, up to %g s (--shutdown-timeout)",
+            cause, in_flight, timeout,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while self._busy() and time.monotonic() < deadline and not self._force.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(0.05, max(deadline - time.monotonic(), 0))):
+                    await self._force.wait()
+        aborted = 0
+        if self._busy():
+            aborted = await self.engine.abort_all("the server is shutting down")
+            logger.warning("drain: aborted %d requests still in flight", aborted)
+            settle = time.monotonic() + _ABORT_WRITE_S
+            while self._busy() and time.monotonic() < settle:
+                await asyncio.sleep(0.02)
+        self.set(STOPPING)
+        self._record("drain", cause, start_ns, epoch=self.engine.epoch,
+                     num_finished=max(in_flight - aborted, 0), num_failed=aborted)  # fmt: skip
+        self.stopped.set()
+
+    def _busy(self) -> bool:
+        return self.admission.num_in_flight > 0 or self.admission.num_waiting > 0
+
+    # -- crashes and hangs -----------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        while True:
+            failed_before = self.engine.num_failed
+            reason = await self.engine.wait_dead()
+            if self.closing:
+                return  # a drain is under way: it aborts what is left
+            died_ns = time.time_ns()
+            cause = f"hung: {self._hung}" if self._hung else reason
+            self._hung = None
+            logger.error("the engine failed (%s): open requests failed; restarting it", cause)
+            self.set(RESTARTING)
+            now = time.monotonic()
+            while self._restarts and now - self._restarts[0] > self.options.restart_window:
+                self._restarts.popleft()
+            if len(self._restarts) >= self.options.max_restarts:
+                await self._give_up(cause, died_ns)
+                return
+            self._restarts.append(now)
+            try:
+                await self.engine.restart()
+            except Exception as e:  # it did not start: the next turn counts another restart
+                logger.error("the new engine core did not start: %s", e)
+                self._record("restart", f"{cause}; the new core failed: {e}", died_ns)
+                await asyncio.sleep(1.0)
+                continue
+            self.metrics.engine_restarts.inc()
+            failed = self.engine.num_failed - failed_before
+            self._record("restart", cause, died_ns, epoch=self.engine.epoch, num_failed=failed)
+            logger.info("engine core %d ready %.1f s after the failure", self.engine.epoch,
+                        (time.time_ns() - died_ns) / 1e9)  # fmt: skip
+            if not self.closing:
+                self.set(READY)
+
+    async def _give_up(self, cause: str, died_ns: int) -> None:
+        o = self.options
+        logger.error(
+            "crash loop: %d restarts within %g s (--max-restarts, --restart-window); "
+            "/health answers 503, exiting with code 1 in %g s",
+            len(self._restarts), o.restart_window, o.exit_grace_period,
+        )  # fmt: skip
+        self._record("crash_loop", cause, died_ns, epoch=self.engine.epoch)
+        await asyncio.sleep(o.exit_grace_period)
+        self.exit_code = 1
+        self.set(STOPPING)
+        self.stopped.set()
+
+    async def _watch(self) -> None:
+        bound = self.options.hang_timeout
+        while True:
+            await asyncio.sleep(_WATCH_S)
+            if self.state not in (READY, UNRESPONSIVE) or not self.engine.is_alive:
+                continue
+            core = self.engine.client.core
+            stuck = core.stuck_for()
+            if stuck > 2 * bound and core.proc.pid is not None:
+                self._hung = f"no loop iteration finished for {stuck:.1f} s"
+                logger.error("the engine core is hung (%s): killing it", self._hung)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(core.proc.pid, signal.SIGKILL)  # the supervisor sees it die
+            elif stuck > bound and self.state == READY:
+                logger.error("the engine core has not finished a step for %.1f s", stuck)
+                self.set(UNRESPONSIVE)
+            elif stuck <= bound and self.state == UNRESPONSIVE:
+                self.set(READY)
+
+    def _record(self, kind: str, cause: str, start_ns: int, **counts: int) -> None:
+        if self.tracer is not None:
+            self.tracer.lifecycle(LifecycleRow(kind, cause, start_ns, time.time_ns(), **counts))

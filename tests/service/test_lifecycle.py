@@ -1,0 +1,196 @@
+"""DESIGN §5 on real `lumen serve` processes and real signals: one drain whatever the stop
+signal, a supervisor that restarts a crashed or hung engine core, /health that tells the
+truth, and each of them a row in the trace store."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers.load import Streams, server_idle, wait_until
+from tests.helpers.procs import live_children, pid_alive
+from tests.helpers.server import LumenServer, metric
+from tracing.store import open_db
+
+SHORT, LONG = 100, 1900  # tokens: the short streams fit in the shutdown timeout, the long not
+SHUTDOWN_TIMEOUT = "3"
+# Each step sleeps 4 ms in the scheduler: a long stream takes 7.6 s or more on any machine, a
+# short one 0.4 s or more (it is still in flight at the signal), about 1.5 s on a loaded one.
+SLOW_STEPS = {"LUMEN_DEBUG_DELAY": "schedule=0.004"}
+
+
+def _start(tmp_path: Path, model: Path, *args: str) -> LumenServer:
+    # A session of its own: a signal to its group reaches no test process.
+    return LumenServer(
+        model, *args, log_path=tmp_path / "serve.log", env=SLOW_STEPS, start_new_session=True
+    )
+
+
+def _family(server: LumenServer) -> list[int]:
+    return [p.pid for p in live_children(server.proc.pid)]
+
+
+def _health(server: LumenServer) -> tuple[int, str]:
+    r = server.http.get(server.url("/health"), timeout=2)
+    return r.status_code, r.json()["status"]
+
+
+# How each stop arrives: signals to the server, to its process group (Ctrl-C, systemd's
+# KillMode=control-group, kill -TERM -PGID), to the core alone, and docker stop's TERM to PID 1
+# (KILL after its grace, never needed here).
+STOPS = ("term", "int", "group_term", "group_int", "core_term", "docker_stop", "int_twice")
+
+
+@pytest.mark.parametrize("how", STOPS)
+def test_every_stop_signal_drains(tmp_path: Path, tiny_model_path: Path, how: str) -> None:
+    timeout = "60" if how == "int_twice" else SHUTDOWN_TIMEOUT
+    server = _start(tmp_path, tiny_model_path, "--shutdown-timeout", timeout)
+    family = _family(server)
+    longs = Streams(server, [LONG] * 4)
+    wait_until(longs.started, 30)
+    shorts = Streams(server, [SHORT] * 4)
+    wait_until(shorts.started, 30)  # all 8 in flight
+    pid, core = server.proc.pid, server.core_pid()
+    signalled = time.monotonic()
+    if how in ("term", "docker_stop"):
+        os.kill(pid, signal.SIGTERM)
+    elif how in ("int", "int_twice"):
+        os.kill(pid, signal.SIGINT)
+    elif how == "group_term":
+        os.killpg(pid, signal.SIGTERM)
+    elif how == "group_int":
+        os.killpg(pid, signal.SIGINT)
+    elif how == "core_term":
+        os.kill(core, signal.SIGTERM)
+    wait_until(lambda: _health(server) == (503, "draining"), 5)
+    refused = server.http.post(
+        server.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 2}, timeout=5
+    )
+    shorts.join(15)
+    if how == "int_twice":  # Ctrl-C again: what is left is aborted at once
+        os.kill(pid, signal.SIGINT)
+    longs.join(15)
+    try:
+        code = server.proc.wait(15 if how == "docker_stop" else 30)
+    except Exception:
+        os.killpg(pid, signal.SIGKILL)  # docker stop's KILL after its grace
+        pytest.fail(f"the server did not exit after the drain:\n{server.log()}")
+    took = time.monotonic() - signalled
+    print(f"\n{how}: exit {code} {took:.1f} s after the signal; shorts {shorts.summary()[0]}, "
+          f"longs {longs.summary()[0]}")  # fmt: skip
+    assert code == 0, server.log()
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert refused.headers["connection"] == "close"
+    assert refused.json()["error"]["code"] == "shutting_down"
+    assert all(shorts.whole(i) for i in range(4)), shorts.summary()
+    # The long ones end cleanly: finish_reason abort, then an error event the client raises.
+    assert all(f == "abort" and e == "shutting_down" for _, _, f, e in longs.summary()), (
+        longs.summary()
+    )
+    assert all(0 < n < LONG for n in longs.tokens), longs.tokens
+    assert [p for p in family if pid_alive(p)] == []
+    with open_db(server.trace_db) as con:
+        kind, cause, finished, failed = con.execute(
+            "SELECT kind, cause, num_finished, num_failed FROM lifecycle"
+        ).fetchone()
+    assert (kind, finished, failed) == ("drain", 4, 4)
+    assert cause in CAUSES[how]
+    server.stop()
+
+
+CAUSES = {
+    "term": ("SIGTERM",), "docker_stop": ("SIGTERM",), "int": ("SIGINT",),
+    "int_twice": ("SIGINT",), "group_int": ("SIGINT",),
+    "core_term": ("SIGTERM to the engine core",),
+    # the server's own SIGTERM, or the core's word of its own: the same drain either way
+    "group_term": ("SIGTERM", "SIGTERM to the engine core"),
+}  # fmt: skip
+
+
+@pytest.mark.serial  # deadlines: open streams fail within 1 s, /health 503 within the bound
+def test_a_crashed_or_hung_core_is_restarted_until_a_crash_loop(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    server = _start(
+        tmp_path, tiny_model_path, "--max-restarts", "2", "--engine-hang-timeout", "1.5",
+        "--max-queue-wait", "30", "--exit-grace-period", "1",
+    )  # fmt: skip
+    family = set(_family(server))  # every process the server ever had: none may outlive it
+
+    # kill -9 of the core under 16 streams
+    streams = Streams(server, [LONG] * 16)
+    wait_until(streams.started, 30)
+    killed = time.monotonic()
+    os.kill(server.core_pid(), signal.SIGKILL)
+    streams.join(10)
+    failed_within = max(streams.ended) - killed
+    assert {e for _, _, _, e in streams.summary()} == {"engine_restarted"}, streams.summary()
+    # Requests sent during the restart wait for the new core (--max-queue-wait) or get a 503.
+    during: list[int] = []
+    senders = [
+        threading.Thread(target=lambda: during.append(server.http.post(
+            server.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 4}, timeout=60,
+        ).status_code))
+        for _ in range(3)
+    ]  # fmt: skip
+    for t in senders:
+        t.start()
+    ready_after = wait_until(lambda: _health(server) == (200, "ready"), 60) + failed_within
+    for t in senders:
+        t.join(60)
+    print(f"\nkill -9: 16 streams failed within {failed_within * 1000:.0f} ms; ready again "
+          f"{ready_after:.1f} s after the kill; requests during the restart: {during}")  # fmt: skip
+    assert failed_within < 1.0 + 1.5  # DESIGN: 1 s, with a loaded-machine margin
+    assert len(during) == 3 and set(during) <= {200, 503}
+    ok = server.http.post(server.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 4})
+    assert ok.status_code == 200, ok.text
+    wait_until(lambda: server_idle(server), 10)  # KV, running and admission back to zero
+    m = server.metrics()
+    assert metric(m, "lumen:engine_restarts_total") == 1
+    assert metric(m, "lumen:engine_state", state="ready") == 1
+
+    # A hung core (SIGSTOP): /health turns 503 within the bound, then it is restarted.
+    family |= set(_family(server))
+    hung = server.core_pid()
+    os.kill(hung, signal.SIGSTOP)
+    stopped = time.monotonic()
+    unhealthy = wait_until(lambda: _health(server)[0] == 503, 10)
+    wait_until(lambda: _health(server) == (200, "ready"), 60)
+    back = time.monotonic() - stopped
+    print(f"SIGSTOP: /health 503 after {unhealthy:.2f} s (bound 1.5 s), ready again after "
+          f"{back:.1f} s")  # fmt: skip
+    assert unhealthy < 1.5 + 1.5  # the bound, with a loaded-machine margin
+    assert not pid_alive(hung)
+
+    # A third failure within the window is a crash loop: the server exits non-zero.
+    family |= set(_family(server))
+    os.kill(server.core_pid(), signal.SIGKILL)
+    code = server.proc.wait(30)
+    assert code == 1, server.log()
+    assert [p for p in family if pid_alive(p)] == []
+    with open_db(server.trace_db) as con:
+        rows = con.execute(
+            "SELECT kind, cause, epoch, num_failed FROM lifecycle ORDER BY start_ns"
+        ).fetchall()
+        epochs = con.execute("SELECT DISTINCT step_id >> 40 FROM steps ORDER BY 1").fetchall()
+    print(rows)
+    assert [r[0] for r in rows] == ["restart", "restart", "crash_loop"]
+    assert rows[0][2:] == (1, 16) and "died" in rows[0][1]
+    assert rows[1][1].startswith("hung") and rows[1][2] == 2
+    assert [e for (e,) in epochs] == [0, 1]  # the steps of each core, never colliding
+    server.stop()
+
+
+def test_health_and_liveness_name_the_state(tiny_server: LumenServer) -> None:
+    health = tiny_server.http.get(tiny_server.url("/health"))
+    live = tiny_server.http.get(tiny_server.url("/livez"))
+    assert health.status_code == live.status_code == 200
+    assert health.json()["status"] == live.json()["status"] == "ready"
+    assert metric(tiny_server.metrics(), "lumen:engine_state", state="ready") == 1
+    assert httpx.get(tiny_server.url("/livez")).json()["engine_epoch"] >= 0

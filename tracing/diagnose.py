@@ -44,7 +44,7 @@ from tracing.diagnosis import (
     percentiles,
     summarize,
 )
-from tracing.pauses import Pauses, pauses_of
+from tracing.pauses import Intervals, Pauses, pauses_of
 from tracing.shares import StepShare
 from tracing.store import latest_run, open_db
 
@@ -66,6 +66,7 @@ class _Run:
     neighbours: step_members.Neighbours = field(default_factory=dict)
     wait_reasons: dict[str, str] = field(default_factory=dict)
     in_flight: shares.InFlight | None = None
+    restarts: Intervals = field(default_factory=lambda: Intervals([]))  # the engine's
 
 
 def diagnose_run(db_path: str | Path, run_id: str | None = None) -> RunDiagnosis:
@@ -95,6 +96,8 @@ def diagnose_run(db_path: str | Path, run_id: str | None = None) -> RunDiagnosis
     ctx = _Run(
         step_parts=parts,
         pauses=pauses,
+        restarts=Intervals([(p.start_ns, p.start_ns + p.duration_ns) for p in facts.pauses
+                            if p.process == "server" and p.kind == "restart"]),
         in_flight=shares.InFlight(facts.step_times, weights),
         preemptions=step_members.preemptions(
             facts.preempted, facts.members, placed, facts.step_times, win
@@ -274,6 +277,10 @@ def _ttft_parts(
             parts[part] = api.carve(parts, *window)
     admission = min(row.admission_wait_ns or 0, parts["frontend"])
     parts["admission"], parts["frontend"] = admission, parts["frontend"] - admission
+    if (window := span(handler, sent)) and parts["frontend"]:
+        # Waiting for a new engine core (Serving._gate): the restart rows over the window.
+        waited = min(run.restarts.within(*window), parts["frontend"])
+        parts["engine_restart"], parts["frontend"] = waited, parts["frontend"] - waited
     if window := span(sent, received):
         ipc = window[1] - window[0]
         # The step in flight, up to its expected time: expected (shares.InFlight).

@@ -272,15 +272,26 @@ def _memberships(con: duckdb.DuckDBPyConnection, run_id: str, column: str) -> Me
 
 
 def load_pauses(con: duckdb.DuckDBPyConnection, run_id: str) -> list[PauseRow]:
-    """The run's pauses; none where the db predates the pauses table."""
-    if not _columns(con, "pauses"):
-        return []
-    cur = con.execute(
-        "SELECT process, kind, start_ns, duration_ns FROM pauses WHERE run_id = ? "
-        "AND duration_ns > 0 ORDER BY start_ns",
-        [run_id],
-    )
-    return [PauseRow(**r) for r in _records(cur)]
+    """The run's pauses, and its engine restarts as pauses of the server (process "server",
+    kind "restart": found dead or hung to the new core ready); none where the db predates
+    the pauses table (or the lifecycle table)."""
+    rows: list[PauseRow] = []
+    if _columns(con, "pauses"):
+        cur = con.execute(
+            "SELECT process, kind, start_ns, duration_ns FROM pauses WHERE run_id = ? "
+            "AND duration_ns > 0 ORDER BY start_ns",
+            [run_id],
+        )
+        rows = [PauseRow(**r) for r in _records(cur)]
+    if _columns(con, "lifecycle"):
+        cur = con.execute(
+            "SELECT 'server' AS process, 'restart' AS kind, start_ns, "
+            "end_ns - start_ns AS duration_ns FROM lifecycle WHERE run_id = ? "
+            "AND kind IN ('restart', 'crash_loop') AND end_ns > start_ns ORDER BY start_ns",
+            [run_id],
+        )
+        rows += [PauseRow(**r) for r in _records(cur)]
+    return rows
 
 
 def load_run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunFacts:

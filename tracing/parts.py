@@ -70,6 +70,15 @@ PARTS: tuple[Part, ...] = (
         "waiting for a slot (`--max-concurrent-requests`)", "frontend.enqueue",
     ),
     Part(
+        "engine_restart", "waiting for the engine core to restart (a crash or a hang)", None,
+        "waiting for the engine core to restart after a crash or a hang",
+        "find why the core failed (the server log; the `lifecycle` table's cause); "
+        "--max-queue-wait bounds how long a request waits for the new core",
+        "handler to sent, while the engine core was restarting: the `lifecycle` table's "
+        "restart rows (found dead or hung to the new core ready)",
+        "frontend.enqueue",
+    ),
+    Part(
         "loop_lag", _API_LAG, _API_LAG, _API_LAG,
         "something blocks the API event loop (CPU-heavy work in a handler, a large "
         "tokenization); see the pauses table",

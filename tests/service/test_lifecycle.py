@@ -16,6 +16,8 @@ import pytest
 from tests.helpers.load import Streams, server_idle, wait_until
 from tests.helpers.procs import live_children, pid_alive
 from tests.helpers.server import LumenServer, metric
+from replay.report import render_text
+from service.cli import main
 from tracing.store import open_db
 
 SHORT, LONG = 100, 1900  # tokens: the short streams fit in the shutdown timeout, the long not
@@ -115,7 +117,7 @@ CAUSES = {
 
 @pytest.mark.serial  # deadlines: open streams fail within 1 s, /health 503 within the bound
 def test_a_crashed_or_hung_core_is_restarted_until_a_crash_loop(
-    tmp_path: Path, tiny_model_path: Path
+    tmp_path: Path, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     server = _start(
         tmp_path, tiny_model_path, "--max-restarts", "2", "--engine-hang-timeout", "1.5",
@@ -132,11 +134,11 @@ def test_a_crashed_or_hung_core_is_restarted_until_a_crash_loop(
     failed_within = max(streams.ended) - killed
     assert {e for _, _, _, e in streams.summary()} == {"engine_restarted"}, streams.summary()
     # Requests sent during the restart wait for the new core (--max-queue-wait) or get a 503.
-    during: list[int] = []
+    during: list[httpx.Response] = []
     senders = [
         threading.Thread(target=lambda: during.append(server.http.post(
             server.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 4}, timeout=60,
-        ).status_code))
+        )))
         for _ in range(3)
     ]  # fmt: skip
     for t in senders:
@@ -144,10 +146,12 @@ def test_a_crashed_or_hung_core_is_restarted_until_a_crash_loop(
     ready_after = wait_until(lambda: _health(server) == (200, "ready"), 60) + failed_within
     for t in senders:
         t.join(60)
+    statuses = [r.status_code for r in during]
     print(f"\nkill -9: 16 streams failed within {failed_within * 1000:.0f} ms; ready again "
-          f"{ready_after:.1f} s after the kill; requests during the restart: {during}")  # fmt: skip
+          f"{ready_after:.1f} s after the kill; requests during the restart: {statuses}")  # fmt: skip
     assert failed_within < 1.0 + 1.5  # DESIGN: 1 s, with a loaded-machine margin
-    assert len(during) == 3 and set(during) <= {200, 503}
+    assert len(statuses) == 3 and set(statuses) <= {200, 503}
+    waited = [r.json()["id"] for r in during if r.status_code == 200]
     ok = server.http.post(server.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 4})
     assert ok.status_code == 200, ok.text
     wait_until(lambda: server_idle(server), 10)  # KV, running and admission back to zero
@@ -183,7 +187,16 @@ def test_a_crashed_or_hung_core_is_restarted_until_a_crash_loop(
     assert [r[0] for r in rows] == ["restart", "restart", "crash_loop"]
     assert rows[0][2:] == (1, 16) and "died" in rows[0][1]
     assert rows[1][1].startswith("hung") and rows[1][2] == 2
-    assert [e for (e,) in epochs] == [0, 1]  # the steps of each core, never colliding
+    assert [e for (e,) in epochs] == [0, 1]  # the steps of each core (the third ran none)
+    # A request that waited for the new core is told so, and the run's report names it.
+    if waited:
+        capsys.readouterr()
+        assert main(["trace", "why", waited[0], "--db", str(server.trace_db)]) == 0
+        why = capsys.readouterr().out
+        print(why)
+        assert "waiting for the engine core to restart" in why
+    report = render_text(str(server.trace_db))
+    assert "restart" in report, report
     server.stop()
 
 

@@ -19,5 +19,12 @@ COPY bench bench
 RUN pip install .
 EXPOSE 8000
 VOLUME /data
+# Readiness: 200 only while a request would be served now (503 while starting, restarting the
+# engine or draining). Docker marks the container unhealthy after 3 failures in a row.
+HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)"]
+# The server is PID 1, in exec form: `docker stop` sends it the SIGTERM, and it drains
+# (--shutdown-timeout, 30 s by default: give `docker stop -t` / stop_grace_period more).
+STOPSIGNAL SIGTERM
 ENTRYPOINT ["lumen", "serve", "--host", "0.0.0.0", "--port", "8000", \
             "--trace-db", "/data/traces/trace.db"]

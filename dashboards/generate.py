@@ -57,6 +57,11 @@ OVERVIEW = [
       (f"sum(rate(lumen:client_disconnects_total{{{M}}}[{RATE}]))", "client disconnects"),
       (f"sum(rate(lumen:stream_stall_aborts_total{{{M}}}[{RATE}]))", "stalled readers")],
      False),
+    # The lifecycle (service/lifecycle.py): the state is a 1 on its own series, so a restart
+    # or a drain shows as a step from "ready" to another state and back.
+    ("Engine state and restarts", "short",
+     [(f"max by (state) (lumen:engine_state{{{M}}}) > 0", "state: {{state}}"),
+      (f"sum(increase(lumen:engine_restarts_total{{{M}}}[{RATE}]))", "restarts")], False),
 ]  # fmt: skip
 
 BOUNDARIES = [

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import yaml
 
+from service.config import ServerConfig
 from tests.helpers.load import stream_chat, wait_until
 from tests.helpers.server import ROOT, LumenServer, free_port
 
@@ -138,6 +139,12 @@ def test_compose_parses_and_its_parts_agree() -> None:
     }
     assert sources["tempo"] == f"http://tempo:{tempo['server']['http_listen_port']}"
     assert sources["prometheus"] == "http://prometheus:9090" and 9090 in published("prometheus")
+    # The lumen service is probed on its readiness path, and docker stop waits out the drain.
+    lumen = services["lumen"]
+    assert f"127.0.0.1:{port}/health" in " ".join(lumen["healthcheck"]["test"])
+    grace = int(lumen["stop_grace_period"].removesuffix("s"))
+    assert grace > ServerConfig.shutdown_timeout
+    assert services["prometheus"]["depends_on"]["lumen"]["condition"] == "service_healthy"
     # Grafana finds its provisioning and the dashboards where the provider looks.
     assert ("grafana", "/etc/grafana/provisioning") in mounts
     provider = _yaml(DASH / "grafana/provisioning/dashboards/dashboards.yml")["providers"][0]

@@ -133,9 +133,12 @@ def test_llm_in_core_process_matches_inproc_and_cleans_up(tiny_model_path: Path)
     params = SamplingParams(temperature=0, max_tokens=6)
     inproc = LLM(str(tiny_model_path), num_kv_blocks=64)
     expected = [o.outputs[0].token_ids for o in inproc.generate(prompts, params, use_tqdm=False)]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     with LLM(str(tiny_model_path), num_kv_blocks=64, core_process=True) as llm:
         assert len(live_children()) >= 1
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        # A library: the caller's signal handlers are its own (DESIGN §5).
+        assert {sig: signal.getsignal(sig) for sig in handlers} == handlers
     assert got == expected
     assert wait_no_children() == []
 

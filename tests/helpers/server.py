@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import openai
 
 from bench.server import ROOT, free_port, metric, parse_metrics
 from bench.server import LumenServer as _LumenServer
 from tests.helpers.procs import live_children
 
-__all__ = ["ROOT", "LumenServer", "free_port", "metric", "parse_metrics"]
+__all__ = ["ROOT", "LumenServer", "ServerPool", "free_port", "metric", "parse_metrics"]
 
 
 class LumenServer(_LumenServer):
@@ -24,3 +29,33 @@ class LumenServer(_LumenServer):
 
     def __enter__(self) -> LumenServer:
         return self
+
+
+class ServerPool:
+    """Fresh, identical servers for tests that each use one up (a stop signal ends it): while
+    a test runs on one, the next starts in the background, so the tests after the first do
+    not wait for a start. ``size``: how many the tests will take (no spare is left over)."""
+
+    def __init__(self, start: Callable[[int], LumenServer], size: int) -> None:
+        self._start, self._left, self._count = start, size, itertools.count()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="server-pool")
+        self._spare: Future[LumenServer] | None = None
+        self._prestart()
+
+    def _prestart(self) -> None:
+        self._spare = None
+        if self._left > 0:
+            self._left -= 1
+            self._spare = self._pool.submit(self._start, next(self._count))
+
+    def take(self) -> LumenServer:
+        spare = self._spare or self._pool.submit(self._start, next(self._count))
+        server = spare.result()
+        self._prestart()
+        return server
+
+    def close(self) -> None:
+        if self._spare is not None:
+            with contextlib.suppress(Exception):
+                self._spare.result().stop()
+        self._pool.shutdown()

@@ -4,6 +4,8 @@ truth, and each of them a row in the trace store."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -134,7 +136,7 @@ def test_every_stop_signal_drains(stop_servers: ServerPool, how: str) -> None:
 
 @pytest.mark.serial  # deadlines: open streams fail within 1 s, /health 503 within the bound
 def test_a_crashed_or_hung_core_is_restarted_until_a_crash_loop(
-    tmp_path: Path, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, tiny_model_path: Path
 ) -> None:
     server = _start(
         tmp_path, tiny_model_path, "--max-restarts", "2", "--engine-hang-timeout", "1.5",
@@ -210,11 +212,11 @@ def test_a_crashed_or_hung_core_is_restarted_until_a_crash_loop(
     assert [e for (e,) in epochs] == [0, 1]  # the steps of each core (the third ran none)
     # A request that waited for the new core is told so, and the run's report names it.
     if waited:
-        capsys.readouterr()
-        assert main(["trace", "why", waited[0], "--db", str(server.trace_db)]) == 0
-        why = capsys.readouterr().out
-        print(why)
-        assert "waiting for the engine core to restart" in why
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["trace", "why", waited[0], "--db", str(server.trace_db)]) == 0
+        print(out.getvalue())
+        assert "waiting for the engine core to restart" in out.getvalue()
     report = render_text(str(server.trace_db))
     assert "restart" in report, report
     server.stop()

@@ -123,6 +123,7 @@ def diagnose_run(db_path: str | Path, run_id: str | None = None) -> RunDiagnosis
         prefill_members=step_members.prefill_members(facts.members, placed),
         pauses=list(facts.pauses),
         step_prior=facts.step_prior,
+        lifecycle=facts.lifecycle,
     )
     verdict.judge(run)
     return run

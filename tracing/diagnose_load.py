@@ -8,14 +8,14 @@ NULL, and the spans stand in where they can (sent, received, first and last deli
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import duckdb
 import numpy as np
 
 from engine.request_ids import CHILD_SUFFIX, OLD_SAMPLE_PREFIX
-from tracing.diagnosis import StepFacts
+from tracing.diagnosis import LifecycleRow, StepFacts
 from tracing.pauses import PauseRow
 from tracing.shares import Memberships, StepTimes
 
@@ -62,6 +62,7 @@ class RunFacts:
     preempted: Memberships  # (step, request) for each request a step preempted; tokens 0
     pauses: list[PauseRow]
     step_prior: list[float] | None = None  # the warm-up's [a, b, c] (tracing.shares)
+    lifecycle: list[LifecycleRow] = field(default_factory=list)  # drains, restarts
 
 
 def load_step_prior(con: duckdb.DuckDBPyConnection, run_id: str) -> list[float] | None:
@@ -294,6 +295,18 @@ def load_pauses(con: duckdb.DuckDBPyConnection, run_id: str) -> list[PauseRow]:
     return rows
 
 
+def load_lifecycle(con: duckdb.DuckDBPyConnection, run_id: str) -> list[LifecycleRow]:
+    """The run's drains, engine restarts and crash loop; none where the db predates them."""
+    if not _columns(con, "lifecycle"):
+        return []
+    cur = con.execute(
+        "SELECT kind, cause, start_ns, end_ns, epoch, num_finished, num_failed FROM lifecycle "
+        "WHERE run_id = ? ORDER BY start_ns",
+        [run_id],
+    )
+    return [LifecycleRow(**r) for r in _records(cur)]
+
+
 def load_run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunFacts:
     steps = _step_rows(con, run_id)
     preempted = (
@@ -309,6 +322,7 @@ def load_run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunFacts:
         preempted=preempted,
         pauses=load_pauses(con, run_id),
         step_prior=load_step_prior(con, run_id),
+        lifecycle=load_lifecycle(con, run_id),
     )
 
 

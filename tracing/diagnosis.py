@@ -5,6 +5,7 @@ records `tracing.diagnose` fills in and `tracing.verdict`, `tracing.why`, `traci
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -90,7 +91,19 @@ class Finding:
     ms: float = 0.0
     part: str | None = None
     request_ids: list[str] = field(default_factory=list)
-    section: str = "causes"  # causes | paid | steps | cancellations
+    section: str = "causes"  # causes | paid | steps | cancellations | lifecycle
+
+
+class LifecycleRow(NamedTuple):
+    """A row of the lifecycle table: a drain, an engine restart or a crash loop."""
+
+    kind: str  # drain | restart | crash_loop
+    cause: str
+    start_ns: int
+    end_ns: int
+    epoch: int
+    num_finished: int
+    num_failed: int
 
 
 @dataclass
@@ -153,6 +166,7 @@ class RunDiagnosis:
     prefill_members: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
     pauses: list[tuple[str, str, int, int]] = field(default_factory=list)  # process, kind, ns
     step_prior: list[float] | None = None  # the warm-up's price of a step (tracing.shares)
+    lifecycle: list[LifecycleRow] = field(default_factory=list)  # the server's drains, restarts
 
 
 def percentiles(values: list[float]) -> dict[str, float]:

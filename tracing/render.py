@@ -20,6 +20,7 @@ SECTIONS = {
     "paid": "Every request paid",
     "steps": "Steps",
     "cancellations": "Cancellations",
+    "lifecycle": "Drains and engine restarts",
 }
 LABELS = {
     "ttft_s": "TTFT",

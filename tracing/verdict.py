@@ -105,6 +105,7 @@ def judge(run: RunDiagnosis) -> None:
     findings += _slow_readers(run)
     findings += verdict_steps.step_findings(run, findings)
     findings += verdict_steps.cancellations(run)
+    findings += lifecycle_findings(run)
     findings += _expected(run, findings)
     run.findings = findings
     for r in run.requests:
@@ -218,6 +219,27 @@ def describe(
     if step is not None:
         return _busy(run, step), action
     return "", action
+
+
+def lifecycle_findings(run: RunDiagnosis) -> list[Finding]:
+    """One sentence per drain, engine restart and crash loop of the run (service/lifecycle.py)."""
+    out = []
+    for row in run.lifecycle:
+        took = ms(row.end_ns - row.start_ns)
+        if row.kind == "drain":
+            text = (
+                f"Drained on {row.cause}: {count(row.num_finished, 'request')} in flight "
+                f"finished, {row.num_failed} aborted at the shutdown timeout ({took})."
+            )
+        elif row.kind == "restart":
+            text = (
+                f"The engine core failed ({row.cause}); {count(row.num_failed, 'request')} "
+                f"failed with it, and a new core (epoch {row.epoch}) was ready {took} later."
+            )
+        else:
+            text = f"Crash loop: the engine core failed again ({row.cause}); the server exited."
+        out.append(Finding("info", text, section="lifecycle"))
+    return out
 
 
 def _lag_work(run: RunDiagnosis, action: str) -> tuple[str, str]:

@@ -114,4 +114,4 @@ class TransformersServer(LumenServer):
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        self._wait_healthy(startup_timeout)
+        self.wait_healthy(startup_timeout)

@@ -7,9 +7,9 @@ import os
 
 from engine.config import EngineConfig
 from engine.model_files import resolve_config
-from engine.mp_client import CoreProcess
+from engine.mp_client import STARTUP_TIMEOUT_S, CoreProcess
 
-__all__ = ["CoreProcess", "launch_core"]
+__all__ = ["STARTUP_TIMEOUT_S", "CoreProcess", "launch_core"]
 
 
 def launch_core(config: EngineConfig, *, supervised: bool = False) -> CoreProcess:

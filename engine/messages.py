@@ -40,6 +40,8 @@ class OutputType(bytes, enum.Enum):
 
     READY = b"\x00"
     OUTPUTS = b"\x01"
+    # Before READY: the phase the start has reached ("warming_up": the model is loaded).
+    PROGRESS = b"\x02"
 
 
 class UtilityMethod(enum.IntEnum):

@@ -67,6 +67,7 @@ class CoreProcess:
         self.config, self.model_path = config, model_path
         self.epoch = epoch
         self.info: EngineInfo | None = None
+        self.phase = "starting"  # then "warming_up" (the core's PROGRESS), then "ready"
         # The watchdog's view: when the core was last heard from, and how long its loop had
         # been busy in one iteration at that moment (a heartbeat's busy_ns).
         self.last_heard = time.monotonic()
@@ -110,11 +111,15 @@ class CoreProcess:
         while time.monotonic() < deadline:
             if self.out_sock.poll(100):
                 kind, payload = self.out_sock.recv_multipart()
+                if kind == OutputType.PROGRESS.value:
+                    self.phase = payload.decode()
+                    continue
                 if kind != OutputType.READY.value:
                     raise RuntimeError("engine core spoke before it was ready")
                 ready = msgspec.msgpack.decode(payload, type=ReadyMessage)
                 if ready.info is not None:
                     self.last_heard = time.monotonic()
+                    self.phase = "ready"
                     return ready.info
                 error = ValueError if ready.error_type == "ValueError" else RuntimeError
                 raise error(ready.error)

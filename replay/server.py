@@ -43,9 +43,11 @@ class LumenServer:
         startup_timeout: float = 180.0,
         env: dict[str, str] | None = None,
         python: str = sys.executable,
+        wait: bool = True,
         **popen: Any,
     ) -> None:
-        """The trace db goes beside the log unless ``trace_db`` is given (or --no-trace-db)."""
+        """The trace db goes beside the log unless ``trace_db`` is given (or --no-trace-db).
+        ``wait=False``: return once the process is started (``wait_healthy`` waits)."""
         self.port = free_port()
         self.trace_db = trace_db or log_path.parent / "trace.db"
         self.api_key = api_key
@@ -66,9 +68,10 @@ class LumenServer:
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT, **popen
         )
-        self._wait_healthy(startup_timeout)
+        if wait:
+            self.wait_healthy(startup_timeout)
 
-    def _wait_healthy(self, timeout: float) -> None:
+    def wait_healthy(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import signal
 import time
 from typing import Any
 
@@ -19,7 +20,7 @@ from engine import __version__
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.gc_pauses import gc_setting, settle_heap
-from engine.launch import CoreProcess
+from engine.launch import STARTUP_TIMEOUT_S, CoreProcess, launch_core
 from engine.model_files import served_name
 from engine.request_ids import new_request_id
 from service import http_timing
@@ -27,7 +28,7 @@ from service.admission import Admission
 from service.config import ServerConfig
 from service.context import RequestContext, attach, context_of
 from service.errors import APIError
-from service.lifecycle import READY, Lifecycle, LifecycleOptions, hang_timeout
+from service.lifecycle import READY, Door, Lifecycle, LifecycleOptions, hang_timeout
 from service.metrics import ServerMetrics
 from service.monitor import watch_api_process
 from service.protocol import ChatCompletionRequest, CompletionRequest
@@ -297,14 +298,79 @@ async def serve(
 ) -> int:
     """Run until a stop signal's drain ends (exit 0) or a crash loop (exit 1): see
     service/lifecycle.py. ``core``: the core process, already launched for ``engine_config``
-    (``launch_core(..., supervised=True)``)."""
+    (``launch_core(..., supervised=True)``). The port is bound at once: while the core loads
+    and warms up, /health answers 503 naming the phase and /livez 200."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
     gc_setting()  # a bad LUMEN_GC fails here, before the engine starts (if not launched)
     model_name = config.served_model_name or served_name(engine_config.model)
-    # Starts the core process (unless `core` was launched already) and waits for its READY
-    # (the loop serves nothing yet).
+    if core is None:
+        core = launch_core(engine_config, supervised=True)
+    door = Door(lambda: core.phase)
+    hc = Config()
+    hc.bind = [f"{config.host}:{config.port}"]
+    hc.accesslog = None
+    # The drain happened before Hypercorn is told to stop: this is only for the last bytes of
+    # the responses it ended, and idle keep-alive connections.
+    hc.graceful_timeout = 2.0
+    stopped = asyncio.Event()
+    server = asyncio.create_task(
+        hypercorn_serve(door, hc, shutdown_trigger=stopped.wait),  # type: ignore[arg-type]
+        name="hypercorn",
+    )
+    if not await _started(core, server, stopped):
+        return 0  # stopped by a signal before the engine was ready
+    try:
+        return await _serve_ready(engine_config, config, tracing, core, model_name, door, stopped)
+    finally:
+        stopped.set()
+        await server
+
+
+async def _started(core: CoreProcess, server: asyncio.Task[None], stopped: asyncio.Event) -> bool:
+    """Wait for the core's READY while Hypercorn answers the probes; False if a stop signal
+    came first (the core is stopped). A core that fails to start, or a port that cannot be
+    bound, raises (after both are stopped)."""
+    loop = asyncio.get_running_loop()
+    signalled: list[str] = []
+
+    def stop(name: str) -> None:
+        logger.info("%s while starting: stopping", name)
+        signalled.append(name)
+        core.proc.terminate()  # its wait_ready raises; nothing was admitted
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        loop.add_signal_handler(sig, stop, sig.name)
+    ready = asyncio.create_task(asyncio.to_thread(core.wait_ready, STARTUP_TIMEOUT_S))
+    await asyncio.wait({ready, server}, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():  # Hypercorn ended first: it could not bind
+        await asyncio.to_thread(core.close, 0)
+        with contextlib.suppress(BaseException):
+            await ready
+        server.result()  # raises why
+        raise RuntimeError("the HTTP server stopped before the engine was ready")
+    try:
+        ready.result()
+    except BaseException:
+        stopped.set()
+        await server
+        if signalled:
+            return False
+        raise
+    return True
+
+
+async def _serve_ready(
+    engine_config: EngineConfig,
+    config: ServerConfig,
+    tracing: TracingConfig | None,
+    core: CoreProcess,
+    model_name: str,
+    door: Door,
+    stopped: asyncio.Event,
+) -> int:
+    # The core is READY: this takes its config and info, and loads the tokenizer.
     engine = AsyncLLM(
         engine_config, stall_timeout=config.stream_stall_timeout, core=core, supervised=True
     )
@@ -338,18 +404,11 @@ async def serve(
         ),
         exit_grace_period=config.exit_grace_period,
     )
-    serving.lifecycle = lifecycle = Lifecycle(engine, admission, metrics, tracer, options)
-    app = FrontDoor(build_app(serving), serving, config)
+    serving.lifecycle = lifecycle = Lifecycle(engine, admission, metrics, tracer, options, stopped)
     http_timing.install()
     monitor = asyncio.create_task(watch_api_process(metrics, tracer), name="api-monitor")
-
     settle_heap()  # the engine is up and the app built: what lives now lives for good
-    hc = Config()
-    hc.bind = [f"{config.host}:{config.port}"]
-    hc.accesslog = None
-    # The drain happened before Hypercorn is told to stop: this is only for the last bytes of
-    # the responses it ended, and idle keep-alive connections.
-    hc.graceful_timeout = 2.0
+    door.app = FrontDoor(build_app(serving), serving, config)
     lifecycle.start()
     logger.info(
         "serving %s on http://%s:%d (%s; engine hang timeout %.0f s)",
@@ -360,7 +419,7 @@ async def serve(
         options.hang_timeout,
     )
     try:
-        await hypercorn_serve(app, hc, shutdown_trigger=lifecycle.stopped.wait)  # type: ignore[arg-type]
+        await stopped.wait()
     finally:
         await lifecycle.close()
         monitor.cancel()

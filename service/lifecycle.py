@@ -30,11 +30,16 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from service.admission import Admission
+from service.errors import error_body
 from service.metrics import ServerMetrics
 from tracing.events import Lifecycle as LifecycleRow
 from tracing.recorder import Tracer
@@ -79,13 +84,14 @@ class Lifecycle:
         metrics: ServerMetrics,
         tracer: Tracer | None,
         options: LifecycleOptions,
+        stopped: asyncio.Event,
     ) -> None:
         self.engine, self.admission, self.metrics = engine, admission, metrics
         self.tracer, self.options = tracer, options
         self.state = STARTING
         self.since_ns = time.time_ns()
         self.ready = asyncio.Event()  # set while ready: requests that arrive meanwhile wait
-        self.stopped = asyncio.Event()  # Hypercorn's shutdown trigger
+        self.stopped = stopped  # Hypercorn's shutdown trigger
         self.exit_code = 0
         self._force = asyncio.Event()
         self._drain: asyncio.Task[None] | None = None
@@ -273,3 +279,38 @@ class Lifecycle:
     def _record(self, kind: str, cause: str, start_ns: int, **counts: int) -> None:
         if self.tracer is not None:
             self.tracer.lifecycle(LifecycleRow(kind, cause, start_ns, time.time_ns(), **counts))
+
+
+class Door:
+    """The ASGI app Hypercorn serves from the moment the port is bound: while the first engine
+    core loads and warms up it answers the probes itself (/health 503 naming the phase, /livez
+    200) and every other request with a 503 and ``Retry-After``; once the server is built,
+    ``app`` takes every request. Lifespan events stay here (the app needs none)."""
+
+    def __init__(self, phase: Callable[[], str]) -> None:
+        self.app: ASGIApp | None = None
+        self._phase = phase
+        self._since = time.time_ns()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if self.app is not None:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        status = {"status": self._phase(), "since": round(self._since / 1e9, 3),
+                  "engine_epoch": 0, "restarts": 0}  # fmt: skip
+        if scope["path"] == "/livez":
+            response: Response = JSONResponse(status)
+        elif scope["path"] == "/health":
+            response = JSONResponse(status, 503, headers={"Retry-After": "1"})
+        else:
+            message = f"the server is starting ({status['status']}); retry later"
+            body = error_body(503, message, code="starting")
+            response = JSONResponse(body, 503, headers={"Retry-After": "1"})
+        await response(scope, receive, send)

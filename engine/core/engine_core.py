@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -35,7 +36,15 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, model_path: str, owns_process: bool = False) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: str,
+        owns_process: bool = False,
+        on_warm_up: Callable[[], object] | None = None,
+    ) -> None:
+        """``on_warm_up``: called once the model and its KV cache are loaded, as the warm-up
+        begins (the core process tells its server, whose /health says so)."""
         model_config = ModelConfig.from_path(model_path)
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
@@ -74,6 +83,8 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.warmup_s = 0.0
         step_prior: list[float] = []
+        if on_warm_up is not None:
+            on_warm_up()
         if config.warmup:
             warmed_s, step_prior = warm_up(executor, config, num_blocks, max_model_len)
             self.warmup_s = warmed_s + waited

@@ -225,7 +225,10 @@ def run_engine_core(
     try:
         from engine.core.engine_core import EngineCore
 
-        core = EngineCore(config, model_path, owns_process=True)
+        core = EngineCore(
+            config, model_path, owns_process=True,
+            on_warm_up=lambda: out_sock.send_multipart((OutputType.PROGRESS.value, b"warming_up")),
+        )  # fmt: skip
         core.scheduler.number_steps_from(epoch << STEP_EPOCH_BITS)
         settle_heap()  # the model is loaded and warm: what lives now lives for good
     except Exception as e:

@@ -224,6 +224,42 @@ def test_a_crashed_or_hung_core_is_restarted_until_a_crash_loop(
     server.stop()
 
 
+def test_health_names_the_phase_while_the_engine_starts(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """The port is bound at once: /health answers 503 `starting`, then `warming_up` (the
+    model is loaded), then 200 `ready`; /livez answers 200 all along; a request that comes
+    meanwhile gets a 503 with Retry-After."""
+    slow_warmup = {"LUMEN_DEBUG_DELAY": "schedule=0.02"}  # the warm-up steps: 0.5 s more
+    server = LumenServer(
+        tiny_model_path, "--no-trace-db", log_path=tmp_path / "serve.log", env=slow_warmup,
+        wait=False,
+    )  # fmt: skip
+    seen: list[tuple[int, str]] = []
+    live: set[int] = set()
+    early: httpx.Response | None = None
+    deadline = time.monotonic() + 120
+    while (not seen or seen[-1][1] != "ready") and time.monotonic() < deadline:
+        try:
+            r = server.http.get(server.url("/health"), timeout=2)
+            live.add(server.http.get(server.url("/livez"), timeout=2).status_code)
+            if early is None and r.status_code == 503:
+                early = server.http.post(server.url("/v1/completions"), json={"prompt": "hi"})
+        except httpx.TransportError:
+            time.sleep(0.02)  # not bound yet
+            continue
+        state = (r.status_code, r.json()["status"])
+        if not seen or seen[-1] != state:
+            seen.append(state)
+        time.sleep(0.02)
+    print(f"\n/health during the start: {seen}")
+    server.stop()
+    assert seen == [(503, "starting"), (503, "warming_up"), (200, "ready")], seen
+    assert live == {200}
+    assert early is not None and early.status_code == 503, early
+    assert early.headers["retry-after"] == "1" and early.json()["error"]["code"] == "starting"
+
+
 def test_the_documented_probes_answer_on_a_running_server(tiny_server: LumenServer) -> None:
     """The Dockerfile's and compose's health checks, and the Kubernetes probes of
     docs/deploy.md, run against a real server (no orchestrator runs here)."""

@@ -90,7 +90,7 @@ class Lifecycle:
         self.tracer, self.options = tracer, options
         self.state = STARTING
         self.since_ns = time.time_ns()
-        self.ready = asyncio.Event()  # set while ready: requests that arrive meanwhile wait
+        self._changed = asyncio.Event()  # set (and replaced) at every change of state
         self.stopped = stopped  # Hypercorn's shutdown trigger
         self.exit_code = 0
         self._force = asyncio.Event()
@@ -107,10 +107,8 @@ class Lifecycle:
         logger.info("server state: %s -> %s", self.state, state)
         self.state, self.since_ns = state, time.time_ns()
         self.metrics.set_state(state)
-        if state == READY:
-            self.ready.set()
-        else:
-            self.ready.clear()
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()  # wakes the requests waiting for the engine (wait_ready)
 
     @property
     def closing(self) -> bool:
@@ -127,7 +125,8 @@ class Lifecycle:
         }
 
     async def wait_ready(self, timeout: float) -> bool:
-        """Wait (up to ``timeout``) for the engine to be ready; False if it did not come."""
+        """Wait (up to ``timeout``) for the engine to be ready; False if it did not come or
+        the server began to stop meanwhile."""
         deadline = time.monotonic() + timeout
         while not (self.state == READY and self.engine.is_alive):
             left = deadline - time.monotonic()
@@ -135,15 +134,9 @@ class Lifecycle:
                 return False
             # Ready but dead: the supervisor has yet to see it (it turns RESTARTING at once).
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(left, 0.02 if self.state == READY else left)):
-                    await self._changed()
+                async with asyncio.timeout(min(left, 0.02) if self.state == READY else left):
+                    await self._changed.wait()
         return True
-
-    async def _changed(self) -> None:
-        if self.state == READY:
-            await asyncio.sleep(0.02)
-        else:
-            await self.ready.wait()
 
     # -- start and stop ------------------------------------------------------------------
 

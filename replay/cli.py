@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_options(cap, skip=("core_process",), only_given=True)
     cap.set_defaults(func=_capacity)
     report = verbs.add_parser("report", help="percentiles and where the tail's time went")
-    report.add_argument("db")
+    report.add_argument("db", nargs="+", help="trace db, several, or a folder: one fleet")
     report.add_argument("--run", default=None, help="which run (default: the latest)")
     report.add_argument("--html", default=None, metavar="PATH",
                         help="also write a self-contained HTML report with plots")  # fmt: skip
@@ -310,11 +310,12 @@ def _export(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from replay.report import render_text
 
-    print(render_text(args.db, args.run))
+    db = args.db[0] if len(args.db) == 1 else args.db
+    print(render_text(db, args.run))
     if args.html:
         from replay.html import render_html
 
-        render_html(args.db, args.html, args.run)
+        render_html(db, args.html, args.run)
         print(f"\nHTML report: {args.html}")
     return 0
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from replay import plots
 from tracing.diagnose import TAIL_PERCENTILE, TTFT_PARTS, RequestDiagnosis, RunDiagnosis
-from tracing.store import open_db
+from tracing.store import DbPath, open_db
 
 MAX_WATERFALLS = 5
 METRICS = {
@@ -32,13 +32,14 @@ STYLE = (
 )
 
 
-def render_html(db: str | Path, out: str | Path, run_id: str | None = None) -> None:
+def render_html(db: DbPath, out: str | Path, run_id: str | None = None) -> None:
     """Diagnose the run (default: the latest) and write its page to ``out``."""
     from tracing.diagnose import diagnose_run, render_run
 
     diag = diagnose_run(db, run_id)
     spans = load_spans(db, diag.run_id, named_requests(diag))
-    Path(out).write_text(build_page(diag, render_run(diag), spans, source=Path(db).name))
+    source = Path(db).name if isinstance(db, str | Path) else ", ".join(Path(d).name for d in db)
+    Path(out).write_text(build_page(diag, render_run(diag), spans, source=source))
 
 
 def named_requests(diag: RunDiagnosis) -> list[str]:
@@ -49,7 +50,7 @@ def named_requests(diag: RunDiagnosis) -> list[str]:
     return list(ids)[:MAX_WATERFALLS]
 
 
-def load_spans(db: str | Path, run_id: str, request_ids: list[str]) -> dict[str, list[Span]]:
+def load_spans(db: DbPath, run_id: str, request_ids: list[str]) -> dict[str, list[Span]]:
     if not request_ids:
         return {}
     with open_db(db, timeout=10) as con:

@@ -12,7 +12,7 @@ from tracing.diagnose import (
     percentiles,
     render_run,
 )
-from tracing.store import latest_run, open_db
+from tracing.store import DbPath, latest_run, open_db
 
 __all__ = [
     "PARTS",
@@ -62,7 +62,7 @@ class RequestTimes:
         )
 
 
-def load_times(db: str, run_id: str | None = None) -> tuple[str, list[RequestTimes]]:
+def load_times(db: DbPath, run_id: str | None = None) -> tuple[str, list[RequestTimes]]:
     """The run's finished requests that got a token (by default the latest run that has one)."""
     if run_id is None:
         with open_db(db, timeout=10) as con:
@@ -72,5 +72,5 @@ def load_times(db: str, run_id: str | None = None) -> tuple[str, list[RequestTim
     return run.run_id, [RequestTimes.of(r) for r in served]
 
 
-def render_text(db: str, run_id: str | None = None) -> str:
+def render_text(db: DbPath, run_id: str | None = None) -> str:
     return render_run(diagnose_run(db, run_id))

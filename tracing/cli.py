@@ -13,6 +13,11 @@ from tracing.spans import BOUNDARIES, GRAMMAR_SPAN
 from tracing.store import open_db
 
 DEFAULT_DB = "traces/trace.db"
+# Several stores (or a folder of them) read as one fleet, each row with its replica.
+DB_OPTION: dict[str, Any] = {
+    "nargs": "+", "default": [DEFAULT_DB], "metavar": "DB",
+    "help": f"trace db, several, or a folder of them: one fleet (default {DEFAULT_DB})",
+}  # fmt: skip
 WIDTH = 40
 
 
@@ -21,16 +26,16 @@ def add_parser(nouns: Any) -> None:
     verbs = trace.add_subparsers(dest="verb", required=True)
     show = verbs.add_parser("show", help="one request's spans as a waterfall")
     show.add_argument("request_id")
-    show.add_argument("--db", default=DEFAULT_DB, help=f"trace db (default {DEFAULT_DB})")
+    show.add_argument("--db", **DB_OPTION)
     show.set_defaults(func=_show)
     top = verbs.add_parser("top", help="the slowest requests and what dominated each")
-    top.add_argument("--db", default=DEFAULT_DB, help=f"trace db (default {DEFAULT_DB})")
+    top.add_argument("--db", **DB_OPTION)
     top.add_argument("--limit", type=int, default=10)
     top.add_argument("--by", choices=("e2e", "ttft"), default="e2e")
     top.set_defaults(func=_top)
     why = verbs.add_parser("why", help="one request's time explained, against its run")
     why.add_argument("request_id")
-    why.add_argument("--db", default=DEFAULT_DB, help=f"trace db (default {DEFAULT_DB})")
+    why.add_argument("--db", **DB_OPTION)
     why.set_defaults(func=_why)
 
 
@@ -53,7 +58,7 @@ def _show(args: argparse.Namespace) -> int:
             [args.request_id, re.escape(args.request_id) + r"-\d+"],
         ).fetchall()
         if not reqs:
-            raise ValueError(f"request {args.request_id!r} is not in {args.db}")
+            raise ValueError(f"request {args.request_id!r} is not in {' '.join(args.db)}")
         shown: set[str] = set()
         for req in reqs:
             if req[0] in shown:
@@ -117,20 +122,27 @@ def _top(args: argparse.Namespace) -> int:
 
     order = "e2e_ns" if args.by == "e2e" else "ttft_ns"
     with open_db(args.db) as con:
+        # A fleet's rows name their replica (tracing.fleet); one store's do not need to.
+        fleet = con.execute(
+            "SELECT count(*) FROM information_schema.columns "
+            "WHERE table_name = 'requests' AND column_name = 'replica'"
+        ).fetchone() != (0,)
         rows = con.execute(
-            f"SELECT run_id, request_id FROM requests WHERE {order} IS NOT NULL "
-            f"ORDER BY {order} DESC LIMIT ?",
+            f"SELECT run_id, request_id, {'replica' if fleet else 'NULL'} FROM requests "
+            f"WHERE {order} IS NOT NULL ORDER BY {order} DESC LIMIT ?",
             [args.limit],
         ).fetchall()
     if not rows:
-        print(f"no requests in {args.db}")
+        print(f"no requests in {' '.join(args.db)}")
         return 0
     # What dominated each is its run's diagnosis: the same words as `trace why` and the report.
-    runs = {run_id: diagnose_run(args.db, run_id) for run_id in dict.fromkeys(r for r, _ in rows)}
-    print(f"{'request':<30}{'status':<9}{'e2e ms':>10}{'TTFT ms':>10}{'in':>7}{'out':>7}  "
-          "dominated by")  # fmt: skip
-    for run_id, rid in rows:
+    runs = {run_id: diagnose_run(args.db, run_id) for run_id in dict.fromkeys(r[0] for r in rows)}
+    width = max((len(str(r[2])) for r in rows), default=0) + 2 if fleet else 0
+    print(f"{'request':<30}{'replica' if fleet else '':<{width}}{'status':<9}{'e2e ms':>10}"
+          f"{'TTFT ms':>10}{'in':>7}{'out':>7}  dominated by")  # fmt: skip
+    for run_id, rid, replica in rows:
         r = next(q for q in runs[run_id].requests if q.request_id == rid)
-        print(f"{rid:<30}{r.status:<9}{_ms(r.e2e_ns):>10}{_ms(r.ttft_ns):>10}"
-              f"{r.prompt_tokens:>7}{r.output_tokens:>7}  {dominant_words(r)}")  # fmt: skip
+        print(f"{rid:<30}{replica or '':<{width}}{r.status:<9}{_ms(r.e2e_ns):>10}"
+              f"{_ms(r.ttft_ns):>10}{r.prompt_tokens:>7}{r.output_tokens:>7}  "
+              f"{dominant_words(r)}")  # fmt: skip
     return 0

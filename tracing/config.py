@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
 
 TRACE_PROMPTS = ("hashes", "tokens", "none")
@@ -35,6 +37,14 @@ class TracingConfig:
     trace_flush_interval: float = field(
         default=1.0, metadata={"help": "seconds between trace db flushes"}
     )
+    service_instance_id: str | None = field(
+        default=None,
+        metadata={
+            "help": "this replica's name in a fleet's traces (OpenTelemetry's "
+            "service.instance.id: keep it across restarts); default: the service.instance.id "
+            "of $OTEL_RESOURCE_ATTRIBUTES, else HOST:PORT (HOST for the offline LLM)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.trace_prompts not in TRACE_PROMPTS:
@@ -52,3 +62,16 @@ class TracingConfig:
     @property
     def db_path(self) -> str | None:
         return None if self.no_trace_db or not self.trace_db else self.trace_db
+
+
+def replica_id(config: TracingConfig, port: int | None = None) -> str:
+    """This process's replica name (service.instance.id): the flag, else the one in
+    $OTEL_RESOURCE_ATTRIBUTES, else HOST:PORT (HOST without a port)."""
+    if config.service_instance_id:
+        return config.service_instance_id
+    for item in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "service.instance.id" and value.strip():
+            return value.strip()
+    host = socket.gethostname()
+    return f"{host}:{port}" if port is not None else host

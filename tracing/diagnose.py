@@ -46,7 +46,7 @@ from tracing.diagnosis import (
 )
 from tracing.pauses import Intervals, Pauses, pauses_of
 from tracing.shares import StepShare
-from tracing.store import latest_run, open_db
+from tracing.store import DbPath, latest_run, open_db
 
 __all__ = [
     "DECODE_PARTS", "EXPECTED_PARTS", "MIN_CAUSE_NS", "MIN_CAUSE_SHARE", "TAIL_PERCENTILE",
@@ -69,7 +69,7 @@ class _Run:
     restarts: Intervals = field(default_factory=lambda: Intervals([]))  # the engine's
 
 
-def diagnose_run(db_path: str | Path, run_id: str | None = None) -> RunDiagnosis:
+def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
     """Every request of a run decomposed, the steps, the percentiles and the verdict."""
     with open_db(db_path, timeout=10) as con:
         run_id = run_id or latest_run(con)
@@ -129,21 +129,25 @@ def diagnose_run(db_path: str | Path, run_id: str | None = None) -> RunDiagnosis
     return run
 
 
-def find_request_ids(db_path: str | Path, request_id: str) -> list[str]:
+def _named(db_path: DbPath) -> str:
+    return str(db_path) if isinstance(db_path, str | Path) else " ".join(map(str, db_path))
+
+
+def find_request_ids(db_path: DbPath, request_id: str) -> list[str]:
     """The request rows an id names: itself, or a completion's per-prompt ID-0, ID-1, ..."""
     with open_db(db_path, timeout=10) as con:
         ids = load.matching_ids(con, request_id)
     if not ids:
-        raise ValueError(f"request {request_id!r} is not in {db_path}")
+        raise ValueError(f"request {request_id!r} is not in {_named(db_path)}")
     return ids
 
 
-def explain_request(db_path: str | Path, request_id: str) -> tuple[RequestDiagnosis, list[str]]:
+def explain_request(db_path: DbPath, request_id: str) -> tuple[RequestDiagnosis, list[str]]:
     """One request decomposed, and sentences on its TTFT and worst token gaps, against its run."""
     with open_db(db_path, timeout=10) as con:
         run_id = load.run_of(con, request_id)
     if run_id is None:
-        raise ValueError(f"request {request_id!r} is not in {db_path}")
+        raise ValueError(f"request {request_id!r} is not in {_named(db_path)}")
     run = diagnose_run(db_path, run_id)
     req = next(r for r in run.requests if r.request_id == request_id)
     req.run_medians = {

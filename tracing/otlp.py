@@ -51,7 +51,7 @@ def otlp_endpoint(config: TracingConfig) -> tuple[str, str] | None:
     return "http/protobuf", url
 
 
-def make_exporter(config: TracingConfig) -> OtlpExport | None:
+def make_exporter(config: TracingConfig, replica: str = "") -> OtlpExport | None:
     target = otlp_endpoint(config)
     if target is None:
         return None
@@ -68,7 +68,7 @@ def make_exporter(config: TracingConfig) -> OtlpExport | None:
         exporter = HTTPSpanExporter(endpoint=endpoint, timeout=5)
     logger.info("exporting spans over OTLP (%s) to %s, detail %s", protocol, endpoint,
                 config.otlp_detail)  # fmt: skip
-    return OtlpExport(exporter, config.otlp_detail)
+    return OtlpExport(exporter, config.otlp_detail, replica=replica)
 
 
 class _Counting(SpanExporter):
@@ -99,7 +99,9 @@ class _Counting(SpanExporter):
 class OtlpExport:
     """Rows in, SDK spans out. Only the trace writer thread calls ``export``."""
 
-    def __init__(self, exporter: SpanExporter, detail: str, *, max_queue: int = 8192) -> None:
+    def __init__(
+        self, exporter: SpanExporter, detail: str, *, max_queue: int = 8192, replica: str = ""
+    ) -> None:
         self.detail = detail
         self.max_queue = max_queue
         self._exporter = _Counting(exporter)
@@ -109,7 +111,9 @@ class OtlpExport:
             schedule_delay_millis=500,
             max_export_batch_size=min(512, max_queue),
         )
-        self._resource = Resource.create({"service.name": "lumen"})
+        # service.instance.id: the replica (tracing.config.replica_id), as the store keeps it.
+        attrs = {"service.name": "lumen", **({"service.instance.id": replica} if replica else {})}
+        self._resource = Resource.create(attrs)
         self._scope = InstrumentationScope("lumen.tracing", __version__)
         self._num_submitted = 0
         self._num_refused = 0

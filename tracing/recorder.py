@@ -26,7 +26,7 @@ import msgspec
 
 from engine.frontend import Enqueued, Finished
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineInfo, FinishReason
-from tracing.config import TracingConfig
+from tracing.config import TracingConfig, replica_id
 from tracing.events import Closed, Delivered, HttpFacts, Lifecycle, Outputs, Pause, Start
 from tracing.ids import parse_traceparent
 from tracing.spans import (
@@ -63,8 +63,11 @@ class Tracer:
         observe_boundary: BoundaryObserver | None = None,
         observe_delivery: DeliveryObserver | None = None,
         max_queued_events: int = 100_000,
+        port: int | None = None,
     ) -> None:
+        """``port``: the server's, for the default replica name (``replica_id``)."""
         self.config = config
+        self.replica = replica_id(config, port)
         self.observe_delivery = observe_delivery
         self._handlers: dict[type, Callable[[Any], None]] = {
             Start: self._on_start, Enqueued: self._on_enqueued, Outputs: self._on_outputs,
@@ -85,10 +88,12 @@ class Tracer:
         db = config.db_path
         self.store = TraceStore(db) if db else None
         if self.store is not None:
-            self.store.add("runs", [_run_row(self.run_id, info, engine_config, config)])
+            self.store.add(
+                "runs", [_run_row(self.run_id, info, engine_config, config, self.replica)]
+            )
         from tracing.otlp import make_exporter  # the SDK loads only when tracing is on
 
-        self.otlp = make_exporter(config)
+        self.otlp = make_exporter(config, self.replica)
         # Each request's every step, as objects: only OTLP's per-step spans need them.
         self._keep_visits = self.otlp is not None and self.otlp.detail != "request"
         self._thread = threading.Thread(target=self._run, name="lumen-trace-writer", daemon=True)
@@ -337,7 +342,7 @@ def _step_row(run_id: str, s: Any) -> tuple[Any, ...]:
 
 
 def _run_row(
-    run_id: str, info: EngineInfo, engine_config: Any, config: TracingConfig
+    run_id: str, info: EngineInfo, engine_config: Any, config: TracingConfig, replica: str
 ) -> tuple[Any, ...]:
     try:
         cfg = msgspec.json.encode(engine_config).decode() if engine_config is not None else None
@@ -346,4 +351,5 @@ def _run_row(
     return (
         run_id, time.time_ns(), info.model, info.version, info.max_model_len, info.num_kv_blocks,
         info.block_size, cfg, config.trace_prompts, "steps", list(info.step_prior) or None,
+        replica,
     )  # fmt: skip

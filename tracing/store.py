@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import duckdb
 import numpy as np
 
+from tracing import fleet
 from tracing.store_schema import ADDED_IN, TABLES
 from tracing.store_views import SPANS_VIEW, SPANS_VIEW_4
 
@@ -74,8 +75,9 @@ def _m003_compact(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(SPANS_VIEW)
 
 
-def _add_table(con: duckdb.DuckDBPyConnection, table: str) -> None:
-    con.execute(_create(table))
+def _m006_lifecycle(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(_create("lifecycle"))
+    _add_columns(con, 6)
 
 
 def _m004_grammar(con: duckdb.DuckDBPyConnection) -> None:
@@ -94,7 +96,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
         "sampler and logprobs per step, the warm-up's step prior, request bodies",
         lambda c: _add_columns(c, 5),
     ),
-    (6, "the server's drains and engine restarts", lambda c: _add_table(c, "lifecycle")),
+    (6, "the server's drains and engine restarts; each run's replica", _m006_lifecycle),
 ]
 
 
@@ -115,11 +117,29 @@ def migrate(con: duckdb.DuckDBPyConnection) -> None:
         con.execute("COMMIT")
 
 
+# One trace store, several (read as one fleet), or a folder of them.
+DbPath = str | Path | Sequence[str | Path]
+
+
 @contextlib.contextmanager
 def open_db(
-    path: str | Path, *, read_only: bool = True, timeout: float = 5.0
+    path: DbPath, *, read_only: bool = True, timeout: float = 5.0
 ) -> Iterator[duckdb.DuckDBPyConnection]:
-    """Open the store, retrying while a writer's flush holds the file (it holds it briefly)."""
+    """Open the store, retrying while a writer's flush holds the file (it holds it briefly).
+    Several stores, or a folder of them, open read-only as one fleet (tracing.fleet)."""
+    if not isinstance(path, str | Path) or Path(path).is_dir():
+        paths = fleet.store_paths(path)
+        if len(paths) > 1 or isinstance(path, str | Path):  # several, or a folder
+            if not read_only:
+                raise ValueError("a fleet of trace dbs opens read-only")
+            con = duckdb.connect(":memory:")
+            try:
+                fleet.attach(con, paths, lambda attach: _while_locked(attach, timeout))
+                yield con
+            finally:
+                con.close()
+            return
+        path = paths[0]
     path = Path(path)
     if read_only and not path.exists():
         raise ValueError(f"no trace db at {path}")

@@ -137,6 +137,9 @@ RUN_COLUMNS = {
     # Migration 5: the warm-up's price of a step, [a, b, c] ns of execute = a + b * prefill
     # tokens + c * rows (engine.core.warmup); the diagnosis's prior.
     "step_prior": "DOUBLE[]",
+    # Migration 6: the replica that recorded the run (its service.instance.id), so that many
+    # stores read as one fleet keep every row's origin.
+    "replica": "VARCHAR",
 }
 # Migration 3: the core ids of a request that ran as several ("ID-i": prompts and samples),
 # so that the steps table's request_ids map to requests. A lone core id is the request id.
@@ -197,7 +200,8 @@ ADDED_IN = {
     },
     5: {
         "steps": _from(STEP_COLUMNS, "sample_ns"),
-        "runs": _from(RUN_COLUMNS, "step_prior"),
+        "runs": _from(RUN_COLUMNS, "step_prior", "step_prior"),
         "requests": _from(REQUEST_COLUMNS, "body_bytes"),
     },
+    6: {"runs": _from(RUN_COLUMNS, "replica")},
 }

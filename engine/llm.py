@@ -43,7 +43,8 @@ class LLM:
 
     ``LLM(model=None)`` loads the default model; every EngineConfig field is
     a keyword argument (``max_num_seqs=...``, ``kv_cache_memory_bytes=...``).
-    Tracing is off unless ``trace_db=PATH`` or ``otlp_traces_endpoint=URL``
+    Tracing is off unless ``trace_db=PATH``, ``otlp_traces_endpoint=URL`` or
+    ``otlp_metrics_endpoint=URL``
     is given (the other TracingConfig fields are keywords too).
     """
 
@@ -61,7 +62,9 @@ class LLM:
         self.tokenizer = self.processor.tokenizer
         self.frontend = Frontend(self.processor, self.client.state, stat_loggers=(self,))
         self.tracer: Tracer | None = None
-        if tracing.get("trace_db") or tracing.get("otlp_traces_endpoint"):
+        if any(
+            tracing.get(k) for k in ("trace_db", "otlp_traces_endpoint", "otlp_metrics_endpoint")
+        ):
             # The one place the engine reaches tracing: LLM(trace_db=...) builds its observer.
             from tracing.recorder import Tracer
 

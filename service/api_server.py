@@ -380,7 +380,7 @@ async def _serve_ready(
     tracer = Tracer(
         tracing or TracingConfig(no_trace_db=True), engine.info,
         engine_config=engine_config, observe_boundary=metrics.observe_boundary,
-        observe_delivery=metrics.observe_delivery, port=config.port,
+        observe_delivery=metrics.observe_delivery, host=config.host, port=config.port,
     )  # fmt: skip
     engine.observe(tracer)
     if tracer.store is not None:

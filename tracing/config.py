@@ -30,6 +30,14 @@ class TracingConfig:
             "grpc://host:port for gRPC; default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT)"
         },
     )
+    otlp_metrics_endpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "send the OpenTelemetry GenAI server metrics (TTFT, time per output token, "
+            "request duration) over OTLP to this URL (http(s)://... or grpc://host:port; "
+            "default: $OTEL_EXPORTER_OTLP_METRICS_ENDPOINT, else $OTEL_EXPORTER_OTLP_ENDPOINT)"
+        },
+    )
     otlp_detail: str = field(
         default="boundary",
         metadata={"help": "request (root span), boundary (one per boundary) or step (all)"},

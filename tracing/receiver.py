@@ -1,4 +1,5 @@
-"""Small real OTLP trace receivers (HTTP and gRPC): decode ExportTraceServiceRequest, keep spans.
+"""Small real OTLP receivers (HTTP and gRPC): decode ExportTraceServiceRequest, keep spans;
+the HTTP one also takes /v1/metrics (ExportMetricsServiceRequest) and keeps histogram points.
 
 For tests and benchmarks (a stand-in collector on loopback); ``delay`` makes it
 a slow collector, ``status`` a failing one (it then keeps nothing).
@@ -13,6 +14,10 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -30,6 +35,36 @@ class ReceivedSpan:
     attributes: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class ReceivedHistogram:
+    """One data point of a histogram metric, with its resource's attributes."""
+
+    name: str
+    unit: str
+    bounds: list[float]
+    counts: list[int]
+    count: int
+    sum: float
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+
+
+def decode_metrics(request: ExportMetricsServiceRequest) -> list[ReceivedHistogram]:
+    out = []
+    for rm in request.resource_metrics:
+        resource = {a.key: _value(a.value) for a in rm.resource.attributes}
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                if m.WhichOneof("data") != "histogram":
+                    continue
+                for p in m.histogram.data_points:
+                    out.append(ReceivedHistogram(
+                        m.name, m.unit, list(p.explicit_bounds), list(p.bucket_counts), p.count,
+                        p.sum, {a.key: _value(a.value) for a in p.attributes}, resource,
+                    ))  # fmt: skip
+    return out
+
+
 def _value(v: Any) -> Any:
     kind = v.WhichOneof("value")
     if kind == "array_value":
@@ -42,6 +77,7 @@ class OtlpReceiver:
 
     def __init__(self, *, delay: float = 0.0, status: int = 200) -> None:
         self.spans: list[ReceivedSpan] = []
+        self.metrics: list[ReceivedHistogram] = []
         self.delay = delay
         self.status = status
         self._lock = threading.Lock()
@@ -54,9 +90,16 @@ class OtlpReceiver:
                     body = gzip.decompress(body)
                 if receiver.delay:
                     time.sleep(receiver.delay)
-                if receiver.status == 200:
-                    receiver._accept(ExportTraceServiceRequest.FromString(body))
-                reply = ExportTraceServiceResponse().SerializeToString()
+                if self.path.endswith("/v1/metrics"):
+                    if receiver.status == 200:
+                        points = decode_metrics(ExportMetricsServiceRequest.FromString(body))
+                        with receiver._lock:
+                            receiver.metrics.extend(points)
+                    reply = ExportMetricsServiceResponse().SerializeToString()
+                else:
+                    if receiver.status == 200:
+                        receiver._accept(ExportTraceServiceRequest.FromString(body))
+                    reply = ExportTraceServiceResponse().SerializeToString()
                 try:
                     self.send_response(receiver.status)
                     self.send_header("Content-Type", "application/x-protobuf")
@@ -70,7 +113,9 @@ class OtlpReceiver:
                 pass
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}/v1/traces"
+        base = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.endpoint = f"{base}/v1/traces"
+        self.metrics_endpoint = f"{base}/v1/metrics"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def _accept(self, request: ExportTraceServiceRequest) -> None:

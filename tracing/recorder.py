@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 import uuid
@@ -63,9 +64,11 @@ class Tracer:
         observe_boundary: BoundaryObserver | None = None,
         observe_delivery: DeliveryObserver | None = None,
         max_queued_events: int = 100_000,
+        host: str | None = None,
         port: int | None = None,
     ) -> None:
-        """``port``: the server's, for the default replica name (``replica_id``)."""
+        """``host``, ``port``: the server's, for the default replica name (``replica_id``)
+        and the GenAI metrics' server.address and server.port."""
         self.config = config
         self.replica = replica_id(config, port)
         self.observe_delivery = observe_delivery
@@ -94,6 +97,10 @@ class Tracer:
         from tracing.otlp import make_exporter  # the SDK loads only when tracing is on
 
         self.otlp = make_exporter(config, self.replica)
+        from tracing.genai_metrics import make_genai_metrics
+
+        model = os.path.basename(info.model.rstrip("/"))
+        self.genai = make_genai_metrics(config, self.replica, model, host, port)
         # Each request's every step, as objects: only OTLP's per-step spans need them.
         self._keep_visits = self.otlp is not None and self.otlp.detail != "request"
         self._thread = threading.Thread(target=self._run, name="lumen-trace-writer", daemon=True)
@@ -158,6 +165,8 @@ class Tracer:
         self._thread.join(timeout)
         if self.otlp is not None:
             self.otlp.shutdown(timeout)
+        if self.genai is not None:
+            self.genai.shutdown(timeout)
 
     # -- the writer thread ---------------------------------------------------------
 
@@ -326,6 +335,8 @@ class Tracer:
             self.observe_delivery(max(0, req.last_delivered_ns - req.last_token_ns) / 1e9)
         if self.otlp is not None:
             self.otlp.export([*spans, *step_spans(req, self.run_id)])
+        if self.genai is not None:
+            self.genai.record(req)
 
 
 def _step_row(run_id: str, s: Any) -> tuple[Any, ...]:

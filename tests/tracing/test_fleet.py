@@ -77,3 +77,36 @@ def test_bad_fleets_are_one_line_errors(fleet: Path, tmp_path: Path, capsys) -> 
         assert lumen(["trace", "top", "--db", *dbs]) == 2
         err = capsys.readouterr().err
         assert said in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_genai_server_metrics_reach_an_otlp_receiver(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The three OpenTelemetry GenAI server histograms, with the conventions' names, units,
+    buckets and required attributes, decoded by a real OTLP/HTTP receiver."""
+    from tracing.genai_metrics import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+    from tracing.receiver import OtlpReceiver
+
+    with OtlpReceiver() as receiver:
+        options = {"service_instance_id": "replica-m",
+                   "otlp_metrics_endpoint": receiver.metrics_endpoint}  # fmt: skip
+        with LLM(str(tiny_model_path), num_kv_blocks=128, **options) as llm:
+            llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=5))
+            llm.chat([[{"role": "user", "content": "hi"}]], SamplingParams(max_tokens=3))
+        # the LLM's shutdown flushed them
+    points = {(p.name, p.attributes["gen_ai.operation.name"]): p for p in receiver.metrics}
+    print(sorted(points))
+    buckets = {
+        "gen_ai.server.time_to_first_token": TTFT_BUCKETS,
+        "gen_ai.server.time_per_output_token": TPOT_BUCKETS,
+        "gen_ai.server.request.duration": DURATION_BUCKETS,
+    }
+    for name, bounds in buckets.items():
+        # Offline, a chat is templated, then generated: text_completion (the server's
+        # /v1/chat/completions is chat).
+        p = points[(name, "text_completion")]
+        assert (p.unit, p.bounds, p.count) == ("s", list(bounds), 5)
+        assert p.attributes["gen_ai.provider.name"] == "lumen"
+        assert p.attributes["gen_ai.request.model"] == tiny_model_path.name
+        assert p.resource["service.instance.id"] == "replica-m"
+        assert 0 < p.sum / p.count < 60

@@ -40,6 +40,7 @@ class ServerPool:
         self._start, self._left, self._count = start, size, itertools.count()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="server-pool")
         self._spare: Future[LumenServer] | None = None
+        self._taken: list[LumenServer] = []
         self._prestart()
 
     def _prestart(self) -> None:
@@ -51,11 +52,17 @@ class ServerPool:
     def take(self) -> LumenServer:
         spare = self._spare or self._pool.submit(self._start, next(self._count))
         server = spare.result()
+        self._taken.append(server)
         self._prestart()
         return server
 
     def close(self) -> None:
+        """Stop every server it started that is still up (a failed test left it running)."""
+        servers = list(self._taken)
         if self._spare is not None:
             with contextlib.suppress(Exception):
-                self._spare.result().stop()
+                servers.append(self._spare.result())
+        for server in servers:
+            with contextlib.suppress(Exception):
+                server.stop(timeout=10, drain=1)
         self._pool.shutdown()

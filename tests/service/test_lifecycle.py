@@ -142,6 +142,13 @@ def test_a_crashed_or_hung_core_is_restarted_until_a_crash_loop(
         tmp_path, tiny_model_path, "--max-restarts", "2", "--engine-hang-timeout", "1.5",
         "--max-queue-wait", "30", "--exit-grace-period", "1",
     )  # fmt: skip
+    try:
+        _crash_hang_and_crash_loop(server)
+    finally:
+        server.stop(timeout=10, drain=1)  # a no-op once it exited
+
+
+def _crash_hang_and_crash_loop(server: LumenServer) -> None:
     family = set(_family(server))  # every process the server ever had: none may outlive it
 
     # kill -9 of the core under 16 streams
@@ -221,7 +228,6 @@ def test_a_crashed_or_hung_core_is_restarted_until_a_crash_loop(
     causes = report[report.index("Causes") : report.index("Drains and engine restarts")]
     assert "waiting for the engine core to restart" in causes, report  # named as a cause
     assert "16 requests failed with it, and a new core (epoch 1) was ready" in report, report
-    server.stop()
 
 
 def test_health_names_the_phase_while_the_engine_starts(

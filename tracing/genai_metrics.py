@@ -20,11 +20,10 @@ writer thread as each request closes, never on the serving path; the SDK exports
 
 from __future__ import annotations
 
-import os
 from typing import Any
-from urllib.parse import urlparse
 
 from tracing.config import TracingConfig
+from tracing.otlp import otlp_target
 from tracing.spans import RequestTrace
 
 PROVIDER = "lumen"
@@ -47,29 +46,6 @@ HISTOGRAMS = {  # name -> (buckets, description)
         "Generative AI server request duration such as time-to-last byte or last output token.",
     ),
 }
-
-
-def metrics_endpoint(config: TracingConfig) -> tuple[str, str] | None:
-    """(protocol, endpoint) from the flag, else from the standard OTEL_* variables."""
-    url = config.otlp_metrics_endpoint
-    protocol = None
-    if not url:
-        url = os.environ.get("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
-        if not url and (base := os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
-            url = base
-        protocol = os.environ.get(
-            "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        )
-    if not url:
-        return None
-    parsed = urlparse(url)
-    if parsed.scheme == "grpc" or protocol == "grpc":
-        return "grpc", parsed.netloc or url
-    if parsed.scheme not in ("http", "https"):
-        raise ValueError(f"OTLP endpoint must be http(s)://... or grpc://host:port, not {url!r}")
-    if parsed.path in ("", "/"):
-        url = url.rstrip("/") + "/v1/metrics"
-    return "http/protobuf", url
 
 
 class GenAIMetrics:
@@ -154,5 +130,5 @@ def make_genai_metrics(
     host: str | None = None,
     port: int | None = None,
 ) -> GenAIMetrics | None:
-    target = metrics_endpoint(config)
+    target = otlp_target(config.otlp_metrics_endpoint, "metrics")
     return None if target is None else GenAIMetrics(*target, replica, model, host, port)

@@ -29,16 +29,20 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 
 
 def otlp_endpoint(config: TracingConfig) -> tuple[str, str] | None:
-    """(protocol, endpoint) from the flag, else from the standard OTEL_* variables."""
-    url = config.otlp_traces_endpoint
+    """(protocol, endpoint) of the spans: the flag, else the standard OTEL_* variables."""
+    return otlp_target(config.otlp_traces_endpoint, "traces")
+
+
+def otlp_target(url: str | None, signal: str) -> tuple[str, str] | None:
+    """(protocol, endpoint) for ``signal`` (traces, metrics): ``url``, else
+    $OTEL_EXPORTER_OTLP_{SIGNAL}_ENDPOINT, else $OTEL_EXPORTER_OTLP_ENDPOINT (+ /v1/signal)."""
     protocol = None
     if not url:
-        url = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        name = f"OTEL_EXPORTER_OTLP_{signal.upper()}"
+        url = os.environ.get(f"{name}_ENDPOINT")
         if not url and (base := os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")):
             url = base
-        protocol = os.environ.get(
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
-        )
+        protocol = os.environ.get(f"{name}_PROTOCOL", os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL"))
     if not url:
         return None
     parsed = urlparse(url)
@@ -47,7 +51,7 @@ def otlp_endpoint(config: TracingConfig) -> tuple[str, str] | None:
     if parsed.scheme not in ("http", "https"):
         raise ValueError(f"OTLP endpoint must be http(s)://... or grpc://host:port, not {url!r}")
     if parsed.path in ("", "/"):
-        url = url.rstrip("/") + "/v1/traces"
+        url = url.rstrip("/") + f"/v1/{signal}"
     return "http/protobuf", url
 
 

@@ -338,7 +338,8 @@ async def _started(core: CoreProcess, server: asyncio.Task[None], stopped: async
     def stop(name: str) -> None:
         logger.info("%s while starting: stopping", name)
         signalled.append(name)
-        core.proc.terminate()  # its wait_ready raises; nothing was admitted
+        # Nothing was admitted; its wait_ready raises. (A SIGTERM it would pass back to us.)
+        core.proc.kill()
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         loop.add_signal_handler(sig, stop, sig.name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from engine.arg_utils import add_engine_options, add_options, engine_options, options
@@ -106,11 +107,19 @@ def _serve(args: argparse.Namespace) -> int:
     tracing = TracingConfig(**options(TracingConfig, args))
     engine_config = EngineConfig(**engine, core_process=True)
     gc_setting()  # a bad LUMEN_GC fails here, before the core starts
+    # Until the server takes the stop signals over (service/lifecycle.py), one ends the start
+    # as Ctrl-C does: no traceback, and the core is stopped with this process.
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, _interrupt)
     # The core imports torch and loads the model while this process imports the server.
     core = launch_core(engine_config, supervised=True)
     from service.api_server import serve
 
     return asyncio.run(serve(engine_config, server_config, tracing, core))
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -266,6 +266,34 @@ def test_health_names_the_phase_while_the_engine_starts(
     assert early.headers["retry-after"] == "1" and early.json()["error"]["code"] == "starting"
 
 
+def test_a_stop_signal_while_the_engine_starts_exits_cleanly(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """SIGTERM to the group while the model loads: the core is stopped, the server exits 0."""
+    server = LumenServer(
+        tiny_model_path, "--no-trace-db", log_path=tmp_path / "serve.log",
+        env={"LUMEN_DEBUG_DELAY": "schedule=0.02"}, start_new_session=True, wait=False,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: _starting(server), 60, interval=0.02)
+        family = _family(server)
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        code = server.proc.wait(15)
+    finally:
+        server.stop(timeout=10, drain=1)
+    log = server.log_path.read_text()
+    assert code == 0, log
+    assert "SIGTERM while starting" in log
+    assert [p for p in family if pid_alive(p)] == []
+
+
+def _starting(server: LumenServer) -> bool:
+    try:
+        return server.http.get(server.url("/health"), timeout=1).status_code == 503
+    except httpx.TransportError:
+        return False
+
+
 def test_the_documented_probes_answer_on_a_running_server(tiny_server: LumenServer) -> None:
     """The Dockerfile's and compose's health checks, and the Kubernetes probes of
     docs/deploy.md, run against a real server (no orchestrator runs here)."""

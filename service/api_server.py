@@ -95,7 +95,7 @@ class FrontDoor:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = [*message.get("headers", []), id_header]
-                if lifecycle is not None and lifecycle.closing:
+                if lifecycle.closing:
                     headers.append((b"connection", b"close"))  # the client reconnects elsewhere
                 message = {**message, "headers": headers}
                 await send(message)
@@ -240,9 +240,6 @@ def build_app(serving: Serving) -> FastAPI:
     async def health() -> Response:
         """Readiness, as vLLM's probes use it: 200 only while a request would be served now."""
         lifecycle = serving.lifecycle
-        if lifecycle is None:
-            ok = serving.engine.is_alive
-            return JSONResponse({"status": READY if ok else "dead"}, 200 if ok else 503)
         ok = lifecycle.state == READY and serving.engine.is_alive
         headers = None if ok else {"Retry-After": "1"}
         return JSONResponse(lifecycle.describe(), 200 if ok else 503, headers=headers)
@@ -250,8 +247,7 @@ def build_app(serving: Serving) -> FastAPI:
     @app.get("/livez")
     async def livez() -> Response:
         """Liveness: 200 while the process is up and its event loop answers, in every state."""
-        lifecycle = serving.lifecycle
-        return JSONResponse(lifecycle.describe() if lifecycle else {"status": "up"})
+        return JSONResponse(serving.lifecycle.describe())
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -387,15 +383,6 @@ async def _serve_ready(
     if tracer.store is not None:
         logger.info("recording traces in %s", tracer.store.path)
     admission = Admission(config.max_concurrent_requests, config.max_queue_wait)
-    serving = Serving(
-        engine,
-        metrics,
-        admission,
-        model_name=model_name,
-        stall_timeout=config.stream_stall_timeout,
-        tracer=tracer,
-        reasoning_parser=config.reasoning_parser,
-    )
     options = LifecycleOptions(
         shutdown_timeout=config.shutdown_timeout,
         max_restarts=config.max_restarts,
@@ -405,7 +392,17 @@ async def _serve_ready(
         ),
         exit_grace_period=config.exit_grace_period,
     )
-    serving.lifecycle = lifecycle = Lifecycle(engine, admission, metrics, tracer, options, stopped)
+    lifecycle = Lifecycle(engine, admission, metrics, tracer, options, stopped)
+    serving = Serving(
+        engine,
+        metrics,
+        admission,
+        lifecycle,
+        model_name=model_name,
+        stall_timeout=config.stream_stall_timeout,
+        tracer=tracer,
+        reasoning_parser=config.reasoning_parser,
+    )
     http_timing.install()
     monitor = asyncio.create_task(watch_api_process(metrics, tracer), name="api-monitor")
     settle_heap()  # the engine is up and the app built: what lives now lives for good

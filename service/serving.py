@@ -69,6 +69,7 @@ class Serving:
         engine: AsyncLLM,
         metrics: ServerMetrics,
         admission: Admission,
+        lifecycle: Lifecycle,
         *,
         model_name: str,
         stall_timeout: float,
@@ -76,13 +77,13 @@ class Serving:
         reasoning_parser: str | None = None,
     ) -> None:
         self.engine = engine
+        self.lifecycle = lifecycle
         self.reasoning_parser = reasoning_parser
         self.tracer = tracer
         self.metrics = metrics
         self.admission = admission
         self.model_name = model_name
         self.stall_timeout = stall_timeout
-        self.lifecycle: Lifecycle | None = None  # the server's (api_server.serve)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -229,11 +230,6 @@ class Serving:
         """Refuse while the server stops; while the engine restarts, wait for it as long as
         for an admission slot (``--max-queue-wait``), then refuse."""
         lifecycle = self.lifecycle
-        if lifecycle is None:
-            if not self.engine.is_alive:
-                self.metrics.reject("engine_dead")
-                raise APIError(503, "the engine is not running", code="engine_dead")
-            return
         if not await lifecycle.wait_ready(self.admission.max_wait):
             if lifecycle.closing:
                 reason, message = "shutting_down", "the server is shutting down; retry later"

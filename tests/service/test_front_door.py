@@ -61,7 +61,7 @@ async def _request_slowly() -> tuple[RequestContext, bytes]:
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await _app(scope, receive, send, seen)
 
-    serving = SimpleNamespace(tracer=None, model_name="m", lifecycle=None)
+    serving = SimpleNamespace(tracer=None, model_name="m", lifecycle=SimpleNamespace(closing=False))
     door = FrontDoor(app, serving, ServerConfig())  # type: ignore[arg-type]
     port = _free_port()
     config = Config()
@@ -133,7 +133,7 @@ def test_a_served_prompt_is_validated_once_and_a_direct_one_still_is(
             validate(ids, params)
 
         monkeypatch.setattr(llm.processor, "validate", counting)
-        serving = Serving(llm, None, None, model_name="m", stall_timeout=5.0)  # type: ignore[arg-type]
+        serving = Serving(llm, None, None, None, model_name="m", stall_timeout=5.0)  # type: ignore[arg-type]
         try:
             ctx = RequestContext("cmpl-1", "cmpl", 1, 1)
             body = CompletionRequest(prompt=[[5, 6, 7], [8, 9]], max_tokens=3, ignore_eos=True)

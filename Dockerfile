@@ -25,6 +25,8 @@ HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import urllib.request as u; u.urlopen('http://127.0.0.1:8000/health', timeout=2)"]
 # The server is PID 1, in exec form: `docker stop` sends it the SIGTERM, and it drains
 # (--shutdown-timeout, 30 s by default: give `docker stop -t` / stop_grace_period more).
+# Traces: one store per replica, /data/traces/REPLICA.db, so replicas that share the volume
+# never share a file (`lumen trace why ID --db /data/traces` reads them as one fleet).
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["lumen", "serve", "--host", "0.0.0.0", "--port", "8000", \
-            "--trace-db", "/data/traces/trace.db"]
+            "--trace-db", "/data/traces/"]

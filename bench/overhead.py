@@ -18,6 +18,7 @@ import json
 import math
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from bench.server import (
     kv_flags,
     streamed_chat,
 )
+from tracing.config import OTLP_DETAILS
+from tracing.receiver import OtlpReceiver
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 
@@ -49,6 +52,10 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
                         "per stream)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="times each level is run per server")
     p.add_argument("--skip-hf", action="store_true", help="no transformers serve baseline")
+    p.add_argument("--otlp", default="", metavar="DETAILS",
+                   help="also a traced server per --otlp-detail listed (request, boundary, step, "
+                        "store), each exporting to a local OTLP receiver: OTLP bytes and the "
+                        "exporter's CPU per token")  # fmt: skip
     add_kv_tokens_option(p)
     p.add_argument("--model", default=None,
                    help="serve this model instead of building the tiny one")  # fmt: skip
@@ -228,7 +235,12 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-tokens, --tokens-per-level and --rounds must be >= 1")
     check_json_path(args.json)
     results: list[Level] = []
-    with tempfile.TemporaryDirectory(prefix="lumen-overhead-") as tmp_dir:
+    details = [d for d in args.otlp.split(",") if d]
+    if bad := set(details) - set(OTLP_DETAILS):
+        raise ValueError(f"--otlp takes {', '.join(OTLP_DETAILS)}, not {', '.join(sorted(bad))}")
+    receivers: dict[str, OtlpReceiver] = {}
+    otlp: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="lumen-overhead-") as tmp_dir, ExitStack() as stack:
         tmp = Path(tmp_dir)
         model = (Path(args.model) if args.model
                  else build_tiny_llama(tmp / "tiny-llama", resolve_model(None)))  # fmt: skip
@@ -247,6 +259,13 @@ def run(args: argparse.Namespace) -> int:
             )
             servers.append(("lumen (no trace db)", LumenServer(
                 model, *common, "--no-trace-db", log_path=tmp / "untraced.log")))  # fmt: skip
+            for detail in details:
+                receiver = stack.enter_context(OtlpReceiver())
+                receivers[f"lumen (traced, otlp {detail})"] = receiver
+                servers.append((f"lumen (traced, otlp {detail})", LumenServer(
+                    model, *common, "--otlp-traces-endpoint", receiver.endpoint,
+                    "--otlp-detail", detail, log_path=tmp / f"otlp-{detail}.log",
+                    trace_db=tmp / f"otlp-{detail}.db")))  # fmt: skip
             if not args.skip_hf:
                 servers.append(("transformers serve", TransformersServer(
                     model, log_path=tmp / "hf.log", kv_tokens=args.kv_tokens)))  # fmt: skip
@@ -265,17 +284,27 @@ def run(args: argparse.Namespace) -> int:
                               f"errors {s['errors']}", flush=True)  # fmt: skip
                         if level.errors:
                             print(f"    first error: {level.errors[0]}")
+            for name, server in servers:
+                if name in receivers:
+                    generated = sum(v for k, v in server.metrics().items()
+                                    if k.startswith("lumen:generation_tokens_total"))  # fmt: skip
+                    otlp[name] = {"generated_tokens": generated}
         finally:
             for _, server in servers:
-                server.stop()
+                server.stop()  # its drain flushes what is left to the receiver
+        for name, receiver in receivers.items():
+            otlp[name].update(bytes=receiver.num_bytes, spans=len(receiver.spans),
+                              bytes_per_token=receiver.num_bytes / max(otlp[name][
+                                  "generated_tokens"], 1))  # fmt: skip
         store = store_bytes_per_token(tmp / "trace.db")
     summaries = [r.summary() for r in results]
     _print(summaries, store)
+    _print_otlp(summaries, otlp)
     ratios = _ratios(summaries, levels)
     for key, value in ratios.items():
         print(f"{key}: {value:.3f}")
     write_json(args.json, {"max_tokens": args.max_tokens, "levels": summaries, "store": store,
-                           **ratios, "machine": machine()})  # fmt: skip
+                           "otlp": otlp, **ratios, "machine": machine()})  # fmt: skip
     return 0
 
 
@@ -304,6 +333,21 @@ def _print(summaries: list[dict[str, Any]], store: dict[str, float]) -> None:
                  "client us/token"], rows)  # fmt: skip
     print(f"trace db: {store['bytes']:,} bytes for {store['tokens']:,} generated tokens, "
           f"{store['bytes_per_token']:.1f} bytes per token (after a checkpoint)")  # fmt: skip
+
+
+def _print_otlp(summaries: list[dict[str, Any]], otlp: dict[str, dict[str, float]]) -> None:
+    """OTLP bytes per generated token, and the exporter's CPU per token: the server's against
+    the traced one that exports nothing, per level."""
+    cpu = _median_by(summaries, "server_cpu_us_per_token")
+    for name, figures in otlp.items():
+        extra = ", ".join(
+            f"{streams} streams +{cpu[name, streams] - cpu['lumen (traced)', streams]:.1f} us"
+            for system, streams in cpu if system == name
+        )  # fmt: skip
+        print(f"{name}: {figures['bytes']:,} OTLP bytes, {figures['spans']:,} spans for "
+              f"{figures['generated_tokens']:,.0f} tokens = {figures['bytes_per_token']:.1f} "
+              f"bytes per token; exporter CPU per token over the traced server: "
+              f"{extra}")  # fmt: skip
 
 
 def _ratios(summaries: list[dict[str, Any]], levels: list[int]) -> dict[str, float]:

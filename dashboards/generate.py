@@ -12,6 +12,7 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "grafana" / "dashboards"
 PROM = {"type": "prometheus", "uid": "prometheus"}
 TEMPO = {"type": "tempo", "uid": "tempo"}
+CH = {"type": "grafana-clickhouse-datasource", "uid": "clickhouse"}
 M = 'model_name=~"$model"'
 RATE = "$__rate_interval"
 
@@ -100,6 +101,91 @@ FIND_A_REQUEST = """\
 request's waterfall from the trace db."""
 
 
+# The fleet dashboard reads the request roots Lumen exports at --otlp-detail store, as the
+# collector's ClickHouse exporter keeps them (tail-sampled: dashboards/otel-collector).
+REPLICA = "ResourceAttributes['service.instance.id']"
+ROOTS = ("FROM otel_traces WHERE $__timeFilter(Timestamp) AND ServiceName = 'lumen' "
+         "AND SpanName = 'llm_request'")  # fmt: skip
+# A kept request stands for itself if Lumen marked it (failed or slow: every one is kept), else
+# for 100 / $sample_percent requests (the collector's share of the rest); in integers.
+WEIGHT = "toUInt64(if(SpanAttributes['lumen.sample.keep'] != '', $sample_percent, 100))"
+ROW = "toInt64OrZero(SpanAttributes['lumen.row.{}'])"
+TTFT_S = ROW.format("ttft_ns") + " / 1e9"
+TPOT_S = (f"({ROW.format('e2e_ns')} - {ROW.format('ttft_ns')}) / "
+          f"({ROW.format('output_tokens')} - 1) / 1e9")  # fmt: skip
+
+
+def weighted(value: str, where: str) -> str:
+    """p50 and p90 of ``value`` per replica over time, each kept request weighed."""
+    cells = ", ".join(f"quantileExactWeighted({q})({value}, {WEIGHT}) AS p{int(q * 100)}"
+                      for q in (0.5, 0.9))  # fmt: skip
+    return (f"SELECT $__timeInterval(Timestamp) AS time, {REPLICA} AS replica, {cells} "
+            f"{ROOTS} AND {where} GROUP BY time, replica ORDER BY time")  # fmt: skip
+
+
+SLOWEST = (
+    f"SELECT Timestamp AS time, {REPLICA} AS replica, SpanAttributes['lumen.row.request_id'] "
+    "AS request, round(Duration / 1e9, 3) AS e2e_s, round(" + TTFT_S + ", 3) AS ttft_s, "
+    "SpanAttributes['lumen.row.output_tokens'] AS output_tokens, "
+    "SpanAttributes['lumen.row.status'] AS status, "
+    "SpanAttributes['lumen.slowest_phase'] AS slowest_phase "
+    f"{ROOTS} ORDER BY Duration DESC LIMIT 20"
+)
+KEPT = (
+    f"SELECT $__timeInterval(Timestamp) AS time, {REPLICA} AS replica, "
+    "countIf(SpanName = 'llm_request' AND SpanAttributes['lumen.sample.keep'] != '') AS marked, "
+    "countIf(SpanName = 'llm_request' AND SpanAttributes['lumen.sample.keep'] = '') AS sampled, "
+    "countIf(SpanName = 'lumen.step') AS steps FROM otel_traces WHERE "
+    "$__timeFilter(Timestamp) AND ServiceName = 'lumen' GROUP BY time, replica ORDER BY time"
+)
+EXPLAIN = """\
+**Why was it slow?** `slowest_phase` is where most of a request's time went, as its replica's
+trace writer measured it. For the whole diagnosis (the step, the neighbour, the knob), rebuild
+its run around it from ClickHouse and ask Lumen, on any machine:
+
+    replay import http://lumen:lumen@CLICKHOUSE:8123/otel \\
+        --format clickhouse --request ID --out one.db
+    lumen trace why ID --db one.db
+
+The percentiles weigh each kept request by the requests it stands for: the collector keeps every
+failed or slow one and $sample_percent% of the rest (dashboards/otel-collector/config.yaml)."""
+
+
+def sample_percent_variable() -> dict:
+    return {"name": "sample_percent", "label": "share of the rest kept (%)", "type": "constant",
+            "query": "10", "hide": 2}  # fmt: skip
+
+
+def ch_target(sql: str, table: bool) -> dict:
+    return {"refId": "A", "datasource": CH, "editorType": "sql",
+            "queryType": "table" if table else "timeseries", "format": 1 if table else 0,
+            "rawSql": sql}  # fmt: skip
+
+
+def fleet_panels() -> list[dict]:
+    def panel(pid: int, kind: str, title: str, unit: str, sql: str, pos: dict) -> dict:
+        return {"id": pid, "type": kind, "title": title, "datasource": CH, "gridPos": pos,
+                "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+                "targets": [ch_target(sql, kind == "table")]}  # fmt: skip
+
+    ok = "SpanAttributes['lumen.row.status'] = 'ok'"
+    return [
+        panel(1, "timeseries", "Time to first token per replica", "s",
+              weighted(TTFT_S, "SpanAttributes['lumen.row.ttft_ns'] != ''"),
+              {"h": 8, "w": 12, "x": 0, "y": 0}),
+        panel(2, "timeseries", "Time per output token per replica", "s",
+              weighted(TPOT_S, f"{ok} AND {ROW.format('output_tokens')} >= 2"),
+              {"h": 8, "w": 12, "x": 12, "y": 0}),
+        panel(3, "table", "Slowest requests, and where their time went", "none", SLOWEST,
+              {"h": 10, "w": 24, "x": 0, "y": 8}),
+        panel(4, "timeseries", "Kept traces per replica: marked, sampled, engine steps", "short",
+              KEPT, {"h": 8, "w": 12, "x": 0, "y": 18}),
+        {"id": 5, "type": "text", "title": "Explaining a request of the fleet",
+         "gridPos": {"h": 8, "w": 12, "x": 12, "y": 18},
+         "options": {"mode": "markdown", "content": EXPLAIN}},
+    ]  # fmt: skip
+
+
 def model_variable() -> dict:
     return {
         "name": "model",
@@ -184,6 +270,8 @@ def build() -> dict[str, dict]:
         "lumen-boundaries.json": dashboard("lumen-boundaries", "Lumen: boundaries", boundaries,
                                            [model_variable()]),
         "lumen-traces.json": dashboard("lumen-traces", "Lumen: traces", traces, []),
+        "lumen-fleet.json": dashboard("lumen-fleet", "Lumen: fleet", fleet_panels(),
+                                      [sample_percent_variable()]),
     }  # fmt: skip
 
 

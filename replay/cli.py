@@ -12,10 +12,38 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="replay", description="Replay recorded LLM traffic")
     verbs = parser.add_subparsers(dest="verb", required=True)
-    imp = verbs.add_parser("import", help="a public trace into a trace db")
-    imp.add_argument("file", help="the trace file")
-    imp.add_argument("--format", required=True, help="mooncake, azure or burstgpt")
-    imp.add_argument("--out", required=True, help="trace db to write (appended to if it exists)")
+    imp = verbs.add_parser("import", help="a public trace, or a fleet's OTLP spans, into a "
+                           "trace db")  # fmt: skip
+    imp.add_argument("file", help="the trace file (otlp-json: an OTLP JSON file; clickhouse: "
+                     "the server's URL, http://HOST:8123, or chdb:FOLDER)")  # fmt: skip
+    imp.add_argument("--format", required=True,
+                     help="mooncake, azure or burstgpt (public traces); otlp-json (a Lumen "
+                          "server's --otlp-detail store spans as the Collector's file exporter "
+                          "writes them, or `replay export --format otlp-json`); clickhouse "
+                          "(the same spans in the Collector ClickHouse exporter's "
+                          "table)")  # fmt: skip
+    imp.add_argument("--out", required=True, help="trace db to write (public traces: appended "
+                     "to if it exists; spans: a new file)")  # fmt: skip
+    ch = imp.add_argument_group("clickhouse")
+    ch.add_argument("--table", default="otel_traces", help="the exporter's traces table")
+    ch.add_argument(
+        "--since",
+        default=None,
+        help="the window's start: ISO 8601 (UTC unless it says) or Unix seconds",
+    )
+    ch.add_argument("--until", default=None, help="the window's end (default: now)")
+    ch.add_argument(
+        "--request",
+        default=None,
+        metavar="ID",
+        help="instead of a window: this request and its run around it",
+    )
+    ch.add_argument(
+        "--margin",
+        type=float,
+        default=10.0,
+        help="--request: seconds of its run to take before and after its life",
+    )
     imp.add_argument("--window", default=None, help="START:END seconds from the trace's start")
     imp.add_argument("--scale-lengths", type=float, default=1.0,
                      help="multiply prompt and output lengths (and hash blocks) by F")  # fmt: skip
@@ -101,8 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
     export = verbs.add_parser("export", help="a run's spans for other tools")
     export.add_argument("db")
     export.add_argument("--format", default="otel-jsonl",
-                        help="otel-jsonl (OTLP-style JSON lines) or perfetto (Chrome trace "
-                             "events for ui.perfetto.dev and chrome://tracing)")  # fmt: skip
+                        help="otlp-json (the run's store as OTLP JSON, as the Collector's file "
+                             "exporter writes it: replay import rebuilds the store from it), "
+                             "otel-jsonl (flat OTLP-style JSON lines, one span each) or "
+                             "perfetto (Chrome trace events for ui.perfetto.dev and "
+                             "chrome://tracing)")  # fmt: skip
     export.add_argument("--out", required=True, help="the file to write")
     export.add_argument("--run", default=None, help="which run (default: the latest)")
     export.set_defaults(func=_export)
@@ -124,6 +155,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _import(args: argparse.Namespace) -> int:
+    if args.format == "otlp-json":
+        from replay.otlp_io import import_otlp_json
+
+        print(import_otlp_json(args.file, args.out))
+        return 0
+    if args.format == "clickhouse":
+        from replay.clickhouse import import_clickhouse
+
+        print(import_clickhouse(args.file, args.out, table=args.table, since=args.since,
+                                until=args.until, request=args.request,
+                                margin_s=args.margin))  # fmt: skip
+        return 0
     from replay.formats import parse_window, read_trace, transform
     from replay.importer import write_trace_db
 

@@ -1,5 +1,6 @@
-"""`replay export`: a run's spans for other tools, as OTLP-style JSON lines (otel-jsonl) or as a
-Chrome trace-event file that ui.perfetto.dev and chrome://tracing open (perfetto)."""
+"""`replay export`: a run's spans for other tools, as OTLP-style JSON lines (otel-jsonl), as a
+Chrome trace-event file that ui.perfetto.dev and chrome://tracing open (perfetto), or as OTLP
+JSON that `replay import` rebuilds the store from (otlp-json: replay/otlp_io.py)."""
 
 from __future__ import annotations
 
@@ -187,7 +188,14 @@ def _describe(count: Callable[..., int], what: str) -> Callable[..., str]:
     return lambda db, out, run_id: f"{count(db, out, run_id)} {what} -> {out}"
 
 
+def export_otlp_json(db: str | Path, out: str | Path, run_id: str | None = None) -> int:
+    from replay.otlp_io import export_otlp_json as export  # loads the OTLP SDK
+
+    return export(db, out, run_id)
+
+
 FORMATS: dict[str, Callable[[str | Path, str | Path, str | None], str]] = {
+    "otlp-json": _describe(export_otlp_json, "spans"),
     "otel-jsonl": _describe(export_otel_jsonl, "spans"),
     "perfetto": _describe(export_perfetto, "trace events"),
 }

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 
 TRACE_PROMPTS = ("hashes", "tokens", "none")
-OTLP_DETAILS = ("request", "boundary", "step")
+OTLP_DETAILS = ("request", "boundary", "step", "store")
 
 
 @dataclass(frozen=True)
 class TracingConfig:
     trace_db: str = field(
-        default="traces/trace.db", metadata={"help": "DuckDB trace store to append to"}
+        default="traces/trace.db",
+        metadata={
+            "help": "DuckDB trace store to append to; a folder (an existing one, or a path "
+            "ending in /): REPLICA.db in it, one store per replica (--service-instance-id), "
+            "read as one fleet by lumen trace and replay"
+        },
     )
     no_trace_db: bool = field(default=False, metadata={"help": "record no trace db"})
     trace_prompts: str = field(
@@ -40,7 +46,19 @@ class TracingConfig:
     )
     otlp_detail: str = field(
         default="boundary",
-        metadata={"help": "request (root span), boundary (one per boundary) or step (all)"},
+        metadata={
+            "help": "request (root span), boundary (one per boundary), step (all) or store "
+            "(the trace store's rows: one span per request and per engine step, enough for "
+            "replay import to rebuild the store the diagnosis reads)"
+        },
+    )
+    otlp_keep_slower_than: float = field(
+        default=5.0,
+        metadata={
+            "help": "at --otlp-detail store, mark requests that took this long (seconds, "
+            "arrival to finish), and every failed one, lumen.sample.keep: a collector's tail "
+            "sampling keeps them all, and replay import weighs the sampled rest"
+        },
     )
     trace_flush_interval: float = field(
         default=1.0, metadata={"help": "seconds between trace db flushes"}
@@ -64,12 +82,22 @@ class TracingConfig:
             raise ValueError(
                 f"otlp_detail must be one of {', '.join(OTLP_DETAILS)}, not {self.otlp_detail!r}"
             )
+        if self.otlp_keep_slower_than <= 0:
+            raise ValueError("otlp_keep_slower_than must be positive")
         if self.trace_flush_interval <= 0:
             raise ValueError("trace_flush_interval must be positive")
 
     @property
     def db_path(self) -> str | None:
         return None if self.no_trace_db or not self.trace_db else self.trace_db
+
+
+def store_path(config: TracingConfig, replica: str) -> str | None:
+    """The replica's trace store: --trace-db, or REPLICA.db in it when it names a folder."""
+    db = config.db_path
+    if db is None or not (db.endswith(("/", os.sep)) or os.path.isdir(db)):
+        return db
+    return os.path.join(db, re.sub(r"[^A-Za-z0-9._-]", "_", replica) + ".db")
 
 
 def replica_id(config: TracingConfig, port: int | None = None) -> str:

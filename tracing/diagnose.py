@@ -216,6 +216,7 @@ def _decompose(row: RequestFacts, window: Window, run: _Run) -> RequestDiagnosis
         kv_freed_ns=row.kv_freed_ns,
         wait_reason=run.wait_reasons.get(rid),
         body_bytes=row.body_bytes,
+        weight=row.sample_weight or 1.0,
     )
     if row.body_read_ns and row.handler_ns and row.handler_ns >= row.body_read_ns:
         req.parse_span = (row.body_read_ns, row.handler_ns)

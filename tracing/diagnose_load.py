@@ -48,6 +48,7 @@ class RequestFacts:
     grammar_ready_ns: int | None
     body_bytes: int | None
     body_read_ns: int | None  # the body read whole; decoded and validated until handler_ns
+    sample_weight: float | None  # the requests it stands for (a sampled import; NULL: 1)
     last_emit_start_ns: int | None  # the last frontend.emit span began
     emit_ends_ns: list[int] | None  # each frontend.emit span's end, in order
     emit_step_ids: list[int | None] | None  # the step each frontend.emit span came from
@@ -106,6 +107,7 @@ NEW_REQUEST_COLUMNS = [
     "grammar_ready_ns",
     "body_bytes",
     "body_read_ns",
+    "sample_weight",
 ]
 STEP_COLUMNS = [
     "step_id",

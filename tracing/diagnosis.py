@@ -69,6 +69,7 @@ class RequestDiagnosis:
     body_bytes: int | None = None
     parse_span: tuple[int, int] | None = None
     frontend_span: tuple[int, int] | None = None
+    weight: float = 1.0  # the requests of its run it stands for (a sampled import)
     # Set by explain_request: the run's median per part (phase -> part -> ns; decode per token).
     run_medians: dict[str, dict[str, float]] = field(default_factory=dict)
     dominant: Dominant | None = None  # set once the run is judged
@@ -169,28 +170,42 @@ class RunDiagnosis:
     lifecycle: list[LifecycleRow] = field(default_factory=list)  # the server's drains, restarts
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
+def percentiles(values: list[float], weights: list[float] | None = None) -> dict[str, float]:
+    """p50, p90, p99 and max; with ``weights`` (the requests each value stands for, in a
+    sampled window) the weighted ones: the smallest value whose share of the weight reaches p."""
     if not values:
         return {}
     a = np.asarray(values, dtype=float)
-    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    if weights is None or len(set(weights)) <= 1:
+        p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    else:
+        order = np.argsort(a, kind="stable")
+        a = a[order]
+        cum = np.cumsum(np.asarray(weights, dtype=float)[order])
+        at = np.searchsorted(cum, np.array([0.5, 0.9, 0.99]) * cum[-1])
+        p50, p90, p99 = a[np.minimum(at, len(a) - 1)]
     return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "max": float(a.max())}
 
 
 def summarize(requests: list[RequestDiagnosis]) -> dict[str, dict[str, float]]:
     ok = [r for r in requests if r.status == "ok"]
+    sampled = any(r.weight != 1.0 for r in requests)
+
+    def pct(pairs: list[tuple[float, float]]) -> dict[str, float]:
+        return percentiles([v for v, _ in pairs], [w for _, w in pairs] if sampled else None)
+
+    tpot = [
+        ((r.e2e_ns - r.ttft_ns) / (r.output_tokens - 1) / 1e9, r.weight)
+        for r in ok
+        if r.ttft_ns is not None and r.output_tokens >= 2
+    ]
+    delivered = [
+        (r.delivered_ttft_ns / 1e9, r.weight) for r in requests if r.delivered_ttft_ns is not None
+    ]
     return {
-        "ttft_s": percentiles([r.ttft_ns / 1e9 for r in requests if r.ttft_ns is not None]),
-        "delivered_ttft_s": percentiles(
-            [r.delivered_ttft_ns / 1e9 for r in requests if r.delivered_ttft_ns is not None]
-        ),
-        "tpot_s": percentiles(
-            [
-                (r.e2e_ns - r.ttft_ns) / (r.output_tokens - 1) / 1e9
-                for r in ok
-                if r.ttft_ns is not None and r.output_tokens >= 2
-            ]
-        ),
-        "itl_s": percentiles([g / 1e9 for r in requests for g in r.gaps_ns]),
-        "e2e_s": percentiles([r.e2e_ns / 1e9 for r in ok]),
+        "ttft_s": pct([(r.ttft_ns / 1e9, r.weight) for r in requests if r.ttft_ns is not None]),
+        "delivered_ttft_s": pct(delivered),
+        "tpot_s": pct(tpot),
+        "itl_s": pct([(g / 1e9, r.weight) for r in requests for g in r.gaps_ns]),
+        "e2e_s": pct([(r.e2e_ns / 1e9, r.weight) for r in ok]),
     }

@@ -16,13 +16,13 @@ from pathlib import Path
 import duckdb
 
 from tracing.store_schema import TABLES
-from tracing.store_views import SPANS_VIEW_4
+from tracing.store_views import SPANS_VIEW_7
 
 # The spans view over the fleet's tables: the store's own view (its stored span rows and the
 # spans derived from steps and request rows), with each span's replica.
 _SPANS = "\n".join(
     line.replace("SELECT * FROM span_rows", "SELECT * EXCLUDE (replica) FROM span_rows")
-    for line in SPANS_VIEW_4.strip().splitlines()[1:]  # the SELECT, not its CREATE VIEW
+    for line in SPANS_VIEW_7.strip().splitlines()[1:]  # the SELECT, not its CREATE VIEW
 )
 FLEET_SPANS = (
     f"CREATE TEMP VIEW spans AS SELECT s.*, runs.replica FROM ({_SPANS}) s JOIN runs USING (run_id)"

@@ -18,10 +18,11 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from engine.version import __version__
 from tracing.config import TracingConfig
+from tracing.otlp_records import RecordSpan, resource_attributes
 from tracing.spans import ROOT
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ def otlp_target(url: str | None, signal: str) -> tuple[str, str] | None:
     return "http/protobuf", url
 
 
-def make_exporter(config: TracingConfig, replica: str = "") -> OtlpExport | None:
+def make_exporter(config: TracingConfig, replica: str = "", run_id: str = "") -> OtlpExport | None:
     target = otlp_endpoint(config)
     if target is None:
         return None
@@ -72,7 +73,7 @@ def make_exporter(config: TracingConfig, replica: str = "") -> OtlpExport | None
         exporter = HTTPSpanExporter(endpoint=endpoint, timeout=5)
     logger.info("exporting spans over OTLP (%s) to %s, detail %s", protocol, endpoint,
                 config.otlp_detail)  # fmt: skip
-    return OtlpExport(exporter, config.otlp_detail, replica=replica)
+    return OtlpExport(exporter, config.otlp_detail, replica=replica, run_id=run_id)
 
 
 class _Counting(SpanExporter):
@@ -104,7 +105,13 @@ class OtlpExport:
     """Rows in, SDK spans out. Only the trace writer thread calls ``export``."""
 
     def __init__(
-        self, exporter: SpanExporter, detail: str, *, max_queue: int = 8192, replica: str = ""
+        self,
+        exporter: SpanExporter,
+        detail: str,
+        *,
+        max_queue: int = 8192,
+        replica: str = "",
+        run_id: str = "",
     ) -> None:
         self.detail = detail
         self.max_queue = max_queue
@@ -116,8 +123,7 @@ class OtlpExport:
             max_export_batch_size=min(512, max_queue),
         )
         # service.instance.id: the replica (tracing.config.replica_id), as the store keeps it.
-        attrs = {"service.name": "lumen", **({"service.instance.id": replica} if replica else {})}
-        self._resource = Resource.create(attrs)
+        self._resource = Resource.create(resource_attributes(run_id, replica))
         self._scope = InstrumentationScope("lumen.tracing", __version__)
         self._num_submitted = 0
         self._num_refused = 0
@@ -127,7 +133,11 @@ class OtlpExport:
         return self._num_refused + self._exporter.num_failed
 
     def export(self, rows: list[tuple[Any, ...]]) -> None:
-        spans = [self._span(r) for r in self._select(rows)]
+        """A request's spans (tracing.spans.Span rows, root first), at this detail."""
+        self.export_records([_record(r) for r in self._select(rows)])
+
+    def export_records(self, records: list[RecordSpan]) -> None:
+        spans = [readable(r, self._resource, self._scope) for r in records]
         # Never overfill the processor's queue (it would drop silently, warning per span).
         room = self.max_queue - (self._num_submitted - self._exporter.num_attempted)
         if len(spans) > room:
@@ -163,25 +173,35 @@ class OtlpExport:
                 m[9]["lumen.total_duration_s"] += (r[7] - r[6]) / 1e9
         return [root, *(tuple(m) for m in merged.values())]
 
-    def _span(self, row: tuple[Any, ...]) -> ReadableSpan:
-        _, request_id, trace_id, span_id, parent_id, name, start, end, step_id, attrs = row
-        attributes = json.loads(attrs) if isinstance(attrs, str) else dict(attrs)
-        attributes["lumen.request_id"] = request_id
-        if step_id is not None:
-            attributes["lumen.step_id"] = step_id
-        tid = int(trace_id, 16)
-        parent = None
-        if parent_id is not None:
-            parent = SpanContext(tid, int(parent_id, 16), is_remote=name == ROOT,
-                                 trace_flags=_SAMPLED)  # fmt: skip
-        return ReadableSpan(
-            name=name,
-            context=SpanContext(tid, int(span_id, 16), is_remote=False, trace_flags=_SAMPLED),
-            parent=parent,
-            resource=self._resource,
-            attributes=attributes,
-            kind=SpanKind.SERVER if name == ROOT else SpanKind.INTERNAL,
-            start_time=start,
-            end_time=end,
-            instrumentation_scope=self._scope,
-        )
+
+def _record(row: tuple[Any, ...]) -> RecordSpan:
+    _, request_id, trace_id, span_id, parent_id, name, start, end, step_id, attrs = row
+    attributes = json.loads(attrs) if isinstance(attrs, str) else dict(attrs)
+    attributes["lumen.request_id"] = request_id
+    if step_id is not None:
+        attributes["lumen.step_id"] = step_id
+    error = None
+    if name == ROOT and attributes.get("lumen.status") == "error":
+        error = attributes.get("lumen.error") or "error"
+    return RecordSpan(trace_id, span_id, parent_id, name, start, end, attributes, error)
+
+
+def readable(r: RecordSpan, resource: Resource, scope: InstrumentationScope) -> ReadableSpan:
+    """The SDK span of a RecordSpan (a root's parent from an incoming traceparent is remote)."""
+    tid = int(r.trace_id, 16)
+    parent = None
+    if r.parent_span_id is not None:
+        parent = SpanContext(tid, int(r.parent_span_id, 16), is_remote=r.name == ROOT,
+                             trace_flags=_SAMPLED)  # fmt: skip
+    return ReadableSpan(
+        name=r.name,
+        context=SpanContext(tid, int(r.span_id, 16), is_remote=False, trace_flags=_SAMPLED),
+        parent=parent,
+        resource=resource,
+        attributes=r.attributes,
+        kind=SpanKind.SERVER if r.name == ROOT else SpanKind.INTERNAL,
+        start_time=r.start_ns,
+        end_time=r.end_ns,
+        instrumentation_scope=scope,
+        status=Status(StatusCode.ERROR, r.error) if r.error is not None else Status(),
+    )

@@ -75,8 +75,12 @@ def _value(v: Any) -> Any:
 class OtlpReceiver:
     """``with OtlpReceiver() as r:`` serves on ``r.endpoint`` (…/v1/traces) until the block ends."""
 
-    def __init__(self, *, delay: float = 0.0, status: int = 200) -> None:
+    def __init__(self, *, delay: float = 0.0, status: int = 200, keep: bool = False) -> None:
+        """``keep``: also keep each request as received (``write_otlp_json``)."""
         self.spans: list[ReceivedSpan] = []
+        self.requests: list[ExportTraceServiceRequest] = []
+        self.keep = keep
+        self.num_bytes = 0  # OTLP/HTTP request bodies received, as sent (compressed or not)
         self.metrics: list[ReceivedHistogram] = []
         self.delay = delay
         self.status = status
@@ -86,6 +90,8 @@ class OtlpReceiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                with receiver._lock:
+                    receiver.num_bytes += len(body)
                 if self.headers.get("Content-Encoding") == "gzip":
                     body = gzip.decompress(body)
                 if receiver.delay:
@@ -122,6 +128,17 @@ class OtlpReceiver:
         spans = decode(request)
         with self._lock:
             self.spans.extend(spans)
+            if self.keep:
+                self.requests.append(request)
+
+    def write_otlp_json(self, path: str) -> int:
+        """What was received, as the Collector's file exporter writes it; returns the lines."""
+        from tracing.otlp_json import to_json
+
+        with self._lock, open(path, "w") as f:
+            for request in self.requests:
+                f.write(to_json(request) + "\n")
+            return len(self.requests)
 
     def __enter__(self) -> OtlpReceiver:
         self._thread.start()

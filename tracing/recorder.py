@@ -27,9 +27,10 @@ import msgspec
 
 from engine.frontend import Enqueued, Finished
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineInfo, FinishReason
-from tracing.config import TracingConfig, replica_id
+from tracing.config import TracingConfig, replica_id, store_path
 from tracing.events import Closed, Delivered, HttpFacts, Lifecycle, Outputs, Pause, Start
 from tracing.ids import parse_traceparent
+from tracing.otlp_records import engine_spans, request_record_spans
 from tracing.spans import (
     RequestTrace,
     StepVisit,
@@ -88,21 +89,23 @@ class Tracer:
         self.num_dropped_events = 0
         self._requests: dict[str, RequestTrace] = {}
         self._by_child: dict[str, tuple[RequestTrace, int]] = {}
-        db = config.db_path
+        db = store_path(config, self.replica)
         self.store = TraceStore(db) if db else None
-        if self.store is not None:
-            self.store.add(
-                "runs", [_run_row(self.run_id, info, engine_config, config, self.replica)]
-            )
         from tracing.otlp import make_exporter  # the SDK loads only when tracing is on
 
-        self.otlp = make_exporter(config, self.replica)
+        self.otlp = make_exporter(config, self.replica, self.run_id)
+        # --otlp-detail store: every row the store gets travels as a span too.
+        store_detail = self.otlp is not None and self.otlp.detail == "store"
+        self._otlp_rows = self.otlp if store_detail else None
+        self._keep_rows = self.store is not None or self._otlp_rows is not None
+        self._slow_ns = int(config.otlp_keep_slower_than * 1e9)
+        self._add({"runs": [_run_row(self.run_id, info, engine_config, config, self.replica)]})
         from tracing.genai_metrics import make_genai_metrics
 
         model = os.path.basename(info.model.rstrip("/"))
         self.genai = make_genai_metrics(config, self.replica, model, host, port)
         # Each request's every step, as objects: only OTLP's per-step spans need them.
-        self._keep_visits = self.otlp is not None and self.otlp.detail != "request"
+        self._keep_visits = self.otlp is not None and self.otlp.detail in ("boundary", "step")
         self._thread = threading.Thread(target=self._run, name="lumen-trace-writer", daemon=True)
         self._thread.start()
 
@@ -196,6 +199,17 @@ class Tracer:
                 next_flush = time.monotonic() + interval
                 self._flush()
 
+    def _add(self, rows_by_table: dict[str, list[tuple[Any, ...]]]) -> None:
+        """Engine-side rows (runs, steps, pauses, lifecycle) to the store and, at
+        --otlp-detail store, to OTLP."""
+        if self.store is not None:
+            self.store.add_all(rows_by_table)
+        if self._otlp_rows is not None:
+            self._otlp_rows.export_records([
+                span for table, rows in rows_by_table.items()
+                for span in engine_spans(self.run_id, table, rows)
+            ])  # fmt: skip
+
     def _flush(self) -> None:
         if self.store is not None:
             try:
@@ -255,14 +269,14 @@ class Tracer:
                 req.error = out.error
         if step is None:
             return
-        if self.store is not None:
+        if self._keep_rows:
             rows: dict[str, list[tuple[Any, ...]]] = {"steps": [_step_row(self.run_id, step)]}
             if step.gc_pauses:
                 rows["pauses"] = [
                     (self.run_id, "core", "gc", start, duration, f"gen{gen}")
                     for start, duration, gen in step.gc_pauses
                 ]
-            self.store.add_all(rows)
+            self._add(rows)
         if self.observe_boundary is not None and not step.idle:  # once a step, not per row
             self.observe_boundary(
                 "core.schedule", (step.schedule_end_ns - step.schedule_start_ns) / 1e9
@@ -300,16 +314,17 @@ class Tracer:
             req.error = e.error or req.error
 
     def _on_pause(self, e: Pause) -> None:
-        if self.store is not None:
-            row = (self.run_id, e.process, e.kind, e.start_ns, e.duration_ns, e.detail)
-            self.store.add("pauses", [row])
+        if self._keep_rows:
+            self._add({"pauses": [
+                (self.run_id, e.process, e.kind, e.start_ns, e.duration_ns, e.detail)
+            ]})  # fmt: skip
 
     def _on_lifecycle(self, e: Lifecycle) -> None:
-        if self.store is not None:
-            self.store.add("lifecycle", [(
+        if self._keep_rows:
+            self._add({"lifecycle": [(
                 self.run_id, e.kind, e.cause, e.start_ns, e.end_ns, e.epoch, e.num_finished,
                 e.num_failed,
-            )])  # fmt: skip
+            )]})  # fmt: skip
 
     def _on_closed(self, e: Closed) -> None:
         req = self._requests.pop(e.request_id, None)
@@ -319,21 +334,27 @@ class Tracer:
             self._by_child.pop(child_id, None)
         req.close(e.ns, e.http)
         spans, stored = request_spans(req, self.run_id)  # once: some ids are random
-        if self.store is not None:
+        if self._keep_rows:
             row = build_request_row(
                 req, self.run_id, trace_prompts=self.config.trace_prompts,
                 block_size=self.block_size,
             )  # fmt: skip
-            self.store.add_all({  # whole, or not at all; per-step spans are the steps' rows
-                "requests": [row], "span_rows": stored,
-                "request_children": child_rows(req, self.run_id),
-            })  # fmt: skip
+            children = child_rows(req, self.run_id)
+            if self.store is not None:
+                self.store.add_all({  # whole, or not at all; per-step spans are the steps' rows
+                    "requests": [row], "span_rows": stored, "request_children": children,
+                })  # fmt: skip
+            if self._otlp_rows is not None:
+                root_attrs = msgspec.json.decode(spans[0].attributes)
+                self._otlp_rows.export_records(request_record_spans(
+                    row, root_attrs, stored, children, slow_ns=self._slow_ns,
+                ))  # fmt: skip
         if self.observe_boundary is not None:
             for name, ns in boundary_durations(req):
                 self.observe_boundary(name, ns / 1e9)
         if self.observe_delivery is not None and req.last_token_ns:
             self.observe_delivery(max(0, req.last_delivered_ns - req.last_token_ns) / 1e9)
-        if self.otlp is not None:
+        if self.otlp is not None and self._otlp_rows is None:
             self.otlp.export([*spans, *step_spans(req, self.run_id)])
         if self.genai is not None:
             self.genai.record(req)

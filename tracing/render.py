@@ -55,10 +55,24 @@ def percentile_table(summary: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+def sampling(run: RunDiagnosis) -> str | None:
+    """What a store rebuilt from a sampled window holds, in words (None: every request)."""
+    weights = [r.weight for r in run.requests]
+    if all(w == 1.0 for w in weights):
+        return None
+    rest = max(weights)
+    return (f"A sampled window: {len(weights)} requests kept of about {round(sum(weights))} "
+            f"({sum(w == 1.0 for w in weights)} failed or slow ones kept whole, the rest 1 in "
+            f"{rest:.1f}); the percentiles weigh each kept request by the requests it stands "
+            "for, and the verdict reads the kept ones.")  # fmt: skip
+
+
 def render_run(run: RunDiagnosis) -> str:
     counts = f"{run.num_ok} ok, {run.num_aborted} aborted, {run.num_error} error"
     busy = sum(not s.idle for s in run.steps)
     lines = [f"run {run.run_id}: {len(run.requests)} requests ({counts}), {busy} engine steps", ""]
+    if sampled := sampling(run):
+        lines[-1:-1] = [_fill(sampled)]
     lines += [*percentile_table(run.summary), "", _fill(headline(run))]
     if largest := _largest(run):
         lines.append(_fill("Largest first: " + largest + "."))

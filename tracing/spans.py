@@ -263,6 +263,9 @@ def root_attributes(req: RequestTrace) -> dict[str, Any]:
     attrs: dict[str, Any] = {
         "gen_ai.request.id": req.request_id,
         "gen_ai.response.model": req.model,
+        "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
+        "gen_ai.usage.output_tokens": req.output_tokens,
+        # The deprecated names they replace, kept for one release more.
         "gen_ai.usage.prompt_tokens": len(req.prompt_token_ids),
         "gen_ai.usage.completion_tokens": req.output_tokens,
         "gen_ai.latency.e2e": (req.finished_ns - req.arrival_ns) / 1e9,
@@ -287,11 +290,34 @@ def root_attributes(req: RequestTrace) -> dict[str, Any]:
         attrs["lumen.grammar.cached"] = req.grammar_cached
     if req.grammar_mask_ns:
         attrs["lumen.grammar.mask_s"] = req.grammar_mask_ns / 1e9
+    if phase := slowest_phase(req):
+        attrs["lumen.slowest_phase"] = phase
     if req.client_request_id:
         attrs["lumen.client_request_id"] = req.client_request_id
     if req.error:
         attrs["lumen.error"] = req.error
     return attrs
+
+
+def slowest_phase(req: RequestTrace) -> str | None:
+    """Where most of the request's time went, by phase, from what the trace writer holds at its
+    close (a first answer on dashboards; `lumen trace why` weighs it against its run)."""
+    http = req.http
+    admission = http.admission_wait_ns if http is not None else 0
+    received = min(req.received_ns.values(), default=0)
+    first_step = min(req.first_steps.values(), default=0)
+    queue = first_step - received if first_step and received else 0
+    parts = {
+        "admission": admission,
+        "frontend": req.sent_ns - req.start_ns - admission if req.sent_ns else 0,
+        "grammar compile": req.grammar_compile_ns,
+        "queue": queue - req.grammar_compile_ns,
+        "prefill": req.first_token_ns - first_step if req.first_token_ns and first_step else 0,
+        "decode": req.last_token_ns - req.first_token_ns if req.first_token_ns else 0,
+        "delivery": http.send_wait_ns if http is not None else 0,
+    }
+    phase, ns = max(parts.items(), key=lambda kv: kv[1])
+    return phase if ns > 0 else None
 
 
 def build_request_row(
@@ -357,6 +383,7 @@ def build_request_row(
         req.grammar_mask_ns or None,
         req.body_bytes if req.body_read_ns else None,
         req.body_read_ns or None,
+        None,  # sample_weight: only a store rebuilt from a sampled window has one
     )
 
 

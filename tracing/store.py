@@ -28,7 +28,7 @@ import numpy as np
 
 from tracing import fleet
 from tracing.store_schema import ADDED_IN, TABLES
-from tracing.store_views import SPANS_VIEW, SPANS_VIEW_4
+from tracing.store_views import SPANS_VIEW, SPANS_VIEW_4, SPANS_VIEW_7
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,6 +85,11 @@ def _m004_grammar(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(SPANS_VIEW_4.replace("CREATE VIEW", "CREATE OR REPLACE VIEW", 1))
 
 
+def _m007_sampled(con: duckdb.DuckDBPyConnection) -> None:
+    _add_columns(con, 7)
+    con.execute(SPANS_VIEW_7.replace("CREATE VIEW", "CREATE OR REPLACE VIEW", 1))
+
+
 # Ordered; each runs once per file, recorded in schema_migrations.
 MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] = [
     (1, "runs, requests, spans and steps", _m001_initial),
@@ -97,6 +102,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
         lambda c: _add_columns(c, 5),
     ),
     (6, "the server's drains and engine restarts; each run's replica", _m006_lifecycle),
+    (7, "sampled imports' request weights; GenAI usage names of today", _m007_sampled),
 ]
 
 

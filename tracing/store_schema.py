@@ -66,6 +66,9 @@ REQUEST_COLUMNS = {
     # handler_ns the API process decoded and validated its JSON.
     "body_bytes": "BIGINT",
     "body_read_ns": "BIGINT",
+    # Migration 7: how many requests of its run this row stands for, in a store rebuilt from a
+    # sampled window of a fleet's traces (replay import); NULL: every request was kept.
+    "sample_weight": "DOUBLE",
 }
 SPAN_COLUMNS = {
     "run_id": "VARCHAR",
@@ -179,9 +182,9 @@ TABLES = {
 }
 
 
-def _from(columns: dict[str, str], first: str, last: str | None = None) -> list[str]:
+def _from(columns: dict[str, str], first: str, last: str) -> list[str]:
     names = list(columns)
-    return names[names.index(first) : names.index(last) + 1 if last else None]
+    return names[names.index(first) : names.index(last) + 1]
 
 
 # Columns each migration added to a table that existed before it (so migrations stay replayable).
@@ -199,9 +202,10 @@ ADDED_IN = {
         "steps": _from(STEP_COLUMNS, "grammar_mask_ns", "grammar_rows"),
     },
     5: {
-        "steps": _from(STEP_COLUMNS, "sample_ns"),
+        "steps": _from(STEP_COLUMNS, "sample_ns", "max_logprobs"),
         "runs": _from(RUN_COLUMNS, "step_prior", "step_prior"),
-        "requests": _from(REQUEST_COLUMNS, "body_bytes"),
+        "requests": _from(REQUEST_COLUMNS, "body_bytes", "body_read_ns"),
     },
-    6: {"runs": _from(RUN_COLUMNS, "replica")},
+    6: {"runs": _from(RUN_COLUMNS, "replica", "replica")},
+    7: {"requests": _from(REQUEST_COLUMNS, "sample_weight", "sample_weight")},
 }

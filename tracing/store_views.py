@@ -123,3 +123,17 @@ SPANS_VIEW_4 = (
     )
 )
 assert SPANS_VIEW_4.count("core.grammar") == 1 and SPANS_VIEW_4.count("WHEN 8") == 4
+
+
+# Migration 7's view: the root span's token counts under the GenAI conventions' current names
+# (gen_ai.usage.input_tokens, output_tokens), the old ones (prompt_tokens, completion_tokens)
+# kept beside them for one release.
+SPANS_VIEW_7 = SPANS_VIEW_4.replace(
+    "        'gen_ai.usage.prompt_tokens', r.prompt_tokens,\n"
+    "        'gen_ai.usage.completion_tokens', r.output_tokens,\n",
+    "        'gen_ai.usage.input_tokens', r.prompt_tokens,\n"
+    "        'gen_ai.usage.output_tokens', r.output_tokens,\n"
+    "        'gen_ai.usage.prompt_tokens', r.prompt_tokens,\n"
+    "        'gen_ai.usage.completion_tokens', r.output_tokens,\n",
+)
+assert SPANS_VIEW_7.count("gen_ai.usage.") == 4

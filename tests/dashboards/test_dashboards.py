@@ -23,6 +23,10 @@ from tests.helpers.server import ROOT, LumenServer, free_port
 DASH = ROOT / "dashboards"
 BOARDS = DASH / "grafana" / "dashboards"
 BUILTINS = {"__rate_interval", "__interval", "__range", "__all"}
+# The ClickHouse source's macros (grafana/clickhouse-datasource pkg/macros): the fleet dashboard's
+# queries run on chdb with them expanded (tests/tracing/test_fleet_otlp.py).
+BUILTINS |= {"__timeFilter", "__timeFilter_ms", "__timeInterval", "__fromTime", "__toTime",
+             "__interval_s"}  # fmt: skip
 
 
 def _generator():
@@ -66,7 +70,7 @@ def test_dashboards_are_consistent() -> None:
                 assert panel["datasource"]["uid"] in uids, (name, panel["title"])
         for panel, target in _targets(board):
             assert target["datasource"]["uid"] in uids, (name, panel["title"])
-            text = target.get("expr") or target.get("query") or ""
+            text = target.get("expr") or target.get("query") or target.get("rawSql") or ""
             used = set(re.findall(r"\$\{?(\w+)", text))
             assert used <= defined, (name, panel["title"], used - defined)
     overview = {p["title"] for p in boards["lumen-overview.json"]["panels"]}
@@ -103,7 +107,9 @@ def test_compose_parses_and_its_parts_agree() -> None:
         assert result.returncode == 0, result.stderr
     compose = _yaml(compose_file)
     services = compose["services"]
-    assert set(services) == {"lumen", "otel-collector", "tempo", "prometheus", "grafana"}
+    assert set(services) == {
+        "lumen", "otel-collector", "tempo", "prometheus", "grafana", "clickhouse",
+    }  # fmt: skip
     assert (ROOT / services["lumen"]["build"] / "Dockerfile").is_file()
     mounts = {}
     for name, svc in services.items():
@@ -134,7 +140,7 @@ def test_compose_parses_and_its_parts_agree() -> None:
     tempo_grpc = tempo["distributor"]["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"]
     assert tempo_endpoint == f"tempo:{tempo_grpc.split(':')[1]}"
     sources = {
-        d["uid"]: d["url"]
+        d["uid"]: d.get("url")
         for d in _yaml(DASH / "grafana/provisioning/datasources/datasources.yml")["datasources"]
     }
     assert sources["tempo"] == f"http://tempo:{tempo['server']['http_listen_port']}"
@@ -145,6 +151,30 @@ def test_compose_parses_and_its_parts_agree() -> None:
     grace = int(lumen["stop_grace_period"].removesuffix("s"))
     assert grace > ServerConfig.shutdown_timeout
     assert services["prometheus"]["depends_on"]["lumen"]["condition"] == "service_healthy"
+    # Lumen exports what a store is rebuilt from; the collector keeps every engine trace and
+    # every request Lumen marks, writes ClickHouse where Grafana's ClickHouse source reads.
+    assert lumen_cmd[lumen_cmd.index("--otlp-detail") + 1] == "store"
+    assert collector["service"]["pipelines"]["traces"]["processors"][0] == "tail_sampling"
+    policies = {p["type"]: p for p in collector["processors"]["tail_sampling"]["policies"]}
+    assert set(policies) == {"status_code", "string_attribute", "probabilistic"}
+    ch = collector["exporters"]["clickhouse"]
+    env = services["clickhouse"]["environment"]
+    assert ch["endpoint"].startswith("tcp://clickhouse:9000") and 9000 in published("clickhouse")
+    assert (ch["username"], ch["password"], ch["database"]) == (
+        env["CLICKHOUSE_USER"],
+        env["CLICKHOUSE_PASSWORD"],
+        env["CLICKHOUSE_DB"],
+    )
+    [source] = [d for d in _yaml(DASH / "grafana/provisioning/datasources/datasources.yml")[
+        "datasources"] if d["uid"] == "clickhouse"]  # fmt: skip
+    assert (source["jsonData"]["host"], source["jsonData"]["port"]) == ("clickhouse", 9000)
+    assert source["jsonData"]["defaultDatabase"] == ch["database"]
+    assert source["secureJsonData"]["password"] == ch["password"]
+    plugins = services["grafana"]["environment"]["GF_INSTALL_PLUGINS"]
+    assert "grafana-clickhouse-datasource" in plugins
+    fleet = json.loads((BOARDS / "lumen-fleet.json").read_text())
+    [percent] = [v["query"] for v in fleet["templating"]["list"] if v["name"] == "sample_percent"]
+    assert float(percent) == policies["probabilistic"]["probabilistic"]["sampling_percentage"]
     # Grafana finds its provisioning and the dashboards where the provider looks.
     assert ("grafana", "/etc/grafana/provisioning") in mounts
     provider = _yaml(DASH / "grafana/provisioning/dashboards/dashboards.yml")["providers"][0]

@@ -112,7 +112,7 @@ def test_otel_jsonl_still_one_span_a_line(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--format", "svg"], "--format must be one of otel-jsonl, perfetto, not 'svg'"),
+        (["--format", "svg"], "--format must be one of otlp-json, otel-jsonl, perfetto, not 'svg'"),
         (["--format", "perfetto", "--run", "nope"], "run nope has no span, step or pause"),
     ],
 )

@@ -177,7 +177,12 @@ def test_otlp_receives_the_same_spans(traced) -> None:
     assert root.attributes["lumen.grammar.mask_s"] > 0
     [root] = [s for s in got[ids["plain"]] if s.name == "llm_request"]
     assert (root.trace_id, root.parent_span_id) == (TRACE_ID, PARENT_ID)  # traceparent honoured
+    # The GenAI conventions' names, and the deprecated ones beside them for one release.
+    assert root.attributes["gen_ai.usage.output_tokens"] == 12
     assert root.attributes["gen_ai.usage.completion_tokens"] == 12
+    assert root.attributes["gen_ai.usage.input_tokens"] == root.attributes[
+        "gen_ai.usage.prompt_tokens"] > 0  # fmt: skip
+    assert root.attributes["lumen.slowest_phase"] in ("frontend", "queue", "prefill", "decode")
     assert root.attributes["gen_ai.latency.time_to_first_token"] > 0
 
 

@@ -109,10 +109,11 @@ ROOTS = ("FROM otel_traces WHERE $__timeFilter(Timestamp) AND ServiceName = 'lum
 # A kept request stands for itself if Lumen marked it (failed or slow: every one is kept), else
 # for 100 / $sample_percent requests (the collector's share of the rest); in integers.
 WEIGHT = "toUInt64(if(SpanAttributes['lumen.sample.keep'] != '', $sample_percent, 100))"
-ROW = "toInt64OrZero(SpanAttributes['lumen.row.{}'])"
-TTFT_S = ROW.format("ttft_ns") + " / 1e9"
-TPOT_S = (f"({ROW.format('e2e_ns')} - {ROW.format('ttft_ns')}) / "
-          f"({ROW.format('output_tokens')} - 1) / 1e9")  # fmt: skip
+ATTR = "SpanAttributes['{}']"
+NUM = "toFloat64OrZero(SpanAttributes['{}'])"
+TTFT_S = NUM.format("gen_ai.latency.time_to_first_token")
+TPOT_S = (f"({NUM.format('gen_ai.latency.e2e')} - {TTFT_S}) / "
+          f"({NUM.format('gen_ai.usage.output_tokens')} - 1)")  # fmt: skip
 
 
 def weighted(value: str, where: str) -> str:
@@ -124,11 +125,11 @@ def weighted(value: str, where: str) -> str:
 
 
 SLOWEST = (
-    f"SELECT Timestamp AS time, {REPLICA} AS replica, SpanAttributes['lumen.row.request_id'] "
-    "AS request, round(Duration / 1e9, 3) AS e2e_s, round(" + TTFT_S + ", 3) AS ttft_s, "
-    "SpanAttributes['lumen.row.output_tokens'] AS output_tokens, "
-    "SpanAttributes['lumen.row.status'] AS status, "
-    "SpanAttributes['lumen.slowest_phase'] AS slowest_phase "
+    f"SELECT Timestamp AS time, {REPLICA} AS replica, {ATTR.format('gen_ai.request.id')} "
+    f"AS request, round(Duration / 1e9, 3) AS e2e_s, round({TTFT_S}, 3) AS ttft_s, "
+    f"{ATTR.format('gen_ai.usage.output_tokens')} AS output_tokens, "
+    f"{ATTR.format('lumen.status')} AS status, "
+    f"{ATTR.format('lumen.slowest_phase')} AS slowest_phase "
     f"{ROOTS} ORDER BY Duration DESC LIMIT 20"
 )
 KEPT = (
@@ -168,13 +169,13 @@ def fleet_panels() -> list[dict]:
                 "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
                 "targets": [ch_target(sql, kind == "table")]}  # fmt: skip
 
-    ok = "SpanAttributes['lumen.row.status'] = 'ok'"
+    ok = f"{ATTR.format('lumen.status')} = 'ok'"
     return [
         panel(1, "timeseries", "Time to first token per replica", "s",
-              weighted(TTFT_S, "SpanAttributes['lumen.row.ttft_ns'] != ''"),
+              weighted(TTFT_S, f"{ATTR.format('gen_ai.latency.time_to_first_token')} != ''"),
               {"h": 8, "w": 12, "x": 0, "y": 0}),
         panel(2, "timeseries", "Time per output token per replica", "s",
-              weighted(TPOT_S, f"{ok} AND {ROW.format('output_tokens')} >= 2"),
+              weighted(TPOT_S, f"{ok} AND {NUM.format('gen_ai.usage.output_tokens')} >= 2"),
               {"h": 8, "w": 12, "x": 12, "y": 0}),
         panel(3, "table", "Slowest requests, and where their time went", "none", SLOWEST,
               {"h": 10, "w": 24, "x": 0, "y": 8}),

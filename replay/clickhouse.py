@@ -200,7 +200,7 @@ def import_clickhouse(
             found = client.query(
                 f"SELECT ResourceAttributes[{quote(RUN_ID)}], toUnixTimestamp64Nano(Timestamp), "
                 f"Duration FROM {table} WHERE ServiceName = '{SERVICE}' AND SpanName = "
-                f"'llm_request' AND SpanAttributes['lumen.row.request_id'] = {quote(request)} "
+                f"'llm_request' AND SpanAttributes['gen_ai.request.id'] = {quote(request)} "
                 "LIMIT 1"
             )
             if not found:

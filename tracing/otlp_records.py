@@ -4,21 +4,24 @@ A store exported this way can be rebuilt whole from what a collector kept, so th
 why`, `replay report` and `replay run` work on a fleet's traces as on the replica's own store:
 
 - a request is its root span ``llm_request``, in its own trace, carrying its ``requests`` row
-  (and its ``request_children``) as attributes; the per-sequence spans the store keeps as rows
-  (``span_rows``) are its child spans;
-- an engine step is one span ``lumen.step`` carrying its ``steps`` row, members included (the
-  core request ids and their scheduled tokens, as arrays); ``lumen.pause`` and
+  (and its ``request_children``) beside the GenAI attributes every detail level sends; the
+  per-sequence spans the store keeps as rows (``span_rows``) are its child spans;
+- an engine step is one span ``lumen.step`` carrying its ``steps`` row, its members (the core
+  request ids and their scheduled tokens) as array attributes of their own; ``lumen.pause`` and
   ``lumen.lifecycle`` carry the other engine-side rows, and ``lumen.run`` the run's row and
   engine configuration. These go in traces of their own, one per run and ``WINDOW_NS`` of time,
   so a collector that samples requests never drops a step a kept request shared.
 
-A row's columns travel as attributes ``lumen.row.<column>`` (NULL: absent); the table as
-``lumen.record``; the run as the resource attribute ``lumen.run_id``. A failed request's root
+A row travels packed, as one attribute ``lumen.row``: a JSON array of its columns in the
+store's order at schema version ``lumen.schema`` (a resource attribute, with ``lumen.run_id``),
+less those the span carries itself (ids, names, times): a step is one compact span, not forty
+attributes (the keys alone would cost more than the values). The table is ``lumen.record``.
+Readers need only these; dashboards read the readable GenAI attributes. A failed request's root
 has status ERROR and ``lumen.sample.keep=error``, a slow one's ``lumen.sample.keep=slow``: the
 requests a collector's tail sampling keeps whatever its share of the rest (dashboards/otel),
 so that an import can weigh the rest by what they stand for. Decoding is typed by the
-store's schema (tracing/store_schema.py) and takes either native OTLP values or the strings a
-ClickHouse ``Map(String, String)`` keeps (ints, ``true``/``false``, JSON arrays).
+store's schema (tracing/store_schema.py); arrays and the packed row arrive as native OTLP
+values or as the JSON text a ClickHouse ``Map(String, String)`` keeps them as.
 """
 
 from __future__ import annotations
@@ -28,15 +31,18 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
-from tracing.spans import ROOT
-from tracing.store_schema import TABLES
+import msgspec
 
-PREFIX = "lumen.row."
+from tracing.spans import ROOT
+from tracing.store_schema import SCHEMA_VERSION, TABLES, columns_at
+
+ROW = "lumen.row"  # the packed row: a JSON array
 RECORD = "lumen.record"
 # On a request's root: why a collector's tail sampling must keep its trace (error | slow).
 KEEP = "lumen.sample.keep"
 KEEP_SLOWER_THAN_S = 5.0
-RUN_ID = "lumen.run_id"  # resource attribute
+RUN_ID = "lumen.run_id"  # resource attributes
+SCHEMA = "lumen.schema"
 SERVICE = "lumen"
 WINDOW_NS = 10 * 10**9  # one engine trace per run and 10 s
 # The engine-side tables and the span that carries each of their rows: (name, start, end).
@@ -46,10 +52,17 @@ ENGINE_RECORDS = {
     "pauses": ("lumen.pause", "start_ns", "duration_ns"),
     "lifecycle": ("lumen.lifecycle", "start_ns", "end_ns"),
 }
-# Columns a span carries in its own fields, not as attributes.
-_REQUEST_OWN = ("run_id", "trace_id", "root_span_id", "parent_span_id")
-_SPAN_OWN = ("run_id", "trace_id", "span_id", "parent_span_id", "name", "start_ns", "end_ns")
-_CHILDREN = "lumen.children."  # request_children, as one array per column on the root
+# Columns a span carries in its own fields (or its resource), not in the packed row; and
+# columns that travel as array attributes of their own, readable where the spans are stored.
+_OWN = {
+    "requests": ("run_id", "trace_id", "root_span_id", "parent_span_id"),
+    "span_rows": ("run_id", "trace_id", "span_id", "parent_span_id", "name", "start_ns",
+                  "end_ns"),
+}  # fmt: skip
+_APART = {"steps": ("request_ids", "num_scheduled", "preempted_request_ids")}
+_MEMBER = "lumen.step."  # + request_ids, num_scheduled, preempted_request_ids
+CHILDREN = "lumen.children"  # request_children on the root: [[core id, seq], ...]
+_encode = msgspec.json.encode
 
 
 class RecordSpan(NamedTuple):
@@ -66,7 +79,7 @@ class RecordSpan(NamedTuple):
 
 
 def resource_attributes(run_id: str, replica: str) -> dict[str, Any]:
-    attrs = {"service.name": SERVICE, RUN_ID: run_id}
+    attrs: dict[str, Any] = {"service.name": SERVICE, RUN_ID: run_id, SCHEMA: SCHEMA_VERSION}
     if replica:
         attrs["service.instance.id"] = replica
     return attrs
@@ -81,12 +94,19 @@ def window_trace_id(run_id: str, ns: int) -> str:
     return _hex(f"{run_id}/{ns // WINDOW_NS}", 16)
 
 
-def _attrs(table: str, row: tuple[Any, ...], skip: tuple[str, ...]) -> dict[str, Any]:
-    return {
-        PREFIX + col: list(v) if isinstance(v, tuple) else v
-        for col, v in zip(TABLES[table], row)
-        if v is not None and col not in skip
-    }
+def _packed(table: str, row: tuple[Any, ...]) -> dict[str, Any]:
+    """The row's attributes: the packed row, and its columns that travel apart."""
+    skip, apart = _OWN.get(table, ("run_id",)), _APART.get(table, ())
+    values = []
+    attrs: dict[str, Any] = {RECORD: table}
+    for col, v in zip(TABLES[table], row):
+        if col in apart:
+            if v is not None:
+                attrs[_MEMBER + col] = list(v)
+        elif col not in skip:
+            values.append(v)
+    attrs[ROW] = _encode(values).decode()
+    return attrs
 
 
 def engine_spans(run_id: str, table: str, rows: Iterable[tuple[Any, ...]]) -> list[RecordSpan]:
@@ -102,11 +122,9 @@ def engine_spans(run_id: str, table: str, rows: Iterable[tuple[Any, ...]]) -> li
             end = start + end
         elif table == "steps" and not row[i_end]:  # no output: ends with its schedule
             end = row[cols.index("schedule_end_ns")] or start
-        attrs = _attrs(table, row, ("run_id",))
-        attrs[RECORD] = table
         span_id = _hex(f"{run_id}/{table}/{row[1]}/{start}", 8)
         out.append(RecordSpan(window_trace_id(run_id, start), span_id, None, name, start,
-                              max(start, end), attrs))  # fmt: skip
+                              max(start, end), _packed(table, row)))  # fmt: skip
     return out
 
 
@@ -118,18 +136,13 @@ def request_record_spans(
     *,
     slow_ns: int = int(KEEP_SLOWER_THAN_S * 1e9),
 ) -> list[RecordSpan]:
-    """The request's root span (its row as attributes beside ``root_attributes``, the GenAI
-    ones) and its stored per-sequence spans; ``slow_ns``: from this e2e on it is kept."""
+    """The request's root span (its row packed beside ``root_attributes``, the GenAI ones) and
+    its stored per-sequence spans; ``slow_ns``: from this e2e on it is marked to be kept."""
     r = dict(zip(TABLES["requests"], request))
     attrs = dict(root_attributes)
-    attrs.update(_attrs("requests", request, _REQUEST_OWN))
-    attrs[RECORD] = "requests"
-    child_cols = [c for c in TABLES["request_children"] if c not in ("run_id", "request_id")]
-    kids = sorted(children, key=lambda c: c[3])
-    if kids:
-        for i, col in enumerate(TABLES["request_children"]):
-            if col in child_cols:
-                attrs[_CHILDREN + col] = [k[i] for k in kids]
+    attrs.update(_packed("requests", request))
+    if kids := sorted((c[1], c[3]) for c in children):
+        attrs[CHILDREN] = _encode(kids).decode()
     start = min(r["http_start_ns"] or r["arrival_ns"], r["arrival_ns"])
     end = r["arrival_ns"] + (r["e2e_ns"] or 0)
     error = (r["error"] or "error") if r["status"] == "error" else None
@@ -141,35 +154,28 @@ def request_record_spans(
                       max(start, end), attrs, error)]  # fmt: skip
     for s in span_rows:
         span = dict(zip(TABLES["span_rows"], s))
-        attrs = _attrs("span_rows", s, _SPAN_OWN)
-        attrs[RECORD] = "span_rows"
         out.append(RecordSpan(span["trace_id"], span["span_id"], span["parent_span_id"],
-                              span["name"], span["start_ns"], span["end_ns"], attrs))  # fmt: skip
+                              span["name"], span["start_ns"], span["end_ns"],
+                              _packed("span_rows", s)))  # fmt: skip
     return out
 
 
 # -- back to rows ----------------------------------------------------------------------------
 
 
-def _value(kind: str, v: Any) -> Any:
-    """An attribute's value as the column ``kind`` holds it: native OTLP values pass, the
-    strings of a ClickHouse map are parsed."""
-    if kind in ("VARCHAR", "JSON"):
+def _json(v: Any) -> Any:
+    """An array or packed value: native (OTLP) or the JSON text ClickHouse keeps."""
+    return json.loads(v) if isinstance(v, str) else v
+
+
+def _typed(kind: str, v: Any) -> Any:
+    if v is None:
+        return None
+    if kind == "JSON":
         return v if isinstance(v, str) else json.dumps(v)
-    if isinstance(v, str):
-        if kind.endswith("[]"):
-            return json.loads(v)
-        if kind == "BOOLEAN":
-            return v == "true"
-        return float(v) if kind == "DOUBLE" else int(v)
     if kind.endswith("[]"):
-        return list(v)
+        return list(_json(v))
     return v
-
-
-def _column(table: str, col: str, attrs: Mapping[str, Any]) -> Any:
-    v = attrs.get(PREFIX + col)
-    return None if v is None else _value(TABLES[table][col], v)
 
 
 class Rebuilt(NamedTuple):
@@ -183,17 +189,18 @@ class Rebuilt(NamedTuple):
 
 def rows_of(spans: Iterable[tuple[Mapping[str, Any], RecordSpan]]) -> Rebuilt:
     """The store rows that (resource attributes, span) pairs carry. Spans of other services and
-    Lumen spans without a record are skipped (counted); a row seen twice is kept once."""
+    Lumen spans without a record are skipped (counted); a row seen twice is kept once. A
+    ValueError says what is wrong with a record that cannot be read."""
     rows: dict[str, list[tuple[Any, ...]]] = {t: [] for t in TABLES}
     seen: set[tuple[str, str, str]] = set()
     kept: set[tuple[str, str]] = set()
     num_spans = num_other = 0
     for resource, span in spans:
-        table = span.attributes.get(RECORD)
         if resource.get("service.name") != SERVICE:
             continue
-        run_id = resource.get(RUN_ID)
-        if table not in TABLES or not run_id:
+        attrs = span.attributes
+        table, run_id = attrs.get(RECORD), resource.get(RUN_ID)
+        if table not in TABLES or not run_id or ROW not in attrs:
             num_other += 1
             continue
         key = (table, span.trace_id, span.span_id)
@@ -201,28 +208,38 @@ def rows_of(spans: Iterable[tuple[Mapping[str, Any], RecordSpan]]) -> Rebuilt:
             continue
         seen.add(key)
         num_spans += 1
-        attrs = span.attributes
+        version = int(resource.get(SCHEMA, SCHEMA_VERSION))
+        if version > SCHEMA_VERSION:
+            raise ValueError(f"run {run_id} was recorded by a newer Lumen (trace store schema "
+                             f"{version}; this one reads up to {SCHEMA_VERSION})")  # fmt: skip
+        own: dict[str, Any] = {"run_id": run_id}
         if table == "requests":
-            own = {"run_id": run_id, "trace_id": span.trace_id, "root_span_id": span.span_id,
-                   "parent_span_id": span.parent_span_id}  # fmt: skip
-            rows["requests"].append(_row("requests", attrs, own))
-            request_id = _column("requests", "request_id", attrs)
+            own.update(trace_id=span.trace_id, root_span_id=span.span_id,
+                       parent_span_id=span.parent_span_id)  # fmt: skip
+        elif table == "span_rows":
+            own.update(trace_id=span.trace_id, span_id=span.span_id,
+                       parent_span_id=span.parent_span_id, name=span.name,
+                       start_ns=span.start_ns, end_ns=span.end_ns)  # fmt: skip
+        for col in _APART.get(table, ()):
+            own[col] = attrs.get(_MEMBER + col)
+        row = _row(table, version, _json(attrs[ROW]), own, span)
+        rows[table].append(row)
+        if table == "requests":
+            request_id = row[1]
             if attrs.get(KEEP):
                 kept.add((run_id, request_id))
-            cores = attrs.get(_CHILDREN + "core_id")
-            if cores is not None:
-                seqs = _value("INTEGER[]", attrs.get(_CHILDREN + "seq", "[]"))
-                for core_id, seq in zip(_value("VARCHAR[]", cores), seqs):
-                    rows["request_children"].append((run_id, core_id, request_id, seq))
-        elif table == "span_rows":
-            own = {"run_id": run_id, "trace_id": span.trace_id, "span_id": span.span_id,
-                   "parent_span_id": span.parent_span_id, "name": span.name,
-                   "start_ns": span.start_ns, "end_ns": span.end_ns}  # fmt: skip
-            rows["span_rows"].append(_row("span_rows", attrs, own))
-        else:
-            rows[table].append(_row(table, attrs, {"run_id": run_id}))
+            for core_id, seq in _json(attrs.get(CHILDREN, "[]")):
+                rows["request_children"].append((run_id, core_id, request_id, seq))
     return Rebuilt(rows, num_spans, num_other, kept)
 
 
-def _row(table: str, attrs: Mapping[str, Any], own: Mapping[str, Any]) -> tuple[Any, ...]:
-    return tuple(own[col] if col in own else _column(table, col, attrs) for col in TABLES[table])
+def _row(
+    table: str, version: int, packed: list[Any], own: Mapping[str, Any], span: RecordSpan
+) -> tuple[Any, ...]:
+    names = [c for c in columns_at(table, version) if c not in own]
+    if len(packed) != len(names):
+        raise ValueError(f"span {span.span_id} ({span.name}): its {table} row has "
+                         f"{len(packed)} values, schema {version} has {len(names)}")  # fmt: skip
+    values = dict(zip(names, packed))
+    kinds = TABLES[table]
+    return tuple(_typed(kinds[c], own[c] if c in own else values.get(c)) for c in TABLES[table])

@@ -27,7 +27,7 @@ import duckdb
 import numpy as np
 
 from tracing import fleet
-from tracing.store_schema import ADDED_IN, TABLES
+from tracing.store_schema import ADDED_IN, SCHEMA_VERSION, TABLES
 from tracing.store_views import SPANS_VIEW, SPANS_VIEW_4, SPANS_VIEW_7
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
     (6, "the server's drains and engine restarts; each run's replica", _m006_lifecycle),
     (7, "sampled imports' request weights; GenAI usage names of today", _m007_sampled),
 ]
+assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 
 
 def migrate(con: duckdb.DuckDBPyConnection) -> None:

@@ -182,6 +182,9 @@ TABLES = {
 }
 
 
+SCHEMA_VERSION = 7  # the last migration (tracing/store.py MIGRATIONS)
+
+
 def _from(columns: dict[str, str], first: str, last: str) -> list[str]:
     names = list(columns)
     return names[names.index(first) : names.index(last) + 1]
@@ -209,3 +212,9 @@ ADDED_IN = {
     6: {"runs": _from(RUN_COLUMNS, "replica", "replica")},
     7: {"requests": _from(REQUEST_COLUMNS, "sample_weight", "sample_weight")},
 }
+
+
+def columns_at(table: str, version: int) -> list[str]:
+    """The columns ``table`` had once migration ``version`` ran (in the order they have now)."""
+    later = {c for v, added in ADDED_IN.items() if v > version for c in added.get(table, [])}
+    return [c for c in TABLES[table] if c not in later]

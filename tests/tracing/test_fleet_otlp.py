@@ -270,7 +270,7 @@ def test_a_sampled_window_is_weighed_back(fleet, tmp_path: Path) -> None:
         rows = con.execute(
             "SELECT request_id, sample_weight, ttft_ns FROM requests WHERE run_id = ?", [run]
         ).fetchall()
-    num_marked = sum(KEEP in s.attributes and s.attributes["lumen.row.request_id"] in
+    num_marked = sum(KEEP in s.attributes and s.attributes["gen_ai.request.id"] in
                      {r[0] for r in rows} for s in marked)  # fmt: skip
     if len(rows) < total:
         assert f"run {run}: a sampled window: {len(rows)} of about {total} requests kept" in said

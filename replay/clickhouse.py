@@ -76,6 +76,8 @@ CREATE TABLE IF NOT EXISTS {table} (
 PARTITION BY toDate(Timestamp)
 ORDER BY (ServiceName, SpanName, toDateTime(Timestamp), Timestamp)
 """
+SETTLE_S = 30.0  # --until's default: this long ago (the compose collector decides after 10 s)
+SLACK_NS = 3600 * 10**9  # no Lumen span is longer than this
 _SELECT = (
     "SELECT toUnixTimestamp64Nano(Timestamp), TraceId, SpanId, ParentSpanId, SpanName, "
     "ResourceAttributes, SpanAttributes, Duration, StatusCode, StatusMessage FROM {table} "
@@ -105,16 +107,25 @@ class Client:
                 raise ValueError("a ClickHouse server needs clickhouse-connect (pip install "
                                  "clickhouse-connect)") from None  # fmt: skip
             self._chdb = None
-            self._server = clickhouse_connect.get_client(dsn=source)
+            try:
+                self._server = clickhouse_connect.get_client(dsn=source)
+            except Exception as e:  # the driver's own error types
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                raise ValueError(f"cannot reach ClickHouse at {source}: {first[:300]}") from None
         else:
             raise ValueError(f"a ClickHouse source is http(s)://HOST:PORT or chdb:FOLDER, "
                              f"not {source!r}")  # fmt: skip
 
     def query(self, sql: str) -> list[list[Any]]:
-        if self._server is not None:
-            return [list(r) for r in self._server.query(sql).result_rows]
-        result = self._chdb.query(sql, "JSONCompact")
-        text = result.bytes() if hasattr(result, "bytes") else bytes(result)
+        """The rows of ``sql``; the driver's errors as one line (ValueError)."""
+        try:
+            if self._server is not None:
+                return [list(r) for r in self._server.query(sql).result_rows]
+            result = self._chdb.query(sql, "JSONCompact")
+            text = result.bytes() if hasattr(result, "bytes") else bytes(result)
+        except Exception as e:  # each driver has its own error types
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise ValueError(f"ClickHouse at {self.source}: {first[:300]}") from None
         return json.loads(text)["data"] if text.strip() else []
 
     def close(self) -> None:
@@ -137,9 +148,13 @@ def table_name(table: str) -> str:
 def parse_instant(text: str) -> int:
     """Unix ns of ISO 8601 (UTC unless it names a zone) or Unix seconds."""
     try:
-        return int(float(text) * 1e9)
+        seconds = float(text)
     except ValueError:
         pass
+    else:
+        if not 0 <= seconds < 1e11:
+            raise ValueError(f"not a time: {text!r} (Unix seconds from 0)")
+        return int(seconds * 1e9)
     try:
         t = dt.datetime.fromisoformat(text)
     except ValueError:
@@ -150,11 +165,7 @@ def parse_instant(text: str) -> int:
 
 
 def check_columns(client: Client, table: str) -> None:
-    try:
-        described = client.query(f"DESCRIBE TABLE {table}")
-    except Exception as e:  # the driver's own error types
-        raise ValueError(f"cannot read table {table} at {client.source}: "
-                         f"{str(e).strip().splitlines()[0][:200]}") from None  # fmt: skip
+    described = client.query(f"DESCRIBE TABLE {table}")
     have = {row[0] for row in described}
     if missing := [c for c in COLUMNS if c not in have]:
         raise ValueError(f"table {table} lacks the columns {', '.join(missing)} of the Collector "
@@ -190,6 +201,8 @@ def import_clickhouse(
     table = table_name(table)
     if request is None and since is None:
         raise ValueError("say what to import: --since (and --until), or --request ID")
+    if request is not None and (since is not None or until is not None):
+        raise ValueError("--request takes its own window (--margin): not --since or --until")
     if Path(out).exists():
         raise ValueError(f"{out} exists: replay import writes a new trace db")
     client = Client(source)
@@ -214,24 +227,52 @@ def import_clickhouse(
         else:
             assert since is not None
             lo = parse_instant(since)
-            hi = parse_instant(until) if until else time.time_ns()
+            # A request still in flight has sent no record yet: by default the window ends
+            # before the collector's decision wait.
+            hi = parse_instant(until) if until else time.time_ns() - int(SETTLE_S * 1e9)
             if hi <= lo:
                 raise ValueError("--until must be after --since")
             what = f"{_iso(lo)} to {_iso(hi)}"
-        where = (f"Timestamp <= fromUnixTimestamp64Nano(toInt64({hi})) AND "
-                 f"toUnixTimestamp64Nano(Timestamp) + toInt64(Duration) >= {lo}"
-                 f"{run_filter}")  # fmt: skip
-        spans = list(_spans(client, table, where))
+            if not until:
+                what += f" (--until defaults to {SETTLE_S:g} s ago)"
+        spans = list(_spans(client, table, _overlapping(lo, hi) + run_filter))
         if not spans:
             raise ValueError(f"no Lumen span in {table} from {what}")
-        runs = sorted({r.get(RUN_ID, "") for r, _ in spans} - {""})
-        if runs:  # each run's record, wherever its start lies
-            ids = ", ".join(quote(r) for r in runs)
-            spans += _spans(client, table, f"SpanName = 'lumen.run' AND "
-                            f"ResourceAttributes[{quote(RUN_ID)}] IN ({ids})")  # fmt: skip
+        spans += _around(client, table, spans)
     finally:
         client.close()
     return import_records(spans, out, f"{table} ({what})")
+
+
+def _overlapping(lo: int, hi: int) -> str:
+    """Spans that overlap [lo, hi] ns; the first term lets ClickHouse skip older partitions
+    (no span of Lumen's lasts longer than the slack)."""
+    return (f"Timestamp >= fromUnixTimestamp64Nano(toInt64({lo - SLACK_NS})) AND "
+            f"Timestamp <= fromUnixTimestamp64Nano(toInt64({hi})) AND "
+            f"toUnixTimestamp64Nano(Timestamp) + toInt64(Duration) >= {lo}")  # fmt: skip
+
+
+def _around(
+    client: Client, table: str, spans: list[tuple[dict[str, Any], RecordSpan]]
+) -> list[tuple[dict[str, Any], RecordSpan]]:
+    """What the window's requests need from outside it: each run's record wherever its
+    start lies, the engine records over each kept request's whole life, and its child spans."""
+    roots = [(r, s) for r, s in spans if s.name == "llm_request"]
+    runs = sorted({r.get(RUN_ID, "") for r, _ in spans} - {""})
+    if not runs:
+        return []
+    ids = ", ".join(quote(r) for r in runs)
+    of_runs = f"ResourceAttributes[{quote(RUN_ID)}] IN ({ids})"
+    more = list(_spans(client, table, f"SpanName = 'lumen.run' AND {of_runs}"))
+    if roots:
+        lo = min(s.start_ns for _, s in roots)
+        hi = max(s.end_ns for _, s in roots)
+        engine = "', '".join(("lumen.step", "lumen.pause", "lumen.lifecycle"))
+        more += _spans(client, table, f"SpanName IN ('{engine}') AND {of_runs} AND "
+                       + _overlapping(lo, hi))  # fmt: skip
+        traces = ", ".join(quote(s.trace_id) for _, s in roots)
+        more += _spans(client, table, f"SpanName != 'llm_request' AND TraceId IN ({traces})")
+    return more
 
 
 def _iso(ns: int) -> str:

@@ -13,7 +13,7 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from tracing.otlp import readable
 from tracing.otlp_records import (
     RUN_ID,
     SERVICE,
+    WINDOW_NS,
     RecordSpan,
     engine_spans,
     request_record_spans,
@@ -35,10 +36,11 @@ from tracing.otlp_records import (
     rows_of,
 )
 from tracing.spans import ROOT
-from tracing.store import TraceStore, latest_run, open_db
+from tracing.store import latest_run, open_db, write_new
 from tracing.store_schema import TABLES
 
 BATCH = 512  # spans per line, as the Collector's batch processor sends them
+TABLE_INDEX = {c: i for i, c in enumerate(TABLES["requests"])}
 
 
 def store_records(con: duckdb.DuckDBPyConnection, run_id: str) -> list[RecordSpan]:
@@ -58,18 +60,35 @@ def store_records(con: duckdb.DuckDBPyConnection, run_id: str) -> list[RecordSpa
             f"SELECT {cols} FROM {table} WHERE run_id = ? {order}", [run_id]
         ).fetchall()
 
-    out = []
-    for table in ("runs", "steps", "pauses", "lifecycle"):
+    children: dict[str, list[tuple[Any, ...]]] = {}
+    request_of: dict[str, str] = {}
+    for child in rows("request_children"):
+        children.setdefault(child[2], []).append(child)
+        request_of[child[1]] = child[2]
+    steps = rows("steps")
+    i_members = list(TABLES["steps"]).index("request_ids")
+    parents = [
+        [request_of.get(m, m) for m in s[i_members] or ()]
+        if any(m in request_of for m in s[i_members] or ()) else None
+        for s in steps
+    ]  # fmt: skip
+    out = engine_spans(run_id, "steps", steps, parents)
+    for table in ("pauses", "lifecycle"):
         out += engine_spans(run_id, table, rows(table))
+    # The run's record in its own window and in every engine trace, as the server sends it.
+    run = rows("runs")
+    windows = {s.start_ns // WINDOW_NS: s.start_ns for s in out}
+    if run:
+        windows.pop(run[0][1] // WINDOW_NS, None)  # its own window has it already
+    out = engine_spans(run_id, "runs", run) + out
+    for at in windows.values():
+        out += engine_spans(run_id, "runs", run, at_ns=at)
     roots = dict(con.execute(
         "SELECT request_id, attributes FROM spans WHERE run_id = ? AND name = ?", [run_id, ROOT]
     ).fetchall())  # fmt: skip
     stored: dict[str, list[tuple[Any, ...]]] = {}
     for span in rows("span_rows"):
         stored.setdefault(span[1], []).append(span)
-    children: dict[str, list[tuple[Any, ...]]] = {}
-    for child in rows("request_children"):
-        children.setdefault(child[2], []).append(child)
     for request in rows("requests", "ORDER BY arrival_ns"):
         rid = request[1]
         root = {k: v for k, v in json.loads(roots.get(rid) or "{}").items() if v is not None}
@@ -144,13 +163,9 @@ def import_records(
         if missing := {r[0] for r in table_rows} - runs:
             raise ValueError(f"{source}: run {sorted(missing)[0]} has {table} but no lumen.run "
                              "record (its run's first span was not kept)")  # fmt: skip
-    sampling = weigh_sampled(rows, rebuilt.kept)
+    sampling = weigh_sampled(rows, rebuilt.kept, rebuilt.parents)
     with _replacing(out) as tmp:
-        store = TraceStore(tmp)
-        store.add_all(rows)
-        if not store.flush():
-            raise ValueError(f"could not write {out}")
-        store.close()
+        write_new(tmp, rows)
     counts = {t: len(r) for t, r in rows.items()}
     said = (f"{len(runs)} run(s), {counts['requests']} requests, {counts['steps']} steps, "
             f"{counts['pauses']} pauses, {counts['lifecycle']} lifecycle records -> "
@@ -158,40 +173,56 @@ def import_records(
     for run, (num_kept, num_total) in sampling.items():
         said += (f"\nrun {run}: a sampled window: {num_kept} of about {num_total} requests kept "
                  "(each kept one weighs the requests it stands for)")  # fmt: skip
+        if all(w == 1.0 for r in rows["requests"] if r[0] == run
+               for w in [r[TABLE_INDEX["sample_weight"]]]):  # fmt: skip
+            said += "; none but the failed and slow ones was kept: nothing weighs for the rest"
     return said
 
 
 def weigh_sampled(
-    rows: dict[str, list[tuple[Any, ...]]], kept: set[tuple[str, str]]
+    rows: dict[str, list[tuple[Any, ...]]],
+    kept: set[tuple[str, str]],
+    parents: Mapping[tuple[str, str], str],
 ) -> dict[str, tuple[int, int]]:
     """Set ``sample_weight`` on the requests of runs that lost some to sampling; returns
     {run: (requests kept, requests in all)} for those runs.
 
-    A run's steps name every engine request that took part in them, kept or not; a collector
+    A run's steps name every engine request that took part in them, kept or not, and the
+    request each belongs to (``parents``: the steps' ``lumen.step.request_of``). A collector
     kept every request marked ``lumen.sample.keep`` (errors, slow ones) and some share of the
     rest. Each other kept request weighs (the run's requests - the marked ones) / (the kept
-    unmarked ones): percentiles over the weights estimate the whole run's."""
+    unmarked ones): percentiles over the weights estimate the whole run's. A request not kept
+    counts only if its last step ended before the last kept request did: one still in flight
+    at the window's end had sent no record yet, sampled or not."""
     i_weight = list(TABLES["requests"]).index("sample_weight")
-    i_members = list(TABLES["steps"]).index("request_ids")
+    steps = {c: i for i, c in enumerate(TABLES["steps"])}
     by_run: dict[str, set[str]] = {}
+    horizon: dict[str, int] = {}
     for r in rows["requests"]:
         by_run.setdefault(r[0], set()).add(r[1])
-    parent = {(c[0], c[1]): c[2] for c in rows["request_children"]}
-    named: dict[str, set[str]] = {}
+        end = r[TABLE_INDEX["arrival_ns"]] + (r[TABLE_INDEX["e2e_ns"]] or 0)
+        horizon[r[0]] = max(horizon.get(r[0], 0), end)
+    child = {(c[0], c[1]): c[2] for c in rows["request_children"]}
+    last_end: dict[tuple[str, str], int] = {}
     for s in rows["steps"]:
-        for core in s[i_members] or ():
-            request = parent.get((s[0], core)) or _parent_of(core, by_run.get(s[0], set()))
-            named.setdefault(s[0], set()).add(request)
+        run = s[0]
+        end = s[steps["output_ns"]] or s[steps["schedule_end_ns"]] or 0
+        for core in s[steps["request_ids"]] or ():
+            request = (parents.get((run, core)) or child.get((run, core))
+                       or _parent_of(core, by_run.get(run, set())))  # fmt: skip
+            last_end[run, request] = max(last_end.get((run, request), 0), end)
     weights: dict[str, float] = {}
     out = {}
     for run, requests in by_run.items():
-        total = requests | named.get(run, set())
-        if len(total) == len(requests):
+        gone = {rid for (r, rid), end in last_end.items()
+                if r == run and rid not in requests and end < horizon[run]}  # fmt: skip
+        if not gone:
             continue
         marked = {rid for rid in requests if (run, rid) in kept}
         rest_kept = len(requests) - len(marked)
-        weights[run] = (len(total) - len(marked)) / rest_kept if rest_kept else 1.0
-        out[run] = (len(requests), len(total))
+        total = len(requests) + len(gone)
+        weights[run] = (total - len(marked)) / rest_kept if rest_kept else 1.0
+        out[run] = (len(requests), total)
     rows["requests"] = [
         (*r[:i_weight], 1.0 if (r[0], r[1]) in kept else weights[r[0]], *r[i_weight + 1 :])
         if r[0] in weights else r
@@ -201,11 +232,12 @@ def weigh_sampled(
 
 
 def _parent_of(core_id: str, requests: set[str]) -> str:
-    """The request a core id of a request not kept belongs to: ``ID-i`` (a prompt or sample)
-    is ``ID``'s, as engine/request_ids.py names them."""
-    while core_id not in requests and (m := re.fullmatch(r"(.+-[0-9a-f]{8,})-[0-9]+", core_id)):
-        core_id = m.group(1)
-    return core_id
+    """The request a core id belongs to where no record says: ``ID-i`` (a prompt or a sample,
+    ``ID-i-j`` a prompt's sample) is ``ID``'s, as engine/request_ids.py names them."""
+    if core_id in requests:
+        return core_id
+    m = re.fullmatch(r"(.+?-[0-9a-f]{16})(?:-[0-9]+)+", core_id)
+    return m.group(1) if m else core_id
 
 
 def import_otlp_json(path: str | Path, out: str | Path) -> str:

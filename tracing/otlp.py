@@ -120,7 +120,9 @@ class OtlpExport:
             self._exporter,
             max_queue_size=max_queue,
             schedule_delay_millis=500,
-            max_export_batch_size=min(512, max_queue),
+            # A store span carries a whole row (a request's can be KBs): smaller batches stay
+            # under a collector's request size limit (4 MiB on gRPC by default).
+            max_export_batch_size=min(128 if detail == "store" else 512, max_queue),
         )
         # service.instance.id: the replica (tracing.config.replica_id), as the store keeps it.
         self._resource = Resource.create(resource_attributes(run_id, replica))
@@ -138,11 +140,13 @@ class OtlpExport:
 
     def export_records(self, records: list[RecordSpan]) -> None:
         spans = [readable(r, self._resource, self._scope) for r in records]
-        # Never overfill the processor's queue (it would drop silently, warning per span).
+        # Never overfill the processor's queue (it would drop silently, warning per span). At
+        # the store detail a call's spans go whole or not at all (a request and its rows).
         room = self.max_queue - (self._num_submitted - self._exporter.num_attempted)
         if len(spans) > room:
-            self._num_refused += len(spans) - max(room, 0)
-            spans = spans[: max(room, 0)]
+            keep = 0 if self.detail == "store" else max(room, 0)
+            self._num_refused += len(spans) - keep
+            spans = spans[:keep]
         for span in spans:
             self._processor.on_end(span)
         self._num_submitted += len(spans)

@@ -78,7 +78,10 @@ def read(path: str | Path) -> Iterator[tuple[dict[str, Any], RecordSpan]]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no OTLP JSON file at {path}")
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not OTLP JSON (not UTF-8 text)") from None
     try:
         docs = [(1, json.loads(text))]
     except json.JSONDecodeError:
@@ -93,11 +96,11 @@ def read(path: str | Path) -> Iterator[tuple[dict[str, Any], RecordSpan]]:
                 why = "cut short (a truncated file?)" if last else f"not JSON ({e.msg})"
                 raise ValueError(f"{path}, line {number}: {why}") from None
     for number, doc in docs:
-        if not isinstance(doc, dict) or "resourceSpans" not in doc:
+        if not isinstance(doc, dict) or not isinstance(doc.get("resourceSpans"), list):
             raise ValueError(f"{path}, line {number}: not an OTLP traces request "
-                             "(no resourceSpans)")  # fmt: skip
+                             "(no resourceSpans list)")  # fmt: skip
         try:
             request = from_json(doc)
-        except (json_format.ParseError, ValueError) as e:
+        except (json_format.ParseError, ValueError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}, line {number}: not OTLP JSON ({e})") from None
         yield from decode(request)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -61,6 +61,9 @@ _OWN = {
 }  # fmt: skip
 _APART = {"steps": ("request_ids", "num_scheduled", "preempted_request_ids")}
 _MEMBER = "lumen.step."  # + request_ids, num_scheduled, preempted_request_ids
+# On a step: the request each member (a core id) belongs to, where one differs from its id
+# (prompts of a completion, samples of n > 1), so an import can count requests it did not keep.
+REQUEST_OF = "lumen.step.request_of"
 CHILDREN = "lumen.children"  # request_children on the root: [[core id, seq], ...]
 _encode = msgspec.json.encode
 
@@ -109,13 +112,22 @@ def _packed(table: str, row: tuple[Any, ...]) -> dict[str, Any]:
     return attrs
 
 
-def engine_spans(run_id: str, table: str, rows: Iterable[tuple[Any, ...]]) -> list[RecordSpan]:
-    """Spans of rows of runs, steps, pauses or lifecycle (run_id is the resource's)."""
+def engine_spans(
+    run_id: str,
+    table: str,
+    rows: Iterable[tuple[Any, ...]],
+    request_of: Sequence[Sequence[str] | None] = (),
+    *,
+    at_ns: int | None = None,
+) -> list[RecordSpan]:
+    """Spans of rows of runs, steps, pauses or lifecycle (run_id is the resource's);
+    ``request_of``: per step, its members' requests (or None: each is its own); ``at_ns``:
+    a run record sent again into the engine trace of that instant (every window has one)."""
     name, start_col, end_col = ENGINE_RECORDS[table]
     cols = list(TABLES[table])
     i_start, i_end = cols.index(start_col), cols.index(end_col)
     out = []
-    for row in rows:
+    for i, row in enumerate(rows):
         start = row[i_start] or 0
         end = row[i_end] or start
         if table == "pauses":
@@ -123,8 +135,11 @@ def engine_spans(run_id: str, table: str, rows: Iterable[tuple[Any, ...]]) -> li
         elif table == "steps" and not row[i_end]:  # no output: ends with its schedule
             end = row[cols.index("schedule_end_ns")] or start
         span_id = _hex(f"{run_id}/{table}/{row[1]}/{start}", 8)
-        out.append(RecordSpan(window_trace_id(run_id, start), span_id, None, name, start,
-                              max(start, end), _packed(table, row)))  # fmt: skip
+        attrs = _packed(table, row)
+        if i < len(request_of) and (parents := request_of[i]) is not None:
+            attrs[REQUEST_OF] = list(parents)
+        trace = window_trace_id(run_id, start if at_ns is None else at_ns)
+        out.append(RecordSpan(trace, span_id, None, name, start, max(start, end), attrs))
     return out
 
 
@@ -185,6 +200,7 @@ class Rebuilt(NamedTuple):
     num_spans: int  # Lumen's record spans decoded
     num_other: int  # spans of Lumen that carry no row (another --otlp-detail)
     kept: set[tuple[str, str]]  # (run, request) marked lumen.sample.keep
+    parents: dict[tuple[str, str], str]  # (run, core id) -> its request, from the steps
 
 
 def rows_of(spans: Iterable[tuple[Mapping[str, Any], RecordSpan]]) -> Rebuilt:
@@ -194,6 +210,7 @@ def rows_of(spans: Iterable[tuple[Mapping[str, Any], RecordSpan]]) -> Rebuilt:
     rows: dict[str, list[tuple[Any, ...]]] = {t: [] for t in TABLES}
     seen: set[tuple[str, str, str]] = set()
     kept: set[tuple[str, str]] = set()
+    parents: dict[tuple[str, str], str] = {}
     num_spans = num_other = 0
     for resource, span in spans:
         if resource.get("service.name") != SERVICE:
@@ -203,12 +220,17 @@ def rows_of(spans: Iterable[tuple[Mapping[str, Any], RecordSpan]]) -> Rebuilt:
         if table not in TABLES or not run_id or ROW not in attrs:
             num_other += 1
             continue
-        key = (table, span.trace_id, span.span_id)
+        # A run record comes again in each engine trace: one row per run.
+        key = (table, run_id, "") if table == "runs" else (table, span.trace_id, span.span_id)
         if key in seen:
             continue
         seen.add(key)
         num_spans += 1
-        version = int(resource.get(SCHEMA, SCHEMA_VERSION))
+        try:
+            version = int(resource.get(SCHEMA, SCHEMA_VERSION))
+        except (TypeError, ValueError):
+            raise ValueError(f"run {run_id}: lumen.schema is not a number: "
+                             f"{resource.get(SCHEMA)!r}") from None  # fmt: skip
         if version > SCHEMA_VERSION:
             raise ValueError(f"run {run_id} was recorded by a newer Lumen (trace store schema "
                              f"{version}; this one reads up to {SCHEMA_VERSION})")  # fmt: skip
@@ -222,15 +244,25 @@ def rows_of(spans: Iterable[tuple[Mapping[str, Any], RecordSpan]]) -> Rebuilt:
                        start_ns=span.start_ns, end_ns=span.end_ns)  # fmt: skip
         for col in _APART.get(table, ()):
             own[col] = attrs.get(_MEMBER + col)
-        row = _row(table, version, _json(attrs[ROW]), own, span)
+        try:
+            row = _row(table, version, _json(attrs[ROW]), own, span)
+            if REQUEST_OF in attrs:
+                members = _json(attrs.get(_MEMBER + "request_ids", "[]"))
+                for core, request in zip(members, _json(attrs[REQUEST_OF])):
+                    parents[run_id, core] = request
+            children = _json(attrs.get(CHILDREN, "[]"))
+            kids = [(str(core_id), int(seq)) for core_id, seq in children]
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"span {span.span_id} ({span.name}, run {run_id}): its "
+                             f"{table} record cannot be read: {e}") from None  # fmt: skip
         rows[table].append(row)
         if table == "requests":
             request_id = row[1]
             if attrs.get(KEEP):
                 kept.add((run_id, request_id))
-            for core_id, seq in _json(attrs.get(CHILDREN, "[]")):
+            for core_id, seq in kids:
                 rows["request_children"].append((run_id, core_id, request_id, seq))
-    return Rebuilt(rows, num_spans, num_other, kept)
+    return Rebuilt(rows, num_spans, num_other, kept, parents)
 
 
 def _row(

@@ -30,7 +30,7 @@ from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineInfo, Fin
 from tracing.config import TracingConfig, replica_id, store_path
 from tracing.events import Closed, Delivered, HttpFacts, Lifecycle, Outputs, Pause, Start
 from tracing.ids import parse_traceparent
-from tracing.otlp_records import engine_spans, request_record_spans
+from tracing.otlp_records import WINDOW_NS, engine_spans, request_record_spans
 from tracing.spans import (
     RequestTrace,
     StepVisit,
@@ -99,7 +99,10 @@ class Tracer:
         self._otlp_rows = self.otlp if store_detail else None
         self._keep_rows = self.store is not None or self._otlp_rows is not None
         self._slow_ns = int(config.otlp_keep_slower_than * 1e9)
-        self._add({"runs": [_run_row(self.run_id, info, engine_config, config, self.replica)]})
+        self._run_row = _run_row(self.run_id, info, engine_config, config, self.replica)
+        # The engine trace (WINDOW_NS) the run record was last sent into: the run's first.
+        self._window = self._run_row[1] // WINDOW_NS
+        self._add({"runs": [self._run_row]})
         from tracing.genai_metrics import make_genai_metrics
 
         model = os.path.basename(info.model.rstrip("/"))
@@ -199,16 +202,25 @@ class Tracer:
                 next_flush = time.monotonic() + interval
                 self._flush()
 
-    def _add(self, rows_by_table: dict[str, list[tuple[Any, ...]]]) -> None:
+    def _add(
+        self, rows_by_table: dict[str, list[tuple[Any, ...]]], request_of: list[Any] | None = None
+    ) -> None:
         """Engine-side rows (runs, steps, pauses, lifecycle) to the store and, at
-        --otlp-detail store, to OTLP."""
+        --otlp-detail store, to OTLP (``request_of``: a step's members' requests). Each engine
+        trace gets the run's record too: a window imported alone has it."""
         if self.store is not None:
             self.store.add_all(rows_by_table)
         if self._otlp_rows is not None:
-            self._otlp_rows.export_records([
+            spans = [
                 span for table, rows in rows_by_table.items()
-                for span in engine_spans(self.run_id, table, rows)
-            ])  # fmt: skip
+                for span in engine_spans(self.run_id, table, rows, request_of or ())
+            ]  # fmt: skip
+            window = spans[0].start_ns // WINDOW_NS if spans else self._window
+            if window != self._window:
+                self._window = window
+                spans += engine_spans(self.run_id, "runs", [self._run_row],
+                                      at_ns=spans[0].start_ns)  # fmt: skip
+            self._otlp_rows.export_records(spans)
 
     def _flush(self) -> None:
         if self.store is not None:
@@ -276,7 +288,12 @@ class Tracer:
                     (self.run_id, "core", "gc", start, duration, f"gen{gen}")
                     for start, duration, gen in step.gc_pauses
                 ]
-            self._add(rows)
+            request_of = None
+            if self._otlp_rows is not None:  # the request each member belongs to
+                parents = [by_child[r][0].request_id if r in by_child else r for r in step.req_ids]
+                if parents != list(step.req_ids):
+                    request_of = [parents]
+            self._add(rows, request_of)
         if self.observe_boundary is not None and not step.idle:  # once a step, not per row
             self.observe_boundary(
                 "core.schedule", (step.schedule_end_ns - step.schedule_start_ns) / 1e9

@@ -331,6 +331,24 @@ def _append(
         con.unregister("_lumen_rows")
 
 
+def write_new(path: Path, rows_by_table: Mapping[str, Sequence[tuple[Any, ...]]]) -> None:
+    """A new store at ``path`` holding ``rows_by_table``, in one transaction, unbounded (an
+    import's, not the serving path's: TraceStore buffers a bounded number of rows). A row
+    DuckDB refuses is a ValueError with DuckDB's own words."""
+    _create_file(path)
+    with open_db(path, read_only=False, timeout=5) as con:
+        migrate(con)
+        try:
+            con.execute("BEGIN TRANSACTION")
+            for table, rows in rows_by_table.items():
+                if rows:
+                    _append(con, table, TABLES[table], list(rows))
+            con.execute("COMMIT")
+        except duckdb.Error as e:
+            con.execute("ROLLBACK")
+            raise ValueError(f"a {table} row was refused: {str(e).splitlines()[0]}") from None
+
+
 def latest_run(con: duckdb.DuckDBPyConnection, *, served_only: bool = False) -> str:
     """The run whose requests arrived last (``served_only``: requests that got a token)."""
     where = "WHERE ttft_ns IS NOT NULL" if served_only else ""

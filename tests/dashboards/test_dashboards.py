@@ -122,12 +122,10 @@ def test_compose_parses_and_its_parts_agree() -> None:
     def published(service: str) -> set[int]:
         return {int(p.split(":")[-1]) for p in services[service].get("ports", [])}
 
-    # Prometheus scrapes the lumen service on the port lumen listens on.
-    [target] = _yaml(DASH / "prometheus/prometheus.yml")["scrape_configs"][0]["static_configs"][0][
-        "targets"
-    ]
-    host, port = target.split(":")
-    assert host == "lumen" and int(port) in published("lumen")
+    # Prometheus scrapes every replica of the lumen service (DNS) on the port lumen listens on.
+    [sd] = _yaml(DASH / "prometheus/prometheus.yml")["scrape_configs"][0]["dns_sd_configs"]
+    host, port = sd["names"][0], str(sd["port"])
+    assert host == "lumen" and sd["type"] == "A" and int(port) in published("lumen")
     assert f'"--port", "{port}"' in (ROOT / "Dockerfile").read_text()
     # Lumen -> collector (OTLP/HTTP) -> Tempo (OTLP/gRPC) -> Grafana.
     lumen_cmd = services["lumen"]["command"]
@@ -191,7 +189,9 @@ def prometheus_and_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_p
         # The shipped config, pointed at this server and scraping every second.
         config = _yaml(DASH / "prometheus/prometheus.yml")
         config["global"]["scrape_interval"] = "1s"
-        config["scrape_configs"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{s.port}"]
+        job = config["scrape_configs"][0]
+        del job["dns_sd_configs"]
+        job["static_configs"] = [{"targets": [f"127.0.0.1:{s.port}"]}]
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()
         prom = subprocess.Popen(

@@ -6,7 +6,7 @@ compact JSON, ``Server``/``Internal`` kinds, ``Error``/``Unset`` status codes)."
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +71,13 @@ def write_otel_traces(
 
 
 def tail_sample(
-    spans: list[tuple[dict[str, Any], RecordSpan]], config: dict[str, Any], percent: float
+    spans: list[tuple[dict[str, Any], RecordSpan]],
+    config: dict[str, Any],
+    picked: Callable[[str], bool],
 ) -> list[tuple[dict[str, Any], RecordSpan]]:
     """The collector's tail_sampling processor, as configured in ``config`` (a collector
     config), over whole traces: a trace is kept when any policy keeps it. ``probabilistic``
-    keeps ``percent`` % by a hash of the trace id (the collector's share, made repeatable)."""
+    keeps the trace ids ``picked`` says (the collector's share, made repeatable)."""
     traces: dict[str, list[tuple[dict[str, Any], RecordSpan]]] = {}
     for resource, span in spans:
         traces.setdefault(span.trace_id, []).append((resource, span))
@@ -91,7 +93,7 @@ def tail_sample(
             key, values = policy["string_attribute"]["key"], policy["string_attribute"]["values"]
             return any({**r, **s.attributes}.get(key) in values for r, s in trace)
         if kind == "probabilistic":
-            return int(trace[0][1].trace_id[-8:], 16) % 10_000 < percent * 100
+            return picked(trace[0][1].trace_id)
         raise AssertionError(f"no emulation of the {kind} policy: the import's weights assume "
                              "only these policies")  # fmt: skip
 

@@ -181,7 +181,7 @@ def test_store_to_clickhouse_to_store(fleet, tmp_path: Path) -> None:
     print(write_otel_traces(chdb, otlp_json.read(received)), "rows in otel_traces")
     window = tmp_path / "window.db"
     print(_out(replay, ["import", f"chdb:{chdb}", "--format", "clickhouse", "--since", "0",
-                        "--out", str(window)]))  # fmt: skip
+                        "--until", str(time.time()), "--out", str(window)]))  # fmt: skip
     _same_as_original(window, [stores / "replica-a.db", stores / "replica-b.db"], ids)
     # One request and its run around it: explained as on its own replica's store.
     one = tmp_path / "one.db"
@@ -241,16 +241,18 @@ def test_bad_input_is_one_line_and_writes_nothing(fleet, tmp_path: Path, capsys)
 
 
 def test_a_sampled_window_is_weighed_back(fleet, tmp_path: Path) -> None:
-    """The compose stack's collector policies over what the replicas sent (half of the
-    unmarked requests kept): every marked request and engine trace survives, the import weighs
-    the rest by the requests they stand for, and the report says so."""
+    """The compose stack's collector policies over what the replicas sent, its probabilistic
+    share keeping every other unmarked request: every marked request and engine trace
+    survives, the import weighs the rest by the requests they stand for, and the report says
+    so with weighted percentiles."""
     _, stores, received, _ = fleet
     config = yaml.safe_load((ROOT / "dashboards/otel-collector/config.yaml").read_text())
     spans = list(otlp_json.read(received))
-    kept = tail_sample(spans, config, percent=50)
-    roots = [(r, s) for r, s in spans if s.name == "llm_request"]
-    marked = [s for _, s in roots if KEEP in s.attributes]
-    assert 0 < len(marked) < len(roots)
+    roots = sorted((s for _, s in spans if s.name == "llm_request"), key=lambda s: s.start_ns)
+    marked = [s for s in roots if KEEP in s.attributes]
+    unmarked = [s.trace_id for s in roots if KEEP not in s.attributes]
+    assert marked and len(unmarked) >= 4
+    kept = tail_sample(spans, config, picked=set(unmarked[::2]).__contains__)
     assert {s.span_id for _, s in kept if KEEP in s.attributes} == {s.span_id for s in marked}
     assert sum(s.name == "lumen.step" for _, s in kept) == sum(
         s.name == "lumen.step" for _, s in spans
@@ -260,7 +262,7 @@ def test_a_sampled_window_is_weighed_back(fleet, tmp_path: Path) -> None:
     write_otel_traces(chdb, kept)
     out = tmp_path / "sampled.db"
     said = _out(replay, ["import", f"chdb:{chdb}", "--format", "clickhouse", "--since", "0",
-                         "--out", str(out)])  # fmt: skip
+                         "--until", str(time.time()), "--out", str(out)])  # fmt: skip
     print(said)
     with open_db(stores / "replica-a.db") as con:
         [(run, total)] = con.execute(
@@ -270,20 +272,49 @@ def test_a_sampled_window_is_weighed_back(fleet, tmp_path: Path) -> None:
         rows = con.execute(
             "SELECT request_id, sample_weight, ttft_ns FROM requests WHERE run_id = ?", [run]
         ).fetchall()
-    num_marked = sum(KEEP in s.attributes and s.attributes["gen_ai.request.id"] in
-                     {r[0] for r in rows} for s in marked)  # fmt: skip
-    if len(rows) < total:
-        assert f"run {run}: a sampled window: {len(rows)} of about {total} requests kept" in said
-        rest = (total - num_marked) / (len(rows) - num_marked)
-        assert sorted(w for _, w, _ in rows) == sorted(
-            [1.0] * num_marked + [rest] * (len(rows) - num_marked)
-        )
-        report = _out(replay, ["report", str(out), "--run", run])
-        print(report)
-        assert "A sampled window" in " ".join(report.split())
-        served = [(t / 1e9, w) for _, w, t in rows if t is not None]
-        p90 = percentiles([v for v, _ in served], [w for _, w in served])["p90"]
-        assert f"{p90 * 1e3:.1f}" in report
+    kept_ids = {r[0] for r in rows}
+    num_marked = sum(s.attributes["gen_ai.request.id"] in kept_ids for s in marked)
+    assert len(rows) < total
+    assert f"run {run}: a sampled window: {len(rows)} of about {total} requests kept" in said
+    rest = (total - num_marked) / (len(rows) - num_marked)
+    assert sorted(w for _, w, _ in rows) == sorted(
+        [1.0] * num_marked + [rest] * (len(rows) - num_marked)
+    )
+    report = _out(replay, ["report", str(out), "--run", run])
+    print(report)
+    assert "A sampled window" in " ".join(report.split())
+    served = [(t / 1e9, w) for _, w, t in rows if t is not None]
+    p90 = percentiles([v for v, _ in served], [w for _, w in served])["p90"]
+    assert f"{p90 * 1e3:.1f}" in report
+
+
+def test_weighing_counts_requests_not_their_prompts_and_not_those_in_flight() -> None:
+    """A step's members are core ids: prompts and samples of one request count once (the
+    step's request_of says whose they are), and a request whose steps go on past the last kept
+    request's end was in flight, not sampled out."""
+    from replay.otlp_io import weigh_sampled
+    from tracing.store import row
+
+    def request(rid: str, arrival: int, e2e: int) -> tuple:
+        return row("requests", run_id="r", request_id=rid, arrival_ns=arrival, e2e_ns=e2e)
+
+    def step(i: int, start: int, members: list[str]) -> tuple:
+        return row("steps", run_id="r", step_id=i, schedule_start_ns=start,
+                   schedule_end_ns=start + 1, output_ns=start + 2, request_ids=members)  # fmt: skip
+
+    rid = "cmpl-0123456789abcdef"
+    rows = {t: [] for t in TABLES}
+    rows["requests"] = [request("cmpl-aaaaaaaaaaaaaaaa", 0, 100), request("slow", 0, 90)]
+    rows["steps"] = [
+        step(0, 10, [f"{rid}-0-0", f"{rid}-0-1", f"{rid}-1-0", "cmpl-aaaaaaaaaaaaaaaa"]),
+        step(1, 20, [f"{rid}-1-1", "slow"]),
+        step(2, 150, ["in-flight"]),  # after the last kept request ended: still running
+    ]
+    parents = {("r", f"{rid}-0-0"): rid, ("r", f"{rid}-0-1"): rid}  # one step's request_of
+    said = weigh_sampled(rows, {("r", "slow")}, parents)
+    assert said == {"r": (2, 3)}  # the two kept, and the multi-prompt one not kept
+    weights = {r[1]: r[-1] for r in rows["requests"]}
+    assert weights == {"cmpl-aaaaaaaaaaaaaaaa": 2.0, "slow": 1.0}
 
 
 def test_weighted_percentiles() -> None:

@@ -15,6 +15,8 @@ weights, in one run:
   own (so the outputs' logits read the KV cache, as a generation's do); the
   largest absolute logit difference from float32's at any position, and the
   share of positions whose top token is float32's;
+- **perplexity** on a fixed text (TEXT, a few paragraphs of plain English prose), prefilled in
+  one step: the exponent of the mean negative log-likelihood of each next token;
 - **speed**: a 512-token prefill step and batch-1 and batch-16 decode steps
   at context 128 (the worker's own step, fastest of several), and the
   generation's wall time.
@@ -52,11 +54,26 @@ PROMPTS = (
     "What is the boiling point of water at sea level?",
 )
 DTYPES = ("float32", "bfloat16", "float16")
+# The perplexity text: plain prose any small chat model has seen the like of (written for this).
+TEXT = (
+    "The river rises in the hills to the north, where the snow lies late into spring. For most "
+    "of the year it is a quiet stream that a child could cross on stepping stones, but when the "
+    "snow melts it fills its banks and carries whole trees down to the valley. The farmers who "
+    "live along it have learned to build their houses on the higher ground and to plant their "
+    "fields only after the water has gone down. In the town at the mouth of the valley there is "
+    "an old stone bridge with five arches. It was built more than three hundred years ago, and "
+    "it has survived every flood since, although the road that crosses it has been repaired "
+    "many times. In the summer, tourists stop on the bridge to take pictures of the water and "
+    "the mountains behind it, and in the evening the swallows fly low over the river to catch "
+    "insects. The people of the town say that the river has a long memory: it remembers every "
+    "wall that was built too close to it, and sooner or later it comes back to take it away."
+)
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
     p = verbs.add_parser(
-        "precision", help="accuracy and speed of lower-precision dtypes and int8 weights vs fp32"
+        "precision",
+        help="accuracy and speed of lower-precision dtypes and int8 / int4 weights vs fp32",
     )
     p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     p.add_argument(
@@ -70,7 +87,7 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quantizations",
         default="",
-        help="weight quantizations to compare, each on a float32 model (int8)",
+        help="weight quantizations to compare, each on a float32 model (int8, int4)",
     )
     p.add_argument("--max-tokens", type=int, default=48, help="greedy output tokens per prompt")
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
@@ -100,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     check_json_path(args.json)
     path = str(resolve_model(args.model))
+    from transformers import AutoTokenizer
+
+    text_ids = list(AutoTokenizer.from_pretrained(path)(TEXT)["input_ids"])
     results: dict[str, dict[str, Any]] = {}
     reference: list[list[int]] = []
     ref_logits: list[torch.Tensor] = []
@@ -113,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         sequences = [p + o for p, o in zip(prompts, reference)]
         logits = [timer.logits(seq, len(p)) for seq, p in zip(sequences, prompts)]
+        perplexity = _perplexity(timer.logits(text_ids), text_ids)
         if label == "float32":
             ref_logits = logits
         prefill_s = timer.prefill_step(512)
@@ -124,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         results[label] = {
             **_agreement(outputs, reference),
             **_logit_diff(logits, ref_logits),
+            "perplexity": perplexity,
             "generate_s": gen_s,
             "prefill_512_s": prefill_s,
             "decode_b16_ctx128_s": decode_s,
@@ -137,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r['matching_prefix']:.0%}",
             f"{r['max_logit_diff']:.3f}",
             f"{r['top1_agreement']:.1%}",
+            f"{r['perplexity']:.3f}",
             f"{r['prefill_512_s'] * 1e3:.0f} ({base['prefill_512_s'] / r['prefill_512_s']:.2f}x)",
             f"{r['decode_b1_ctx128_s'] * 1e3:.1f} "
             f"({base['decode_b1_ctx128_s'] / r['decode_b1_ctx128_s']:.2f}x)",
@@ -150,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
           f"{machine()['device_name']}, {torch.get_num_threads()} threads")  # fmt: skip
     print_table(
         ["setting", "same output", "matching prefix", "max |logit diff|", "top-1 same",
-         "prefill 512 ms", "decode b1 ms", "decode b16 ms", "generate s"],
+         f"perplexity ({len(text_ids)} tokens)", "prefill 512 ms", "decode b1 ms",
+         "decode b16 ms", "generate s"],
         rows,
     )  # fmt: skip
     ratios = (
@@ -204,6 +228,13 @@ def _agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str
         same = next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
         shares.append(same / len(r))
     return {"exact_outputs": exact, "matching_prefix": sum(shares) / len(shares)}
+
+
+def _perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
+    """exp(mean NLL) of each token after the first, from the logits at the position before."""
+    logp = torch.log_softmax(logits[:-1].double(), dim=-1)
+    targets = torch.tensor(token_ids[1:])
+    return float(torch.exp(-logp[torch.arange(len(targets)), targets].mean()))
 
 
 def _logit_diff(logits: list[torch.Tensor], reference: list[torch.Tensor]) -> dict[str, float]:

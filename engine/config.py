@@ -245,14 +245,14 @@ GENERATION_DEFAULTS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
 )  # fmt: skip
 
-QUANTIZATIONS = ("int8",)  # weight-only, engine.worker.cpu_int8
+QUANTIZATIONS = ("int8", "int4")  # weight-only: engine.worker.cpu_int8, cpu_int4
 
 
 def check_quantization(value: str | None) -> None:
     if value is not None and value not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)} or unset, not {value!r}"
-            " (weight-only int8 is the one built; checkpoints already quantized, such as AWQ "
+            " (weight-only int8 and int4 are built; checkpoints already quantized, such as AWQ "
             "or GPTQ, are not read)"
         )
 
@@ -285,7 +285,10 @@ class EngineConfig:
             "help": "int8: the decoder layers' weights in int8 with a scale per output channel "
             "(weight-only; the embedding and LM head stay in the model's dtype). A quarter of "
             "fp32's weight bytes: faster decode at small batches on CPU, slower at 16 rows and "
-            "more; `lumen bench precision --quantizations int8` measures its accuracy"
+            "more. int4: the decoder layers' and the LM head's weights in groups of 32 with a "
+            "scale and a minimum each (GGUF's Q4_1, 5 bits a weight): a sixth of fp32's bytes, "
+            "for one stream. `lumen bench precision --quantizations int8,int4` measures their "
+            "accuracy"
         },
     )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})

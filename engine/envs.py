@@ -71,11 +71,19 @@ LUMEN_CPU_INT8 = EnvVar(
     "if it does not build) or widen (the weight widened, then torch's product)",
 )
 
+LUMEN_CPU_INT4 = EnvVar(
+    "LUMEN_CPU_INT4",
+    "auto",
+    "CPU kernel of --quantization int4's products: auto (the native kernel up to the row count "
+    "where it times faster than widening the weight, at start), native (every row count; fail "
+    "if it does not build) or widen (the weight widened, then torch's product)",
+)
+
 LUMEN_AUTOTUNE = EnvVar(
     "LUMEN_AUTOTUNE",
     "cache",
     "the CPU kernel choices timed at start (matrix products, attention, greedy head, int8, "
-    "threads): cache (reuse those an earlier start on this machine, model shape and versions "
+    "int4, threads): cache (reuse those an earlier start on this machine, model shape and versions "
     "made) or retune (time them again and overwrite the cache)",
 )
 LUMEN_AUTOTUNE_DIR = EnvVar(

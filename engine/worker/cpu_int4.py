@@ -1,0 +1,178 @@
+"""Weight-only 4-bit (``--quantization int4``): each [out, in] weight in groups of 32 inputs,
+each group a scale, a minimum and 32 four-bit codes (value = scale * code + minimum: GGUF's
+Q4_1, with fp32 scale and minimum), activations kept in fp32.
+
+Decode at one stream is bound by the bytes of the weights it reads: 4.5 + 1 bits per weight here
+(the fp32 scale and minimum are 64 bits a group), against 8 for int8 and 32 for fp32. A native
+kernel (native/int4_linear.c, built by native_build) widens the codes in registers for decode's
+matrix-vector and small-batch products; above the row count where it stops winning (timed at
+load on the model's own weight, autotune; ``LUMEN_CPU_INT4`` forces one) and without a C
+compiler the weight is widened to fp32 for the product.
+
+A width that is not a whole number of groups is padded with zero weights, and its
+activations with zeros, to the next group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from engine import envs
+from engine.worker import autotune, native_build
+
+GROUP = 32
+KERNELS = ("auto", "native", "widen")
+TIMED_ROWS = (1, 4, 16, 64, 256)
+EVERY = 1 << 62
+
+
+@dataclass
+class Q4Weight:
+    """A [out, in] weight in 4-bit groups: ``codes`` [out, in_padded / 2] uint8 (byte i of a
+    group: element i low, element i + 16 high), ``scale`` and ``minimum`` [out, groups] fp32."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    in_features: int  # before padding
+
+    @property
+    def padded(self) -> int:
+        return self.codes.shape[1] * 2
+
+    @property
+    def out_features(self) -> int:
+        return int(self.codes.shape[0])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum))
+
+
+def quantize(weight_out_in: torch.Tensor) -> Q4Weight:
+    """Asymmetric 4-bit per group of 32: scale (max - min) / 15, code round((w - min) / scale)."""
+    w = weight_out_in.detach().float()
+    out, k = w.shape
+    padded = -(-k // GROUP) * GROUP
+    if padded != k:
+        w = torch.nn.functional.pad(w, (0, padded - k))
+    g = w.reshape(out, padded // GROUP, GROUP)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    scale = (hi - lo) / 15.0
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round((g - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return Q4Weight(packed.reshape(out, padded // 2).contiguous(), scale.contiguous(),
+                    lo.contiguous(), k)  # fmt: skip
+
+
+def from_blocks(
+    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, in_features: int
+) -> Q4Weight:
+    """A Q4Weight from GGUF-layout blocks already split into codes, scales and minimums."""
+    return Q4Weight(codes.contiguous(), scale.float().contiguous(), minimum.float().contiguous(),
+                    in_features)  # fmt: skip
+
+
+def dequantize(q: Q4Weight) -> torch.Tensor:
+    """The fp32 [out, in] weight the codes stand for."""
+    c = q.codes.reshape(q.out_features, -1, GROUP // 2)
+    codes = torch.cat([c & 15, c >> 4], dim=2).float()
+    w = codes * q.scale[..., None] + q.minimum[..., None]
+    return w.reshape(q.out_features, q.padded)[:, : q.in_features]
+
+
+def widened_linear(x: torch.Tensor, q: Q4Weight) -> torch.Tensor:
+    """x @ W.T with the weight widened to x's dtype for this product (prefill's path)."""
+    return torch.nn.functional.linear(x, dequantize(q).to(x.dtype))
+
+
+class NativeInt4:
+    """The compiled kernel (for this machine's vector width)."""
+
+    def __init__(self, library: str) -> None:
+        fn = ctypes.CDLL(library).int4_linear
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.restype = None
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, q: Q4Weight) -> torch.Tensor:
+        """x: [m, in] fp32 -> [m, out] fp32."""
+        if x.shape[1] != q.padded:
+            x = torch.nn.functional.pad(x, (0, q.padded - x.shape[1]))
+        x = x.contiguous()
+        m = x.shape[0]
+        y = torch.empty(m, q.out_features, dtype=torch.float32)
+        sums = torch.empty(m, q.padded // GROUP, dtype=torch.float32)
+        self._fn(x.data_ptr(), q.codes.data_ptr(), q.scale.data_ptr(), q.minimum.data_ptr(),
+                 y.data_ptr(), sums.data_ptr(), m, q.out_features, q.padded,
+                 torch.get_num_threads())  # fmt: skip
+        return y
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How 4-bit products run here: the native kernel up to ``max_rows`` rows, widening above."""
+
+    kernel: NativeInt4 | None
+    max_rows: int
+    why: str
+
+    def linear(self, x: torch.Tensor, q: Q4Weight) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.kernel is not None and rows.shape[0] <= self.max_rows and x.dtype == torch.float32:
+            return self.kernel(rows, q).reshape(*x.shape[:-1], q.out_features)
+        return widened_linear(x, q)
+
+
+WIDEN_ONLY = Plan(None, 0, "every product widens the weight")
+
+
+def build() -> NativeInt4:
+    """The kernel for this machine's vector width (native/int4_linear.c), compiled once."""
+    vector = native_build.vector_floats()
+    library = autotune.build(f"int4_linear_v{vector}", "int4_linear.c", (f"-DVL={vector}",))
+    return NativeInt4(str(library))
+
+
+def plan(q: Q4Weight, dtype: torch.dtype) -> Plan:
+    """Build the native kernel and time it against widening on ``q`` (the model's weight);
+    the decision is cached per machine and shape (autotune)."""
+    forced = autotune.forced(envs.LUMEN_CPU_INT4, KERNELS)
+    if forced == "widen":
+        return Plan(None, 0, "every product widens the weight, set by LUMEN_CPU_INT4")
+    if dtype != torch.float32:
+        return Plan(None, 0, f"the native kernel takes fp32 activations, not {dtype}")
+    try:
+        kernel = build()
+    except autotune.BUILD_ERRORS as e:
+        if forced == "native":
+            raise RuntimeError(f"LUMEN_CPU_INT4=native, but the kernel did not build: {e}") from e
+        return Plan(None, 0, f"the native kernel did not build: {e}")
+    if forced == "native":
+        return Plan(kernel, EVERY, "native for every row count, set by LUMEN_CPU_INT4")
+    shape = {"weight": [q.out_features, q.padded], "rows": list(TIMED_ROWS)}
+    decision = autotune.decide("int4", shape, lambda: _time(kernel, q))
+    max_rows = decision.choice
+    limit = "every row count" if max_rows > TIMED_ROWS[-1] else f"up to {max_rows} rows"
+    return Plan(kernel if max_rows else None, max_rows, f"native for {limit} ({decision.why})")
+
+
+def _time(kernel: NativeInt4, q: Q4Weight) -> tuple[int, str]:
+    """The most rows the native kernel takes (the timed row counts it beats widening at, from
+    the first), and the timings."""
+    max_rows, timings = 0, []
+    for rows in TIMED_ROWS:
+        x = torch.randn(rows, q.in_features)
+        times = autotune.best_of_each(
+            {"native": lambda: kernel(x, q), "widen": lambda: widened_linear(x, q)}  # noqa: B023
+        )
+        timings.append(f"{rows}: {times['native'] * 1e3:.2f}/{times['widen'] * 1e3:.2f}")
+        if times["native"] >= times["widen"]:
+            break
+        max_rows = rows
+    if max_rows == TIMED_ROWS[-1]:
+        max_rows = EVERY
+    return max_rows, f"ms native/widened at rows {', '.join(timings)}"

@@ -1,0 +1,91 @@
+"""Weight-only 4-bit (engine.worker.cpu_int4): the quantization, the native kernel against a
+float64 reference at several shapes (widths that are not whole groups among them), and the
+plan chosen at load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.worker import cpu_int4
+from tests.helpers.native import built
+
+
+def test_quantize_is_per_group_and_within_half_a_step() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(6, 72) * torch.logspace(-3, 1, 6)[:, None]  # 72: two groups and a part
+    w[2] = 0.5  # a constant row: a zero range must not divide by zero
+    q = cpu_int4.quantize(w)
+    assert q.codes.dtype == torch.uint8 and q.codes.shape == (6, 48) and q.padded == 96
+    assert q.scale.shape == q.minimum.shape == (6, 3)
+    back = cpu_int4.dequantize(q)
+    assert back.shape == w.shape
+    step = q.scale.repeat_interleave(32, dim=1)[:, :72]
+    assert torch.all((back - w).abs() <= step / 2 + 1e-6)
+    assert torch.all(back[2] == 0.5)
+    # GGUF's Q4_1 block layout: byte i of a group holds element i (low) and i + 16 (high).
+    codes = torch.round((w[0, :32] - q.minimum[0, 0]) / q.scale[0, 0]).to(torch.uint8)
+    assert torch.equal(q.codes[0, :16], codes[:16] | (codes[16:] << 4))
+
+
+@pytest.fixture(scope="module")
+def kernel() -> cpu_int4.NativeInt4:
+    return built(cpu_int4.build)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 40), (64, 96), (130, 576)])
+def test_native_kernel_equals_a_float64_reference(
+    kernel: cpu_int4.NativeInt4, rows: int, n: int, k: int
+) -> None:
+    torch.manual_seed(rows * n + k)
+    q = cpu_int4.quantize(torch.randn(n, k))
+    x = torch.randn(rows, k)
+    want = x.double() @ cpu_int4.dequantize(q).double().t()
+    got = kernel(x, q)
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cpu_int4.widened_linear(x, q).double(), want,
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+def test_greedy_ties_break_as_torch_does(kernel: cpu_int4.NativeInt4) -> None:
+    """Two vocabulary rows with the same codes get the same logit, bit for bit: the largest
+    twice, argmax takes the first, as torch's does on the widened product."""
+    torch.manual_seed(1)
+    x = torch.randn(1, 64)
+    w = torch.randn(10, 64) * 0.1
+    w[3] = w[7] = x[0]  # the rows most aligned with x
+    q = cpu_int4.quantize(w)
+    logits = kernel(x, q)
+    assert logits[0, 3] == logits[0, 7] == logits.max()
+    assert int(logits.argmax()) == 3 == int(cpu_int4.widened_linear(x, q).argmax())
+
+
+def test_the_plan_times_the_kernel_and_falls_back_where_it_cannot_run(
+    kernel: cpu_int4.NativeInt4, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    q = cpu_int4.quantize(torch.randn(64, 64))
+    monkeypatch.setenv("LUMEN_AUTOTUNE", "retune")
+    plan = cpu_int4.plan(q, torch.float32)
+    print(plan.why)
+    assert "(ms native/widened at rows 1:" in plan.why
+    assert (plan.kernel is None) == (plan.max_rows == 0)
+    monkeypatch.delenv("LUMEN_AUTOTUNE")
+    cached = cpu_int4.plan(q, torch.float32)
+    assert "(cached: ms native/widened at rows 1:" in cached.why
+    assert cached.max_rows == plan.max_rows
+    monkeypatch.setenv("LUMEN_CPU_INT4", "widen")
+    assert cpu_int4.plan(q, torch.float32).kernel is None
+    monkeypatch.setenv("LUMEN_CPU_INT4", "native")
+    native = cpu_int4.plan(q, torch.float32)
+    assert native.max_rows > 1 << 40
+    x = torch.randn(2, 5, 64)  # a batch of rows of any shape
+    torch.testing.assert_close(native.linear(x, q), x @ cpu_int4.dequantize(q).t(),
+                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    monkeypatch.setenv("LUMEN_CPU_INT4", "fast")
+    with pytest.raises(ValueError, match="LUMEN_CPU_INT4 must be one of auto, native, widen"):
+        cpu_int4.plan(q, torch.float32)
+    monkeypatch.delenv("LUMEN_CPU_INT4")
+    bf16 = cpu_int4.plan(q, torch.bfloat16)
+    assert bf16.kernel is None and "fp32 activations" in bf16.why

@@ -286,9 +286,9 @@ class EngineConfig:
             "(weight-only; the embedding and LM head stay in the model's dtype). A quarter of "
             "fp32's weight bytes: faster decode at small batches on CPU, slower at 16 rows and "
             "more. int4: the decoder layers' and the LM head's weights in groups of 32 with a "
-            "scale and a minimum each (GGUF's Q4_1, 5 bits a weight): a sixth of fp32's bytes, "
-            "for one stream. `lumen bench precision --quantizations int8,int4` measures their "
-            "accuracy"
+            "scale and a minimum each (GGUF's Q4_1 layout, 6 bits a weight): under a fifth of "
+            "fp32's bytes, for one stream. `lumen bench precision --quantizations int8,int4` "
+            "measures their accuracy"
         },
     )
     device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})

@@ -2,12 +2,12 @@
 each group a scale, a minimum and 32 four-bit codes (value = scale * code + minimum: GGUF's
 Q4_1, with fp32 scale and minimum), activations kept in fp32.
 
-Decode at one stream is bound by the bytes of the weights it reads: 4.5 + 1 bits per weight here
-(the fp32 scale and minimum are 64 bits a group), against 8 for int8 and 32 for fp32. A native
-kernel (native/int4_linear.c, built by native_build) widens the codes in registers for decode's
-matrix-vector and small-batch products; above the row count where it stops winning (timed at
-load on the model's own weight, autotune; ``LUMEN_CPU_INT4`` forces one) and without a C
-compiler the weight is widened to fp32 for the product.
+Decode at one stream is bound by the bytes of the weights it reads: 6 bits per weight here
+(4 of code, and the fp32 scale and minimum: 64 bits a group), against 8 for int8, 32 for fp32.
+A native kernel (native/int4_linear.c, built by native_build) widens the codes in registers for
+decode's matrix-vector and small-batch products; above the row count where it stops winning
+(timed at load on the model's own weight, autotune; ``LUMEN_CPU_INT4`` forces one) and without
+a C compiler the weight is widened to fp32 for the product.
 
 A width that is not a whole number of groups is padded with zero weights, and its
 activations with zeros, to the next group.
@@ -21,12 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from engine import envs
-from engine.worker import autotune, native_build
+from engine.worker import autotune, native_build, weight_only
 
 GROUP = 32
-KERNELS = ("auto", "native", "widen")
 TIMED_ROWS = (1, 4, 16, 64, 256)
-EVERY = 1 << 62
 
 
 @dataclass
@@ -139,40 +137,14 @@ def build() -> NativeInt4:
 
 def plan(q: Q4Weight, dtype: torch.dtype) -> Plan:
     """Build the native kernel and time it against widening on ``q`` (the model's weight);
-    the decision is cached per machine and shape (autotune)."""
-    forced = autotune.forced(envs.LUMEN_CPU_INT4, KERNELS)
-    if forced == "widen":
-        return Plan(None, 0, "every product widens the weight, set by LUMEN_CPU_INT4")
-    if dtype != torch.float32:
-        return Plan(None, 0, f"the native kernel takes fp32 activations, not {dtype}")
-    try:
-        kernel = build()
-    except autotune.BUILD_ERRORS as e:
-        if forced == "native":
-            raise RuntimeError(f"LUMEN_CPU_INT4=native, but the kernel did not build: {e}") from e
-        return Plan(None, 0, f"the native kernel did not build: {e}")
-    if forced == "native":
-        return Plan(kernel, EVERY, "native for every row count, set by LUMEN_CPU_INT4")
-    shape = {"weight": [q.out_features, q.padded], "rows": list(TIMED_ROWS)}
-    decision = autotune.decide("int4", shape, lambda: _time(kernel, q))
-    max_rows = decision.choice
-    limit = "every row count" if max_rows > TIMED_ROWS[-1] else f"up to {max_rows} rows"
-    return Plan(kernel if max_rows else None, max_rows, f"native for {limit} ({decision.why})")
+    the decision is cached per machine and shape (weight_only.plan_rows)."""
 
+    def products(kernel: NativeInt4) -> weight_only.Products:
+        return lambda x: {"native": lambda: kernel(x, q), "widen": lambda: widened_linear(x, q)}
 
-def _time(kernel: NativeInt4, q: Q4Weight) -> tuple[int, str]:
-    """The most rows the native kernel takes (the timed row counts it beats widening at, from
-    the first), and the timings."""
-    max_rows, timings = 0, []
-    for rows in TIMED_ROWS:
-        x = torch.randn(rows, q.in_features)
-        times = autotune.best_of_each(
-            {"native": lambda: kernel(x, q), "widen": lambda: widened_linear(x, q)}  # noqa: B023
-        )
-        timings.append(f"{rows}: {times['native'] * 1e3:.2f}/{times['widen'] * 1e3:.2f}")
-        if times["native"] >= times["widen"]:
-            break
-        max_rows = rows
-    if max_rows == TIMED_ROWS[-1]:
-        max_rows = EVERY
-    return max_rows, f"ms native/widened at rows {', '.join(timings)}"
+    planned = weight_only.plan_rows(
+        "int4", envs.LUMEN_CPU_INT4, dtype, build, products, in_features=q.in_features,
+        timed_rows=TIMED_ROWS, shape={"weight": [q.out_features, q.padded],
+                                      "rows": list(TIMED_ROWS)},
+    )  # fmt: skip
+    return Plan(*planned)

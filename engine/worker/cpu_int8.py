@@ -20,13 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from engine import envs
-from engine.worker import autotune, native_build
+from engine.worker import autotune, native_build, weight_only
 
-KERNELS = ("auto", "native", "widen")
 # Row counts the native kernel is timed at, against widening, at load; faster at the last,
 # it takes every row count.
 TIMED_ROWS = (1, 16, 64, 256)
-EVERY = 1 << 62
 
 
 def quantize(weight_out_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,42 +88,19 @@ def build() -> NativeInt8:
 
 def plan(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Plan:
     """Build the native kernel and time it against widening on ``q`` (the model's weight);
-    the decision is cached per machine and shape (autotune)."""
-    forced = autotune.forced(envs.LUMEN_CPU_INT8, KERNELS)
-    if forced == "widen":
-        return Plan(None, 0, "every product widens the weight, set by LUMEN_CPU_INT8")
-    if dtype != torch.float32:
-        return Plan(None, 0, f"the native kernel takes fp32 activations, not {dtype}")
-    try:
-        kernel = build()
-    except autotune.BUILD_ERRORS as e:
-        if forced == "native":
-            raise RuntimeError(f"LUMEN_CPU_INT8=native, but the kernel did not build: {e}") from e
-        return Plan(None, 0, f"the native kernel did not build: {e}")
-    if not kernel.fits(q):
-        return Plan(None, 0, f"weight {tuple(q.shape)} does not fit the kernel's tiles")
-    if forced == "native":
-        return Plan(kernel, EVERY, "native for every row count, set by LUMEN_CPU_INT8")
-    shape = {"weight": list(q.shape), "rows": list(TIMED_ROWS)}
-    decision = autotune.decide("int8", shape, lambda: _time(kernel, q, scale))
-    max_rows = decision.choice
-    limit = "every row count" if max_rows > TIMED_ROWS[-1] else f"up to {max_rows} rows"
-    return Plan(kernel if max_rows else None, max_rows, f"native for {limit} ({decision.why})")
+    the decision is cached per machine and shape (weight_only.plan_rows)."""
 
+    def products(kernel: NativeInt8) -> weight_only.Products:
+        return lambda x: {"native": lambda: kernel(x, q, scale),
+                          "widen": lambda: widened_linear(x, q, scale)}  # fmt: skip
 
-def _time(kernel: NativeInt8, q: torch.Tensor, scale: torch.Tensor) -> tuple[int, str]:
-    """The most rows the native kernel takes (the timed row counts it beats widening at, from
-    the first; every count where it beats it at all of them), and the timings."""
-    max_rows, timings = 0, []
-    for rows in TIMED_ROWS:
-        x = torch.randn(rows, q.shape[1])
-        times = autotune.best_of_each(
-            {"native": lambda: kernel(x, q, scale), "widen": lambda: widened_linear(x, q, scale)}  # noqa: B023
-        )
-        timings.append(f"{rows}: {times['native'] * 1e3:.2f}/{times['widen'] * 1e3:.2f}")
-        if times["native"] >= times["widen"]:
-            break
-        max_rows = rows
-    if max_rows == TIMED_ROWS[-1]:
-        max_rows = EVERY
-    return max_rows, f"ms native/widened at rows {', '.join(timings)}"
+    def unfit(kernel: NativeInt8) -> str | None:
+        fits = kernel.fits(q)
+        return None if fits else f"weight {tuple(q.shape)} does not fit the kernel's tiles"
+
+    planned = weight_only.plan_rows(
+        "int8", envs.LUMEN_CPU_INT8, dtype, build, products, in_features=q.shape[1],
+        timed_rows=TIMED_ROWS, shape={"weight": list(q.shape), "rows": list(TIMED_ROWS)},
+        unfit=unfit,
+    )  # fmt: skip
+    return Plan(*planned)

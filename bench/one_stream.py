@@ -64,8 +64,8 @@ def _timed(fn: Any) -> float:
 
 def lumen_bytes_per_token(path: str, quantization: str | None, context: int) -> float:
     """The weights one decode step reads, as Lumen stores them under ``quantization`` (the
-    decoder layers' matrices; the LM head in fp32 but under int4; one embedding row), and the
-    KV of ``context`` tokens."""
+    decoder layers' matrices; the LM head in fp32, or int8 under int4; one embedding row), and
+    the KV of ``context`` tokens."""
     from safetensors import safe_open
 
     from engine.config import ModelConfig
@@ -81,7 +81,7 @@ def lumen_bytes_per_token(path: str, quantization: str | None, context: int) -> 
                     layers += count
                 elif name in ("lm_head.weight", "model.embed_tokens.weight"):
                     head = max(head, count)  # tied: the embedding is the head
-    head_bytes = BYTES_PER_WEIGHT["int4"] if quantization == "int4" else 4.0
+    head_bytes = BYTES_PER_WEIGHT["int8"] if quantization == "int4" else 4.0
     kv = cfg.kv_bytes_per_token(torch.float32) * context
     return layers * BYTES_PER_WEIGHT[quantization] + head * head_bytes + kv
 

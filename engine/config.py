@@ -285,9 +285,9 @@ class EngineConfig:
             "help": "int8: the decoder layers' weights in int8 with a scale per output channel "
             "(weight-only; the embedding and LM head stay in the model's dtype). A quarter of "
             "fp32's weight bytes: faster decode at small batches on CPU, slower at 16 rows and "
-            "more. int4: the decoder layers' and the LM head's weights in groups of 32 with a "
-            "scale and a minimum each (GGUF's Q4_1 layout, 6 bits a weight): under a fifth of "
-            "fp32's bytes, for one stream. `lumen bench precision --quantizations int8,int4` "
+            "more. int4: the decoder layers' weights in groups of 32 with a scale and a minimum "
+            "each (GGUF's Q4_1 layout, 6 bits a weight), and the LM head in int8: about a fifth "
+            "of fp32's bytes, for one stream. `lumen bench precision --quantizations int8,int4` "
             "measures their accuracy"
         },
     )

@@ -35,7 +35,8 @@ class CpuKernels:
     greedy: cpu_greedy_head.Plan = cpu_greedy_head.TORCH_ONLY
     int8: cpu_int8.Plan = cpu_int8.WIDEN_ONLY
     int4: cpu_int4.Plan = cpu_int4.WIDEN_ONLY
-    head_q4: cpu_int4.Q4Weight | None = None  # --quantization int4: the LM head in 4 bits
+    # --quantization int4: the LM head in int8 (int8 [vocab, hidden] and its scales)
+    head_q8: tuple[torch.Tensor, torch.Tensor] | None = None
     attention: cpu_attention.Choice | None = None  # None: not chosen yet (set once)
     threads_chosen: bool = False
 
@@ -44,14 +45,14 @@ class CpuKernels:
     ) -> str:
         """The layers' kernel, timed on ``layer_weight`` ([in, out]; None where the layers are
         quantized), and the LM head's, timed on its own ``head_weight`` ([vocab, hidden]; None
-        where it is in 4 bits): its shape is far from theirs (for a small model the layers'
+        where it is in int8 under int4): its shape is far from theirs (for a small model the layers'
         choice was the wrong one for it, 2.9 ms against 2.2 at 64 rows). Packed, the LM head
         is a copy."""
         if layer_weight is None:
             layers = cpu_matmul.Choice("quantized", "see the quantized weights' line")
         else:
             layers = cpu_matmul.choose(layer_weight)
-        said = "LM head in 4 bits: see the quantized weights' line"
+        said = "LM head in int8: see its line"
         if head_weight is not None:
             head = cpu_matmul.choose(head_weight.t(), rows=cpu_matmul.HEAD_ROWS)
             if head.kernel == "onednn":

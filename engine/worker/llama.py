@@ -261,8 +261,8 @@ class LlamaForCausalLM(nn.Module):
         return self.logits(h) if head else h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        if self.kernels.head_q4 is not None:
-            return self.kernels.int4.linear(h.float(), self.kernels.head_q4)
+        if self.kernels.head_q8 is not None:
+            return self.kernels.int8.linear(h.float(), *self.kernels.head_q8)
         if self.kernels.packed_head is not None:
             return cpu_matmul.onednn_linear(h, self.kernels.packed_head).float()
         return F.linear(h, self.head_weight()).float()
@@ -289,9 +289,9 @@ class LlamaForCausalLM(nn.Module):
         (CpuKernels.choose_matmul): the layers' kernel timed on their first weight, the LM
         head's on its own."""
         first = self.decoder_layers[0].gate_up_proj.weight
-        # Quantized (an emptied weight): the layers' products are int8 or int4; a 4-bit head
-        # is not timed against the fp32 one.
-        head = None if self.kernels.head_q4 is not None else self.head_weight()
+        # Quantized (an emptied weight): the layers' products are int8 or int4; an int8 head
+        # (under int4) is not timed against the fp32 one.
+        head = None if self.kernels.head_q8 is not None else self.head_weight()
         kernel = self.kernels.choose_matmul(first if first.numel() else None, head)
         if kernel == "onednn":
             for module in self.modules():
@@ -301,8 +301,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def plan_greedy_head(self) -> None:
         """On CPU, after pack_weights: time the greedy head's paths (cpu_greedy_head) on the
-        rank that samples (a 4-bit head takes its logits' argmax)."""
-        if self.kernels.head_q4 is not None:
+        rank that samples (an int8 head takes its logits' argmax)."""
+        if self.kernels.head_q8 is not None:
             return
         self.kernels.plan_greedy_head(self.head_weight(), lambda h: argmax(self.logits(h)))
 
@@ -310,8 +310,9 @@ class LlamaForCausalLM(nn.Module):
     def quantize_weights(self, quantization: str) -> None:
         """Every decoder layer's products in weight-only int8 (cpu_int8) or int4 (cpu_int4);
         the embedding stays in the model's dtype, and so does the LM head under int8. Under
-        int4 the LM head gets a 4-bit copy too: at one stream it is a fifth of SmolLM2's
-        weights. On CPU the kernel is timed here."""
+        int4 the LM head gets an int8 copy (at one stream it is a fifth of SmolLM2's weights;
+        in 4 bits it cost the most accuracy, and llama.cpp's Q4 files keep it in 8 bits too).
+        On CPU the kernels are timed here."""
         check_quantization(quantization)
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for module in linears:
@@ -319,12 +320,15 @@ class LlamaForCausalLM(nn.Module):
         first = self.decoder_layers[0].gate_up_proj
         if quantization == "int4":
             assert first.q4 is not None  # quantize set it
-            self.kernels.head_q4 = cpu_int4.quantize(self.head_weight())
+            q, scale = cpu_int8.quantize(self.head_weight())
+            self.kernels.head_q8 = (q, scale)
             if first.q4.codes.device.type != "cpu":
                 return
-            plan4 = self.kernels.plan_int4(first.q4, self.embed_tokens.weight.dtype)
+            dtype = self.embed_tokens.weight.dtype
+            plan4 = self.kernels.plan_int4(first.q4, dtype)
             for module in linears:
                 module.int4 = plan4
+            self.kernels.plan_int8("int4's LM head, int8", q, scale, dtype)
             return
         assert first.qweight is not None and first.scale is not None  # quantize set them
         if first.qweight.device.type != "cpu":

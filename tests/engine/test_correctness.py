@@ -254,8 +254,9 @@ def test_unknown_kv_cache_dtype_is_a_clear_error(tiny_model_path: Path, value: s
 
 def _dequantized_copy(model_path: Path, folder: Path, quantization: str) -> Path:
     """The model with each decoder layer's weights replaced by their quantized values (int8:
-    per output channel; int4: per group of 32, and the LM head too, untied from the embedding),
-    widened back to fp32: what the quantized engine computes with, for Hugging Face to run."""
+    per output channel; int4: per group of 32, and the LM head in int8, untied from the
+    embedding), widened back to fp32: what the quantized engine computes with, for Hugging Face
+    to run."""
     import json
     import shutil
 
@@ -263,8 +264,8 @@ def _dequantized_copy(model_path: Path, folder: Path, quantization: str) -> Path
 
     from engine.worker import cpu_int4, cpu_int8
 
-    def widened(w: torch.Tensor) -> torch.Tensor:
-        if quantization == "int4":
+    def widened(w: torch.Tensor, kind: str = quantization) -> torch.Tensor:
+        if kind == "int4":
             return cpu_int4.dequantize(cpu_int4.quantize(w)).contiguous()
         q, scale = cpu_int8.quantize(w)
         return (q.float() * scale[:, None]).contiguous()
@@ -281,7 +282,7 @@ def _dequantized_copy(model_path: Path, folder: Path, quantization: str) -> Path
                 tensors[name] = widened(w)
         if quantization == "int4":
             head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
-            tensors["lm_head.weight"] = widened(head)
+            tensors["lm_head.weight"] = widened(head, "int8")
             config["tie_word_embeddings"] = False
         save_file(tensors, folder / f.name, metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config))

@@ -89,3 +89,19 @@ def test_the_plan_times_the_kernel_and_falls_back_where_it_cannot_run(
     monkeypatch.delenv("LUMEN_CPU_INT4")
     bf16 = cpu_int4.plan(q, torch.bfloat16)
     assert bf16.kernel is None and "fp32 activations" in bf16.why
+
+
+def test_q4_1_values_come_back_exactly() -> None:
+    """Weights that are a GGUF Q4_1 file's values (scale * code + minimum per 32, fp16 scale
+    and minimum, every group's codes reaching 0 and 15: how llama.cpp quantizes) are quantized
+    to the same groups: int4 computes with the file's own 4-bit values, not a second rounding.
+    (SmolLM2's default checkpoint is such a file: all of its layer weights come back exactly.)"""
+    torch.manual_seed(3)
+    out, groups = 8, 5
+    d = (torch.rand(out, groups) * 0.01 + 1e-3).half().float()
+    m = (-torch.rand(out, groups) * 0.1).half().float()
+    codes = torch.randint(0, 16, (out, groups, 32))
+    codes[..., 0], codes[..., 1] = 0, 15
+    w = (codes.float() * d[..., None] + m[..., None]).reshape(out, groups * 32)
+    q = cpu_int4.quantize(w)
+    assert torch.equal(cpu_int4.dequantize(q), w)

@@ -192,8 +192,9 @@ def weigh_sampled(
     kept every request marked ``lumen.sample.keep`` (errors, slow ones) and some share of the
     rest. Each other kept request weighs (the run's requests - the marked ones) / (the kept
     unmarked ones): percentiles over the weights estimate the whole run's. A request not kept
-    counts only if its last step ended before the last kept request did: one still in flight
-    at the window's end had sent no record yet, sampled or not."""
+    counts only if its last step ended before the last kept request did (one still in flight
+    at the window's end had sent no record yet, sampled or not), unless the run's drain closes
+    it: a run that drained has nothing in flight."""
     i_weight = list(TABLES["requests"]).index("sample_weight")
     steps = {c: i for i, c in enumerate(TABLES["steps"])}
     by_run: dict[str, set[str]] = {}
@@ -202,6 +203,10 @@ def weigh_sampled(
         by_run.setdefault(r[0], set()).add(r[1])
         end = r[TABLE_INDEX["arrival_ns"]] + (r[TABLE_INDEX["e2e_ns"]] or 0)
         horizon[r[0]] = max(horizon.get(r[0], 0), end)
+    lifecycle = {c: i for i, c in enumerate(TABLES["lifecycle"])}
+    for row in rows["lifecycle"]:
+        if row[lifecycle["kind"]] == "drain":
+            horizon[row[0]] = 1 << 62  # every request of a drained run finished
     child = {(c[0], c[1]): c[2] for c in rows["request_children"]}
     last_end: dict[tuple[str, str], int] = {}
     for s in rows["steps"]:

@@ -131,6 +131,7 @@ class _replacing:
             os.replace(self.tmp, self.path)
         else:
             self.tmp.unlink(missing_ok=True)
+        Path(f"{self.tmp}.wal").unlink(missing_ok=True)  # DuckDB's, where a write failed
 
 
 def import_records(
@@ -162,7 +163,7 @@ def import_records(
     for table, table_rows in rows.items():
         if missing := {r[0] for r in table_rows} - runs:
             raise ValueError(f"{source}: run {sorted(missing)[0]} has {table} but no lumen.run "
-                             "record (its run's first span was not kept)")  # fmt: skip
+                             "record (none of its engine traces was kept)")  # fmt: skip
     sampling = weigh_sampled(rows, rebuilt.kept, rebuilt.parents)
     with _replacing(out) as tmp:
         write_new(tmp, rows)

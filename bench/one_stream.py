@@ -122,7 +122,7 @@ def run_llama_cpp(gguf: Path, max_tokens: int, repeats: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     from engine.config import check_quantization
-    from engine.model_files import packaged_gguf, resolve_model
+    from engine.model_files import resolve_model
 
     settings: list[str | None] = []
     for q in (s.strip() for s in args.quantizations.split(",") if s.strip()):
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         tok_s = run_lumen(path, q, args.max_tokens, args.repeats)
         rows.append({"system": f"lumen {q or 'fp32'}", "tok_s": tok_s,
                      "bytes_per_token": lumen_bytes_per_token(path, q, context)})  # fmt: skip
-    llama_note = _llama_cpp(args, rows, packaged_gguf)
+    llama_note = _llama_cpp(args, rows)
     for r in rows:
         r["floor_tok_s"] = bandwidth / r["bytes_per_token"]
         r["share_of_floor"] = r["tok_s"] / r["floor_tok_s"]
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _llama_cpp(args: argparse.Namespace, rows: list[dict[str, Any]], packaged_gguf: Any) -> str:
+def _llama_cpp(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     """Run llama.cpp into ``rows``; returns what it did not run and why ("" when it ran)."""
     try:
         import llama_cpp  # noqa: F401
@@ -174,7 +174,9 @@ def _llama_cpp(args: argparse.Namespace, rows: list[dict[str, Any]], packaged_gg
             "llama.cpp: not run (llama-cpp-python is not installed; `pip install "
             "llama-cpp-python` builds it for this CPU)"
         )
-    gguf = Path(args.gguf) if args.gguf else packaged_gguf(log=lambda m: print(m))
+    from engine.model_files import packaged_gguf
+
+    gguf = Path(args.gguf) if args.gguf else packaged_gguf(log=print)
     if not gguf.is_file():
         raise ValueError(f"no GGUF file at {gguf}")
     tok_s = run_llama_cpp(gguf, args.max_tokens, args.repeats)

@@ -26,7 +26,6 @@ from engine.version import __version__
 from tracing import otlp_json
 from tracing.otlp import readable
 from tracing.otlp_records import (
-    RUN_ID,
     SERVICE,
     WINDOW_NS,
     RecordSpan,
@@ -196,7 +195,7 @@ def weigh_sampled(
     counts only if its last step ended before the last kept request did (one still in flight
     at the window's end had sent no record yet, sampled or not), unless the run's drain closes
     it: a run that drained has nothing in flight."""
-    i_weight = list(TABLES["requests"]).index("sample_weight")
+    i_weight = TABLE_INDEX["sample_weight"]
     steps = {c: i for i, c in enumerate(TABLES["steps"])}
     by_run: dict[str, set[str]] = {}
     horizon: dict[str, int] = {}
@@ -248,6 +247,3 @@ def _parent_of(core_id: str, requests: set[str]) -> str:
 
 def import_otlp_json(path: str | Path, out: str | Path) -> str:
     return import_records(otlp_json.read(path), out, str(path))
-
-
-__all__ = ["RUN_ID", "export_otlp_json", "import_otlp_json", "import_records", "store_records"]

@@ -38,6 +38,7 @@ from tracing.spans import (
     build_request_row,
     child_rows,
     request_spans,
+    root_attributes,
     step_spans,
 )
 from tracing.store import TraceStore
@@ -362,9 +363,8 @@ class Tracer:
                     "requests": [row], "span_rows": stored, "request_children": children,
                 })  # fmt: skip
             if self._otlp_rows is not None:
-                root_attrs = msgspec.json.decode(spans[0].attributes)
                 self._otlp_rows.export_records(request_record_spans(
-                    row, root_attrs, stored, children, slow_ns=self._slow_ns,
+                    row, root_attributes(req), stored, children, slow_ns=self._slow_ns,
                 ))  # fmt: skip
         if self.observe_boundary is not None:
             for name, ns in boundary_durations(req):

@@ -45,9 +45,6 @@ class Q4Weight:
     def out_features(self) -> int:
         return int(self.codes.shape[0])
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minimum))
-
 
 def quantize(weight_out_in: torch.Tensor) -> Q4Weight:
     """Asymmetric 4-bit per group of 32: scale (max - min) / 15, code round((w - min) / scale)."""
@@ -64,14 +61,6 @@ def quantize(weight_out_in: torch.Tensor) -> Q4Weight:
     packed = codes[..., :16] | (codes[..., 16:] << 4)
     return Q4Weight(packed.reshape(out, padded // 2).contiguous(), scale.contiguous(),
                     lo.contiguous(), k)  # fmt: skip
-
-
-def from_blocks(
-    codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, in_features: int
-) -> Q4Weight:
-    """A Q4Weight from GGUF-layout blocks already split into codes, scales and minimums."""
-    return Q4Weight(codes.contiguous(), scale.float().contiguous(), minimum.float().contiguous(),
-                    in_features)  # fmt: skip
 
 
 def dequantize(q: Q4Weight) -> torch.Tensor:

@@ -457,9 +457,10 @@ def cancellations(run: RunDiagnosis) -> list[Finding]:
         # The core can record its idle state a moment before the frontend closes the last
         # cancelled stream: the abort reaches the core ahead of the frontend's bookkeeping. The
         # core records idle only once nothing runs, so an idle record after the last busy step
-        # holds the state after every abort.
-        busy_end = max((s.end_ns for s in run.steps if not s.idle), default=0)
-        after = [s for s in run.steps if s.idle and s.start_ns >= busy_end]
+        # holds the state after every abort. After by step id, not by time: the last busy
+        # step's output is stamped once it is sent, which can be after the idle record's start.
+        last_busy = max((s.step_id for s in run.steps if not s.idle), default=-1)
+        after = [s for s in run.steps if s.idle and s.step_id > last_busy]
     if not after:
         text += "; no step record follows the last cancellation: the KV state after it is unknown."
         return [Finding("info", text, section="cancellations")]

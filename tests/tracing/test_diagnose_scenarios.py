@@ -56,10 +56,15 @@ def _num_requests(db: Path) -> int:
 
 
 def _num_idle_records(db: Path) -> int:
+    """Idle records after the last busy step: an earlier one (every request then running was
+    cancelled before a late one arrived) does not hold the state after the last abort."""
     if not db.exists():
         return 0
     with open_db(db, timeout=10) as con:
-        return con.execute("SELECT count(*) FROM steps WHERE idle").fetchone()[0]
+        return con.execute(
+            "SELECT count(*) FROM steps WHERE idle AND step_id > "
+            "(SELECT coalesce(max(step_id), -1) FROM steps WHERE NOT idle)"
+        ).fetchone()[0]
 
 
 def _why(db: Path, request_id: str) -> str:

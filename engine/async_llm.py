@@ -8,7 +8,8 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator
-from typing import Any
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineRestartingError, RequestAbortedError
@@ -21,6 +22,9 @@ from engine.processor import InputProcessor, PreparedPrompt, PromptType, start_l
 from engine.request_ids import new_request_id
 from engine.sampling_params import SamplingParams
 from engine.stats import StatLogger
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +100,9 @@ class AsyncLLM:
     ``supervised``: a server owns this engine. Its cores tell it of a SIGTERM
     (it conducts the stop), open streams of a dead core raise
     EngineRestartingError, and ``restart`` starts the next core.
+
+    ``tokenizer``: its load, started by ``start_loading_tokenizer`` beside ``launch_core`` so
+    that it overlaps the core's start instead of following its READY.
     """
 
     def __init__(
@@ -106,13 +113,15 @@ class AsyncLLM:
         stat_loggers: tuple[StatLogger, ...] = (),
         core: CoreProcess | None = None,
         supervised: bool = False,
+        tokenizer: Future[PreTrainedTokenizerBase] | None = None,
     ) -> None:
         # A core launched ahead (launch_core) resolved the model and its tokenizer already.
         path, config = (
             (core.model_path, core.config) if core is not None else resolve_config(config)
         )
         self.config, self.model_path, self.supervised = config, path, supervised
-        tokenizer = start_loading_tokenizer(config.tokenizer or path)  # while the core starts
+        if tokenizer is None:  # while the core starts
+            tokenizer = start_loading_tokenizer(config.tokenizer or path)
         if core is None and supervised:
             core = CoreProcess(config, path, notify_pid=os.getpid())
         self.client = AsyncMPClient(config, path, core=core)

@@ -2,7 +2,8 @@
 
 A GGUF file is read by transformers' own GGUF loader (the `gguf` package underneath), so a
 setting the file leaves out falls back exactly as transformers falls back, and the engine is
-held to transformers loading the same file. The result is a safetensors folder in
+held to transformers loading the same file; its 4-bit grids are kept beside the weights
+(engine/gguf_q4.py) for ``--quantization int4``. The result is a safetensors folder in
 LUMEN_HOME/models named after the file and keyed by its content hash: a second start, or
 the same file under another path, converts nothing. A conversion is written in a temporary
 folder beside the cache and renamed into place whole, so a failure leaves nothing behind.
@@ -10,13 +11,14 @@ folder beside the cache and renamed into place whole, so a failure leaves nothin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import struct
 import tempfile
 from pathlib import Path
 
-from engine import envs
+from engine import envs, gguf_q4
 
 MAGIC = b"GGUF"
 # GGUF's general.architecture -> the families engine/config.py runs.
@@ -70,6 +72,9 @@ def ensure_converted(path: Path, *, log=print) -> Path:
     digest = content_hash(path)
     target = cache_dir(path, digest)
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        if not (target / gguf_q4.GRIDS_FILE).is_file():  # converted before grids were kept
+            with contextlib.suppress(OSError):  # a read-only cache: int4 fits its own
+                gguf_q4.write_grids(path, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log(f"lumen: converting {path.name} to safetensors (once, into {target}) ...")
@@ -103,6 +108,8 @@ def _convert(gguf: Path, out: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # Its Q4_0, Q4_1 and Q4_K grids, which --quantization int4 keeps (engine/gguf_q4.py).
+    gguf_q4.write_grids(gguf, out)
 
 
 def _first_line(e: BaseException) -> str:

@@ -48,18 +48,41 @@ class Q4Weight:
 
 def quantize(weight_out_in: torch.Tensor) -> Q4Weight:
     """Asymmetric 4-bit per group of 32: scale (max - min) / 15, code round((w - min) / scale)."""
+    g, k = _groups(weight_out_in)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    return _fit(g, (hi - lo) / 15.0, lo, k)
+
+
+def quantize_on_grid(
+    weight_out_in: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> Q4Weight | None:
+    """The weight's codes on a grid (scale, minimum) [out, groups] its values already lie on
+    (a GGUF file's, engine/gguf_q4.py); None where those codes do not give back exactly the
+    weight (quantize fits a grid of its own then)."""
+    g, k = _groups(weight_out_in)
+    if scale.shape != g.shape[:2] or minimum.shape != g.shape[:2]:
+        return None
+    q = _fit(g, scale.float().contiguous(), minimum.float().contiguous(), k)
+    return q if torch.equal(dequantize(q), weight_out_in.detach().float()) else None
+
+
+def _groups(weight_out_in: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The weight in fp32 as [out, groups, 32], zero-padded to whole groups; its width."""
     w = weight_out_in.detach().float()
     out, k = w.shape
     padded = -(-k // GROUP) * GROUP
     if padded != k:
         w = torch.nn.functional.pad(w, (0, padded - k))
-    g = w.reshape(out, padded // GROUP, GROUP)
-    lo, hi = g.amin(dim=2), g.amax(dim=2)
-    scale = (hi - lo) / 15.0
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return w.reshape(out, padded // GROUP, GROUP), k
+
+
+def _fit(g: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, k: int) -> Q4Weight:
+    """The codes of the groups ``g`` on the grid (scale, lo)."""
+    out, groups, _ = g.shape
+    safe = torch.where(scale != 0, scale, torch.ones_like(scale))  # Q4_0's d can be < 0
     codes = torch.round((g - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8)
     packed = codes[..., :16] | (codes[..., 16:] << 4)
-    return Q4Weight(packed.reshape(out, padded // 2).contiguous(), scale.contiguous(),
+    return Q4Weight(packed.reshape(out, groups * GROUP // 2).contiguous(), scale.contiguous(),
                     lo.contiguous(), k)  # fmt: skip
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -14,12 +15,16 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from engine import gguf_q4
 from engine.config import ModelConfig, check_quantization
 from engine.worker import cpu_int4, cpu_int8, cpu_matmul
 from engine.worker.attention import AttentionMetadata, paged_attention
 from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.rotary import Rotary, RotaryTables, apply_rotary
 from engine.worker.sampler import argmax
+
+logger = logging.getLogger(__name__)
+Grid = tuple[torch.Tensor, torch.Tensor]  # int4's (scale, minimum) per group (cpu_int4)
 
 
 @dataclass(frozen=True)
@@ -92,14 +97,19 @@ class Linear(nn.Module):
         self.packed = cpu_matmul.pack(self.weight.detach().t())
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
-    def quantize(self, quantization: str = "int8") -> None:
+    def quantize(self, quantization: str = "int8", grid: Grid | None = None) -> bool:
         """Weight-only int8 (cpu_int8.quantize) or 4-bit groups (cpu_int4.quantize); the plain
-        copy is freed."""
+        copy is freed. ``grid``: int4's (scale, minimum) from a GGUF file, kept where the
+        weight's values lie on it exactly (returns whether it was)."""
+        kept = False
         if quantization == "int4":
-            self.q4 = cpu_int4.quantize(self.weight.detach().t())
+            w = self.weight.detach().t()
+            on_grid = cpu_int4.quantize_on_grid(w, *grid) if grid is not None else None
+            self.q4, kept = on_grid or cpu_int4.quantize(w), on_grid is not None
         else:
             self.qweight, self.scale = cpu_int8.quantize(self.weight.detach().t())
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        return kept
 
 
 class RMSNorm(nn.Module):
@@ -315,8 +325,11 @@ class LlamaForCausalLM(nn.Module):
         On CPU the kernels are timed here."""
         check_quantization(quantization)
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        for module in linears:
-            module.quantize(quantization)
+        grids = self._gguf_grids() if quantization == "int4" else {}
+        kept = sum(module.quantize(quantization, grids.get(module)) for module in linears)
+        if grids:
+            logger.info("int4: %d of %d products keep the GGUF file's own 4-bit values (%s); "
+                        "the rest are fitted", kept, len(linears), gguf_q4.GRIDS_FILE)  # fmt: skip
         first = self.decoder_layers[0].gate_up_proj
         if quantization == "int4":
             assert first.q4 is not None  # quantize set it
@@ -340,6 +353,29 @@ class LlamaForCausalLM(nn.Module):
             assert module.qweight is not None  # quantize set it
             fits = plan.kernel is not None and plan.kernel.fits(module.qweight)
             module.int8 = plan if fits else cpu_int8.WIDEN_ONLY
+
+    def _gguf_grids(self) -> dict[nn.Module, Grid]:
+        """Each product's 4-bit grid from the GGUF file the model was converted from
+        (engine/gguf_q4.py), where it has one; a sharded model fits its own."""
+        saved = gguf_q4.load_grids(self.cfg.path) if self.shard.size == 1 else {}
+        grids: dict[nn.Module, Grid] = {}
+        fused = self.cfg.fused_checkpoint
+        for i, layer in enumerate(self.decoder_layers if saved else ()):
+            sources = {
+                layer.qkv_proj: ["self_attn.qkv_proj"] if fused
+                else [f"self_attn.{n}_proj" for n in "qkv"],
+                layer.o_proj: ["self_attn.o_proj"],
+                layer.gate_up_proj: ["mlp.gate_up_proj"] if fused
+                else ["mlp.gate_proj", "mlp.up_proj"],
+                layer.down_proj: ["mlp.down_proj"],
+            }  # fmt: skip
+            for module, names in sources.items():
+                keys = [f"model.layers.{i}.{name}.weight" for name in names]
+                if all(f"{key}.scale" in saved for key in keys):
+                    scale, minimum = ([saved[f"{key}.{part}"] for key in keys]
+                                      for part in ("scale", "minimum"))  # fmt: skip
+                    grids[module] = (torch.cat(scale), torch.cat(minimum))
+        return grids
 
     @torch.no_grad()
     def load_weights(self, folder: str | Path) -> None:

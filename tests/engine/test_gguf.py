@@ -9,13 +9,17 @@ import zipfile
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.gguf_files import content_hash
+from engine.gguf_q4 import GRIDS_FILE, _grid
 from engine.model_files import PACKAGED, ensure_packaged, resolve_model, served_name
-from tests.helpers.gguf_files import write_odd_gguf, write_tiny_llama_gguf
+from engine.worker import cpu_int4
+from tests.helpers.gguf_files import q4_k_blocks, write_odd_gguf, write_tiny_llama_gguf
+from tests.helpers.models import hf_greedy
 
 
 @pytest.fixture
@@ -174,3 +178,74 @@ def test_a_packaged_model_is_assembled_from_its_parts_and_held_to_its_checksum(
     folder = ensure_packaged(model, log=lambda _: None)
     assert folder == home / "models" / "tiny" and (folder / "config.json").is_file()
     assert [p.name for p in (home / "models").iterdir()] == ["tiny"]
+
+
+@pytest.mark.parametrize("layers", ["Q4_0", "Q4_1"])
+def test_int4_keeps_a_gguf_files_own_4_bit_values(
+    layers: str, tmp_path: Path, home: Path, default_model_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """A file's Q4 layers run under --quantization int4 on the file's own grid: every product
+    is kept (none refitted), and the greedy tokens are transformers' reading the same file."""
+    gguf = write_tiny_llama_gguf(tmp_path / f"tiny-{layers}.gguf", default_model_path,
+                                 layers=layers)  # fmt: skip
+    folder = resolve_model(str(gguf), log=lambda _: None)
+    assert (folder / GRIDS_FILE).is_file()
+    prompts = [[1, *range(40, 40 + n)] for n in (3, 20, 50)]
+    caplog.set_level("INFO", logger="engine.worker.llama")
+    llm = LLM(str(gguf), num_kv_blocks=64, quantization="int4")
+    try:
+        params = SamplingParams(temperature=0, max_tokens=8)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    said = [r.getMessage() for r in caplog.records if "GGUF file's own" in r.getMessage()]
+    print(said)
+    assert said and said[0].startswith("int4: 8 of 8 products keep"), said  # 2 layers x 4
+    # Under int4 the LM head is int8 (cpu_int8): HF runs the file's weights with that head.
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(
+        _with_int8_head(folder, tmp_path / "reference"), prompts, 8
+    )
+
+
+def _with_int8_head(folder: Path, out: Path) -> Path:
+    """A copy of a converted folder whose LM head is its int8 values, widened to fp32."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.worker import cpu_int8
+
+    shutil.copytree(folder, out)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(f)
+        head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+        q, scale = cpu_int8.quantize(head)
+        tensors["lm_head.weight"] = (q.float() * scale[:, None]).contiguous()
+        save_file(tensors, f, metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_each_q4_format_repacks_to_int4_exactly(kind: str) -> None:
+    """Each format's blocks, as the gguf package dequantizes them, are codes on the grid that
+    _grid reads from the blocks: int4 gives back every value, and where a grid does not fit
+    (a perturbed weight) it fits its own instead."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
+    rng = np.random.default_rng(3)
+    if kind == "Q4_K":
+        blocks = q4_k_blocks(6, 512)
+    else:
+        blocks = gguf.quants.quantize(rng.standard_normal((6, 96)).astype(np.float32), Q[kind])
+    weight = torch.from_numpy(gguf.quants.dequantize(blocks, Q[kind]).copy())
+    scale, minimum = (torch.from_numpy(a) for a in _grid(kind, blocks))
+    q = cpu_int4.quantize_on_grid(weight, scale, minimum)
+    assert q is not None and torch.equal(cpu_int4.dequantize(q), weight)
+    off = weight.clone()
+    off[0, 0] += 1e-3
+    assert cpu_int4.quantize_on_grid(off, scale, minimum) is None

@@ -11,11 +11,13 @@ HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 VOCAB = 1024
 
 
-def write_tiny_llama_gguf(out: Path, tokenizer_from: Path, *, seed: int = 0) -> Path:
+def write_tiny_llama_gguf(
+    out: Path, tokenizer_from: Path, *, seed: int = 0, layers: str = "Q8_0"
+) -> Path:
     """A 2-layer Llama (hidden 64) as llama.cpp lays it out: norms and the embedding in F32,
-    the layers' products quantized to Q8_0, an untied output head in F16; the first 1,024
-    tokens of the SmolLM2 tokenizer (BPE) in its metadata. transformers reads it back as it
-    reads any GGUF file."""
+    the layers' products quantized to ``layers`` (Q8_0, Q4_0 or Q4_1: what the gguf package
+    quantizes), an untied output head in F16; the first 1,024 tokens of the SmolLM2 tokenizer
+    (BPE) in its metadata. transformers reads it back as it reads any GGUF file."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -55,7 +57,7 @@ def write_tiny_llama_gguf(out: Path, tokenizer_from: Path, *, seed: int = 0) -> 
         return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
 
     def q8(name: str, data: np.ndarray) -> None:
-        w.add_tensor(name, gguf.quants.quantize(data, Q.Q8_0), raw_dtype=Q.Q8_0)
+        w.add_tensor(name, gguf.quants.quantize(data, Q[layers]), raw_dtype=Q[layers])
 
     w.add_tensor("token_embd.weight", matrix(len(tokens), HIDDEN))
     w.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
@@ -97,3 +99,14 @@ def write_odd_gguf(out: Path, *, arch: str = "llama", qtype: str = "F32") -> Pat
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+def q4_k_blocks(rows: int, cols: int, *, seed: int = 0) -> np.ndarray:
+    """Random Q4_K blocks [rows, cols / 256 * 144] (the gguf package writes none): fp16 d and
+    dmin, packed 6-bit scales and minimums, codes."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
+    for start in (0, 2):  # d, then dmin
+        halves = rng.uniform(1e-3, 1e-2, (rows, cols // 256)).astype(np.float16)
+        blocks[..., start : start + 2] = halves[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)

@@ -1,0 +1,134 @@
+"""A GGUF file's own 4-bit grids (Q4_0, Q4_1, Q4_K), kept beside its conversion, so that
+``--quantization int4`` keeps the file's 4-bit values instead of fitting new ones.
+
+Lumen's int4 layout (engine/worker/cpu_int4.py) is, per group of 32 inputs of a row,
+value = scale * code + minimum with an fp32 scale and minimum. Each of these formats is that
+layout, repacked group by group:
+
+- Q4_0, blocks of 32 with an fp16 ``d``: value = d * (q - 8), so scale d, minimum -8 d;
+- Q4_1, blocks of 32 with fp16 ``d`` and ``m``: value = d * q + m, so scale d, minimum m;
+- Q4_K, super-blocks of 256 with fp16 ``d`` and ``dmin`` and eight 6-bit pairs (sc, m), one
+  per sub-block of 32: value = (d * sc) * q - dmin * m, so scale d * sc, minimum -(dmin * m).
+
+Every one of these products is exact in fp32 (an 11-bit d, a 6-bit sc, a 4-bit q), so the
+codes fitted to a kept grid, round((w - minimum) / scale), are the file's own, and they stand
+for the very fp32 weights transformers read from the file. The worker checks that per weight
+(cpu_int4.quantize) and fits its own grid to any weight where it does not hold.
+
+Conversion writes the grids (GRIDS_FILE) with the weights, in Hugging Face's row order:
+llama's q and k rows are un-permuted as transformers un-permutes them. A folder converted
+before grids were kept gets them on its next use (gguf_files.ensure_converted); a packaged
+model's (`make model`) when its folder is removed and fetched again. Other tensor types
+(Q5_K, Q6_K, Q8_0, ...) have no grid here: under int4 they are fitted like any fp32 weight.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GRIDS_FILE = "gguf-q4-grids.st"  # safetensors; not *.safetensors, which are the weights
+FORMATS = ("Q4_0", "Q4_1", "Q4_K")
+# The per-layer products a checkpoint may hold (fused ones where the family stores them so).
+_PRODUCTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "self_attn.qkv_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+             "mlp.gate_up_proj")  # fmt: skip
+
+
+def read_grids(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Hugging Face weight name -> (scale, minimum), each [out, in / 32] fp32, for every layer
+    product the file holds in Q4_0, Q4_1 or Q4_K."""
+    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+
+    reader = GGUFReader(path)
+    arch = str(reader.fields["general.architecture"].contents())
+    field = reader.fields.get(f"{arch}.block_count")
+    arch_ids = {name: arch_id for arch_id, name in MODEL_ARCH_NAMES.items()}
+    if field is None or arch not in arch_ids:
+        return {}
+    num_layers = int(field.contents())
+    names = get_tensor_name_map(arch_ids[arch], num_layers)
+    to_hf: dict[str, str] = {}
+    for i in range(num_layers):
+        for product in _PRODUCTS:
+            hf = f"model.layers.{i}.{product}"
+            gguf_name = names.get_name(hf)
+            if gguf_name is not None:
+                to_hf.setdefault(f"{gguf_name}.weight", f"{hf}.weight")
+    heads = _field(reader, f"{arch}.attention.head_count")
+    kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
+    grids = {}
+    for tensor in reader.tensors:
+        name, kind = tensor.name, tensor.tensor_type.name
+        if name not in to_hf or kind not in FORMATS:
+            continue
+        scale, minimum = _grid(kind, np.asarray(tensor.data))
+        permuted = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else None
+        if arch == "llama" and permuted:
+            scale, minimum = _unpermute(scale, permuted), _unpermute(minimum, permuted)
+        grids[to_hf[name]] = (np.ascontiguousarray(scale), np.ascontiguousarray(minimum))
+    return grids
+
+
+def write_grids(gguf: Path, folder: Path) -> int:
+    """The file's grids into ``folder`` (GRIDS_FILE, written whole; empty where it has none);
+    how many weights have one."""
+    from safetensors.numpy import save_file
+
+    grids = read_grids(gguf)
+    tensors = {f"{name}.{part}": array for name, pair in grids.items()
+               for part, array in zip(("scale", "minimum"), pair)}  # fmt: skip
+    part = folder / f".{GRIDS_FILE}.{os.getpid()}.part"
+    save_file(tensors, str(part))
+    os.replace(part, folder / GRIDS_FILE)
+    return len(grids)
+
+
+def load_grids(folder: str | Path) -> dict[str, Any]:
+    """GRIDS_FILE of a converted folder as torch tensors by name ({} where there is none)."""
+    path = Path(folder) / GRIDS_FILE
+    if not path.is_file():
+        return {}
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def _grid(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, minimum) [rows, groups of 32] of a tensor's raw blocks [rows, bytes]."""
+    rows = data.shape[0]
+    if kind in ("Q4_0", "Q4_1"):
+        size = 18 if kind == "Q4_0" else 20
+        blocks = data.reshape(rows, -1, size)
+        d = _f16(blocks[..., 0:2])
+        if kind == "Q4_0":
+            return d, -8.0 * d
+        return d, _f16(blocks[..., 2:4])
+    from gguf.quants import Q4_K
+
+    blocks = data.reshape(rows, -1, 144)  # d, dmin, 12 bytes of (sc, m), 128 of codes
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    sc, m = Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+    sc = sc.reshape(rows, -1, 8).astype(np.float32)
+    m = m.reshape(rows, -1, 8).astype(np.float32)
+    scale = (d[..., None] * sc).reshape(rows, -1)
+    minimum = -(dmin[..., None] * m).reshape(rows, -1)
+    return scale, minimum
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order back to Hugging Face's (as transformers un-permutes them)."""
+    dim = rows.shape[0] // n_head // 2
+    return rows.reshape(n_head, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)
+
+
+def _field(reader: Any, key: str) -> int | None:
+    field = reader.fields.get(key)
+    return int(field.contents()) if field is not None else None

@@ -73,7 +73,8 @@ def ensure_converted(path: Path, *, log=print) -> Path:
     target = cache_dir(path, digest)
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
         if not (target / gguf_q4.GRIDS_FILE).is_file():  # converted before grids were kept
-            with contextlib.suppress(OSError):  # a read-only cache: int4 fits its own
+            # A read-only cache, or blocks the gguf package cannot lay out: int4 fits its own.
+            with contextlib.suppress(OSError, ValueError, KeyError):
                 gguf_q4.write_grids(path, target)
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -24,12 +24,14 @@ model's (`make model`) when its folder is removed and fetched again. Other tenso
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+logger = logging.getLogger(__name__)
 GRIDS_FILE = "gguf-q4-grids.st"  # safetensors; not *.safetensors, which are the weights
 FORMATS = ("Q4_0", "Q4_1", "Q4_K")
 # The per-layer products a checkpoint may hold (fused ones where the family stores them so).
@@ -92,9 +94,14 @@ def load_grids(folder: str | Path) -> dict[str, Any]:
     path = Path(folder) / GRIDS_FILE
     if not path.is_file():
         return {}
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    return load_file(str(path))
+    try:
+        return load_file(str(path))
+    except (OSError, SafetensorError) as e:  # a damaged file costs exactness, not the start
+        logger.warning("%s is unreadable (%s): int4 fits its own grids", path, e)
+        return {}
 
 
 def _grid(kind: str, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

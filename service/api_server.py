@@ -377,7 +377,7 @@ async def _serve_ready(
     door: Door,
     stopped: asyncio.Event,
 ) -> int:
-    # The core is READY: this takes its config and info, and loads the tokenizer.
+    # The core is READY: this takes its config and info, and the tokenizer loaded meanwhile.
     engine = AsyncLLM(
         engine_config, stall_timeout=config.stream_stall_timeout, core=core, supervised=True,
         tokenizer=tokenizer,

@@ -62,7 +62,8 @@ def quantize_on_grid(
     g, k = _groups(weight_out_in)
     if scale.shape != g.shape[:2] or minimum.shape != g.shape[:2]:
         return None
-    q = _fit(g, scale.float().contiguous(), minimum.float().contiguous(), k)
+    scale, minimum = (t.to(g.device, torch.float32).contiguous() for t in (scale, minimum))
+    q = _fit(g, scale, minimum, k)
     return q if torch.equal(dequantize(q), weight_out_in.detach().float()) else None
 
 

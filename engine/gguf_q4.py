@@ -24,6 +24,7 @@ model's (`make model`) when its folder is removed and fetched again. Other tenso
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -34,10 +35,13 @@ import numpy as np
 logger = logging.getLogger(__name__)
 GRIDS_FILE = "gguf-q4-grids.st"  # safetensors; not *.safetensors, which are the weights
 FORMATS = ("Q4_0", "Q4_1", "Q4_K")
-# The per-layer products a checkpoint may hold (fused ones where the family stores them so).
+# The per-layer products of a checkpoint. Phi-3 stores q/k/v and gate/up fused, and gguf's
+# name map sends both up_proj and gate_up_proj to ffn_up: each family gets only its own names.
 _PRODUCTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-             "self_attn.qkv_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-             "mlp.gate_up_proj")  # fmt: skip
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # fmt: skip
+_FUSED_PRODUCTS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                   "mlp.down_proj")  # fmt: skip
+_FUSED_ARCHS = ("phi3",)
 
 
 def read_grids(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -55,13 +59,14 @@ def read_grids(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     names = get_tensor_name_map(arch_ids[arch], num_layers)
     to_hf: dict[str, str] = {}
     for i in range(num_layers):
-        for product in _PRODUCTS:
+        for product in _FUSED_PRODUCTS if arch in _FUSED_ARCHS else _PRODUCTS:
             hf = f"model.layers.{i}.{product}"
             gguf_name = names.get_name(hf)
             if gguf_name is not None:
                 to_hf.setdefault(f"{gguf_name}.weight", f"{hf}.weight")
+    # transformers un-permutes llama's q and k only where the file gives both head counts.
     heads = _field(reader, f"{arch}.attention.head_count")
-    kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
+    kv_heads = _field(reader, f"{arch}.attention.head_count_kv")
     grids = {}
     for tensor in reader.tensors:
         name, kind = tensor.name, tensor.tensor_type.name
@@ -69,7 +74,7 @@ def read_grids(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
             continue
         scale, minimum = _grid(kind, np.asarray(tensor.data))
         permuted = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else None
-        if arch == "llama" and permuted:
+        if arch == "llama" and heads and kv_heads and permuted:
             scale, minimum = _unpermute(scale, permuted), _unpermute(minimum, permuted)
         grids[to_hf[name]] = (np.ascontiguousarray(scale), np.ascontiguousarray(minimum))
     return grids
@@ -77,15 +82,23 @@ def read_grids(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 def write_grids(gguf: Path, folder: Path) -> int:
     """The file's grids into ``folder`` (GRIDS_FILE, written whole; empty where it has none);
-    how many weights have one."""
+    how many weights have one. Best effort: where they cannot be read or written (a read-only
+    cache, a full disk, a field of an odd type) none are kept, it says so, and int4 fits its
+    own grids; the model starts as it did without them."""
     from safetensors.numpy import save_file
 
-    grids = read_grids(gguf)
-    tensors = {f"{name}.{part}": array for name, pair in grids.items()
-               for part, array in zip(("scale", "minimum"), pair)}  # fmt: skip
     part = folder / f".{GRIDS_FILE}.{os.getpid()}.part"
-    save_file(tensors, str(part))
-    os.replace(part, folder / GRIDS_FILE)
+    try:
+        grids = read_grids(gguf)
+        tensors = {f"{name}.{which}": array for name, pair in grids.items()
+                   for which, array in zip(("scale", "minimum"), pair)}  # fmt: skip
+        save_file(tensors, str(part))
+        os.replace(part, folder / GRIDS_FILE)
+    except Exception as e:  # safetensors' own errors are plain Exceptions
+        logger.warning("%s: its 4-bit grids were not kept (%s); int4 fits its own", gguf.name, e)
+        with contextlib.suppress(OSError):
+            part.unlink()
+        return 0
     return len(grids)
 
 

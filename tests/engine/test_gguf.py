@@ -15,7 +15,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.gguf_files import content_hash
-from engine.gguf_q4 import GRIDS_FILE, _grid, load_grids
+from engine.gguf_q4 import GRIDS_FILE, _grid, load_grids, write_grids
 from engine.model_files import PACKAGED, ensure_packaged, resolve_model, served_name
 from engine.worker import cpu_int4
 from tests.helpers.gguf_files import q4_k_blocks, write_odd_gguf, write_tiny_llama_gguf
@@ -251,6 +251,13 @@ def test_each_q4_format_repacks_to_int4_exactly(kind: str) -> None:
     assert cpu_int4.quantize_on_grid(off, scale, minimum) is None
 
 
-def test_a_damaged_grids_file_costs_exactness_not_the_start(tmp_path: Path) -> None:
+def test_grids_that_cannot_be_kept_cost_exactness_not_the_start(
+    tmp_path: Path, default_model_path: Path
+) -> None:
+    """A damaged grids file reads as none; grids that cannot be written (here: no folder to
+    write them in) are left out, said in the log, and raise nothing."""
     (tmp_path / GRIDS_FILE).write_bytes(b"not safetensors" * 8)
     assert load_grids(tmp_path) == {}  # int4 fits its own grids, and says so in the log
+    gguf = write_tiny_llama_gguf(tmp_path / "tiny.gguf", default_model_path, layers="Q4_0")
+    assert write_grids(gguf, tmp_path / "gone") == 0
+    assert write_grids(gguf, tmp_path) == 14 and len(load_grids(tmp_path)) == 28  # 2 x 7

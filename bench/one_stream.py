@@ -15,6 +15,7 @@ each system stores them (plus the KV it reads at the mean context).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from pathlib import Path
@@ -75,8 +76,7 @@ def lumen_bytes_per_token(path: str, quantization: str | None, context: int) -> 
     for f in Path(path).glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
             for name in st.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                n = st.get_slice(name).get_shape()
-                count = int(torch.tensor(n).prod()) if n else 1
+                count = math.prod(st.get_slice(name).get_shape())
                 if name.startswith("model.layers.") and name.endswith("_proj.weight"):
                     layers += count
                 elif name in ("lm_head.weight", "model.embed_tokens.weight"):
@@ -174,8 +174,11 @@ def _llama_cpp(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
             "llama.cpp: not run (llama-cpp-python is not installed; `pip install "
             "llama-cpp-python` builds it for this CPU)"
         )
-    from engine.model_files import packaged_gguf
+    from engine.model_files import DEFAULT_MODEL, packaged_gguf, served_name
 
+    if args.gguf is None and served_name(args.model) != DEFAULT_MODEL:
+        return (f"llama.cpp: not run (give --gguf PATH, {args.model}'s GGUF file: the default "
+                f"is {DEFAULT_MODEL}'s)")  # fmt: skip
     gguf = Path(args.gguf) if args.gguf else packaged_gguf(log=print)
     if not gguf.is_file():
         raise ValueError(f"no GGUF file at {gguf}")

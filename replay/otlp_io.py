@@ -173,8 +173,8 @@ def import_records(
     for run, (num_kept, num_total) in sampling.items():
         said += (f"\nrun {run}: a sampled window: {num_kept} of about {num_total} requests kept "
                  "(each kept one weighs the requests it stands for)")  # fmt: skip
-        if all(w == 1.0 for r in rows["requests"] if r[0] == run
-               for w in [r[TABLE_INDEX["sample_weight"]]]):  # fmt: skip
+        i_weight = TABLE_INDEX["sample_weight"]
+        if all(r[i_weight] == 1.0 for r in rows["requests"] if r[0] == run):
             said += "; none but the failed and slow ones was kept: nothing weighs for the rest"
     return said
 

@@ -147,9 +147,11 @@ def load_requests(con: duckdb.DuckDBPyConnection, run_id: str) -> list[RequestFa
                 min(end_ns) FILTER (WHERE name = 'frontend.emit') AS first_emit_end_ns,
                 max(start_ns) FILTER (WHERE name = 'frontend.emit') AS last_emit_start_ns,
                 max(end_ns) FILTER (WHERE name = 'frontend.emit') AS last_emit_end_ns,
-                list(end_ns ORDER BY end_ns) FILTER (WHERE name = 'frontend.emit')
+                -- by step too: one write can carry two steps' tokens (a frontend behind
+                -- its core), and their emits then end at the same instant
+                list(end_ns ORDER BY end_ns, step_id) FILTER (WHERE name = 'frontend.emit')
                     AS emit_ends_ns,
-                list(step_id ORDER BY end_ns) FILTER (WHERE name = 'frontend.emit')
+                list(step_id ORDER BY end_ns, step_id) FILTER (WHERE name = 'frontend.emit')
                     AS emit_step_ids
             FROM spans WHERE run_id = $run GROUP BY ALL
         )

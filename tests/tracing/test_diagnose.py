@@ -309,3 +309,16 @@ def test_trace_top_calls_the_queue_wait_core_queue(
     print(out)
     late = next(line for line in out.splitlines() if line.startswith("late"))
     assert "core.queue" in late and "core.schedule" not in out
+
+
+def test_two_steps_written_at_once_keep_their_order(tmp_path: Path) -> None:
+    """A frontend behind its core writes two steps' tokens in one write: their emits end at
+    the same instant. The gap each step ended is still the step's, however the rows lie."""
+    tr = serial_run(n=3)
+    r = tr.reqs["r1"]
+    (s3, recv3, _), (s4, recv4, at) = r.emits[3], r.emits[4]
+    r.emits[3:5] = [(s4, recv4, at), (s3, recv3, at)]  # one write; the later step's row first
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    [req] = [q for q in run.requests if q.request_id == "r1"]
+    steps = [s for s, _, _ in sorted(r.emits)]
+    assert req.gap_step_ids == steps[1:]

@@ -35,19 +35,29 @@ _share_the_cores()
 # The parallel pass hands whole files to its two workers in collection order (the Makefile's
 # --no-loadscope-reorder; xdist's own order puts the files of most tests first, which left the
 # few-test, long-running ones to the end, and one worker idle while the other ran them). The
-# files that took longest go first, longest first (worker seconds, 2 cores, 2026-12-01); the
-# rest keep pytest's order.
+# files that take longest go first, longest first (worker seconds on 2 cores, 2026-12-03, each
+# with its session fixtures' share); the rest keep pytest's order.
 LONGEST_FIRST = (
-    "tests/engine/test_correctness.py",  # SmolLM2 in four engines, 55-95 s
-    "tests/benchmarks/test_bench_servers.py",  # Lumen's and HF's servers under load, 80 s
-    "tests/replay/test_replay_run.py",  # recordings, replays and capacity searches, 70 s
-    "tests/engine/test_real_gemma.py",  # Gemma 3 270M and HF, 25 s (50 s without references)
-    "tests/engine/test_gguf.py",
-    "tests/benchmarks/test_bench.py",
+    "tests/engine/test_correctness.py",  # SmolLM2 in four engines, 70 s
+    "tests/benchmarks/test_bench_servers.py",  # Lumen's and HF's servers under load, 65 s
+    "tests/benchmarks/test_bench.py",  # 45 s
+    "tests/replay/test_replay_run.py",  # recordings, replays and capacity searches, 44 s
+    "tests/service/test_lifecycle.py",  # a server per stop signal, 43 s
+    "tests/engine/worker/test_decode_cache.py",  # 26 s
     "tests/tracing/test_server_traces.py",
-    "tests/service/test_schema_fuzz.py",
-    "tests/engine/test_engine_process.py",
+    "tests/engine/executor/test_tensor_parallel.py",
+    "tests/engine/test_real_gemma.py",  # Gemma 3 270M and HF, 21 s (50 s without references)
+    "tests/engine/test_gguf.py",
     "tests/reliability/test_sinks_and_input.py",
+    "tests/engine/test_engine_process.py",
+    "tests/service/test_schema_fuzz.py",
+    "tests/reliability/test_faults.py",
+    "tests/dashboards/test_dashboards.py",
+    "tests/service/test_model_families.py",
+    "tests/tracing/test_fleet_otlp.py",
+    "tests/service/test_real_model.py",
+    "tests/service/test_structured.py",
+    "tests/replay/test_replay_grammar.py",
 )
 
 

@@ -38,16 +38,16 @@ _share_the_cores()
 # files that take longest go first, longest first (worker seconds on 2 cores, 2026-12-03, each
 # with its session fixtures' share); the rest keep pytest's order.
 LONGEST_FIRST = (
-    "tests/engine/test_correctness.py",  # SmolLM2 in four engines, 70 s
-    "tests/benchmarks/test_bench_servers.py",  # Lumen's and HF's servers under load, 65 s
-    "tests/benchmarks/test_bench.py",  # 45 s
-    "tests/replay/test_replay_run.py",  # recordings, replays and capacity searches, 44 s
+    "tests/replay/test_replay_run.py",  # recordings, replays and capacity searches, 53 s
+    "tests/engine/test_correctness.py",  # SmolLM2 in four engines, about 50 s
+    "tests/benchmarks/test_bench_servers.py",  # Lumen's and HF's servers under load, 48 s
     "tests/service/test_lifecycle.py",  # a server per stop signal, 43 s
     "tests/engine/worker/test_decode_cache.py",  # 26 s
     "tests/tracing/test_server_traces.py",
     "tests/engine/executor/test_tensor_parallel.py",
     "tests/engine/test_real_gemma.py",  # Gemma 3 270M and HF, 21 s (50 s without references)
     "tests/engine/test_gguf.py",
+    "tests/benchmarks/test_bench.py",  # about 20 s
     "tests/reliability/test_sinks_and_input.py",
     "tests/engine/test_engine_process.py",
     "tests/service/test_schema_fuzz.py",

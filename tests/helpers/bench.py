@@ -14,27 +14,22 @@ def lumen_bench(*args: str) -> subprocess.CompletedProcess:
     stdout and stderr. The servers and baselines a benchmark starts are processes of their own,
     as for a user; a fresh interpreter for the CLI itself would add 3 s of CPU (torch,
     transformers and the engine imported again) to each of the suite's ten benchmark runs."""
-    code, out, err = _main(["bench", *args])
-    return subprocess.CompletedProcess(["lumen", "bench", *args], code, out, err)
-
-
-def lumen_bench_refused(*args: str) -> tuple[int, str]:
-    """``lumen bench ARGS`` where the CLI refuses the arguments before a benchmark starts: its
-    exit status and stderr."""
-    code, _, err = _main(["bench", *args])
-    return code, err
-
-
-def _main(argv: list[str]) -> tuple[int, str, str]:
     from service.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = main(argv)
-        except SystemExit as e:  # argparse's refusals
-            code = e.code if isinstance(e.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
+            code = main(["bench", *args])
+        except SystemExit as e:  # argparse's refusals, as the process would exit
+            code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["lumen", "bench", *args], code, out.getvalue(),
+                                       err.getvalue())  # fmt: skip
+
+
+def lumen_bench_refused(*args: str) -> tuple[int, str]:
+    """``lumen bench ARGS`` where the CLI refuses the arguments: its exit status and stderr."""
+    r = lumen_bench(*args)
+    return r.returncode, r.stderr
 
 
 def bench_json(tmp_path: Path, *args: str) -> tuple[str, dict]:

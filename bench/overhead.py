@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import tempfile
 import time
 from contextlib import ExitStack
@@ -37,6 +38,7 @@ from tracing.config import OTLP_DETAILS
 from tracing.receiver import OtlpReceiver
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
+WRITER = "trace-writer"  # tracing.recorder's thread
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
@@ -74,6 +76,7 @@ class Level:
     server_cpu_s: float
     children_cpu_s: float  # of server_cpu_s: Lumen's engine core (and workers)
     client_cpu_s: float
+    writer_cpu_s: float  # of server_cpu_s: the trace-writer thread (Lumen's)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -89,6 +92,7 @@ class Level:
             "server_cpu_us_per_token": self.server_cpu_s / per * 1e6,
             "children_cpu_us_per_token": self.children_cpu_s / per * 1e6,
             "client_cpu_us_per_token": self.client_cpu_s / per * 1e6,
+            "trace_writer_cpu_us_per_token": self.writer_cpu_s / per * 1e6,
         }
 
 
@@ -108,6 +112,27 @@ def tree_cpu_seconds(pid: int) -> tuple[float, float]:
         return t.user + t.system
 
     return cpu(root), sum(cpu(c) for c in children)
+
+
+def thread_cpu_seconds(pid: int, name: str) -> float:
+    """User + system CPU of the threads of a process that the OS knows by ``name``
+    (engine.background.name_os_thread); 0 where /proc has none."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        comm, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :]
+        if comm == name:
+            utime, stime = fields.split()[11:13]
+            total += (int(utime) + int(stime)) / tick
+    return total
 
 
 class _Stream:
@@ -201,13 +226,15 @@ def _body(server: LumenServer, max_tokens: int) -> dict[str, Any]:
 def measure(
     name: str, server: LumenServer, streams: int, per_stream: int, max_tokens: int
 ) -> Level:
-    body = _body(server, max_tokens)
-    (top0, kids0), client0 = tree_cpu_seconds(server.proc.pid), time.process_time()
+    body, pid = _body(server, max_tokens), server.proc.pid
+    (top0, kids0), client0 = tree_cpu_seconds(pid), time.process_time()
+    writer0 = thread_cpu_seconds(pid, WRITER)
     seconds, tokens, errors = asyncio.run(_load(server.port, body, streams, per_stream))
-    top, kids = tree_cpu_seconds(server.proc.pid)
+    top, kids = tree_cpu_seconds(pid)
     return Level(
         name, streams, seconds, tokens, streams * per_stream, errors,
         top + kids - top0 - kids0, kids - kids0, time.process_time() - client0,
+        thread_cpu_seconds(pid, WRITER) - writer0,
     )  # fmt: skip
 
 
@@ -322,15 +349,17 @@ def _print(summaries: list[dict[str, Any]], store: dict[str, float]) -> None:
     cpu = _median_by(summaries, "server_cpu_us_per_token")
     kids = _median_by(summaries, "children_cpu_us_per_token")
     client = _median_by(summaries, "client_cpu_us_per_token")
+    writer = _median_by(summaries, "trace_writer_cpu_us_per_token")
     rows = [
         [system, str(streams), f"{tok[key]:,.0f}", f"{cpu[key]:.0f}",
-         f"{cpu[key] - kids[key]:.0f} / {kids[key]:.0f}", f"{client[key]:.0f}"]
+         f"{cpu[key] - kids[key]:.0f} / {kids[key]:.0f}",
+         f"{writer[key]:.1f}" if system.startswith("lumen") else "", f"{client[key]:.0f}"]
         for key in tok
         for system, streams in [key]
     ]  # fmt: skip
     print()
     print_table(["server", "streams", "tok/s", "server us/token", "of which main / children",
-                 "client us/token"], rows)  # fmt: skip
+                 "of which trace writer", "client us/token"], rows)  # fmt: skip
     print(f"trace db: {store['bytes']:,} bytes for {store['tokens']:,} generated tokens, "
           f"{store['bytes_per_token']:.1f} bytes per token (after a checkpoint)")  # fmt: skip
 
@@ -359,7 +388,29 @@ def _ratios(summaries: list[dict[str, Any]], levels: list[int]) -> dict[str, flo
         if (hf, streams) in cpu:
             out[f"s{streams}_cpu_per_token_ratio"] = cpu[lumen, streams] / cpu[hf, streams]
             out[f"s{streams}_tok_s_ratio"] = tok[lumen, streams] / tok[hf, streams]
+    for streams in levels:  # tracing's cost, paired round by round (rounds interleave servers)
+        for key, figure in (("tracing_cpu", "server_cpu_us_per_token"),
+                            ("trace_writer", "trace_writer_cpu_us_per_token")):  # fmt: skip
+            extra = _paired_extra(summaries, streams, figure)
+            if extra is not None:  # over the untraced server's CPU per token
+                out[f"s{streams}_{key}_extra_ratio"] = extra
     lo, hi = min(levels), max(levels)
     if lo != hi:  # flat in load: Lumen's own cost at the most streams over the fewest
         out[f"cpu_per_token_s{hi}_over_s{lo}_ratio"] = cpu[lumen, hi] / cpu[lumen, lo]
     return out
+
+
+def _paired_extra(summaries: list[dict[str, Any]], streams: int, figure: str) -> float | None:
+    """The median over rounds of (traced - untraced) ``figure``, as a share of the untraced
+    server's CPU per token in that round; None without both servers."""
+    import statistics
+
+    def of(system: str) -> list[dict[str, Any]]:
+        return [s for s in summaries if s["system"] == system and s["streams"] == streams]
+
+    pairs = list(zip(of("lumen (traced)"), of("lumen (no trace db)")))
+    if not pairs:
+        return None
+    return statistics.median(
+        (on[figure] - off[figure]) / off["server_cpu_us_per_token"] for on, off in pairs
+    )

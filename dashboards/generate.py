@@ -90,6 +90,9 @@ BOUNDARIES = [
      [(f"sum(rate(lumen:otlp_spans_dropped_total{{{M}}}[{RATE}]))", "OTLP spans dropped/s"),
       (f"sum(rate(lumen:trace_rows_dropped_total{{{M}}}[{RATE}]))", "trace db rows dropped/s")],
      False),
+    ("Trace db flushes: the writer's CPU (share of a core) and flushes/s", "short",
+     [(f"sum(rate(lumen:trace_flush_cpu_seconds_total{{{M}}}[{RATE}]))", "flush CPU s/s"),
+      (f"sum(rate(lumen:trace_flushes_total{{{M}}}[{RATE}]))", "flushes/s")], False),
 ]  # fmt: skip
 
 FIND_A_REQUEST = """\

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from engine.background import name_os_thread
 from engine.client import ClientState
 from engine.config import EngineConfig
 from engine.core.engine_core_proc import run_engine_core
@@ -139,6 +140,7 @@ class CoreProcess:
         epoch = self.epoch
 
         def read() -> None:
+            name_os_thread()
             # The reader owns out_sock from here on; it closes it when the context ends.
             try:
                 while True:

@@ -263,8 +263,7 @@ def build_app(serving: Serving) -> FastAPI:
                     stats = await engine.get_stats()
                 m.set_engine_stats(stats, engine.num_backpressure)
         if (tracer := serving.tracer) is not None:
-            t = tracer.stats()
-            m.set_tracer_stats(t.num_dropped_rows, t.num_dropped_spans)
+            m.set_tracer_stats(tracer.stats())
         m.num_admitted.set(serving.admission.num_in_flight)
         m.num_admission_waiting.set(serving.admission.num_waiting)
         return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -8,13 +8,16 @@ scrape.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.messages import EngineStats
 from engine.stats import IterationStats
 from tracing.spans import BOUNDARIES
+
+if TYPE_CHECKING:
+    from tracing.recorder import TracerStats
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECT_REASONS = ("queue_full", "queue_timeout", "engine_dead", "engine_restarting",
@@ -140,6 +143,14 @@ class ServerMetrics:
         self.trace_rows_dropped = counter(
             "lumen:trace_rows_dropped", "Trace db rows dropped because the store was busy too long."
         )
+        self.trace_flushes = counter(
+            "lumen:trace_flushes", "Trace db flushes that wrote rows (spaced further apart "
+            "under load, --trace-flush-interval)."
+        )  # fmt: skip
+        self.trace_flush_cpu_seconds = counter(
+            "lumen:trace_flush_cpu_seconds", "CPU the trace writer spent in trace db flushes: "
+            "its rate is the share of a core the store costs."
+        )  # fmt: skip
         self.otlp_spans_dropped = counter(
             "lumen:otlp_spans_dropped", "Spans not exported (queue full or collector failing)."
         )
@@ -174,7 +185,7 @@ class ServerMetrics:
         self.grammar_rows = counter(
             "lumen:grammar_rows", "Structured outputs: rows sampled under a grammar (tokens)."
         )
-        self._mirrored: dict[str, int] = {}  # counter name -> the total already counted
+        self._mirrored: dict[str, float] = {}  # counter name -> the total already counted
 
     def observe_delivery(self, seconds: float) -> None:
         """Called from the trace writer thread."""
@@ -185,11 +196,13 @@ class ServerMetrics:
         if (child := self.boundary.get(name)) is not None:
             child.observe(seconds)
 
-    def set_tracer_stats(self, num_dropped_rows: int, num_dropped_spans: int) -> None:
-        self._mirror("trace_rows_dropped", num_dropped_rows)
-        self._mirror("otlp_spans_dropped", num_dropped_spans)
+    def set_tracer_stats(self, stats: TracerStats) -> None:
+        self._mirror("trace_rows_dropped", stats.num_dropped_rows)
+        self._mirror("otlp_spans_dropped", stats.num_dropped_spans)
+        self._mirror("trace_flushes", stats.num_flushes)
+        self._mirror("trace_flush_cpu_seconds", stats.flush_cpu_s)
 
-    def _mirror(self, name: str, total: int) -> None:
+    def _mirror(self, name: str, total: float) -> None:
         """Bring a counter up to a running total kept elsewhere (read at scrape time)."""
         seen = self._mirrored.get(name, 0)
         if total > seen:

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from engine.background import name_os_thread
 from engine.frontend import Enqueued, Finished
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineInfo, FinishReason
 from tracing.config import TracingConfig, replica_id, store_path
@@ -46,6 +47,13 @@ from tracing.store import TraceStore
 logger = logging.getLogger(__name__)
 _STOP = object()
 POLL_S = 0.002  # the writer's poll interval after an event; idle, up to 25x this
+# A flush costs ~40 ms of CPU (DuckDB's attach, insert and checkpoint, mostly fixed per flush),
+# ~5% of a core at one a second. Under load the next flush waits until the last one's CPU is
+# this share of the time since, up to MAX_FLUSH_STRETCH flush intervals; a pause in traffic
+# (QUIET_POLLS polls without an event, ~0.1 s) flushes what waits at the interval as ever.
+FLUSH_CPU_SHARE = 0.01
+MAX_FLUSH_STRETCH = 10
+QUIET_POLLS = 10
 BoundaryObserver = Callable[[str, float], None]
 DeliveryObserver = Callable[[float], None]
 
@@ -54,6 +62,8 @@ DeliveryObserver = Callable[[float], None]
 class TracerStats:
     num_dropped_rows: int  # trace db rows lost to a full buffer
     num_dropped_spans: int  # OTLP spans lost (queue full or export failed)
+    num_flushes: int = 0  # trace db flushes that wrote rows
+    flush_cpu_s: float = 0.0  # the writer thread's CPU in them
 
 
 class Tracer:
@@ -88,6 +98,7 @@ class Tracer:
         self._events: collections.deque[Any] = collections.deque()
         self.max_queued_events = max_queued_events
         self.num_dropped_events = 0
+        self.num_flushes, self.flush_cpu_s = 0, 0.0
         self._requests: dict[str, RequestTrace] = {}
         self._by_child: dict[str, tuple[RequestTrace, int]] = {}
         db = store_path(config, self.replica)
@@ -110,7 +121,7 @@ class Tracer:
         self.genai = make_genai_metrics(config, self.replica, model, host, port)
         # Each request's every step, as objects: only OTLP's per-step spans need them.
         self._keep_visits = self.otlp is not None and self.otlp.detail in ("boundary", "step")
-        self._thread = threading.Thread(target=self._run, name="lumen-trace-writer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="trace-writer", daemon=True)
         self._thread.start()
 
     # -- the frontend's side (FrontendObserver, and the server's calls): each only enqueues --
@@ -162,6 +173,8 @@ class Tracer:
             num_dropped_rows=(self.store.num_dropped_rows if self.store else 0)
             + self.num_dropped_events,
             num_dropped_spans=self.otlp.num_dropped if self.otlp else 0,
+            num_flushes=self.num_flushes,
+            flush_cpu_s=self.flush_cpu_s,
         )
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -178,8 +191,11 @@ class Tracer:
     # -- the writer thread ---------------------------------------------------------
 
     def _run(self) -> None:
+        name_os_thread()
+        if self.store is not None:
+            self.store.prepare()
         interval = self.config.trace_flush_interval
-        next_flush = time.monotonic() + interval
+        last_flush, wait = time.monotonic(), interval
         events, handlers, idle = self._events, self._handlers, 0
         while True:
             if not events:  # poll: more often while events keep coming
@@ -197,11 +213,20 @@ class Tracer:
                     handlers[type(item)](item)
                 except Exception:
                     logger.exception("trace writer: %s failed", type(item).__name__)
-                if time.monotonic() >= next_flush:
+                if time.monotonic() - last_flush >= wait:
                     break
-            if time.monotonic() >= next_flush:
-                next_flush = time.monotonic() + interval
-                self._flush()
+            since = time.monotonic() - last_flush
+            if since >= wait or (since >= interval and (idle >= QUIET_POLLS or self._crowded())):
+                cpu = self._flush()
+                last_flush = time.monotonic()
+                wait = flush_wait(interval, cpu)
+
+    def _crowded(self) -> bool:
+        """The store's buffer is half full: flush now rather than drop rows later."""
+        return (
+            self.store is not None
+            and self.store.num_buffered_rows * 2 > self.store.max_buffered_rows
+        )
 
     def _add(
         self, rows_by_table: dict[str, list[tuple[Any, ...]]], request_of: list[Any] | None = None
@@ -223,12 +248,19 @@ class Tracer:
                                       at_ns=spans[0].start_ns)  # fmt: skip
             self._otlp_rows.export_records(spans)
 
-    def _flush(self) -> None:
-        if self.store is not None:
-            try:
-                self.store.flush()
-            except Exception:
-                logger.exception("trace db flush failed; its rows are kept for the next one")
+    def _flush(self) -> float:
+        """Flush the store; the CPU seconds it took (0 with nothing to write)."""
+        if self.store is None or not self.store.num_buffered_rows:
+            return 0.0
+        cpu = time.thread_time()
+        try:
+            self.store.flush()
+        except Exception:
+            logger.exception("trace db flush failed; its rows are kept for the next one")
+        cpu = time.thread_time() - cpu
+        self.num_flushes += 1
+        self.flush_cpu_s += cpu
+        return cpu
 
     def _request(self, request_id: str, arrival_ns: int) -> RequestTrace:
         req = self._requests.get(request_id)
@@ -375,6 +407,13 @@ class Tracer:
             self.otlp.export([*spans, *step_spans(req, self.run_id)])
         if self.genai is not None:
             self.genai.record(req)
+
+
+def flush_wait(interval: float, cpu: float) -> float:
+    """Seconds from a flush that took ``cpu`` seconds of CPU to the next one under load: at
+    least ``interval``, and long enough that flushing takes FLUSH_CPU_SHARE of a core, but
+    never more than MAX_FLUSH_STRETCH intervals."""
+    return min(max(interval, cpu / FLUSH_CPU_SHARE), MAX_FLUSH_STRETCH * interval)
 
 
 def _step_row(run_id: str, s: Any) -> tuple[Any, ...]:

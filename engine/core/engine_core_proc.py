@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from engine.background import name_os_thread
 from engine.config import EngineConfig
 from engine.gc_pauses import settle_heap
 from engine.ipc import make_socket
@@ -163,6 +164,7 @@ class EngineCoreProc:
             self.outputs.put(outs)
 
     def _input_thread(self) -> None:
+        name_os_thread()
         sock = make_socket(zmq.Context.instance(), zmq.PULL, self.input_addr, bind=False)
         parent = os.getppid()
         while True:
@@ -183,6 +185,7 @@ class EngineCoreProc:
             self.inputs.put((kind, frames[1].buffer))
 
     def _output_thread(self) -> None:
+        name_os_thread()
         encoder = msgspec.msgpack.Encoder()
         buf = bytearray()
         epoch = self.epoch

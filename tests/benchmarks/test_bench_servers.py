@@ -58,12 +58,13 @@ def test_overhead_bench_counts_every_token_and_the_store(
     for x in doc["levels"]:  # 40 tokens a level: 3 requests a stream at 2 streams, 1 at 5
         assert x["errors"] == 0 and x["tokens"] == 8 * x["requests"], x
         assert x["server_cpu_us_per_token"] > 0
+        assert x["trace_writer_cpu_us_per_token"] >= 0  # the thread found by its name, or 0
     # Every traced token is in the store, whose size is reported per token.
     traced = sum(x["tokens"] for x in doc["levels"] if x["system"] == "lumen (traced)")
     assert doc["store"]["tokens"] >= traced and doc["store"]["bytes_per_token"] > 0
-    assert {"s2_cpu_per_token_ratio", "s5_tok_s_ratio", "cpu_per_token_s5_over_s2_ratio"} <= set(
-        ratio_keys(doc)
-    )
+    want = {"s2_cpu_per_token_ratio", "s5_tok_s_ratio", "cpu_per_token_s5_over_s2_ratio",
+            "s2_tracing_cpu_extra_ratio", "s5_trace_writer_extra_ratio"}  # fmt: skip
+    assert want <= set(ratio_keys(doc))
 
 
 def test_cold_start_bench_compares_the_first_burst_with_warm_ones(

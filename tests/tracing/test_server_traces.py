@@ -210,6 +210,26 @@ def test_boundary_latency_metric_and_lumen_trace(traced) -> None:
     assert ids["batch-0"] in batch.stdout and ids["batch-1"] in batch.stdout
 
 
+def _thread_names(pid: int) -> set[str]:
+    return {(task / "comm").read_text().strip() for task in Path(f"/proc/{pid}/task").iterdir()}
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from /proc")
+def test_the_store_counts_its_flushes_and_the_threads_have_names(traced) -> None:
+    """What tracing costs is on /metrics and in `top -H`: the writer's flushes and their CPU,
+    and each thread by its name (lumen bench overhead reads the trace writer's CPU by it)."""
+    server, _, _ = traced
+    m = server.metrics()
+    flushes, cpu = (
+        metric(m, "lumen:trace_flushes_total"),
+        metric(m, "lumen:trace_flush_cpu_seconds_total"),
+    )
+    print(f"\n{flushes:.0f} flushes, {cpu * 1000:.0f} ms of CPU in them")
+    assert flushes >= 1 and cpu > 0
+    assert {"trace-writer", "client-reader"} <= _thread_names(server.proc.pid)
+    assert {"core-input", "core-output"} <= _thread_names(server.core_pid())
+
+
 def test_otlp_over_grpc_with_request_detail(tmp_path: Path, tiny_model_path: Path) -> None:
     with GrpcOtlpReceiver() as receiver:
         args = ["--otlp-traces-endpoint", receiver.endpoint, "--otlp-detail", "request"]

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tracing.store import MIGRATIONS, TraceStore, compact, open_db
+from engine.messages import EngineInfo
+from tests.helpers.load import wait_until
+from tracing import recorder
+from tracing.config import TracingConfig
+from tracing.events import Pause
+from tracing.store import MIGRATIONS, TraceStore, compact, open_db, write_new
+from tracing.store_schema import TABLES
 
 HOLD = """
 import sys, time, duckdb
@@ -149,3 +155,76 @@ def test_a_file_of_mostly_used_blocks_is_left_as_it_is(tmp_path: Path) -> None:
     store.add("span_rows", [_span(i) for i in range(20_000)])
     assert store.flush()
     assert compact(db) is False
+
+
+def test_a_value_its_column_cannot_hold_keeps_the_flush_whole_and_is_named(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "t.db"
+    store = TraceStore(db)
+    bad = ("run", "r9", "t" * 32, f"{9:016x}", None, "llm_request", "soon", 10, None, "{}")
+    store.add("span_rows", [_span(0), bad])
+    assert store.flush() is False  # nothing of it lands; the rows wait, counted
+    assert store.num_failed_flushes == 1 and store.num_buffered_rows == 2
+    with open_db(db) as con:
+        assert con.execute("SELECT count(*) FROM spans").fetchone() == (0,)
+    with pytest.raises(ValueError, match=r"span_rows\.start_ns"):
+        write_new(tmp_path / "import.db", {"span_rows": [_span(1), bad]})
+
+
+def test_every_column_type_round_trips(tmp_path: Path) -> None:
+    """Lists (with NULLs in them), JSON, booleans, doubles and NULLs come back as written."""
+    steps = {name: None for name in TABLES["steps"]}
+    steps.update(run_id="run", step_id=1, schedule_start_ns=2**62, request_ids=["a", "b"],
+                 num_scheduled=[3, None], preempted_request_ids=[], idle=True)  # fmt: skip
+    requests = {name: None for name in TABLES["requests"]}
+    requests.update(run_id="run", request_id="r", params='{"n": 2}', sample_weight=0.25,
+                    prompt_block_hashes=[-(2**63), 2**63 - 1], emit_received_us=[1, 2],
+                    stream=False)  # fmt: skip
+    assert set(steps) == set(TABLES["steps"]) and set(requests) == set(TABLES["requests"])
+    rows = {"steps": [tuple(steps.values())], "requests": [tuple(requests.values())]}
+    store = TraceStore(tmp_path / "t.db")
+    store.add_all(rows)
+    assert store.flush()
+    with open_db(tmp_path / "t.db") as con:
+        for table, [written] in rows.items():
+            read = con.execute(f"SELECT {', '.join(TABLES[table])} FROM {table}").fetchone()
+            assert read == written, table
+
+
+def test_flushes_spread_out_under_load_and_a_pause_flushes_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's schedule (tracing.recorder.flush_wait): while events keep coming, a flush
+    waits until its CPU is FLUSH_CPU_SHARE of the time since (here a share so small that
+    every wait is the longest, 10 intervals); once traffic pauses, what waits is flushed."""
+    monkeypatch.setattr(recorder, "FLUSH_CPU_SHARE", 1e-6)
+    interval = 0.1
+    config = TracingConfig(trace_db=str(tmp_path / "t.db"), trace_flush_interval=interval)
+    info = EngineInfo("tiny", 64, 16, 16, "float32", "cpu", "0")
+    tracer = recorder.Tracer(config, info)
+    try:
+        start = time.monotonic()
+        while tracer.stats().num_flushes < 3 and time.monotonic() - start < 10:
+            tracer.pause(Pause("api", "loop_lag", time.time_ns(), 1000))  # steady traffic
+            time.sleep(0.002)
+        took = time.monotonic() - start
+        print(f"\n3 flushes of steady events at a {interval} s interval took {took:.2f} s")
+        assert took > 1.5  # at 0.1 s, 1.1 s and 2.1 s; not at 0.1, 0.2 and 0.3
+        tracer.pause(Pause("api", "loop_lag", time.time_ns(), 1000))  # then traffic pauses
+        last = time.monotonic()
+        wait_until(lambda: tracer.stats().num_flushes > 3, 5)
+        waited = time.monotonic() - last
+        print(f"the last event was flushed {waited * 1000:.0f} ms after it came")
+        assert waited < 0.6  # the quiet flush; the stretched one would come 1 s after the last
+    finally:
+        tracer.shutdown()
+    with open_db(tmp_path / "t.db") as con:
+        count = con.execute("SELECT count(*) FROM pauses").fetchone()
+    assert count is not None and count[0] > 500 and tracer.stats().num_dropped_rows == 0
+
+
+def test_the_flush_wait_follows_the_flush_cost() -> None:
+    assert recorder.flush_wait(1.0, 0.002) == 1.0  # cheap: every interval
+    assert recorder.flush_wait(1.0, 0.04) == pytest.approx(0.04 / recorder.FLUSH_CPU_SHARE)
+    assert recorder.flush_wait(1.0, 5.0) == recorder.MAX_FLUSH_STRETCH  # never past 10 intervals

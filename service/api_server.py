@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine import __version__
 from engine.async_llm import AsyncLLM
+from engine.background import in_background
 from engine.config import EngineConfig
 from engine.gc_pauses import gc_setting, settle_heap
 from engine.launch import STARTUP_TIMEOUT_S, CoreProcess, launch_core
@@ -37,6 +38,7 @@ from service.protocol import ChatCompletionRequest, CompletionRequest
 from service.serving import Serving
 from tracing.config import TracingConfig
 from tracing.recorder import Tracer
+from tracing.store import prepare_appends
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -309,6 +311,8 @@ async def serve(
         core = launch_core(engine_config, supervised=True)
     # Loaded while the core starts (about 1 s of a 2-core machine after READY otherwise).
     tokenizer = start_loading_tokenizer(core.config.tokenizer or core.model_path)
+    if tracing is not None and tracing.db_path is not None:  # what the trace writer will need
+        in_background(prepare_appends, name="lumen-trace-appends")
     door = Door(lambda: core.phase)
     hc = Config()
     hc.bind = [f"{config.host}:{config.port}"]

@@ -195,13 +195,9 @@ class TraceStore:
         self._migrated = True
 
     def prepare(self) -> None:
-        """Load what a flush needs (pyarrow: ~0.3 s of CPU the first time), so the first
-        flush costs what the others do. The writer thread calls it as it starts."""
-        import pyarrow as pa
-
-        for table in TABLES:
-            schema = _arrow_schema(table)
-        pa.array([], type=schema[0].type)  # the first conversion loads the rest (pandas too)
+        """What a flush needs, loaded now (``prepare_appends``): the writer thread calls it as
+        it starts, so that the first flush costs what the others do."""
+        prepare_appends()
 
     @property
     def num_buffered_rows(self) -> int:
@@ -339,6 +335,17 @@ def _arrow_schema(table: str) -> Any:
         return pa.list_(scalar) if sql.endswith("[]") else scalar
 
     return pa.schema([(name, arrow_type(sql)) for name, sql in TABLES[table].items()])
+
+
+def prepare_appends() -> None:
+    """Load pyarrow and convert once: ~0.4 s of CPU the first time, with the GIL held (its
+    first conversion imports pandas). The server does it while the core loads the model, so
+    that no request waits on it."""
+    import pyarrow as pa
+
+    for table in TABLES:
+        schema = _arrow_schema(table)
+    pa.array([], type=schema[0].type)
 
 
 def _append(

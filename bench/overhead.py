@@ -32,6 +32,7 @@ from bench.server import (
     TransformersServer,
     add_kv_tokens_option,
     kv_flags,
+    metric,
     streamed_chat,
 )
 from tracing.config import OTLP_DETAILS
@@ -230,12 +231,25 @@ def measure(
     (top0, kids0), client0 = tree_cpu_seconds(pid), time.process_time()
     writer0 = thread_cpu_seconds(pid, WRITER)
     seconds, tokens, errors = asyncio.run(_load(server.port, body, streams, per_stream))
+    if name.startswith("lumen (traced"):
+        _wait_for_a_flush(server)  # the level's rows are stored on its bill, not the next one's
     top, kids = tree_cpu_seconds(pid)
     return Level(
         name, streams, seconds, tokens, streams * per_stream, errors,
         top + kids - top0 - kids0, kids - kids0, time.process_time() - client0,
         thread_cpu_seconds(pid, WRITER) - writer0,
     )  # fmt: skip
+
+
+def _wait_for_a_flush(server: LumenServer, timeout: float = 30.0) -> None:
+    """Until the trace writer has flushed after now: under load its flushes are up to 10 s
+    apart, and the one after a pause stores what the load left."""
+    flushes = metric(server.metrics(), "lumen:trace_flushes_total")
+    deadline = time.monotonic() + timeout
+    while metric(server.metrics(), "lumen:trace_flushes_total") <= flushes:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{server.name}: no trace db flush within {timeout:.0f} s")
+        time.sleep(0.05)
 
 
 def store_bytes_per_token(trace_db: Path) -> dict[str, float]:

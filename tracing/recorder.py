@@ -249,16 +249,17 @@ class Tracer:
             self._otlp_rows.export_records(spans)
 
     def _flush(self) -> float:
-        """Flush the store; the CPU seconds it took (0 with nothing to write)."""
+        """Flush the store; the CPU seconds it took (0 with nothing to write). A flush that
+        could not write (the file busy) costs CPU too, but is not counted as one."""
         if self.store is None or not self.store.num_buffered_rows:
             return 0.0
-        cpu = time.thread_time()
+        cpu, written = time.thread_time(), False
         try:
-            self.store.flush()
+            written = self.store.flush()
         except Exception:
             logger.exception("trace db flush failed; its rows are kept for the next one")
         cpu = time.thread_time() - cpu
-        self.num_flushes += 1
+        self.num_flushes += written
         self.flush_cpu_s += cpu
         return cpu
 

@@ -8,6 +8,7 @@ import hmac
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -86,10 +87,16 @@ class FrontDoor:
         lifecycle = self.serving.lifecycle
         status = 0
 
+        chunk: Callable[[bytes], Awaitable[None]] | None = None  # set by a chunked response
+
         async def deliver(message: Message) -> None:
             """A body message, straight to the server, its delivery measured."""
             started = time.time_ns()
-            await send(message)  # returns once the transport took it (a slow reader blocks it)
+            body = message.get("body", b"")
+            if chunk is not None and body and message.get("more_body", False):
+                await chunk(body)  # the transport took it (a slow reader blocks it)
+            else:
+                await send(message)  # likewise
             ended = time.time_ns()
             facts.send_wait_ns += ended - started
             facts.bytes_sent += len(message.get("body", b""))
@@ -98,10 +105,12 @@ class FrontDoor:
                 facts.first_delivered_ns = ended  # a whole response: one write
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, chunk
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = [*message.get("headers", []), id_header]
+                if _chunked(scope, status, headers):
+                    chunk = http_timing.chunk_writer(client)
                 if lifecycle.closing:
                     headers.append((b"connection", b"close"))  # the client reconnects elsewhere
                 message = {**message, "headers": headers}
@@ -271,6 +280,16 @@ def build_app(serving: Serving) -> FastAPI:
         return Response(m.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def _chunked(scope: Scope, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether h11 frames this response's body in chunks: HTTP/1.1, a body, and neither a
+    length nor a transfer coding of the app's own."""
+    if scope.get("http_version") != "1.1" or scope.get("method") == "HEAD":
+        return False
+    if status < 200 or status in (204, 304):
+        return False
+    return not any(name.lower() in (b"content-length", b"transfer-encoding") for name, _ in headers)
 
 
 def _model_card(serving: Serving) -> dict[str, Any]:

@@ -300,3 +300,48 @@ def test_server_timing_for_the_caller(tiny_server: LumenServer) -> None:
     assert set(last["timing"]) == {"queue", "prefill", "decode", "total"}
     assert last["timing"]["decode"] > 0
     assert all("timing" not in c for c in chunks[:-1])
+
+
+def _raw_stream(server: LumenServer, version: str) -> tuple[bytes, bytes]:
+    """A greedy streamed completion over a raw socket: the response's head and its body bytes
+    as they came off the wire (read to the chunked terminator, or to the close)."""
+    import socket
+
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+    request = (f"POST /v1/completions {version}\r\nHost: x\r\n"
+               f"Content-Type: application/json\r\nAuthorization: Bearer {API_KEY}\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n")  # fmt: skip
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+        conn.sendall(request.encode() + body)
+        data = b""
+        while not data.endswith(b"\r\n0\r\n\r\n") and (more := conn.recv(65536)):
+            data += more
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head, rest
+
+
+def _dechunk(body: bytes) -> bytes:
+    out = b""
+    while True:
+        size, _, body = body.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return out
+        assert body[n : n + 2] == b"\r\n", "a chunk ends with CRLF"
+        out, body = out + body[:n], body[n + 2 :]
+
+
+def test_a_stream_is_framed_for_each_http_version(tiny_server: LumenServer) -> None:
+    """HTTP/1.1 gets its events in chunks (written straight to the connection, framed as h11
+    frames them), HTTP/1.0 as a plain body up to the close: the same text either way."""
+    head11, body11 = _raw_stream(tiny_server, "HTTP/1.1")
+    head10, body10 = _raw_stream(tiny_server, "HTTP/1.0")
+    assert b"transfer-encoding: chunked" in head11.lower()
+    assert b"transfer-encoding" not in head10.lower()
+    events11, events10 = _dechunk(body11).split(b"\n\n"), body10.split(b"\n\n")
+    texts = [[json.loads(e[6:])["choices"][0]["text"] for e in events if e.startswith(b"data: {")]
+             for events in (events11, events10)]  # fmt: skip
+    # Greedy: the same text (a stream may merge tokens that wait into one event).
+    assert "".join(texts[0]) == "".join(texts[1]) and texts[0], texts
+    assert events11[-2:] == events10[-2:] == [b"data: [DONE]", b""]

@@ -19,7 +19,10 @@ The wrapper reads Hypercorn internals (``TCPServer``'s constructor, its
 was written for (``HOOKED_HYPERCORN_VERSION``). On any other, ``install`` logs
 one warning and requests start at the app's own arrival instant.
 
-It also bounds each connection's send buffers (``SEND_BUFFER_BYTES``):
+It also gives a streamed HTTP/1.1 response a direct write of each chunk
+(``chunk_writer``), past Hypercorn's and h11's per-message layers.
+
+It bounds each connection's send buffers too (``SEND_BUFFER_BYTES``):
 a client that reads slowly then holds little memory, and its slowness shows
 as writes that wait (delivery lag) instead of vanishing into megabytes of
 autotuned buffer, where the server could never see it.

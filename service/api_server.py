@@ -99,7 +99,7 @@ class FrontDoor:
                 await send(message)  # likewise
             ended = time.time_ns()
             facts.send_wait_ns += ended - started
-            facts.bytes_sent += len(message.get("body", b""))
+            facts.bytes_sent += len(body)
             facts.last_delivered_ns = ended
             if not facts.first_delivered_ns and ctx.stream is False:
                 facts.first_delivered_ns = ended  # a whole response: one write

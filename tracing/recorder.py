@@ -42,7 +42,7 @@ from tracing.spans import (
     root_attributes,
     step_spans,
 )
-from tracing.store import TraceStore
+from tracing.store import TraceStore, prepare_appends
 
 logger = logging.getLogger(__name__)
 _STOP = object()
@@ -192,8 +192,8 @@ class Tracer:
 
     def _run(self) -> None:
         name_os_thread()
-        if self.store is not None:
-            self.store.prepare()
+        if self.store is not None:  # so that the first flush costs what the others do
+            prepare_appends()
         interval = self.config.trace_flush_interval
         last_flush, wait = time.monotonic(), interval
         events, handlers, idle = self._events, self._handlers, 0

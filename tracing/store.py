@@ -194,11 +194,6 @@ class TraceStore:
             migrate(con)
         self._migrated = True
 
-    def prepare(self) -> None:
-        """What a flush needs, loaded now (``prepare_appends``): the writer thread calls it as
-        it starts, so that the first flush costs what the others do."""
-        prepare_appends()
-
     @property
     def num_buffered_rows(self) -> int:
         return len(self._buffer)
@@ -344,8 +339,8 @@ def prepare_appends() -> None:
     import pyarrow as pa
 
     for table in TABLES:
-        schema = _arrow_schema(table)
-    pa.array([], type=schema[0].type)
+        _arrow_schema(table)
+    pa.array([], type=pa.int64())
 
 
 def _append(

@@ -79,6 +79,13 @@ LUMEN_CPU_INT4 = EnvVar(
     "if it does not build) or widen (the weight widened, then torch's product)",
 )
 
+LUMEN_CPU_INT4_LAYER = EnvVar(
+    "LUMEN_CPU_INT4_LAYER",
+    "auto",
+    "--quantization int4's decode steps on CPU: auto (each decoder layer in one native call, "
+    "where the model and the step allow; engine/worker/cpu_int4_layer.py) or off (op by op)",
+)
+
 LUMEN_AUTOTUNE = EnvVar(
     "LUMEN_AUTOTUNE",
     "cache",
@@ -105,7 +112,8 @@ LUMEN_GC = EnvVar(
 ALL = (
     LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_CPU_MATMUL,
     LUMEN_CPU_ATTENTION, LUMEN_CPU_GREEDY_HEAD, LUMEN_CPU_THREADS, LUMEN_CPU_INT8,
-    LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR, LUMEN_TOKENIZER_DIR, LUMEN_GC,
+    LUMEN_CPU_INT4, LUMEN_CPU_INT4_LAYER, LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR,
+    LUMEN_TOKENIZER_DIR, LUMEN_GC,
 )  # fmt: skip
 
 

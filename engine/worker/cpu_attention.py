@@ -54,6 +54,10 @@ class NativeDecodeAttention:
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
             self._fns[dtype] = fn
 
+    def address(self, dtype: torch.dtype) -> int:
+        """The kernel's address for a KV of ``dtype`` (a native caller calls it directly)."""
+        return ctypes.cast(self._fns[dtype], ctypes.c_void_p).value or 0
+
     def __call__(
         self,
         q: torch.Tensor,

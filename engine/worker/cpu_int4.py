@@ -1,17 +1,18 @@
 """Weight-only 4-bit (``--quantization int4``): each [out, in] weight in groups of 32 inputs,
 each group a scale, a minimum and 32 four-bit codes (value = scale * code + minimum: GGUF's
-Q4_1, with fp32 scale and minimum), activations kept in fp32.
+Q4_1, with fp32 scale and minimum).
 
 Decode at one stream is bound by the bytes of the weights it reads: 6 bits per weight here
 (4 of code, and the fp32 scale and minimum: 64 bits a group), against 8 for int8, 32 for fp32.
-A native kernel (native/int4_linear.c, built by native_build) widens the codes in registers for
-decode's matrix-vector and small-batch products; above the row count where it stops winning
-(timed at load on the model's own weight, autotune; ``LUMEN_CPU_INT4`` forces one) and without
-a C compiler the weight is widened to fp32 for the product.
+A native kernel (native/int4_linear.c, built by native_build) rounds each row of activations to
+8 bits per group of 32 (as llama.cpp's Q4 x Q8 products do) and multiplies codes by bytes with
+integer dot products (AVX-512 VNNI, else AVX2); above the row count where it stops winning
+(timed at load on the model's own weight, autotune; ``LUMEN_CPU_INT4`` forces one) and
+without a C compiler the weight is widened to fp32 for the product, with fp32 activations.
+cpu_int4_layer runs a whole decoder layer of a decode step through the same kernel.
 
 A width that is not a whole number of groups is padded with zero weights, and its
-activations with zeros, to the next group.
-"""
+activations with zeros, to the next group."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine import envs
-from engine.worker import autotune, native_build, weight_only
+from engine.worker import autotune, weight_only
 
 GROUP = 32
 TIMED_ROWS = (1, 4, 16, 64, 256)
@@ -101,25 +102,29 @@ def widened_linear(x: torch.Tensor, q: Q4Weight) -> torch.Tensor:
 
 
 class NativeInt4:
-    """The compiled kernel (for this machine's vector width)."""
+    """The compiled kernel (native/int4_linear.c): ``path`` names the vector code it runs,
+    512 (AVX-512 VNNI), 256 (AVX2) or 0 (plain C), all with the same integer sums."""
 
     def __init__(self, library: str) -> None:
-        fn = ctypes.CDLL(library).int4_linear
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        fn.restype = None
+        self.library = lib = ctypes.CDLL(library)
+        fn = lib.int4_linear
+        fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
         self._fn = fn
+        self.path = int(lib.int4_linear_path())
 
     def __call__(self, x: torch.Tensor, q: Q4Weight) -> torch.Tensor:
-        """x: [m, in] fp32 -> [m, out] fp32."""
+        """x: [m, in] fp32 -> [m, out] fp32 (x quantized to 8 bits per group of 32)."""
         if x.shape[1] != q.padded:
             x = torch.nn.functional.pad(x, (0, q.padded - x.shape[1]))
         x = x.contiguous()
         m = x.shape[0]
         y = torch.empty(m, q.out_features, dtype=torch.float32)
-        sums = torch.empty(m, q.padded // GROUP, dtype=torch.float32)
-        self._fn(x.data_ptr(), q.codes.data_ptr(), q.scale.data_ptr(), q.minimum.data_ptr(),
-                 y.data_ptr(), sums.data_ptr(), m, q.out_features, q.padded,
-                 torch.get_num_threads())  # fmt: skip
+        failed = self._fn(x.data_ptr(), q.codes.data_ptr(), q.scale.data_ptr(),
+                          q.minimum.data_ptr(), y.data_ptr(), m, q.out_features, q.padded,
+                          torch.get_num_threads())  # fmt: skip
+        if failed:
+            raise MemoryError(f"int4_linear: no memory for {m} rows of {q.padded} activations")
         return y
 
 
@@ -141,10 +146,16 @@ class Plan:
 WIDEN_ONLY = Plan(None, 0, "every product widens the weight")
 
 
-def build() -> NativeInt4:
-    """The kernel for this machine's vector width (native/int4_linear.c), compiled once."""
-    vector = native_build.vector_floats()
-    library = autotune.build(f"int4_linear_v{vector}", "int4_linear.c", (f"-DVL={vector}",))
+# A narrower path than the CPU's widest, forced at build (the tests build each the CPU runs).
+NARROWER = {"avx2": "-DLUMEN_INT4_AVX2", "plain": "-DLUMEN_INT4_PLAIN"}
+
+
+def build(narrower: str | None = None) -> NativeInt4:
+    """The kernel for this machine (native/int4_linear.c), compiled once; ``narrower``, one of
+    NARROWER, forces that path."""
+    defines = (NARROWER[narrower],) if narrower else ()
+    library = autotune.build(f"int4_linear{'_' + narrower if narrower else ''}", "int4_linear.c",
+                             defines)  # fmt: skip
     return NativeInt4(str(library))
 
 

@@ -8,7 +8,7 @@ torch's paths, as it does on CUDA, where none is made.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +19,7 @@ from engine.worker import (
     cpu_attention,
     cpu_greedy_head,
     cpu_int4,
+    cpu_int4_layer,
     cpu_int8,
     cpu_matmul,
     cpu_threads,
@@ -37,6 +38,8 @@ class CpuKernels:
     int4: cpu_int4.Plan = cpu_int4.WIDEN_ONLY
     # --quantization int4: the LM head in int8 (int8 [vocab, hidden] and its scales)
     head_q8: tuple[torch.Tensor, torch.Tensor] | None = None
+    # --quantization int4: decode steps' layers in one native call each, where they can run so
+    int4_layers: cpu_int4_layer.FusedLayers | None = None
     attention: cpu_attention.Choice | None = None  # None: not chosen yet (set once)
     threads_chosen: bool = False
 
@@ -72,9 +75,11 @@ class CpuKernels:
         autotune.log("greedy LM head", self.greedy.why)
 
     def plan_int8(
-        self, quantization: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
-    ) -> cpu_int8.Plan:
-        self.int8 = cpu_int8.plan(q, scale, dtype)
+        self, quantization: str, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+        q8: bool = False,
+    ) -> cpu_int8.Plan:  # fmt: skip
+        """``q8``: the native kernel rounds the activations to 8 bits (int4's LM head)."""
+        self.int8 = cpu_int8.plan(q, scale, dtype, q8)
         autotune.log(f"{quantization} weights", self.int8.why)
         return self.int8
 
@@ -82,6 +87,16 @@ class CpuKernels:
         self.int4 = cpu_int4.plan(q, dtype)
         autotune.log("int4 weights", self.int4.why)
         return self.int4
+
+    def fuse_int4_layers(self, layers: Sequence[Any], plan: cpu_int4.Plan) -> None:
+        """Decode steps' layers in one native call each (cpu_int4_layer), where they can."""
+        why = cpu_int4_layer.unfit(layers, plan)
+        if why is None:
+            assert plan.kernel is not None  # unfit checked
+            self.int4_layers = cpu_int4_layer.FusedLayers(layers, plan.kernel)
+            self.int4_layers.limit_rows(plan.max_rows)
+        autotune.log("int4 decode layers", (why and f"op by op: {why}") or
+                     f"one native call each, up to {cpu_int4_layer.MAX_ROWS} rows")  # fmt: skip
 
     def choose_attention(
         self, group: int, head_dim: int, kv_dtype: torch.dtype

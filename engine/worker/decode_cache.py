@@ -55,6 +55,20 @@ class DecodePlan:
         assert self.window_mask is not None  # the cache has a window
         return replace(self, mask=self.window_mask, native=False)
 
+    def mirror(
+        self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's mirror (K and V: [slots, KVH, width, D]), its moves and fills done
+        (``k_cache``, ``v_cache``: the layer's paged cache they fill from)."""
+        kb, vb = self.cache.k[layer], self.cache.v[layer]
+        for src, dst, n in self.moves:
+            kb[dst, :, :n] = kb[src, :, :n]
+            vb[dst, :, :n] = vb[src, :, :n]
+        for slot, n, blocks in self.fills:
+            kb[slot, :, :n] = _blocks(k_cache, blocks)[:n].transpose(0, 1)
+            vb[slot, :, :n] = _blocks(v_cache, blocks)[:n].transpose(0, 1)
+        return kb, vb
+
     def attention(
         self,
         layer: int,
@@ -66,13 +80,7 @@ class DecodePlan:
         scale: float,
     ) -> torch.Tensor:
         """Attention of the decode rows (q, k, v: [nd, heads, D]) over their slots."""
-        kb, vb = self.cache.k[layer], self.cache.v[layer]
-        for src, dst, n in self.moves:
-            kb[dst, :, :n] = kb[src, :, :n]
-            vb[dst, :, :n] = vb[src, :, :n]
-        for slot, n, blocks in self.fills:
-            kb[slot, :, :n] = _blocks(k_cache, blocks)[:n].transpose(0, 1)
-            vb[slot, :, :n] = _blocks(v_cache, blocks)[:n].transpose(0, 1)
+        kb, vb = self.mirror(layer, k_cache, v_cache)
         if self.cache.native is not None and self.native:  # it writes the rows' K and V
             return self.cache.native(q, k, v, kb, vb, self.slot_idx, self.positions, scale)
         kb[self.slot_idx, :, self.positions] = k.to(kb.dtype)

@@ -262,13 +262,21 @@ class LlamaForCausalLM(nn.Module):
         # The local layers' RoPE (Gemma 3) and sliding window, where the model has them.
         local = rotary.local.lookup(positions, h.dtype) if rotary.local is not None else tables
         local_meta = meta.local or meta
+        fused = self.kernels.int4_layers
+        if fused is not None and (out := fused.forward(h, tables, kv_caches, meta)) is not None:
+            return self.final(out[logits_indices], head)
         for layer, kv_cache in zip(self.decoder_layers, kv_caches):
             if layer.local:
                 h = layer(h, local, kv_cache, local_meta)
             else:
                 h = layer(h, tables, kv_cache, meta)
-        h = self.norm(h[logits_indices])
-        return self.logits(h) if head else h
+        return self.final(h[logits_indices], head)
+
+    def final(self, h: torch.Tensor, logits: bool = True) -> torch.Tensor:
+        """The final norm over ``h``, then the logits (or, with ``logits=False``, the normed
+        hidden states, for ``logits`` or ``greedy_tokens``)."""
+        h = self.norm(h)
+        return self.logits(h) if logits else h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if self.kernels.head_q8 is not None:
@@ -341,7 +349,8 @@ class LlamaForCausalLM(nn.Module):
             plan4 = self.kernels.plan_int4(first.q4, dtype)
             for module in linears:
                 module.int4 = plan4
-            self.kernels.plan_int8("int4's LM head, int8", q, scale, dtype)
+            self.kernels.fuse_int4_layers(self.decoder_layers, plan4)
+            self.kernels.plan_int8("int4's LM head, int8", q, scale, dtype, q8=True)
             return
         assert first.qweight is not None and first.scale is not None  # quantize set them
         if first.qweight.device.type != "cpu":

@@ -183,10 +183,13 @@ def test_a_packaged_model_is_assembled_from_its_parts_and_held_to_its_checksum(
 @pytest.mark.parametrize("layers", ["Q4_0", "Q4_1"])
 def test_int4_keeps_a_gguf_files_own_4_bit_values(
     layers: str, tmp_path: Path, home: Path, default_model_path: Path,
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """A file's Q4 layers run under --quantization int4 on the file's own grid: every product
-    is kept (none refitted), and the greedy tokens are transformers' reading the same file."""
+    is kept (none refitted), and the greedy tokens are transformers' reading the same file
+    (with fp32 activations: the native kernels round them to 8 bits, so they widen here)."""
+    monkeypatch.setenv("LUMEN_CPU_INT4", "widen")
+    monkeypatch.setenv("LUMEN_CPU_INT8", "widen")
     gguf = write_tiny_llama_gguf(tmp_path / f"tiny-{layers}.gguf", default_model_path,
                                  layers=layers)  # fmt: skip
     folder = resolve_model(str(gguf), log=lambda _: None)

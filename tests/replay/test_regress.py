@@ -60,6 +60,11 @@ def test_the_measured_layer_names_each_slower_path(
     """Unchanged code passes; a sleep at each site (the scheduler, the core's output path, the
     frontend's emit path) fails, naming that site's figure, confirmed by re-measuring."""
     model = str(tiny_model_path)
+    # The tiny model's step is about a millisecond, so its overhead shares are noisy: one
+    # unchanged check on a loaded machine saw core.output at 0.245 of a step against a baseline
+    # of 0.123 (tolerance 0.067, from 3 runs). The sleeps below add 2 steps (2.0), so a floor of
+    # half a step still tells them apart from noise.
+    monkeypatch.setattr(regress, "MIN_TOLERANCE", 0.5)
     baseline = regress.update_baseline(folder, model, FAST)
     noise = {
         k: v["tolerance"] and round(v["tolerance"], 3) for k, v in baseline["measured"].items()

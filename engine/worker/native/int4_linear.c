@@ -1,102 +1,354 @@
-/* Weight-only 4-bit products, the weight widened in registers (engine/worker/cpu_int4.py loads
- * it). Compiled by native_build with -DVL=<fp32 lanes per vector>, 8 or 16.
+/* Weight-only 4-bit products against 8-bit activations (engine/worker/cpu_int4.py loads it):
+ * llama.cpp's Q4_1 x Q8 dot product. Compiled by native_build; three paths compute the same
+ * integer sums: AVX-512 VNNI (vpdpbusd, 128 weights an instruction pair), AVX2 (vpmaddubsw),
+ * and plain C. -DLUMEN_INT4_AVX2 or -DLUMEN_INT4_PLAIN forces a narrower one (the tests build
+ * each where the CPU runs it).
  *
  * A weight row of k values is k / 32 groups; group g of row j has a scale d[j, g], a minimum
  * mn[j, g] and 16 bytes of codes, GGUF's Q4_1 block layout: byte i holds element i in its low
  * nibble and element i + 16 in its high one, and the value is d * code + mn (code 0..15).
- * So y[r, j] = sum_g d[j, g] * (codes_g . x_g) + mn[j, g] * sum(x_g), the second sum taken once
- * per row and group. */
+ *
+ * Each row of x is quantized per group of 32 first: dx = max|x| / 127 and xq = round(x / dx)
+ * (half to even; 0 for an all-zero group), beside the group's exact fp32 sum xs. Then
+ *   y[r, j] = sum_g d[j, g] * dx[g] * (codes_g . xq_g) + mn[j, g] * xs[g],
+ * the dot product of codes and xq exact in int32. x's groups are laid out in blocks of four
+ * groups to match the codes: a block's 64 bytes of codes, split into low nibbles and high
+ * ones, are two 64-byte vectors [g0 e0-15, g1 e0-15, g2 e0-15, g3 e0-15] and the same for
+ * e16-31, so a block's xq is stored in that order, and its int32 lanes 4g..4g+3 sum group g. */
 
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 #define GROUP 32
 #define HALF 16
+#define BLOCK 4                 /* groups per block */
+#define BLOCK_X (BLOCK * GROUP)  /* 128 activations, 64 bytes of codes */
+#define TILE 4                  /* weight rows per task, sharing each load of x */
 
-typedef float vf __attribute__((vector_size(VL * 4)));
-
-static inline vf load_f(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-
-/* VL codes from VL bytes: the low nibbles (elements c..c+VL) and the high ones (+16). */
-static inline void load_codes(const uint8_t *p, vf *lo, vf *hi) {
-#if VL == 16 && defined(__AVX512F__)
-    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    __m512 l = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    __m512 h = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
-    memcpy(lo, &l, sizeof *lo);
-    memcpy(hi, &h, sizeof *hi);
-#elif VL == 8 && defined(__AVX2__)
-    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    __m256 l = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-    __m256 h = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
-    memcpy(lo, &l, sizeof *lo);
-    memcpy(hi, &h, sizeof *hi);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
+    && !defined(LUMEN_INT4_AVX2) && !defined(LUMEN_INT4_PLAIN)
+#define PATH 512
+#elif defined(__AVX2__) && defined(__FMA__) && !defined(LUMEN_INT4_PLAIN)
+#define PATH 256
 #else
-    for (int i = 0; i < VL; i++) { (*lo)[i] = (float)(p[i] & 15); (*hi)[i] = (float)(p[i] >> 4); }
+#define PATH 0
 #endif
-}
 
-static inline float hsum(vf v) {
-    float s = 0.f;
-    for (int i = 0; i < VL; i++) s += v[i];
-    return s;
-}
+/* The path compiled in: 512, 256 or 0 (plain C). */
+int int4_linear_path(void) { return PATH; }
 
-/* One row of x against TILE weight rows at once (rows[t]: their offsets in rows of q, d, mn):
- * each group's x is loaded once for all of them, and their sums are independent chains. TILE
- * is a constant, so the accumulators stay in registers. */
-#define TILE 4
-static inline void dot_rows(const float *x, const float *xs, const uint8_t *q, const float *d,
-                            const float *mn, int64_t groups, int64_t stride,
-                            const int64_t *rows, float *out) {
-    vf acc[TILE] = {{0}};
-    float shift[TILE] = {0};
+/* One row of x: xq [blocks * 128] int8 in block order, dxe [blocks * 16] (each group's dx
+ * four times, as its int32 lanes), xs [blocks * 4]; groups past k / 32 are zero. */
+static void quantize_row(const float *x, int64_t groups, int64_t blocks, int8_t *xq,
+                         float *dxe, float *xs) {
+    memset(xq, 0, (size_t)blocks * BLOCK_X);
+    memset(dxe, 0, (size_t)blocks * 16 * sizeof(float));
+    memset(xs, 0, (size_t)blocks * BLOCK * sizeof(float));
+    const float inv127 = 1.0f / 127.0f;  /* folded at compile time, correctly rounded */
     for (int64_t g = 0; g < groups; g++) {
         const float *xg = x + g * GROUP;
-        vf xl[HALF / VL], xh[HALF / VL];
-        for (int c = 0; c < HALF / VL; c++) {
-            xl[c] = load_f(xg + c * VL);
-            xh[c] = load_f(xg + HALF + c * VL);
+        float amax = 0.f, sum = 0.f;
+        for (int i = 0; i < GROUP; i++) {
+            float a = fabsf(xg[i]);
+            amax = a > amax ? a : amax;
+            sum += xg[i];
         }
-        for (int t = 0; t < TILE; t++) {
-            const uint8_t *qg = q + rows[t] * stride + g * HALF;
-            vf part = {0};
-            for (int c = 0; c < HALF / VL; c++) {
-                vf lo, hi;
-                load_codes(qg + c * VL, &lo, &hi);
-                part += lo * xl[c] + hi * xh[c];
-            }
-            acc[t] += part * d[rows[t] * groups + g];  /* a scalar operand: one broadcast */
-            shift[t] += mn[rows[t] * groups + g] * xs[g];
+        const float d = amax * inv127;
+        const float id = d != 0.f ? 1.0f / d : 0.f;
+        int8_t *block = xq + (g / BLOCK) * BLOCK_X + (g % BLOCK) * HALF;
+        for (int i = 0; i < GROUP; i++) {
+            float v = nearbyintf(xg[i] * id);
+            v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+            block[i < HALF ? i : BLOCK * HALF + i - HALF] = (int8_t)v;
         }
+        for (int i = 0; i < 4; i++) dxe[g * 4 + i] = d;
+        xs[g] = sum;
     }
-    for (int t = 0; t < TILE; t++) out[t] = hsum(acc[t]) + shift[t];
 }
 
-/* y[m, n] = x[m, k] . w[n, k] with w in 4-bit groups (above); x, y fp32; k % 32 == 0.
- * xs: [m, k / 32] scratch for the per-group sums of x. */
-void int4_linear(const float *x, const uint8_t *q, const float *d, const float *mn, float *y,
-                 float *xs, int64_t m, int64_t n, int64_t k, int threads) {
-    const int64_t groups = k / GROUP;
-    for (int64_t i = 0; i < m; i++)
-        for (int64_t g = 0; g < groups; g++) {
-            float s = 0.f;
-            for (int t = 0; t < GROUP; t++) s += x[i * k + g * GROUP + t];
-            xs[i * groups + g] = s;
+/* Per path: a weight row's block (codes_t: its 128 codes unpacked and its four scales as the
+ * int32 lanes they apply to), loaded once for up to MR rows of x; the accumulator of one row
+ * of x against one weight row (acc_t), and the step that adds one block of x to it. */
+#if PATH == 512
+typedef struct { __m512i lo, hi; __m512 d; } codes_t;
+typedef __m512 acc_t;
+static inline void codes_load(codes_t *w, const uint8_t *c, const float *d4) {
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i codes = _mm512_loadu_si512(c);
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    w->lo = _mm512_and_si512(codes, low);
+    w->hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low);
+    w->d = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(d4)));
+}
+static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
+static inline acc_t acc_add(acc_t a, const codes_t *w, const int8_t *xb, const float *dxb) {
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w->lo, _mm512_loadu_si512(xb));
+    dot = _mm512_dpbusd_epi32(dot, w->hi, _mm512_loadu_si512(xb + 64));
+    return _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(dxb)), w->d,
+                           a);
+}
+static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
+#elif PATH == 256
+typedef struct { __m256i lo[2], hi[2]; __m256 d[2]; } codes_t;
+typedef __m256 acc_t;
+static inline void codes_load(codes_t *w, const uint8_t *c, const float *d4) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int h = 0; h < 2; h++) {  /* groups 2h and 2h + 1 */
+        const __m256i codes = _mm256_loadu_si256((const __m256i *)(c + 32 * h));
+        w->lo[h] = _mm256_and_si256(codes, low);
+        w->hi[h] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
+        w->d[h] = _mm256_set_m128(_mm_set1_ps(d4[2 * h + 1]), _mm_set1_ps(d4[2 * h]));
+    }
+}
+static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
+static inline acc_t acc_add(acc_t a, const codes_t *w, const int8_t *xb, const float *dxb) {
+    for (int h = 0; h < 2; h++) {
+        const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 32 * h));
+        const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 + 32 * h));
+        /* pairs of u8 x s8 in int16: at most 2 * 15 * 127 each, twice that summed */
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w->lo[h], xl),
+                                               _mm256_maddubs_epi16(w->hi[h], xh));
+        const __m256i dot = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+        a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dxb + 8 * h)),
+                            w->d[h], a);
+    }
+    return a;
+}
+static inline float acc_sum(acc_t a) {
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    return _mm_cvtss_f32(v);
+}
+#else
+typedef struct { const uint8_t *c; const float *d4; } codes_t;
+typedef float acc_t;
+static inline void codes_load(codes_t *w, const uint8_t *c, const float *d4) {
+    w->c = c;
+    w->d4 = d4;
+}
+static inline acc_t acc_zero(void) { return 0.f; }
+static inline acc_t acc_add(acc_t a, const codes_t *w, const int8_t *xb, const float *dxb) {
+    for (int g = 0; g < BLOCK; g++) {
+        int32_t dot = 0;
+        for (int i = 0; i < HALF; i++) {
+            const uint8_t byte = w->c[g * HALF + i];
+            dot += (byte & 15) * xb[g * HALF + i] + (byte >> 4) * xb[64 + g * HALF + i];
         }
+        a += (float)dot * dxb[4 * g] * w->d4[g];
+    }
+    return a;
+}
+static inline float acc_sum(acc_t a) { return a; }
+#endif
+
+/* The quantized rows of x, each ``blocks`` blocks long. */
+typedef struct { const int8_t *q; const float *dxe, *xs; int64_t blocks; } xrows_t;
+
+/* ``mr`` (1 to MR, a constant where inlined) rows of x from row i against TILE weight rows
+ * (rows[t]: their indices): out[r][t]. Each weight block is unpacked once for all mr rows.
+ * A last, partial block is copied, zero-padded, so no load runs past a row or the weight. */
+#define MR 4
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+/* ``blocks`` blocks from the ones w[t], d4[t], xq and dxe point at */
+ALWAYS_INLINE void dot_blocks(acc_t acc[TILE][MR], const int mr, const int8_t *xq,
+                              const float *dxe, int64_t xstride, int64_t dstride,
+                              const uint8_t *const w[TILE], const float *const d4[TILE],
+                              int64_t blocks) {
+    for (int64_t b = 0; b < blocks; b++)
+        for (int t = 0; t < TILE; t++) {
+            codes_t c;
+            codes_load(&c, w[t] + b * 64, d4[t] + b * BLOCK);
+            for (int r = 0; r < mr; r++)
+                acc[t][r] = acc_add(acc[t][r], &c, xq + r * xstride + b * BLOCK_X,
+                                    dxe + r * dstride + b * 16);
+        }
+}
+
+ALWAYS_INLINE void dot_tile(const xrows_t *x, int64_t i, const int mr, const uint8_t *q,
+                            const float *d, const float *mn, int64_t groups,
+                            const int64_t *rows, float out[MR][TILE]) {
+    const int64_t full = groups / BLOCK, rest = groups % BLOCK, stride = groups * HALF;
+    const int64_t xstride = x->blocks * BLOCK_X, dstride = x->blocks * 16;
+    const int8_t *xq = x->q + i * xstride;
+    const float *dxe = x->dxe + i * dstride;
+    const uint8_t *w[TILE];
+    const float *d4[TILE];
+    for (int t = 0; t < TILE; t++) {
+        w[t] = q + rows[t] * stride;
+        d4[t] = d + rows[t] * groups;
+    }
+    acc_t acc[TILE][MR];
+    for (int t = 0; t < TILE; t++)
+        for (int r = 0; r < mr; r++) acc[t][r] = acc_zero();
+    dot_blocks(acc, mr, xq, dxe, xstride, dstride, w, d4, full);
+    if (rest) {  /* the last, partial block, copied and zero-padded */
+        uint8_t c[TILE][64] = {{0}};
+        float s[TILE][BLOCK] = {{0}};
+        const uint8_t *wt[TILE];
+        const float *st[TILE];
+        for (int t = 0; t < TILE; t++) {
+            memcpy(c[t], w[t] + full * 64, (size_t)rest * HALF);
+            memcpy(s[t], d4[t] + full * BLOCK, (size_t)rest * sizeof(float));
+            wt[t] = c[t];
+            st[t] = s[t];
+        }
+        dot_blocks(acc, mr, xq + full * BLOCK_X, dxe + full * 16, xstride, dstride, wt, st, 1);
+    }
+    /* the minimums' term: mn[j, :] . xs[i, :] */
+    for (int t = 0; t < TILE; t++)
+        for (int r = 0; r < mr; r++) {
+            const float *m = mn + rows[t] * groups, *s = x->xs + (i + r) * x->blocks * BLOCK;
+            float shift = 0.f;
+            for (int64_t g = 0; g < groups; g++) shift += m[g] * s[g];
+            out[r][t] = acc_sum(acc[t][r]) + shift;
+        }
+}
+
+/* y[m, n] = x[m, k] . w[n, k] with w in 4-bit groups and x quantized as above; x, y fp32;
+ * k % 32 == 0. Returns 0, or -1 where scratch could not be allocated. */
+int int4_linear(const float *x, const uint8_t *q, const float *d, const float *mn, float *y,
+                int64_t m, int64_t n, int64_t k, int threads) {
+    const int64_t groups = k / GROUP, blocks = (groups + BLOCK - 1) / BLOCK;
+    int8_t *xq = malloc((size_t)(m * blocks * BLOCK_X));
+    float *dxe = malloc((size_t)(m * blocks * 16) * sizeof(float));
+    float *xs = malloc((size_t)(m * blocks * BLOCK) * sizeof(float));
+    if (!xq || !dxe || !xs) {
+        free(xq), free(dxe), free(xs);
+        return -1;
+    }
+    for (int64_t i = 0; i < m; i++)
+        quantize_row(x + i * k, groups, blocks, xq + i * blocks * BLOCK_X,
+                     dxe + i * blocks * 16, xs + i * blocks * BLOCK);
+    const xrows_t xr = {xq, dxe, xs, blocks};
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j += TILE) {
         const int r = n - j < TILE ? (int)(n - j) : TILE;
         int64_t rows[TILE];  /* a last, partial tile repeats its last row */
-        for (int t = 0; t < TILE; t++) rows[t] = t < r ? t : r - 1;
-        for (int64_t i = 0; i < m; i++) {
-            float out[TILE];
-            dot_rows(x + i * k, xs + i * groups, q + j * (k / 2), d + j * groups,
-                     mn + j * groups, groups, k / 2, rows, out);
-            for (int t = 0; t < r; t++) y[i * n + j + t] = out[t];
+        for (int t = 0; t < TILE; t++) rows[t] = j + (t < r ? t : r - 1);
+        float out[MR][TILE];
+        for (int64_t i = 0; i < m; i += MR) {
+            const int mr = m - i < MR ? (int)(m - i) : MR;
+            switch (mr) {  /* each a constant, so the accumulators stay in registers */
+            case 1: dot_tile(&xr, i, 1, q, d, mn, groups, rows, out); break;
+            case 2: dot_tile(&xr, i, 2, q, d, mn, groups, rows, out); break;
+            case 3: dot_tile(&xr, i, 3, q, d, mn, groups, rows, out); break;
+            default: dot_tile(&xr, i, MR, q, d, mn, groups, rows, out); break;
+            }
+            for (int a = 0; a < mr; a++)
+                for (int t = 0; t < r; t++) y[(i + a) * n + j + t] = out[a][t];
         }
     }
+    free(xq), free(dxe), free(xs);
+    return 0;
+}
+
+/* ---- A whole Llama decoder layer for a few decode rows (engine/worker/cpu_int4_layer.py):
+ * the same steps as DecoderLayer.forward with every product in 4 bits, in one call, so that
+ * a one-stream step runs no Python between its 30 layers' ops. */
+
+typedef struct {
+    const uint8_t *codes;
+    const float *d, *mn;
+    int64_t n, k;  /* out, in (a whole number of groups) */
+} q4_t;
+
+/* decode_attention_f32 (native/decode_attention.c), its address handed in from Python */
+typedef int (*attention_fn)(const float *q, float *out, const float *k_new, const float *v_new,
+                            float *k, float *v, const int64_t *slots, const int64_t *positions,
+                            int64_t rows, int64_t kvh, int64_t slot_stride, int64_t head_stride,
+                            float scale, int threads);
+
+typedef struct {
+    q4_t qkv, o, gate_up, down;
+    const float *norm_in, *norm_mlp;  /* input_layernorm, post_attention_layernorm */
+    float eps, scale;
+    int64_t heads, kv_heads, head_dim;
+    attention_fn attention;
+} layer_t;
+
+typedef struct {
+    const float *cos, *sin;            /* [m, head_dim]: each row's rotary tables */
+    const int64_t *slot_mapping;       /* [m]: each row's row of the paged KV cache */
+    float *k_cache, *v_cache;          /* the paged cache, [rows, kv_heads, head_dim] */
+    float *kb, *vb;                    /* this layer's decode mirror */
+    const int64_t *slots, *positions;  /* [m]: each row's mirror slot and position */
+    int64_t slot_stride, head_stride;
+} step_t;
+
+static int product(const q4_t *w, const float *x, int64_t m, float *y, int threads) {
+    return int4_linear(x, w->codes, w->d, w->mn, y, m, w->n, w->k, threads);
+}
+
+/* out = x * rsqrt(mean(x^2) + eps) * w, each of m rows of n */
+static void rms_norm(const float *x, const float *w, float eps, int64_t m, int64_t n,
+                     float *out) {
+    for (int64_t i = 0; i < m; i++) {
+        const float *xr = x + i * n;
+        float ss = 0.f;
+        for (int64_t j = 0; j < n; j++) ss += xr[j] * xr[j];
+        const float r = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t j = 0; j < n; j++) out[i * n + j] = xr[j] * r * w[j];
+    }
+}
+
+/* Hugging Face's rotate_half form: out = x * cos + cat(-x[half:], x[:half]) * sin */
+static void rotate(const float *x, const float *cos, const float *sin, int64_t dim,
+                   float *out) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+        out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+    }
+}
+
+/* h [m, hidden] in place: h += attention(norm(h)); h += mlp(norm(h)). Returns 0, or -1 where
+ * memory or the attention kernel failed. */
+int int4_decode_layer(const layer_t *L, const step_t *S, float *h, int64_t m, int threads) {
+    const int64_t hidden = L->qkv.k, D = L->head_dim, inter = L->down.k;
+    const int64_t qs = L->heads * D, kvs = L->kv_heads * D, width = qs + 2 * kvs;
+    float *buf = malloc(sizeof(float) * (size_t)m
+                        * (size_t)(hidden + width + qs + 2 * kvs + qs + hidden + 2 * inter + inter));
+    if (!buf) return -1;
+    float *xn = buf, *qkv = xn + m * hidden, *q = qkv + m * width, *k = q + m * qs,
+          *v = k + m * kvs, *attn = v + m * kvs, *o = attn + m * qs, *gu = o + m * hidden,
+          *act = gu + m * 2 * inter;
+    int failed = 0;
+    rms_norm(h, L->norm_in, L->eps, m, hidden, xn);
+    failed |= product(&L->qkv, xn, m, qkv, threads);
+    for (int64_t r = 0; r < m && !failed; r++) {
+        const float *row = qkv + r * width, *cos = S->cos + r * D, *sin = S->sin + r * D;
+        for (int64_t a = 0; a < L->heads; a++) rotate(row + a * D, cos, sin, D, q + r * qs + a * D);
+        for (int64_t a = 0; a < L->kv_heads; a++)
+            rotate(row + qs + a * D, cos, sin, D, k + r * kvs + a * D);
+        memcpy(v + r * kvs, row + qs + kvs, sizeof(float) * (size_t)kvs);
+        memcpy(S->k_cache + S->slot_mapping[r] * kvs, k + r * kvs, sizeof(float) * (size_t)kvs);
+        memcpy(S->v_cache + S->slot_mapping[r] * kvs, v + r * kvs, sizeof(float) * (size_t)kvs);
+    }
+    if (!failed)
+        failed |= L->attention(q, attn, k, v, S->kb, S->vb, S->slots, S->positions, m,
+                               L->kv_heads, S->slot_stride, S->head_stride, L->scale, threads);
+    if (!failed) failed |= product(&L->o, attn, m, o, threads);
+    if (!failed) {
+        for (int64_t j = 0; j < m * hidden; j++) h[j] += o[j];
+        rms_norm(h, L->norm_mlp, L->eps, m, hidden, xn);
+        failed |= product(&L->gate_up, xn, m, gu, threads);
+    }
+    if (!failed) {
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t j = 0; j < inter; j++) {
+                const float g = gu[r * 2 * inter + j], u = gu[r * 2 * inter + inter + j];
+                act[r * inter + j] = g / (1.0f + expf(-g)) * u;
+            }
+        failed |= product(&L->down, act, m, o, threads);
+    }
+    if (!failed)
+        for (int64_t j = 0; j < m * hidden; j++) h[j] += o[j];
+    free(buf);
+    return failed ? -1 : 0;
 }

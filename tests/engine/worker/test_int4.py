@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.worker import cpu_int4
+from engine.worker import cpu_int4, native_build
 from tests.helpers.native import built
 
 
@@ -28,25 +28,59 @@ def test_quantize_is_per_group_and_within_half_a_step() -> None:
     assert torch.equal(q.codes[0, :16], codes[:16] | (codes[16:] << 4))
 
 
-@pytest.fixture(scope="module")
-def kernel() -> cpu_int4.NativeInt4:
-    return built(cpu_int4.build)
+def q8_reference(x: torch.Tensor, q: cpu_int4.Q4Weight) -> torch.Tensor:
+    """The kernel's product in float64: x quantized per group of 32 to int8 (dx = max|x| / 127
+    in fp32, round half to even), each group's dot product with the codes exact, then scaled,
+    plus each group's minimum times the exact sum of its x."""
+    xp = torch.nn.functional.pad(x, (0, q.padded - x.shape[1])).reshape(x.shape[0], -1, 32)
+    dx = xp.abs().amax(dim=2) * torch.tensor(1 / 127, dtype=torch.float32)
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    xq = torch.round(xp * inv[..., None]).clamp(-127, 127).double()
+    c = q.codes.reshape(q.out_features, -1, 16)
+    codes = torch.cat([c & 15, c >> 4], dim=2).double()
+    dots = torch.einsum("mgi,ngi->mng", xq, codes)
+    scaled = (dots * dx.double()[:, None, :] * q.scale.double()[None]).sum(dim=2)
+    return scaled + xp.double().sum(dim=2) @ q.minimum.double().t()
+
+
+def _paths() -> list[str | None]:
+    """The kernel's vector paths this CPU runs: its widest (None), then the narrower ones."""
+    flags = native_build.cpu_key()
+    return [None, *(["avx2"] if " avx2" in flags and " fma" in flags else []), "plain"]
+
+
+@pytest.fixture(scope="module", params=_paths())
+def kernel(request: pytest.FixtureRequest) -> cpu_int4.NativeInt4:
+    return built(lambda: cpu_int4.build(request.param))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 33])
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 40), (64, 96), (130, 576)])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 40), (64, 96), (130, 576), (9, 1568)])
 def test_native_kernel_equals_a_float64_reference(
     kernel: cpu_int4.NativeInt4, rows: int, n: int, k: int
 ) -> None:
+    """Every path (the CPU's widest and each narrower one it runs) computes the same sums;
+    the 8-bit activations stay within 3% of the product with fp32 ones (a random x, the
+    largest error against the largest output)."""
     torch.manual_seed(rows * n + k)
     q = cpu_int4.quantize(torch.randn(n, k))
     x = torch.randn(rows, k)
-    want = x.double() @ cpu_int4.dequantize(q).double().t()
+    x[0, :32] = 0  # an all-zero group
     got = kernel(x, q)
     assert got.shape == (rows, n) and got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(cpu_int4.widened_linear(x, q).double(), want,
+    torch.testing.assert_close(got.double(), q8_reference(x, q), rtol=1e-4, atol=1e-4)
+    exact = x.double() @ cpu_int4.dequantize(q).double().t()
+    assert (got.double() - exact).abs().max() <= 0.03 * exact.abs().max()
+    torch.testing.assert_close(cpu_int4.widened_linear(x, q).double(), exact,
                                rtol=1e-4, atol=1e-4)  # fmt: skip
+
+
+def test_the_widest_path_is_the_one_the_cpu_has() -> None:
+    kernel = built(cpu_int4.build)
+    flags = native_build.cpu_key()
+    vnni = all(f" {f}" in flags for f in ("avx512_vnni", "avx512bw", "avx512vl"))
+    want = 512 if vnni else 256 if " avx2" in flags and " fma" in flags else 0
+    assert kernel.path == want
 
 
 def test_greedy_ties_break_as_torch_does(kernel: cpu_int4.NativeInt4) -> None:
@@ -63,8 +97,9 @@ def test_greedy_ties_break_as_torch_does(kernel: cpu_int4.NativeInt4) -> None:
 
 
 def test_the_plan_times_the_kernel_and_falls_back_where_it_cannot_run(
-    kernel: cpu_int4.NativeInt4, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    built(cpu_int4.build)
     q = cpu_int4.quantize(torch.randn(64, 64))
     monkeypatch.setenv("LUMEN_AUTOTUNE", "retune")
     plan = cpu_int4.plan(q, torch.float32)
@@ -81,8 +116,8 @@ def test_the_plan_times_the_kernel_and_falls_back_where_it_cannot_run(
     native = cpu_int4.plan(q, torch.float32)
     assert native.max_rows > 1 << 40
     x = torch.randn(2, 5, 64)  # a batch of rows of any shape
-    torch.testing.assert_close(native.linear(x, q), x @ cpu_int4.dequantize(q).t(),
-                               rtol=1e-4, atol=1e-4)  # fmt: skip
+    want = q8_reference(x.reshape(-1, 64), q).float().reshape(2, 5, 64)
+    torch.testing.assert_close(native.linear(x, q), want, rtol=1e-4, atol=1e-4)
     monkeypatch.setenv("LUMEN_CPU_INT4", "fast")
     with pytest.raises(ValueError, match="LUMEN_CPU_INT4 must be one of auto, native, widen"):
         cpu_int4.plan(q, torch.float32)

@@ -1,12 +1,13 @@
 """Weight-only int8 (engine.worker.cpu_int8): the quantization, the native kernel against the
-widened product, and the plan chosen at load."""
+widened product, its 8-bit activations form (int4's LM head) against a float64 reference, and
+the plan chosen at load."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.worker import cpu_int8
+from engine.worker import cpu_int8, native_build
 from tests.helpers.native import built
 
 
@@ -77,3 +78,39 @@ def test_the_plan_times_the_kernel_and_falls_back_where_it_cannot_run(
     odd_q, odd_scale = cpu_int8.quantize(torch.randn(6, 64))  # 6 outputs: not in tiles of 4
     assert not kernel.fits(odd_q)
     assert cpu_int8.plan(odd_q, odd_scale, torch.float32).kernel is None
+
+
+def q8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8_q8_linear in float64: x rounded per group of 32 to int8 (dx = max|x| / 127 in
+    fp32, half to even), each group's dot product exact, scaled by dx and the row's scale."""
+    xp = x.reshape(x.shape[0], -1, 32)
+    dx = xp.abs().amax(dim=2) * torch.tensor(1 / 127, dtype=torch.float32)
+    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
+    xq = torch.round(xp * inv[..., None]).clamp(-127, 127).double()
+    w = q.reshape(q.shape[0], -1, 32).double()
+    return torch.einsum("mgi,ngi,mg->mn", xq, w, dx.double()) * scale.double()
+
+
+def _q8_paths() -> list[str | None]:
+    flags = native_build.cpu_key()
+    return [None, *(["avx2"] if " avx2" in flags and " fma" in flags else []), "plain"]
+
+
+@pytest.mark.parametrize("narrower", _q8_paths())
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 96), (130, 576), (5, 64)])
+def test_q8_kernel_equals_a_float64_reference(
+    narrower: str | None, rows: int, n: int, k: int
+) -> None:
+    """int4's LM head: every path (the CPU's widest, each narrower one it runs) gives the same
+    sums, odd group counts (96: three) included; within 3% of the fp32 activations' product."""
+    kernel = built(lambda: cpu_int8.build(q8=True, narrower=narrower))
+    torch.manual_seed(rows * n + k)
+    q, scale = cpu_int8.quantize(torch.randn(n, k))
+    x = torch.randn(rows, k)
+    x[0, :32] = 0  # an all-zero group
+    got = kernel(x, q, scale)
+    assert got.shape == (rows, n) and kernel.fits(q)
+    torch.testing.assert_close(got.double(), q8_reference(x, q, scale), rtol=1e-4, atol=1e-4)
+    exact = cpu_int8.widened_linear(x.double(), q, scale.double())
+    assert (got.double() - exact).abs().max() <= 0.03 * exact.abs().max()

@@ -98,8 +98,10 @@ class FusedLayers:
         self._described: list[_Layer] = []
         self._attention = 0  # the address the descriptions hold
 
-    def limit_rows(self, rows: int) -> None:
+    def limit_rows(self, rows: int) -> int:
+        """At most ``rows`` rows a step (the int4 plan's); returns the limit now."""
         self._max_rows = min(MAX_ROWS, rows)
+        return self._max_rows
 
     def _describe(self, attention: int) -> list[_Layer]:
         if self._attention != attention:

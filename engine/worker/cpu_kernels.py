@@ -91,12 +91,13 @@ class CpuKernels:
     def fuse_int4_layers(self, layers: Sequence[Any], plan: cpu_int4.Plan) -> None:
         """Decode steps' layers in one native call each (cpu_int4_layer), where they can."""
         why = cpu_int4_layer.unfit(layers, plan)
-        if why is None:
-            assert plan.kernel is not None  # unfit checked
-            self.int4_layers = cpu_int4_layer.FusedLayers(layers, plan.kernel)
-            self.int4_layers.limit_rows(plan.max_rows)
-        autotune.log("int4 decode layers", (why and f"op by op: {why}") or
-                     f"one native call each, up to {cpu_int4_layer.MAX_ROWS} rows")  # fmt: skip
+        if why is not None:
+            autotune.log("int4 decode layers", f"op by op: {why}")
+            return
+        assert plan.kernel is not None  # unfit checked
+        self.int4_layers = cpu_int4_layer.FusedLayers(layers, plan.kernel)
+        rows = self.int4_layers.limit_rows(plan.max_rows)
+        autotune.log("int4 decode layers", f"one native call each, up to {rows} rows")
 
     def choose_attention(
         self, group: int, head_dim: int, kv_dtype: torch.dtype

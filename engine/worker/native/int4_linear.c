@@ -52,22 +52,23 @@ static void quantize_row(const float *x, int64_t groups, int64_t blocks, int8_t 
     const float inv127 = 1.0f / 127.0f;  /* folded at compile time, correctly rounded */
     for (int64_t g = 0; g < groups; g++) {
         const float *xg = x + g * GROUP;
-        float amax = 0.f, sum = 0.f;
+        float amax = 0.f;
         for (int i = 0; i < GROUP; i++) {
             float a = fabsf(xg[i]);
             amax = a > amax ? a : amax;
-            sum += xg[i];
         }
         const float d = amax * inv127;
         const float id = d != 0.f ? 1.0f / d : 0.f;
         int8_t *block = xq + (g / BLOCK) * BLOCK_X + (g % BLOCK) * HALF;
+        int32_t sum = 0;
         for (int i = 0; i < GROUP; i++) {
             float v = nearbyintf(xg[i] * id);
             v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
             block[i < HALF ? i : BLOCK * HALF + i - HALF] = (int8_t)v;
+            sum += (int32_t)v;
         }
         for (int i = 0; i < 4; i++) dxe[g * 4 + i] = d;
-        xs[g] = sum;
+        xs[g] = d * (float)sum;
     }
 }
 

@@ -31,7 +31,8 @@ def test_quantize_is_per_group_and_within_half_a_step() -> None:
 def q8_reference(x: torch.Tensor, q: cpu_int4.Q4Weight) -> torch.Tensor:
     """The kernel's product in float64: x quantized per group of 32 to int8 (dx = max|x| / 127
     in fp32, round half to even), each group's dot product with the codes exact, then scaled,
-    plus each group's minimum times the exact sum of its x."""
+    plus each group's minimum times the sum of its rounded x: the dequantized weight times the
+    dequantized x, exactly."""
     xp = torch.nn.functional.pad(x, (0, q.padded - x.shape[1])).reshape(x.shape[0], -1, 32)
     dx = xp.abs().amax(dim=2) * torch.tensor(1 / 127, dtype=torch.float32)
     inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
@@ -40,7 +41,7 @@ def q8_reference(x: torch.Tensor, q: cpu_int4.Q4Weight) -> torch.Tensor:
     codes = torch.cat([c & 15, c >> 4], dim=2).double()
     dots = torch.einsum("mgi,ngi->mng", xq, codes)
     scaled = (dots * dx.double()[:, None, :] * q.scale.double()[None]).sum(dim=2)
-    return scaled + xp.double().sum(dim=2) @ q.minimum.double().t()
+    return scaled + (xq.sum(dim=2) * dx.double()) @ q.minimum.double().t()
 
 
 def _paths() -> list[str | None]:

@@ -130,7 +130,8 @@ class FusedLayers:
                 or meta.local is not None or not isinstance(plan, DecodePlan)
                 or not plan.native or plan.cache.native is None or plan.cache.window
                 or h.dtype != torch.float32 or tables[0].shape[-1] != self.layers[0].head_dim
-                or kv_caches[0][0].dtype != torch.float32):  # fmt: skip
+                or kv_caches[0][0].dtype != torch.float32
+                or not kv_caches[0][0].is_contiguous()):  # fmt: skip
             return None
         described = self._describe(plan.cache.native.address(torch.float32))
         cos, sin = (t.reshape(rows, -1).contiguous() for t in tables)

@@ -168,6 +168,7 @@ static inline float q8_dot(const int8_t *w, const int8_t *xq, const float *dx, i
  * allocated. */
 int int8_q8_linear(const float *x, const int8_t *w, const float *scale, float *y, int64_t m,
                    int64_t n, int64_t k, int threads) {
+    if (m <= 0 || n <= 0) return 0;
     int8_t *xq = malloc((size_t)(m * k));
     float *dx = malloc(sizeof(float) * (size_t)(m * (k / Q8_GROUP)));
     if (!xq || !dx) {

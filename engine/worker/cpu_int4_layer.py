@@ -73,9 +73,7 @@ def unfit(layers: Sequence[DecoderLayer], plan: cpu_int4.Plan) -> str | None:
     for layer in layers:
         linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
         if layer.sharded or layer.local or layer.gelu or layer.q_norm is not None:
-            return "not a Llama-shaped layer on one rank"
-        if layer.pre_feedforward_layernorm is not None or layer.input_layernorm.gemma:
-            return "Gemma's norms"
+            return "not a Llama-shaped layer on one rank"  # gelu: Gemma, with its extra norms
         if any(m.bias is not None or m.q4 is None or m.q4.padded != m.q4.in_features
                for m in linears):  # fmt: skip
             return "a bias, or a product that is not in whole 4-bit groups"

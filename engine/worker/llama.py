@@ -259,12 +259,12 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.gemma:  # sqrt(hidden) in fp32, cast to the weights' dtype, as HF does
             h = h * torch.tensor(self.cfg.hidden_size**0.5).to(h.dtype)
         tables = rotary.lookup(positions, h.dtype)
-        # The local layers' RoPE (Gemma 3) and sliding window, where the model has them.
-        local = rotary.local.lookup(positions, h.dtype) if rotary.local is not None else tables
-        local_meta = meta.local or meta
         fused = self.kernels.int4_layers
         if fused is not None and (out := fused.forward(h, tables, kv_caches, meta)) is not None:
             return self.final(out[logits_indices], head)
+        # The local layers' RoPE (Gemma 3) and sliding window, where the model has them.
+        local = rotary.local.lookup(positions, h.dtype) if rotary.local is not None else tables
+        local_meta = meta.local or meta
         for layer, kv_cache in zip(self.decoder_layers, kv_caches):
             if layer.local:
                 h = layer(h, local, kv_cache, local_meta)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.worker import cpu_int4, native_build
-from tests.helpers.native import built
+from tests.helpers.native import built, round_to_int8, vector_paths
 
 
 def test_quantize_is_per_group_and_within_half_a_step() -> None:
@@ -33,24 +33,15 @@ def q8_reference(x: torch.Tensor, q: cpu_int4.Q4Weight) -> torch.Tensor:
     in fp32, round half to even), each group's dot product with the codes exact, then scaled,
     plus each group's minimum times the sum of its rounded x: the dequantized weight times the
     dequantized x, exactly."""
-    xp = torch.nn.functional.pad(x, (0, q.padded - x.shape[1])).reshape(x.shape[0], -1, 32)
-    dx = xp.abs().amax(dim=2) * torch.tensor(1 / 127, dtype=torch.float32)
-    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
-    xq = torch.round(xp * inv[..., None]).clamp(-127, 127).double()
+    xq, dx = round_to_int8(torch.nn.functional.pad(x, (0, q.padded - x.shape[1])))
     c = q.codes.reshape(q.out_features, -1, 16)
     codes = torch.cat([c & 15, c >> 4], dim=2).double()
     dots = torch.einsum("mgi,ngi->mng", xq, codes)
-    scaled = (dots * dx.double()[:, None, :] * q.scale.double()[None]).sum(dim=2)
-    return scaled + (xq.sum(dim=2) * dx.double()) @ q.minimum.double().t()
+    scaled = (dots * dx[:, None, :] * q.scale.double()[None]).sum(dim=2)
+    return scaled + (xq.sum(dim=2) * dx) @ q.minimum.double().t()
 
 
-def _paths() -> list[str | None]:
-    """The kernel's vector paths this CPU runs: its widest (None), then the narrower ones."""
-    flags = native_build.cpu_key()
-    return [None, *(["avx2"] if " avx2" in flags and " fma" in flags else []), "plain"]
-
-
-@pytest.fixture(scope="module", params=_paths())
+@pytest.fixture(scope="module", params=vector_paths())
 def kernel(request: pytest.FixtureRequest) -> cpu_int4.NativeInt4:
     return built(lambda: cpu_int4.build(request.param))
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.worker import cpu_int8, native_build
-from tests.helpers.native import built
+from engine.worker import cpu_int8
+from tests.helpers.native import built, round_to_int8, vector_paths
 
 
 def test_quantize_is_per_output_channel_and_within_half_a_step() -> None:
@@ -83,20 +83,12 @@ def test_the_plan_times_the_kernel_and_falls_back_where_it_cannot_run(
 def q8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """int8_q8_linear in float64: x rounded per group of 32 to int8 (dx = max|x| / 127 in
     fp32, half to even), each group's dot product exact, scaled by dx and the row's scale."""
-    xp = x.reshape(x.shape[0], -1, 32)
-    dx = xp.abs().amax(dim=2) * torch.tensor(1 / 127, dtype=torch.float32)
-    inv = torch.where(dx != 0, 1.0 / dx, torch.zeros_like(dx))
-    xq = torch.round(xp * inv[..., None]).clamp(-127, 127).double()
+    xq, dx = round_to_int8(x)
     w = q.reshape(q.shape[0], -1, 32).double()
-    return torch.einsum("mgi,ngi,mg->mn", xq, w, dx.double()) * scale.double()
+    return torch.einsum("mgi,ngi,mg->mn", xq, w, dx) * scale.double()
 
 
-def _q8_paths() -> list[str | None]:
-    flags = native_build.cpu_key()
-    return [None, *(["avx2"] if " avx2" in flags and " fma" in flags else []), "plain"]
-
-
-@pytest.mark.parametrize("narrower", _q8_paths())
+@pytest.mark.parametrize("narrower", vector_paths())
 @pytest.mark.parametrize("rows", [1, 3, 17])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 96), (130, 576), (5, 64)])
 def test_q8_kernel_equals_a_float64_reference(

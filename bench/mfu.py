@@ -20,7 +20,7 @@ from bench.roofline import FlopCounter, StepTimer, kv_pass, matmul_ceiling, weig
 from bench.throughput import ENGINE_SKIP, make_workload, run_lumen, warmup_workload
 
 ROUNDS = 3  # interleaved weights-pass / decode-step rounds per batch size
-TARGETS = {"mfu": 0.70, "decode_over_floor": 1.3, "model_time": 0.90}
+TARGETS = {"mfu": 0.70, "decode_over_floor": 1.1, "model_time": 0.90}
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:

@@ -83,7 +83,15 @@ LUMEN_CPU_INT4_LAYER = EnvVar(
     "LUMEN_CPU_INT4_LAYER",
     "auto",
     "--quantization int4's decode steps on CPU: auto (each decoder layer in one native call, "
-    "where the model and the step allow; engine/worker/cpu_int4_layer.py) or off (op by op)",
+    "its products included, up to 16 rows where the model and the step allow; "
+    "engine/worker/cpu_decode_layer.py) or off (the products from Python)",
+)
+LUMEN_CPU_DECODE_LAYER = EnvVar(
+    "LUMEN_CPU_DECODE_LAYER",
+    "auto",
+    "decode steps on CPU: auto (the work between each decoder layer's products in native "
+    "calls, where the model and the step allow; engine/worker/cpu_decode_layer.py) or off "
+    "(op by op, int4's one-call layers included)",
 )
 
 LUMEN_AUTOTUNE = EnvVar(
@@ -112,8 +120,8 @@ LUMEN_GC = EnvVar(
 ALL = (
     LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_CPU_MATMUL,
     LUMEN_CPU_ATTENTION, LUMEN_CPU_GREEDY_HEAD, LUMEN_CPU_THREADS, LUMEN_CPU_INT8,
-    LUMEN_CPU_INT4, LUMEN_CPU_INT4_LAYER, LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR,
-    LUMEN_TOKENIZER_DIR, LUMEN_GC,
+    LUMEN_CPU_INT4, LUMEN_CPU_INT4_LAYER, LUMEN_CPU_DECODE_LAYER, LUMEN_AUTOTUNE,
+    LUMEN_AUTOTUNE_DIR, LUMEN_TOKENIZER_DIR, LUMEN_GC,
 )  # fmt: skip
 
 

@@ -9,7 +9,7 @@ A native kernel (native/int4_linear.c, built by native_build) rounds each row of
 integer dot products (AVX-512 VNNI, else AVX2); above the row count where it stops winning
 (timed at load on the model's own weight, autotune; ``LUMEN_CPU_INT4`` forces one) and
 without a C compiler the weight is widened to fp32 for the product, with fp32 activations.
-cpu_int4_layer runs a whole decoder layer of a decode step through the same kernel.
+cpu_decode_layer runs a whole decoder layer of a decode step through the same kernel.
 
 A width that is not a whole number of groups is padded with zero weights, and its
 activations with zeros, to the next group."""
@@ -112,6 +112,8 @@ class NativeInt4:
         fn.restype = ctypes.c_int
         self._fn = fn
         self.path = int(lib.int4_linear_path())
+        # int4_product's address: native/decode_layer.c calls it for a layer's products
+        self.product_address = ctypes.cast(lib.int4_product, ctypes.c_void_p).value or 0
 
     def __call__(self, x: torch.Tensor, q: Q4Weight) -> torch.Tensor:
         """x: [m, in] fp32 -> [m, out] fp32 (x quantized to 8 bits per group of 32)."""

@@ -17,9 +17,9 @@ import torch
 from engine.worker import (
     autotune,
     cpu_attention,
+    cpu_decode_layer,
     cpu_greedy_head,
     cpu_int4,
-    cpu_int4_layer,
     cpu_int8,
     cpu_matmul,
     cpu_threads,
@@ -38,8 +38,8 @@ class CpuKernels:
     int4: cpu_int4.Plan = cpu_int4.WIDEN_ONLY
     # --quantization int4: the LM head in int8 (int8 [vocab, hidden] and its scales)
     head_q8: tuple[torch.Tensor, torch.Tensor] | None = None
-    # --quantization int4: decode steps' layers in one native call each, where they can run so
-    int4_layers: cpu_int4_layer.FusedLayers | None = None
+    # decode steps' layers with the work between their products native, where they can run so
+    decode_layers: cpu_decode_layer.NativeLayers | None = None
     attention: cpu_attention.Choice | None = None  # None: not chosen yet (set once)
     threads_chosen: bool = False
 
@@ -88,16 +88,29 @@ class CpuKernels:
         autotune.log("int4 weights", self.int4.why)
         return self.int4
 
-    def fuse_int4_layers(self, layers: Sequence[Any], plan: cpu_int4.Plan) -> None:
-        """Decode steps' layers in one native call each (cpu_int4_layer), where they can."""
-        why = cpu_int4_layer.unfit(layers, plan)
+    def plan_decode_layers(self, layers: Sequence[Any]) -> None:
+        """Decode steps' layers with native glue (cpu_decode_layer), where they can; under
+        int4 (after plan_int4), each layer in one call up to the plan's rows."""
+        why = cpu_decode_layer.unfit(layers)
+        if why is None:
+            try:
+                library = cpu_decode_layer.build()
+            except autotune.BUILD_ERRORS as e:
+                why = f"the native glue did not build: {e}"
         if why is not None:
-            autotune.log("int4 decode layers", f"op by op: {why}")
+            autotune.log("decode layers", f"op by op: {why}")
             return
-        assert plan.kernel is not None  # unfit checked
-        self.int4_layers = cpu_int4_layer.FusedLayers(layers, plan.kernel)
-        rows = self.int4_layers.limit_rows(plan.max_rows)
-        autotune.log("int4 decode layers", f"one native call each, up to {rows} rows")
+        self.decode_layers = cpu_decode_layer.NativeLayers(layers, library)
+        said = "the work between the products in 3 native calls each"
+        if layers[0].qkv_proj.q4 is not None:
+            int4_why = cpu_decode_layer.int4_unfit(layers, self.int4)
+            if int4_why is None:
+                assert self.int4.kernel is not None  # int4_unfit checked
+                rows = self.decode_layers.use_int4(self.int4.kernel, self.int4.max_rows)
+                autotune.log("int4 decode layers", f"one native call each, up to {rows} rows")
+            else:
+                autotune.log("int4 decode layers", f"products from Python: {int4_why}")
+        autotune.log("decode layers", said)
 
     def choose_attention(
         self, group: int, head_dim: int, kv_dtype: torch.dtype

@@ -154,6 +154,7 @@ class DecoderLayer(nn.Module):
         )
         q_size, kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         inter = cfg.intermediate_size // tp
+        self.intermediate = inter
         self.split = (q_size, kv_size, kv_size)
         # A row-parallel product's bias is added once, on rank 0, before the all-reduce.
         first = shard.rank == 0
@@ -259,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.gemma:  # sqrt(hidden) in fp32, cast to the weights' dtype, as HF does
             h = h * torch.tensor(self.cfg.hidden_size**0.5).to(h.dtype)
         tables = rotary.lookup(positions, h.dtype)
-        fused = self.kernels.int4_layers
+        fused = self.kernels.decode_layers
         if fused is not None and (out := fused.forward(h, tables, kv_caches, meta)) is not None:
             return self.final(out[logits_indices], head)
         # The local layers' RoPE (Gemma 3) and sliding window, where the model has them.
@@ -315,6 +316,7 @@ class LlamaForCausalLM(nn.Module):
             for module in self.modules():
                 if isinstance(module, Linear):
                     module.pack()
+        self.kernels.plan_decode_layers(self.decoder_layers)
 
     @torch.no_grad()
     def plan_greedy_head(self) -> None:
@@ -349,7 +351,6 @@ class LlamaForCausalLM(nn.Module):
             plan4 = self.kernels.plan_int4(first.q4, dtype)
             for module in linears:
                 module.int4 = plan4
-            self.kernels.fuse_int4_layers(self.decoder_layers, plan4)
             self.kernels.plan_int8("int4's LM head, int8", q, scale, dtype, q8=True)
             return
         assert first.qweight is not None and first.scale is not None  # quantize set them

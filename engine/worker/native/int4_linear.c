@@ -254,108 +254,15 @@ int int4_linear(const float *x, const uint8_t *q, const float *d, const float *m
     return 0;
 }
 
-/* ---- A whole Llama decoder layer for a few decode rows (engine/worker/cpu_int4_layer.py):
- * the same steps as DecoderLayer.forward with every product in 4 bits, in one call, so that
- * a one-stream step runs no Python between its 30 layers' ops. */
-
+/* The product as native/decode_layer.c calls it (its product_fn), over a weight described by
+ * a q4_t: decode_layer runs a whole decoder layer of a decode step through this kernel. */
 typedef struct {
     const uint8_t *codes;
     const float *d, *mn;
     int64_t n, k;  /* out, in (a whole number of groups) */
 } q4_t;
 
-/* decode_attention_f32 (native/decode_attention.c), its address handed in from Python */
-typedef int (*attention_fn)(const float *q, float *out, const float *k_new, const float *v_new,
-                            float *k, float *v, const int64_t *slots, const int64_t *positions,
-                            int64_t rows, int64_t kvh, int64_t slot_stride, int64_t head_stride,
-                            float scale, int threads);
-
-typedef struct {
-    q4_t qkv, o, gate_up, down;
-    const float *norm_in, *norm_mlp;  /* input_layernorm, post_attention_layernorm */
-    float eps, scale;
-    int64_t heads, kv_heads, head_dim;
-    attention_fn attention;
-} layer_t;
-
-typedef struct {
-    const float *cos, *sin;            /* [m, head_dim]: each row's rotary tables */
-    const int64_t *slot_mapping;       /* [m]: each row's row of the paged KV cache */
-    float *k_cache, *v_cache;          /* the paged cache, [rows, kv_heads, head_dim] */
-    float *kb, *vb;                    /* this layer's decode mirror */
-    const int64_t *slots, *positions;  /* [m]: each row's mirror slot and position */
-    int64_t slot_stride, head_stride;
-} step_t;
-
-static int product(const q4_t *w, const float *x, int64_t m, float *y, int threads) {
+int int4_product(const void *weight, const float *x, int64_t m, float *y, int threads) {
+    const q4_t *w = weight;
     return int4_linear(x, w->codes, w->d, w->mn, y, m, w->n, w->k, threads);
-}
-
-/* out = x * rsqrt(mean(x^2) + eps) * w, each of m rows of n */
-static void rms_norm(const float *x, const float *w, float eps, int64_t m, int64_t n,
-                     float *out) {
-    for (int64_t i = 0; i < m; i++) {
-        const float *xr = x + i * n;
-        float ss = 0.f;
-        for (int64_t j = 0; j < n; j++) ss += xr[j] * xr[j];
-        const float r = 1.0f / sqrtf(ss / (float)n + eps);
-        for (int64_t j = 0; j < n; j++) out[i * n + j] = xr[j] * r * w[j];
-    }
-}
-
-/* Hugging Face's rotate_half form: out = x * cos + cat(-x[half:], x[:half]) * sin */
-static void rotate(const float *x, const float *cos, const float *sin, int64_t dim,
-                   float *out) {
-    const int64_t half = dim / 2;
-    for (int64_t i = 0; i < half; i++) {
-        out[i] = x[i] * cos[i] - x[i + half] * sin[i];
-        out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
-    }
-}
-
-/* h [m, hidden] in place: h += attention(norm(h)); h += mlp(norm(h)). Returns 0, or -1 where
- * memory or the attention kernel failed. */
-int int4_decode_layer(const layer_t *L, const step_t *S, float *h, int64_t m, int threads) {
-    if (m <= 0) return 0;
-    const int64_t hidden = L->qkv.k, D = L->head_dim, inter = L->down.k;
-    const int64_t qs = L->heads * D, kvs = L->kv_heads * D, width = qs + 2 * kvs;
-    float *buf = malloc(sizeof(float) * (size_t)m
-                        * (size_t)(hidden + width + qs + 2 * kvs + qs + hidden + 2 * inter + inter));
-    if (!buf) return -1;
-    float *xn = buf, *qkv = xn + m * hidden, *q = qkv + m * width, *k = q + m * qs,
-          *v = k + m * kvs, *attn = v + m * kvs, *o = attn + m * qs, *gu = o + m * hidden,
-          *act = gu + m * 2 * inter;
-    int failed = 0;
-    rms_norm(h, L->norm_in, L->eps, m, hidden, xn);
-    failed |= product(&L->qkv, xn, m, qkv, threads);
-    for (int64_t r = 0; r < m && !failed; r++) {
-        const float *row = qkv + r * width, *cos = S->cos + r * D, *sin = S->sin + r * D;
-        for (int64_t a = 0; a < L->heads; a++) rotate(row + a * D, cos, sin, D, q + r * qs + a * D);
-        for (int64_t a = 0; a < L->kv_heads; a++)
-            rotate(row + qs + a * D, cos, sin, D, k + r * kvs + a * D);
-        memcpy(v + r * kvs, row + qs + kvs, sizeof(float) * (size_t)kvs);
-        memcpy(S->k_cache + S->slot_mapping[r] * kvs, k + r * kvs, sizeof(float) * (size_t)kvs);
-        memcpy(S->v_cache + S->slot_mapping[r] * kvs, v + r * kvs, sizeof(float) * (size_t)kvs);
-    }
-    if (!failed)
-        failed |= L->attention(q, attn, k, v, S->kb, S->vb, S->slots, S->positions, m,
-                               L->kv_heads, S->slot_stride, S->head_stride, L->scale, threads);
-    if (!failed) failed |= product(&L->o, attn, m, o, threads);
-    if (!failed) {
-        for (int64_t j = 0; j < m * hidden; j++) h[j] += o[j];
-        rms_norm(h, L->norm_mlp, L->eps, m, hidden, xn);
-        failed |= product(&L->gate_up, xn, m, gu, threads);
-    }
-    if (!failed) {
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t j = 0; j < inter; j++) {
-                const float g = gu[r * 2 * inter + j], u = gu[r * 2 * inter + inter + j];
-                act[r * inter + j] = g / (1.0f + expf(-g)) * u;
-            }
-        failed |= product(&L->down, act, m, o, threads);
-    }
-    if (!failed)
-        for (int64_t j = 0; j < m * hidden; j++) h[j] += o[j];
-    free(buf);
-    return failed ? -1 : 0;
 }

@@ -1,0 +1,238 @@
+"""A decode step's decoder layers with the work between their products in native code.
+
+A decode step on CPU is 30 layers of small ops. Between its four products, a layer ran about
+35 torch ops (two norms, RoPE, the paged KV cache write, attention's wrapper, SiLU, the residual
+adds), each a few microseconds of dispatch around little work, and at 16 or 64 rows some of
+them slow in themselves (an index_copy_ of 16 rows, 40 us). Measured on SmolLM2, fp32, 2 threads
+(AMD EPYC), the step ran 1.18-1.32x a pass of its products over the weights (``lumen bench
+mfu``). native/decode_layer.c does that work in three calls a layer: RoPE, the KV write and
+attention (the kernel cpu_attention chose, called by its address); the residual add and the
+next norm; SwiGLU. The products stay what the model chose (oneDNN, int8, int4, with their
+biases), called from here.
+
+Under ``--quantization int4`` with every product in whole 4-bit groups, a step of at most
+``MAX_WHOLE_ROWS`` rows runs each layer in one call (``decode_layer``), the products through
+the int4 kernel from C: one stream's step then runs no Python between its ops (it was 12 ms of
+a 31 ms step, SmolLM2, one thread).
+
+It runs where a step and the model allow, else the layers run op by op:
+
+- the model: Llama-shaped decoder layers (no q/k norm, no Gemma norms or GeGLU, no sliding
+  window, one rank) in fp32, with RoPE over the whole head;
+- the step: decode rows only, over the CPU decode mirror's native attention, with a contiguous
+  fp32 KV cache.
+
+``LUMEN_CPU_DECODE_LAYER=off`` runs every step op by op; ``LUMEN_CPU_INT4_LAYER=off`` keeps
+int4's products in Python (the work between them still native).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import envs
+from engine.worker import autotune, cpu_int4
+from engine.worker.attention import AttentionMetadata
+from engine.worker.decode_cache import DecodePlan
+from engine.worker.rotary import RotaryTables
+
+# The decoder layers are engine.worker.llama's DecoderLayer (not imported: llama imports this).
+DecoderLayer = Any
+
+# int4's whole layers in one call: at most this many rows (beyond, the products' own plan
+# decides, and the Python between the calls is spread over the rows).
+MAX_WHOLE_ROWS = 16
+_P = ctypes.c_void_p
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("weight", _P), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+class _Q4(ctypes.Structure):  # int4_linear.c's q4_t
+    _fields_ = [("codes", _P), ("d", _P), ("mn", _P), ("n", ctypes.c_int64),
+                ("k", ctypes.c_int64)]  # fmt: skip
+
+
+class _Attn(ctypes.Structure):
+    _fields_ = [("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("head_dim", ctypes.c_int64), ("scale", ctypes.c_float),
+                ("attention", _P)]  # fmt: skip
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Weight), ("o", _Weight), ("gate_up", _Weight), ("down", _Weight),
+                ("product", _P), ("norm_in", _P), ("norm_mlp", _P), ("eps", ctypes.c_float),
+                ("attn", _Attn)]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("cos", _P), ("sin", _P), ("slot_mapping", _P), ("k_cache", _P),
+                ("v_cache", _P), ("kb", _P), ("vb", _P), ("slots", _P), ("positions", _P),
+                ("slot_stride", ctypes.c_int64), ("head_stride", ctypes.c_int64)]  # fmt: skip
+
+
+def build() -> Path:
+    """The glue's library (native/decode_layer.c), compiled once per machine."""
+    return autotune.build("decode_layer", "decode_layer.c")
+
+
+def unfit(layers: Sequence[DecoderLayer]) -> str | None:
+    """Why these layers' decode steps must run op by op (None where they need not)."""
+    if autotune.forced(envs.LUMEN_CPU_DECODE_LAYER, ("auto", "off")) == "off":
+        return "set by LUMEN_CPU_DECODE_LAYER"
+    for layer in layers:
+        if layer.sharded or layer.local or layer.gelu or layer.q_norm is not None:
+            return "not a Llama-shaped layer on one rank"  # gelu: Gemma, with its extra norms
+        if layer.input_layernorm.weight.dtype != torch.float32:
+            return "not fp32"
+    return None
+
+
+def int4_unfit(layers: Sequence[DecoderLayer], plan: cpu_int4.Plan) -> str | None:
+    """Why int4's products cannot run inside the layer's one call (None where they can)."""
+    if autotune.forced(envs.LUMEN_CPU_INT4_LAYER, ("auto", "off")) == "off":
+        return "set by LUMEN_CPU_INT4_LAYER"
+    if plan.kernel is None:
+        return "the int4 products widen their weights here"
+    for layer in layers:
+        linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        if any(m.bias is not None or m.q4 is None or m.q4.padded != m.q4.in_features
+               for m in linears):  # fmt: skip
+            return "a bias, or a product that is not in whole 4-bit groups"
+    return None
+
+
+class NativeLayers:
+    """The layers' native descriptions (pointers to their norms and int4 weights, built once)
+    and the calls."""
+
+    def __init__(self, layers: Sequence[DecoderLayer], library: Path) -> None:
+        self.layers = layers
+        lib = ctypes.CDLL(str(library))
+        i64, f32, cint = ctypes.c_int64, ctypes.c_float, ctypes.c_int
+        self._norm = lib.add_rms_norm
+        self._norm.argtypes = [_P, _P, _P, f32, i64, i64, _P]
+        self._norm.restype = None
+        self._attend = lib.rope_attend
+        self._attend.argtypes = [_P, _P, _P, _P, i64, cint]
+        self._swiglu = lib.swiglu
+        self._swiglu.argtypes = [_P, _P, i64, i64, cint]
+        self._swiglu.restype = None
+        self._layer = lib.decode_layer
+        self._layer.argtypes = [_P, _P, _P, i64, cint]
+        for fn in (self._attend, self._layer):
+            fn.restype = cint
+        self._whole_rows = 0  # int4's one call a layer, up to this many rows (0: none)
+        self._int4: cpu_int4.NativeInt4 | None = None
+        self._q4: list[tuple[_Q4, ...]] = []  # kept alive: the descriptions point at them
+        self._described: list[_Layer] = []
+        self._attention = 0  # the attention kernel's address the descriptions hold
+        self._weights = [(lay.input_layernorm.weight, lay.post_attention_layernorm.weight)
+                         for lay in layers]  # fmt: skip
+
+    def use_int4(self, kernel: cpu_int4.NativeInt4, rows: int) -> int:
+        """Run each layer in one call, its products through ``kernel``, for steps of up to
+        ``rows`` rows (at most MAX_WHOLE_ROWS); returns that limit."""
+        self._int4 = kernel
+        self._whole_rows = min(MAX_WHOLE_ROWS, rows)
+        self._q4 = [
+            tuple(_Q4(q.codes.data_ptr(), q.scale.data_ptr(), q.minimum.data_ptr(),
+                      q.out_features, q.padded)
+                  for q in (lay.qkv_proj.q4, lay.o_proj.q4, lay.gate_up_proj.q4,
+                            lay.down_proj.q4))
+            for lay in self.layers
+        ]  # fmt: skip
+        self._attention = 0
+        return self._whole_rows
+
+    def _describe(self, attention: int) -> list[_Layer]:
+        if self._attention != attention:
+            described = []
+            for i, lay in enumerate(self.layers):
+                attn = _Attn(lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.scale, attention)
+                norm_in, norm_mlp = self._weights[i]
+                layer = _Layer(norm_in=norm_in.data_ptr(), norm_mlp=norm_mlp.data_ptr(),
+                               eps=lay.input_layernorm.eps, attn=attn)  # fmt: skip
+                if self._int4 is not None:
+                    layer.product = self._int4.product_address
+                    for name, q in zip(("qkv", "o", "gate_up", "down"), self._q4[i]):
+                        setattr(layer, name, _Weight(ctypes.addressof(q), q.n, q.k))
+                described.append(layer)
+            self._described, self._attention = described, attention
+        return self._described
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        tables: RotaryTables,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:
+        """The layers over ``h`` [rows, hidden] (updated in place and returned), or None where
+        this step must run op by op."""
+        rows = h.shape[0]
+        plan = meta.decode_plan
+        if (meta.num_decodes != rows or meta.prefills or meta.local is not None
+                or not isinstance(plan, DecodePlan) or not plan.native
+                or plan.cache.native is None or plan.cache.window or h.dtype != torch.float32
+                or tables[0].shape[-1] != self.layers[0].head_dim
+                or kv_caches[0][0].dtype != torch.float32
+                or not kv_caches[0][0].is_contiguous()):  # fmt: skip
+            return None
+        described = self._describe(plan.cache.native.address(torch.float32))
+        cos, sin = (t.reshape(rows, -1).contiguous() for t in tables)
+        h = h.contiguous()
+        threads = torch.get_num_threads()
+        step = _Step(cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr())
+        step.slots, step.positions = plan.slot_idx.data_ptr(), plan.positions.data_ptr()
+        whole = rows <= self._whole_rows
+        glue = None if whole else _Glue(self, h, threads)
+        for index, (k_cache, v_cache) in enumerate(kv_caches):
+            kb, vb = plan.mirror(index, k_cache, v_cache)
+            step.k_cache, step.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
+            step.kb, step.vb = kb.data_ptr(), vb.data_ptr()
+            step.slot_stride, step.head_stride = kb.stride(0), kb.stride(1)
+            if glue is not None:
+                glue.layer(index, described[index], step)
+            elif self._layer(ctypes.byref(described[index]), ctypes.byref(step), h.data_ptr(),
+                             rows, threads):  # fmt: skip
+                raise MemoryError("decode_layer: no memory for its buffers")
+        return h
+
+
+class _Glue:
+    """One step's layers with their products in Python and the rest in native calls: the
+    step's scratch, and each layer's calls."""
+
+    def __init__(self, layers: NativeLayers, h: torch.Tensor, threads: int) -> None:
+        self.layers, self.h, self.threads = layers, h, threads
+        self.rows, hidden = h.shape
+        first = layers.layers[0]
+        self.xn = torch.empty_like(h)
+        self.attn = h.new_empty(self.rows, first.num_heads * first.head_dim)
+        self.act = h.new_empty(self.rows, first.intermediate)
+        self.hidden = hidden
+        weight = layers._weights[0][0]
+        layers._norm(h.data_ptr(), None, weight.data_ptr(), first.input_layernorm.eps,
+                     self.rows, hidden, self.xn.data_ptr())  # fmt: skip
+
+    def layer(self, index: int, described: _Layer, step: _Step) -> None:
+        lay, ls = self.layers.layers[index], self.layers
+        rows, h, xn, threads = self.rows, self.h.data_ptr(), self.xn.data_ptr(), self.threads
+        qkv = lay.qkv_proj(self.xn).contiguous()
+        if ls._attend(ctypes.byref(described.attn), ctypes.byref(step), qkv.data_ptr(),
+                      self.attn.data_ptr(), rows, threads):  # fmt: skip
+            raise MemoryError("rope_attend: no memory for its buffers")
+        o = lay.o_proj(self.attn).contiguous()
+        ls._norm(h, o.data_ptr(), described.norm_mlp, described.eps, rows, self.hidden, xn)
+        gu = lay.gate_up_proj(self.xn).contiguous()
+        ls._swiglu(gu.data_ptr(), self.act.data_ptr(), rows, self.act.shape[1], threads)
+        down = lay.down_proj(self.act).contiguous()
+        following = ls._weights[index + 1][0].data_ptr() if index + 1 < len(ls.layers) else None
+        ls._norm(h, down.data_ptr(), following, described.eps, rows, self.hidden, xn)

@@ -1,0 +1,143 @@
+/* A Llama decoder layer's work between its matrix products, for decode steps
+ * (engine/worker/cpu_decode_layer.py loads it): the norms and residual adds, RoPE, the paged
+ * KV cache write, decode attention (the kernel cpu_attention chose, called by its address)
+ * and SwiGLU, each in one call over all of a step's rows. Compiled by native_build.
+ *
+ * decode_layer runs a whole layer in one call where its products are native too (int4's
+ * kernel, handed in by address): one stream's step then runs no Python between its ops. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* decode_attention_f32 (native/decode_attention.c) */
+typedef int (*attention_fn)(const float *q, float *out, const float *k_new, const float *v_new,
+                            float *k, float *v, const int64_t *slots, const int64_t *positions,
+                            int64_t rows, int64_t kvh, int64_t slot_stride, int64_t head_stride,
+                            float scale, int threads);
+
+/* y [m, w->n] = x [m, w->k] . w: a native product over a weight it describes */
+typedef struct {
+    const void *weight;
+    int64_t n, k;  /* out, in */
+} weight_t;
+typedef int (*product_fn)(const void *weight, const float *x, int64_t m, float *y, int threads);
+
+typedef struct {
+    int64_t heads, kv_heads, head_dim;
+    float scale;
+    attention_fn attention;
+} attn_t;
+
+typedef struct {
+    const float *cos, *sin;            /* [m, head_dim]: each row's rotary tables */
+    const int64_t *slot_mapping;       /* [m]: each row's row of the paged KV cache */
+    float *k_cache, *v_cache;          /* the layer's paged cache, [rows, kv_heads, head_dim] */
+    float *kb, *vb;                    /* the layer's decode mirror */
+    const int64_t *slots, *positions;  /* [m]: each row's mirror slot and position */
+    int64_t slot_stride, head_stride;
+} step_t;
+
+/* h += add (where add is set), then out = h * rsqrt(mean(h^2) + eps) * w (where w is set);
+ * m rows of n. */
+void add_rms_norm(float *h, const float *add, const float *w, float eps, int64_t m, int64_t n,
+                  float *out) {
+    for (int64_t i = 0; i < m; i++) {
+        float *hr = h + i * n;
+        if (add)
+            for (int64_t j = 0; j < n; j++) hr[j] += add[i * n + j];
+        if (!w) continue;
+        float ss = 0.f;
+        for (int64_t j = 0; j < n; j++) ss += hr[j] * hr[j];
+        const float r = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t j = 0; j < n; j++) out[i * n + j] = hr[j] * r * w[j];
+    }
+}
+
+/* Hugging Face's rotate_half form: out = x * cos + cat(-x[half:], x[:half]) * sin */
+static void rotate(const float *x, const float *cos, const float *sin, int64_t dim,
+                   float *out) {
+    const int64_t half = dim / 2;
+    for (int64_t i = 0; i < half; i++) {
+        out[i] = x[i] * cos[i] - x[i + half] * sin[i];
+        out[i + half] = x[i + half] * cos[i + half] + x[i] * sin[i + half];
+    }
+}
+
+/* qkv [m, (heads + 2 kv_heads) * D] -> out [m, heads * D]: RoPE on q and k, k and v into
+ * the paged cache, then attention over the mirror (which writes them there too). Returns 0,
+ * or -1 where memory or the attention kernel failed. */
+int rope_attend(const attn_t *A, const step_t *S, const float *qkv, float *out, int64_t m,
+                int threads) {
+    if (m <= 0) return 0;
+    const int64_t D = A->head_dim, qs = A->heads * D, kvs = A->kv_heads * D;
+    const int64_t width = qs + 2 * kvs;
+    float *q = malloc(sizeof(float) * (size_t)(m * (qs + 2 * kvs)));
+    if (!q) return -1;
+    float *k = q + m * qs, *v = k + m * kvs;
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = qkv + r * width, *cos = S->cos + r * D, *sin = S->sin + r * D;
+        for (int64_t a = 0; a < A->heads; a++) rotate(row + a * D, cos, sin, D, q + r * qs + a * D);
+        for (int64_t a = 0; a < A->kv_heads; a++)
+            rotate(row + qs + a * D, cos, sin, D, k + r * kvs + a * D);
+        memcpy(v + r * kvs, row + qs + kvs, sizeof(float) * (size_t)kvs);
+        memcpy(S->k_cache + S->slot_mapping[r] * kvs, k + r * kvs, sizeof(float) * (size_t)kvs);
+        memcpy(S->v_cache + S->slot_mapping[r] * kvs, v + r * kvs, sizeof(float) * (size_t)kvs);
+    }
+    const int failed = A->attention(q, out, k, v, S->kb, S->vb, S->slots, S->positions, m,
+                                    A->kv_heads, S->slot_stride, S->head_stride, A->scale,
+                                    threads);
+    free(q);
+    return failed ? -1 : 0;
+}
+
+/* gu [m, 2 * inter] (gate, then up) -> act [m, inter] = silu(gate) * up */
+void swiglu(const float *gu, float *act, int64_t m, int64_t inter, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (m * inter >= 65536)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t j = 0; j < inter; j++) {
+            const float g = gu[r * 2 * inter + j], u = gu[r * 2 * inter + inter + j];
+            act[r * inter + j] = g / (1.0f + expf(-g)) * u;
+        }
+}
+
+typedef struct {
+    weight_t qkv, o, gate_up, down;
+    product_fn product;
+    const float *norm_in, *norm_mlp;  /* input_layernorm, post_attention_layernorm */
+    float eps;
+    attn_t attn;
+} layer_t;
+
+static int product(const layer_t *L, const weight_t *w, const float *x, int64_t m, float *y,
+                   int threads) {
+    return L->product(w->weight, x, m, y, threads);
+}
+
+/* h [m, hidden] in place: h += attention(norm(h)); h += mlp(norm(h)), every product through
+ * L->product. Returns 0, or -1 where memory, a product or attention failed. */
+int decode_layer(const layer_t *L, const step_t *S, float *h, int64_t m, int threads) {
+    if (m <= 0) return 0;
+    const int64_t hidden = L->qkv.k, qs = L->attn.heads * L->attn.head_dim, inter = L->down.k;
+    float *buf = malloc(sizeof(float) * (size_t)m
+                        * (size_t)(hidden + L->qkv.n + qs + hidden + 2 * inter + inter));
+    if (!buf) return -1;
+    float *xn = buf, *qkv = xn + m * hidden, *attn = qkv + m * L->qkv.n, *o = attn + m * qs,
+          *gu = o + m * hidden, *act = gu + m * 2 * inter;
+    add_rms_norm(h, NULL, L->norm_in, L->eps, m, hidden, xn);
+    int failed = product(L, &L->qkv, xn, m, qkv, threads);
+    if (!failed) failed = rope_attend(&L->attn, S, qkv, attn, m, threads);
+    if (!failed) failed = product(L, &L->o, attn, m, o, threads);
+    if (!failed) {
+        add_rms_norm(h, o, L->norm_mlp, L->eps, m, hidden, xn);
+        failed = product(L, &L->gate_up, xn, m, gu, threads);
+    }
+    if (!failed) {
+        swiglu(gu, act, m, inter, threads);
+        failed = product(L, &L->down, act, m, o, threads);
+    }
+    if (!failed) add_rms_norm(h, o, NULL, 0.f, m, hidden, NULL);
+    free(buf);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,184 @@
+"""Decode layers with native glue (engine.worker.cpu_decode_layer): the same layer outputs as
+the op-by-op path, step by step in a running engine, in fp32 and under int4 (each layer in one
+call up to 16 rows, the products from Python above), and the cases that run op by op."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.worker import cpu_decode_layer, cpu_int4, llama
+from tests.helpers.native import built
+
+Seen = list[tuple[int, float, float]]
+
+
+def _native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native layers need the native decode attention, and int4's one-call layers the
+    native int4 kernel; on the tiny model either may time slower than torch's path at load."""
+    monkeypatch.setenv("LUMEN_CPU_INT4", "native")
+    monkeypatch.setenv("LUMEN_CPU_ATTENTION", "native")
+
+
+def _compare_each_step(monkeypatch: pytest.MonkeyPatch) -> Seen:
+    """Patch the model's forward: each decode step the native layers can run is also run op by
+    op from the same input, and the op-by-op result continues. For each: (rows, the largest
+    difference of the final hidden states over their largest value, the same of the paged KV
+    caches as each path left them)."""
+    seen: Seen = []
+    forward = llama.LlamaForCausalLM.forward
+
+    def both(self: llama.LlamaForCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
+             rotary: Any, kv_caches: Any, meta: Any, logits_indices: torch.Tensor,
+             head: bool = True) -> torch.Tensor:  # fmt: skip
+        native = self.kernels.decode_layers
+        h = self.embed_tokens(input_ids)
+        tables = rotary.lookup(positions, h.dtype)
+        got = native.forward(h.clone(), tables, kv_caches, meta) if native else None
+        if got is None:
+            return forward(self, input_ids, positions, rotary, kv_caches, meta, logits_indices,
+                           head)  # fmt: skip
+        caches = [torch.stack(kv).clone() for kv in kv_caches]
+        for layer, kv_cache in zip(self.decoder_layers, kv_caches):
+            h = layer(h, tables, kv_cache, meta)
+        kv = max(float((c - torch.stack(w)).abs().max() / torch.stack(w).abs().max())
+                 for c, w in zip(caches, kv_caches))  # fmt: skip
+        seen.append((h.shape[0], float((got - h).abs().max() / h.abs().max()), kv))
+        return self.final(h[logits_indices], head)
+
+    monkeypatch.setattr(llama.LlamaForCausalLM, "forward", both)
+    return seen
+
+
+def _generate(path: Path, quantization: str | None, streams: int) -> None:
+    """``streams`` greedy requests of different lengths, all decoding together for a while."""
+    llm = LLM(str(path), quantization=quantization, warmup=False)
+    try:
+        prompts = [[5 + i] * (3 + 3 * i) for i in range(streams)]
+        params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True)
+                  for i in range(streams)]  # fmt: skip
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def _summary(seen: Seen) -> tuple[float, float, float]:
+    hidden = sorted(d for _, d, _ in seen)
+    kv = max(k for _, _, k in seen)
+    print(
+        f"\n{len(seen)} native steps, rows {sorted({r for r, _, _ in seen})}: hidden states "
+        f"median {hidden[len(hidden) // 2]:.1e}, worst {hidden[-1]:.1e}; KV worst {kv:.1e}"
+    )
+    return hidden[len(hidden) // 2], hidden[-1], kv
+
+
+def test_native_layers_equal_the_op_by_op_layers_in_fp32(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Decode steps of 1 to 20 rows, over KV block boundaries: the hidden states after the
+    layers and the KV each path wrote agree to float rounding (the products are the same
+    oneDNN calls; the norms, RoPE and SwiGLU round in another order). Measured: median 1.2e-6
+    of the largest value, worst 3.6e-6, KV 1.5e-6; a wrong sign in RoPE made the median 1.2."""
+    built(cpu_decode_layer.build)
+    _native_kernels(monkeypatch)
+    seen = _compare_each_step(monkeypatch)
+    _generate(tiny_model_path, None, 20)
+    median, worst, kv = _summary(seen)
+    assert len(seen) >= 30 and {1, 20} <= {r for r, _, _ in seen}
+    assert median < 1e-5 and worst < 1e-4 and kv < 1e-5
+
+
+def test_int4_layers_equal_the_op_by_op_layers(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under int4: steps of up to 16 rows run each layer in one call, the products through the
+    int4 kernel from C; above, the products come from Python. Both agree with the op-by-op
+    path to float rounding (measured: median 4e-7 of the largest value, worst 8e-7). A rounding
+    of an activation to 8 bits that flips between the paths moves one product by a step of its
+    group, about 1e-3: rare, and under the bound on the worst step. A wrong sign in RoPE made
+    the median 1.2."""
+    built(cpu_int4.build)
+    _native_kernels(monkeypatch)
+    seen = _compare_each_step(monkeypatch)
+    _generate(tiny_model_path, "int4", 20)
+    median, worst, kv = _summary(seen)
+    rows = {r for r, _, _ in seen}
+    assert len(seen) >= 30 and {1, 16, 17, 20} <= rows
+    assert median < 1e-4 and worst < 1e-2 and kv < 1e-2
+
+
+def _count_native_steps(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    calls: list[bool] = []
+    forward = cpu_decode_layer.NativeLayers.forward
+
+    def counted(self: cpu_decode_layer.NativeLayers, *args: Any) -> torch.Tensor | None:
+        out = forward(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cpu_decode_layer.NativeLayers, "forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("quantization", [None, "int4"])
+def test_the_engine_runs_native_layers_where_it_can_and_says_why_not(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+    quantization: str | None,
+) -> None:  # fmt: skip
+    built(cpu_decode_layer.build)
+    _native_kernels(monkeypatch)
+    calls = _count_native_steps(monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run() -> list[int]:
+        caplog.clear()
+        calls.clear()
+        with caplog.at_level("INFO"):
+            llm = LLM(str(tiny_model_path), quantization=quantization, warmup=False)
+            out = llm.generate([{"prompt_token_ids": [7, 8, 9]}], params, use_tqdm=False)
+            llm.shutdown()
+        return list(out[0].outputs[0].token_ids)
+
+    native = run()
+    assert "decode layers: the work between the products in 3 native calls each" in caplog.text
+    one_call = "int4 decode layers: one native call each, up to 16 rows" in caplog.text
+    assert one_call == (quantization == "int4")
+    assert sum(calls) == 7  # every decode step; the prefill ran op by op
+    if quantization == "int4":
+        monkeypatch.setenv("LUMEN_CPU_INT4_LAYER", "off")
+        assert len(run()) == 8 and sum(calls) == 7
+        assert "int4 decode layers: products from Python: set by LUMEN_CPU_INT4_LAYER" in (
+            caplog.text
+        )
+    monkeypatch.setenv("LUMEN_CPU_DECODE_LAYER", "off")
+    unfused = run()
+    assert "decode layers: op by op: set by LUMEN_CPU_DECODE_LAYER" in caplog.text
+    assert not calls
+    if quantization is None:  # fp32: the same tokens
+        assert native == unfused
+    assert len(native) == len(unfused) == 8
+    monkeypatch.setenv("LUMEN_CPU_DECODE_LAYER", "on")
+    with pytest.raises(ValueError, match="LUMEN_CPU_DECODE_LAYER must be one of auto, off"):
+        LLM(str(tiny_model_path), quantization=quantization, warmup=False)
+
+
+def test_layers_that_are_not_llama_shaped_run_op_by_op(tiny_family_path: Any) -> None:
+    """Gemma 3 (its extra norms, GeGLU, q/k norms) runs op by op; Qwen2's biases run natively
+    (its products add them), but not in int4's one call, whose products have none."""
+    built(cpu_int4.build)
+    plan = cpu_int4.Plan(cpu_int4.build(), 1 << 30, "test")
+    gemma = llama.LlamaForCausalLM(ModelConfig.from_path(str(tiny_family_path("gemma3"))))
+    why = cpu_decode_layer.unfit(gemma.decoder_layers)
+    assert why is not None and "not a Llama-shaped layer" in why
+    path = tiny_family_path("qwen2")
+    qwen = llama.LlamaForCausalLM(ModelConfig.from_path(str(path)))
+    qwen.load_weights(str(path))
+    assert cpu_decode_layer.unfit(qwen.decoder_layers) is None
+    qwen.quantize_weights("int4")
+    why = cpu_decode_layer.int4_unfit(qwen.decoder_layers, plan)
+    assert why is not None and "a bias" in why

@@ -135,6 +135,8 @@ class NativeLayers:
         self._attention = 0  # the attention kernel's address the descriptions hold
         self._weights = [(lay.input_layernorm.weight, lay.post_attention_layernorm.weight)
                          for lay in layers]  # fmt: skip
+        self._eps = layers[0].input_layernorm.eps
+        self._attn_width = layers[0].num_heads * layers[0].head_dim
 
     def use_int4(self, kernel: cpu_int4.NativeInt4, rows: int) -> int:
         """Run each layer in one call, its products through ``kernel``, for steps of up to
@@ -158,7 +160,7 @@ class NativeLayers:
                 attn = _Attn(lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.scale, attention)
                 norm_in, norm_mlp = self._weights[i]
                 layer = _Layer(norm_in=norm_in.data_ptr(), norm_mlp=norm_mlp.data_ptr(),
-                               eps=lay.input_layernorm.eps, attn=attn)  # fmt: skip
+                               eps=self._eps, attn=attn)  # fmt: skip
                 if self._int4 is not None:
                     layer.product = self._int4.product_address
                     for name, q in zip(("qkv", "o", "gate_up", "down"), self._q4[i]):
@@ -192,47 +194,41 @@ class NativeLayers:
         step = _Step(cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr())
         step.slots, step.positions = plan.slot_idx.data_ptr(), plan.positions.data_ptr()
         whole = rows <= self._whole_rows
-        glue = None if whole else _Glue(self, h, threads)
+        if not whole:  # the step's scratch, and the first layer's norm
+            xn, attn = torch.empty_like(h), h.new_empty(rows, self._attn_width)
+            act = h.new_empty(rows, self.layers[0].intermediate)
+            self._norm(h.data_ptr(), None, self._weights[0][0].data_ptr(), self._eps, rows,
+                       h.shape[1], xn.data_ptr())  # fmt: skip
         for index, (k_cache, v_cache) in enumerate(kv_caches):
             kb, vb = plan.mirror(index, k_cache, v_cache)
             step.k_cache, step.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
             step.kb, step.vb = kb.data_ptr(), vb.data_ptr()
             step.slot_stride, step.head_stride = kb.stride(0), kb.stride(1)
-            if glue is not None:
-                glue.layer(index, described[index], step)
+            if not whole:
+                self._glue(index, described[index], step, h, xn, attn, act, threads)
             elif self._layer(ctypes.byref(described[index]), ctypes.byref(step), h.data_ptr(),
                              rows, threads):  # fmt: skip
                 raise MemoryError("decode_layer: no memory for its buffers")
         return h
 
-
-class _Glue:
-    """One step's layers with their products in Python and the rest in native calls: the
-    step's scratch, and each layer's calls."""
-
-    def __init__(self, layers: NativeLayers, h: torch.Tensor, threads: int) -> None:
-        self.layers, self.h, self.threads = layers, h, threads
-        self.rows, hidden = h.shape
-        first = layers.layers[0]
-        self.xn = torch.empty_like(h)
-        self.attn = h.new_empty(self.rows, first.num_heads * first.head_dim)
-        self.act = h.new_empty(self.rows, first.intermediate)
-        self.hidden = hidden
-        weight = layers._weights[0][0]
-        layers._norm(h.data_ptr(), None, weight.data_ptr(), first.input_layernorm.eps,
-                     self.rows, hidden, self.xn.data_ptr())  # fmt: skip
-
-    def layer(self, index: int, described: _Layer, step: _Step) -> None:
-        lay, ls = self.layers.layers[index], self.layers
-        rows, h, xn, threads = self.rows, self.h.data_ptr(), self.xn.data_ptr(), self.threads
-        qkv = lay.qkv_proj(self.xn).contiguous()
-        if ls._attend(ctypes.byref(described.attn), ctypes.byref(step), qkv.data_ptr(),
-                      self.attn.data_ptr(), rows, threads):  # fmt: skip
+    def _glue(
+        self, index: int, described: _Layer, step: _Step, h: torch.Tensor, xn: torch.Tensor,
+        attn: torch.Tensor, act: torch.Tensor, threads: int,
+    ) -> None:  # fmt: skip
+        """Layer ``index`` with its products from Python (Linear: whichever kernel, biases
+        added) and the rest in three native calls; ``xn`` holds its input norm, and leaves
+        with the next layer's."""
+        lay, (rows, hidden), x = self.layers[index], h.shape, xn.data_ptr()
+        qkv = lay.qkv_proj(xn).contiguous()
+        if self._attend(ctypes.byref(described.attn), ctypes.byref(step), qkv.data_ptr(),
+                        attn.data_ptr(), rows, threads):  # fmt: skip
             raise MemoryError("rope_attend: no memory for its buffers")
-        o = lay.o_proj(self.attn).contiguous()
-        ls._norm(h, o.data_ptr(), described.norm_mlp, described.eps, rows, self.hidden, xn)
-        gu = lay.gate_up_proj(self.xn).contiguous()
-        ls._swiglu(gu.data_ptr(), self.act.data_ptr(), rows, self.act.shape[1], threads)
-        down = lay.down_proj(self.act).contiguous()
-        following = ls._weights[index + 1][0].data_ptr() if index + 1 < len(ls.layers) else None
-        ls._norm(h, down.data_ptr(), following, described.eps, rows, self.hidden, xn)
+        o = lay.o_proj(attn).contiguous()
+        self._norm(h.data_ptr(), o.data_ptr(), described.norm_mlp, self._eps, rows, hidden, x)
+        gu = lay.gate_up_proj(xn).contiguous()
+        self._swiglu(gu.data_ptr(), act.data_ptr(), rows, act.shape[1], threads)
+        down = lay.down_proj(act).contiguous()
+        following = self._weights[index + 1][0] if index + 1 < len(self.layers) else None
+        self._norm(h.data_ptr(), down.data_ptr(),
+                   None if following is None else following.data_ptr(), self._eps, rows,
+                   hidden, x)  # fmt: skip

@@ -146,3 +146,32 @@ def test_loading_the_kernel_leaves_the_processes_floating_point_alone() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_native_kernel_at_a_model_shape_matches_torch(kv_dtype: torch.dtype) -> None:
+    """SmolLM2's shape (3 query heads a KV head, head dim 64: the kernel's loops unroll into
+    whole vectors, which the tests above at head dim 8 do not reach), rows in shuffled slots,
+    against torch's path over the same mirror."""
+    from engine.worker.decode_cache import torch_attention
+
+    group, dim = 3, 64
+    kernel = built(lambda: cpu_attention.NativeDecodeAttention(cpu_attention.build(group, dim)))
+    torch.manual_seed(0)
+    positions = torch.tensor([0, 1, 15, 16, 17, 31, 32, 100])
+    rows, width = len(positions), 104
+    kb = torch.randn(rows, KVH, width, dim).to(kv_dtype)
+    vb = torch.randn(rows, KVH, width, dim).to(kv_dtype)
+    q = torch.randn(rows, KVH * group, dim)
+    k_new, v_new = torch.randn(rows, KVH, dim), torch.randn(rows, KVH, dim)
+    slots = torch.arange(rows).flip(0)
+    want_k, want_v = kb.clone(), vb.clone()
+    got = kernel(q, k_new, v_new, kb, vb, slots, positions, 0.125)
+    want_k[slots, :, positions] = k_new.to(kv_dtype)
+    want_v[slots, :, positions] = v_new.to(kv_dtype)
+    hidden = torch.arange(width).view(1, 1, 1, -1) > positions.view(-1, 1, 1, 1)
+    mask = torch.zeros(rows, 1, 1, width).masked_fill_(hidden, float("-inf"))
+    order = torch.argsort(slots)  # torch's path reads slot i for row i
+    want = torch_attention(q[order], want_k, want_v, width, mask[order], 0.125)[slots]
+    assert torch.equal(kb, want_k) and torch.equal(vb, want_v)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)

@@ -56,8 +56,9 @@ def _compare_each_step(monkeypatch: pytest.MonkeyPatch) -> Seen:
 
 
 def _generate(path: Path, quantization: str | None, streams: int) -> None:
-    """``streams`` greedy requests of different lengths, all decoding together for a while."""
-    llm = LLM(str(path), quantization=quantization, warmup=False)
+    """``streams`` greedy requests of different lengths, all decoding together for a while
+    (a small KV cache: each compared step copies all of it)."""
+    llm = LLM(str(path), quantization=quantization, warmup=False, num_kv_blocks=256)
     try:
         prompts = [[5 + i] * (3 + 3 * i) for i in range(streams)]
         params = [SamplingParams(temperature=0, max_tokens=6 + 2 * i, ignore_eos=True)

@@ -101,7 +101,6 @@ class CpuKernels:
             autotune.log("decode layers", f"op by op: {why}")
             return
         self.decode_layers = cpu_decode_layer.NativeLayers(layers, library)
-        said = "the work between the products in 3 native calls each"
         if layers[0].qkv_proj.q4 is not None:
             int4_why = cpu_decode_layer.int4_unfit(layers, self.int4)
             if int4_why is None:
@@ -110,7 +109,7 @@ class CpuKernels:
                 autotune.log("int4 decode layers", f"one native call each, up to {rows} rows")
             else:
                 autotune.log("int4 decode layers", f"products from Python: {int4_why}")
-        autotune.log("decode layers", said)
+        autotune.log("decode layers", "the work between the products in 3 native calls each")
 
     def choose_attention(
         self, group: int, head_dim: int, kv_dtype: torch.dtype

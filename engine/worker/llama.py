@@ -306,7 +306,8 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> None:
         """On CPU, move every matrix product to the faster kernel, measured here
         (CpuKernels.choose_matmul): the layers' kernel timed on their first weight, the LM
-        head's on its own."""
+        head's on its own. Then decode steps' layers get their native glue, where they fit
+        (CpuKernels.plan_decode_layers)."""
         first = self.decoder_layers[0].gate_up_proj.weight
         # Quantized (an emptied weight): the layers' products are int8 or int4; an int8 head
         # (under int4) is not timed against the fp32 one.

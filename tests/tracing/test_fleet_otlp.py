@@ -54,8 +54,11 @@ def _provoke(server: LumenServer) -> dict[str, str]:
     for t in threads:
         t.start()
     wait_until(lambda: metric(server.metrics(), "lumen:num_requests_running") >= 2, 30)
-    # 94 blocks of 128 for the long prompt: the two after it wait for KV blocks.
-    bodies = [{"prompt": [100] * 1500, "max_tokens": 20, "ignore_eos": True},
+    # 119 blocks of 128 for the long prompt: while it runs, the first chunk of neither prompt
+    # after it fits, and they wait for KV blocks whatever order they came in. (With 94 blocks,
+    # a prompt that came last was admitted on the token budget the long prompt's last chunk
+    # left, then preempted: on a loaded machine no step waited for blocks.)
+    bodies = [{"prompt": [100] * 1900, "max_tokens": 20, "ignore_eos": True},
               *({"prompt": [200 + i] * 600, "max_tokens": 4} for i in range(2))]  # fmt: skip
     held = [threading.Thread(target=_post, args=(server, b)) for b in bodies]
     for t in held:

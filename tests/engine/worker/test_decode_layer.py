@@ -78,17 +78,20 @@ def _summary(seen: Seen) -> tuple[float, float, float]:
     return hidden[len(hidden) // 2], hidden[-1], kv
 
 
+@pytest.mark.parametrize("model", ["llama", "qwen2", "llama_bias"])
 def test_native_layers_equal_the_op_by_op_layers_in_fp32(
-    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_model_path: Path, tiny_family_path: Any, monkeypatch: pytest.MonkeyPatch, model: str
 ) -> None:
     """Decode steps of 1 to 20 rows, over KV block boundaries: the hidden states after the
     layers and the KV each path wrote agree to float rounding (the products are the same
-    oneDNN calls; the norms, RoPE and SwiGLU round in another order). Measured: median 1.2e-6
-    of the largest value, worst 3.6e-6, KV 1.5e-6; a wrong sign in RoPE made the median 1.2."""
+    oneDNN calls; the norms, RoPE and SwiGLU round in another order). Qwen2's q/k/v biases, and
+    a Llama with a bias on every product, are added by the products. Measured on the tiny
+    Llama: median 1.2e-6 of the largest value, worst 3.6e-6, KV 1.5e-6; a wrong sign in RoPE
+    made the median 1.2."""
     built(cpu_decode_layer.build)
     _native_kernels(monkeypatch)
     seen = _compare_each_step(monkeypatch)
-    _generate(tiny_model_path, None, 20)
+    _generate(tiny_model_path if model == "llama" else tiny_family_path(model), None, 20)
     median, worst, kv = _summary(seen)
     assert len(seen) >= 30 and {1, 20} <= {r for r, _, _ in seen}
     assert median < 1e-5 and worst < 1e-4 and kv < 1e-5

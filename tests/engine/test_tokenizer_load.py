@@ -113,3 +113,41 @@ def test_a_recorded_class_is_used_only_for_the_folder_as_it_was(
     os.chmod(current, 0o666)
     _same(load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder))
     assert current.stat().st_mode & 0o777 == 0o644
+
+
+ENCODED = [
+    *TEXTS,
+    "<|im_start|>user\nhi<|im_end|>",
+    "<bos><start_of_turn> in a text",
+    "",
+    "x" * 4000,
+]
+
+
+@pytest.mark.parametrize("model", ["default", "gemma"])
+def test_the_processor_encodes_as_transformers_does(
+    request: pytest.FixtureRequest, model: str
+) -> None:
+    """The served path encodes with a plain copy of the Rust tokenizer (plain_encoder): the
+    same ids as transformers' encode and tokenizing apply_chat_template, special tokens written
+    in a user's text included, on a tokenizer configured to truncate."""
+    from engine.processor import plain_encoder
+
+    path = request.getfixturevalue(f"{model}_model_path")
+    tokenizer = load_tokenizer(str(path))
+    encoder = plain_encoder(tokenizer)
+    tokenizer.backend_tokenizer.enable_truncation(8)  # transformers' call turns this off
+    for text in ENCODED:
+        for special in (True, False):
+            assert encoder.encode(text, add_special_tokens=special).ids == tokenizer.encode(
+                text, add_special_tokens=special
+            ), (text, special)
+    for content in ENCODED[1:] if tokenizer.chat_template else []:
+        messages = [*MESSAGES, {"role": "user", "content": content}]
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        assert encoder.encode(rendered, add_special_tokens=False).ids == list(ids)

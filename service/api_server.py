@@ -8,7 +8,6 @@ import hmac
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +86,7 @@ class FrontDoor:
         lifecycle = self.serving.lifecycle
         status = 0
 
-        chunk: Callable[[bytes], Awaitable[None]] | None = None  # set by a chunked response
+        chunk: http_timing.ChunkWriter | None = None  # set by a chunked response
 
         async def deliver(message: Message) -> None:
             """A body message, straight to the server, its delivery measured."""
@@ -103,6 +102,15 @@ class FrontDoor:
             facts.last_delivered_ns = ended
             if not facts.first_delivered_ns and ctx.stream is False:
                 facts.first_delivered_ns = ended  # a whole response: one write
+
+        def deliver_now(body: bytes) -> bool:
+            """A stream's chunk written now if the connection takes it without a wait (False:
+            nothing written; ``deliver`` it then)."""
+            if chunk is None or not chunk.write_now(body):
+                return False
+            facts.bytes_sent += len(body)
+            facts.last_delivered_ns = time.time_ns()
+            return True
 
         async def send_with_id(message: Message) -> None:
             nonlocal status, chunk
@@ -120,7 +128,7 @@ class FrontDoor:
 
         # A stream's events skip the app's middleware on the way out (streaming.EventStream):
         # they only look at the response's start.
-        ctx.deliver = deliver
+        ctx.deliver, ctx.deliver_now = deliver, deliver_now
         try:
             await self._handle(scope, receive, send_with_id, headers, ctx)
         finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from starlette.types import Scope, Send
@@ -30,6 +31,8 @@ class RequestContext:
     traceparent: str | None = None  # the client's W3C trace context
     http: HttpFacts = field(default_factory=HttpFacts)  # what the front door measures of it
     deliver: Send | None = None  # writes a body message, timed (a stream's events use it)
+    # Writes a stream's chunk now where the connection takes it without a wait (else False).
+    deliver_now: Callable[[bytes], bool] | None = None
     # Set by the route.
     handler_ns: int = 0  # when the route's handler began (the body read and parsed)
     # Set by the front door: the body's size and when it was read whole (0: no body).

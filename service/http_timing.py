@@ -30,12 +30,12 @@ autotuned buffer, where the server could never see it.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 import socket
 import struct
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,40 @@ def request_started(client: Any) -> int:
     return first
 
 
-def chunk_writer(client: Any) -> Callable[[bytes], Awaitable[None]] | None:
+class ChunkWriter:
+    """Writes one chunk of a chunked HTTP/1.1 body straight to the connection, framed as h11
+    frames it (``chunk_writer``)."""
+
+    __slots__ = ("lock", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter, lock: asyncio.Lock) -> None:
+        self.writer, self.lock = writer, lock
+
+    async def __call__(self, body: bytes) -> None:
+        """Returns once the transport took the chunk: it waits as Hypercorn's own writes do
+        (the connection's send lock, then the transport's buffer)."""
+        writer = self.writer
+        async with self.lock:
+            if writer.transport.is_closing():
+                return
+            try:
+                writer.write(b"%x\r\n%b\r\n" % (len(body), body))
+                await writer.drain()
+            except (ConnectionError, RuntimeError):
+                return
+
+    def write_now(self, body: bytes) -> bool:
+        """The chunk written now, without waiting, where nothing would make ``__call__`` wait:
+        no other write in progress and nothing left in the transport's buffer. False (nothing
+        written) otherwise, or where the connection is closing."""
+        transport = self.writer.transport
+        if self.lock.locked() or transport.is_closing() or transport.get_write_buffer_size():
+            return False
+        transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+
+def chunk_writer(client: Any) -> ChunkWriter | None:
     """A write of one chunk of a chunked HTTP/1.1 body straight to the connection, framed as
     h11 frames it; None where the hook is not installed.
 
@@ -152,19 +185,7 @@ def chunk_writer(client: Any) -> Callable[[bytes], Awaitable[None]] | None:
     if state is None:
         return None
     server = state[2]
-    writer, lock = server.writer, server.send_lock
-
-    async def write(body: bytes) -> None:
-        async with lock:
-            if writer.transport.is_closing():
-                return
-            try:
-                writer.write(b"%x\r\n%b\r\n" % (len(body), body))
-                await writer.drain()
-            except (ConnectionError, RuntimeError):
-                return
-
-    return write
+    return ChunkWriter(server.writer, server.send_lock)
 
 
 def request_ended(client: Any) -> None:

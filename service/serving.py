@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 import jinja2
@@ -293,11 +293,34 @@ class Serving:
         facts = prep.ctx.http
         streams: dict[int, ReplyStream] = {}  # per choice, where tools or reasoning are in play
         done: set[int] = set()  # choices that finished
+        deliver_now = prep.ctx.deliver_now or _never
+
+        def direct(out: RequestOutput) -> bool:
+            """An output of text deltas only, written by the engine's output loop where the
+            connection takes it at once: the events and counts the loop below would give."""
+            nonlocal num_completion_tokens
+            events = []
+            for c in out.outputs:
+                if c.error is not None or c.finish_reason is not None or c.logprobs is not None:
+                    return False
+                if c.text:
+                    events.append(head.text_event(c.index, c.text))
+            if events and not deliver_now(events[0] if len(events) == 1 else b"".join(events)):
+                return False
+            for c in out.outputs:
+                num_completion_tokens += len(c.token_ids)
+                offsets[c.index] += len(c.text)
+                if not facts.first_delivered_ns and c.token_ids:
+                    facts.first_delivered_ns = time.time_ns()
+            return True
+
+        plain = head.tools is None and head.reasoning is None and len(prep.prompts) == 1
         try:
             if head.chat:
                 for index in range(len(prep.prompts) * n):
                     yield sse(_encode(head.chunk([head.role_choice(index)])))
-            async with contextlib.aclosing(self._generate(prep)) as outputs:
+            generate = self._generate(prep, direct if plain and deliver_now is not _never else None)
+            async with contextlib.aclosing(generate) as outputs:
                 async for p, out in outputs:
                     for c in out.outputs:
                         if c.error is not None:
@@ -348,8 +371,11 @@ class Serving:
             logger.exception("stream of %s failed", head.id)
             yield sse(_encode(error_body(500, "internal server error")))
 
-    async def _generate(self, prep: Prepared) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """Deltas of every prompt's request, tagged with the prompt's index."""
+    async def _generate(
+        self, prep: Prepared, direct: Callable[[RequestOutput], bool] | None = None
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """Deltas of every prompt's request, tagged with the prompt's index (``direct``: one
+        prompt's, as AsyncLLM.generate_prepared takes it)."""
         arrival_ns = prep.ctx.arrival_ns
         gens = [
             self.engine.generate_prepared(
@@ -359,6 +385,7 @@ class Serving:
                 arrival_ns=arrival_ns,
                 stream=prep.stream,
                 close_trace=False,  # the front door closes it, once the response is written
+                direct=direct,
             )
             for rid, prompt in zip(prep.request_ids, prep.prompts)
         ]
@@ -409,6 +436,12 @@ async def _merge(
             t.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _never(body: bytes) -> bool:
+    """A connection that writes nothing at once (no direct chunk writes: HTTP/1.0, or an
+    unhooked Hypercorn)."""
+    return False
 
 
 def _dead(e: EngineDeadError) -> tuple[str, str]:

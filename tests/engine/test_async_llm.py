@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.async_llm import AsyncLLM, StreamStalledError
+from engine.async_llm import AsyncLLM, StreamStalledError, _Stream
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
+from engine.outputs import CompletionOutput, RequestOutput
 from tests.helpers.procs import wait_no_children
 
 PROMPTS = [{"prompt_token_ids": [40 + i, 1200, 77 * (i + 1), 9, 31]} for i in range(6)]
@@ -110,6 +111,90 @@ def test_a_request_id_in_use_is_refused_and_the_first_request_loses_nothing(
             assert tokens == {0: 12, 1: 12}
         finally:
             await llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_direct_delivery_keeps_every_output_in_order(
+    tiny_model_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reader's direct delivery (what the server's streams use) is offered an output only
+    while the reader waits with nothing pending: what it takes and what the reader is yielded
+    add up to the whole stream, in order, whether it takes, declines or fails."""
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    async def run(llm: AsyncLLM, policy) -> tuple[str, list[int], int, int]:  # type: ignore[no-untyped-def]
+        text, tokens, calls, busy = [""], [], [0, 0], [False]  # calls: offered, yielded
+
+        def direct(out) -> bool:  # type: ignore[no-untyped-def]
+            assert not busy[0], "offered while the reader holds an output it has not written"
+            assert not out.finished
+            calls[0] += 1
+            if not policy(calls[0]):
+                return False
+            for c in out.outputs:
+                text[0] += c.text
+                tokens.extend(c.token_ids)
+            return True
+
+        prepared = llm.prepare(PROMPTS[0], greedy)
+        async for out in llm.generate_prepared(prepared, direct=direct):
+            busy[0] = True
+            calls[1] += 1
+            for c in out.outputs:
+                text[0] += c.text
+                tokens.extend(c.token_ids)
+            await asyncio.sleep(0.02 if calls[1] % 2 else 0)  # a slow write now and then
+            busy[0] = False
+        return text[0], tokens, calls[0], calls[1]
+
+    def planted(call: int) -> bool:
+        if call == 3:
+            raise RuntimeError("planted")
+        return True
+
+    async def main() -> None:
+        llm = AsyncLLM(_config(tiny_model_path))
+        try:
+            ref, ref_tokens, _ = await _drain(llm, PROMPTS[0], greedy)
+            for name, policy in (("always", lambda call: True), ("every third declined",
+                                 lambda call: call % 3 != 0), ("failing", planted)):  # fmt: skip
+                text, tokens, offered, yielded = await run(llm, policy)
+                print(f"{name}: offered {offered} outputs, yielded {yielded}")
+                assert (text, tokens) == (ref, ref_tokens), name
+                assert offered >= 3 and yielded >= 1, name
+            assert "direct delivery of" in caplog.text  # the planted failure, logged
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_direct_delivery_waits_for_what_the_reader_has_not_taken() -> None:
+    """Two outputs in a row before the reader runs: the second is not offered while the first
+    waits for the reader, so it cannot overtake it."""
+
+    def output(text: str, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", None, [], [CompletionOutput(0, text, [1])], finished=finished)
+
+    async def main() -> None:
+        offered: list[RequestOutput] = []
+        stream = _Stream(lambda out: offered.append(out) is None and len(offered) > 1)
+        reader = asyncio.create_task(stream.get())
+        await asyncio.sleep(0)  # the reader waits
+        first, second = output("a"), output("b")
+        assert not stream.deliver_directly(first)  # offered, declined
+        stream.put(first)
+        assert not stream.deliver_directly(second)  # not offered: "a" is not taken yet
+        stream.put(second)
+        assert (await reader).outputs[0].text == "ab"
+        reader = asyncio.create_task(stream.get())
+        await asyncio.sleep(0)
+        third = output("c")
+        assert stream.deliver_directly(third)  # offered, taken
+        assert not stream.deliver_directly(output("d", finished=True))  # the last: never
+        assert len(offered) == 2 and offered[0] is first and offered[1] is third
+        reader.cancel()
 
     asyncio.run(main())
 

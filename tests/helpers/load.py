@@ -113,6 +113,24 @@ class SlowReader:
         self.until = until
         self.request_id = ""
         self.num_bytes = 0
+        self.received = bytearray()  # the whole response, as read
+
+    def texts(self) -> list[str]:
+        """The completion's text of each SSE event of the chunked body it read."""
+        _, _, body = bytes(self.received).partition(b"\r\n\r\n")
+        events = bytearray()
+        while body:
+            size, _, rest = body.partition(b"\r\n")
+            n = int(size, 16)
+            if n == 0:
+                break
+            events += rest[:n]
+            body = rest[n + 2 :]
+        return [
+            json.loads(e[6:])["choices"][0]["text"]
+            for e in bytes(events).split(b"\n\n")
+            if e.startswith(b"data: {")
+        ]
 
     def run(self) -> SlowReader:
         payload = json.dumps(self.body).encode()
@@ -136,8 +154,9 @@ class SlowReader:
             tail = b""
             while data:
                 self.num_bytes += len(data)
+                self.received += data
                 tail = (tail + data)[-256:]
-                if b"data: [DONE]" in tail:
+                if b"data: [DONE]" in tail and tail.endswith(b"0\r\n\r\n"):
                     break
                 data = sock.recv(65536)
         return self

@@ -11,7 +11,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers.load import StalledClient, server_idle, stream_chat, wait_until
+from tests.helpers.load import (
+    SlowReader,
+    StalledClient,
+    server_idle,
+    stream_chat,
+    wait_until,
+)
 from tests.helpers.server import LumenServer, metric
 
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
@@ -78,6 +84,23 @@ def test_a_stalled_reader_does_not_slow_the_others(tiny_server: LumenServer) -> 
     print(f"ratio {ratio:.2f}")
     assert ratio > 0.5
     wait_until(lambda: server_idle(tiny_server), timeout=30)
+
+
+def test_a_slow_reader_gets_the_whole_stream(tiny_server: LumenServer) -> None:
+    """A reader that stops reading until the server's writes back up, then reads the rest:
+    its stream says what a fast reader's does, every token once and in order, in fewer events
+    (what waited was merged, not buffered). Streamed text is written straight from the
+    engine's output loop while a connection takes it at once, and by the request's own task
+    once it does not."""
+    body = {"prompt": "Read slowly", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(
+        tiny_server.url("/v1/completions"), json=body, headers=tiny_server.headers(), timeout=60
+    ).json()["choices"][0]["text"]
+    reader = SlowReader(tiny_server, body, stall_s=2.0).run()
+    texts = reader.texts()
+    print(f"\nslow reader: 1000 tokens in {len(texts)} events, {reader.num_bytes:,} bytes")
+    assert "".join(texts) == whole
+    assert len(texts) < 900
 
 
 @pytest.fixture(scope="module")

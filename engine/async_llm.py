@@ -243,6 +243,7 @@ class AsyncLLM:
         stream: bool = True,
         close_trace: bool = True,
         direct: Callable[[RequestOutput], bool] | None = None,
+        hold_last: bool = False,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Run a prompt ``prepare`` checked, as it is (no second tokenize or validation).
 
@@ -257,6 +258,8 @@ class AsyncLLM:
         delivered all it was yielded before it asks for more (a server writes each event
         before it reads the next). False: it delivered nothing, and the output is yielded.
         A stream then costs no task switch per token where its connection keeps up.
+        ``hold_last`` (with ``stream`` and ``close_trace=False``): the caller writes the last
+        output with the end of its response, so the trace marks it delivered at the close.
         """
         arrival_ns = arrival_ns or time.time_ns()
         self._check_alive()
@@ -276,7 +279,7 @@ class AsyncLLM:
                 out = await stream_state.get()
                 finished = out.finished
                 yield out
-                if stream:
+                if stream and not (finished and hold_last and not close_trace):
                     frontend.delivered(request_id)  # the caller took it
         finally:
             if not finished:

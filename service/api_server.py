@@ -92,8 +92,12 @@ class FrontDoor:
             """A body message, straight to the server, its delivery measured."""
             started = time.time_ns()
             body = message.get("body", b"")
-            if chunk is not None and body and message.get("more_body", False):
-                await chunk(body)  # the transport took it (a slow reader blocks it)
+            if chunk is not None and body:
+                if message.get("more_body", False):
+                    await chunk(body)  # the transport took it (a slow reader blocks it)
+                else:  # the last chunk goes out with the body's end: one write
+                    chunk.hold(body)
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:
                 await send(message)  # likewise
             ended = time.time_ns()
@@ -119,6 +123,8 @@ class FrontDoor:
                 headers = [*message.get("headers", []), id_header]
                 if _chunked(scope, status, headers):
                     chunk = http_timing.chunk_writer(client)
+                    if chunk is not None and ctx.hold_head:
+                        chunk.hold_head()
                 if lifecycle.closing:
                     headers.append((b"connection", b"close"))  # the client reconnects elsewhere
                 message = {**message, "headers": headers}

@@ -33,6 +33,7 @@ class RequestContext:
     deliver: Send | None = None  # writes a body message, timed (a stream's events use it)
     # Writes a stream's chunk now where the connection takes it without a wait (else False).
     deliver_now: Callable[[bytes], bool] | None = None
+    hold_head: bool = False  # the response head waits for its first chunk, which follows at once
     # Set by the route.
     handler_ns: int = 0  # when the route's handler began (the body read and parsed)
     # Set by the front door: the body's size and when it was read whole (0: no body).

@@ -30,7 +30,6 @@ autotuned buffer, where the server could never see it.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.metadata
 import logging
 import socket
@@ -74,10 +73,14 @@ def install() -> bool:
         return False
     import hypercorn.asyncio.run as hc_run
     from hypercorn.asyncio.tcp_server import TCPServer
+    from hypercorn.events import Closed, RawData
 
     class StampingTCPServer(TCPServer):
         def __init__(self, *args: Any) -> None:
             super().__init__(*args)
+            # Bytes that go out with the connection's next write (ChunkWriter.hold), and
+            # whether Hypercorn's next write is held so (a response head, ChunkWriter.hold_head).
+            self.held, self.hold_next = b"", False
             sock = self.writer.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
@@ -98,6 +101,20 @@ def install() -> bool:
                 return data
 
             reader.read = stamping_read  # type: ignore[method-assign]
+
+        async def protocol_send(self, event: Any) -> None:
+            if isinstance(event, RawData):
+                if self.hold_next:
+                    self.hold_next = False
+                    self.held += event.data
+                    return
+                if self.held:
+                    event, self.held = RawData(self.held + event.data), b""
+            elif isinstance(event, Closed) and self.held:
+                held, self.held = self.held, b""
+                if not self.writer.transport.is_closing():  # what was held, then the close
+                    self.writer.write(held)
+            await super().protocol_send(event)
 
         async def run(self) -> None:
             try:
@@ -141,22 +158,27 @@ def request_started(client: Any) -> int:
 
 class ChunkWriter:
     """Writes one chunk of a chunked HTTP/1.1 body straight to the connection, framed as h11
-    frames it (``chunk_writer``)."""
+    frames it (``chunk_writer``). Each write also carries what was held for it: a stream's
+    response head goes out with its first chunk, and its last chunk with the body's end, so a
+    stream's first and last events each cost one send, not two."""
 
-    __slots__ = ("lock", "writer")
+    __slots__ = ("lock", "server", "writer")
 
-    def __init__(self, writer: asyncio.StreamWriter, lock: asyncio.Lock) -> None:
-        self.writer, self.lock = writer, lock
+    def __init__(self, server: Any) -> None:
+        self.server, self.writer, self.lock = server, server.writer, server.send_lock
 
     async def __call__(self, body: bytes) -> None:
         """Returns once the transport took the chunk: it waits as Hypercorn's own writes do
         (the connection's send lock, then the transport's buffer)."""
-        writer = self.writer
+        writer, server = self.writer, self.server
         async with self.lock:
             if writer.transport.is_closing():
                 return
+            frame = b"%x\r\n%b\r\n" % (len(body), body)
+            if server.held:
+                frame, server.held = server.held + frame, b""
             try:
-                writer.write(b"%x\r\n%b\r\n" % (len(body), body))
+                writer.write(frame)
                 await writer.drain()
             except (ConnectionError, RuntimeError):
                 return
@@ -165,11 +187,24 @@ class ChunkWriter:
         """The chunk written now, without waiting, where nothing would make ``__call__`` wait:
         no other write in progress and nothing left in the transport's buffer. False (nothing
         written) otherwise, or where the connection is closing."""
-        transport = self.writer.transport
+        transport, server = self.writer.transport, self.server
         if self.lock.locked() or transport.is_closing() or transport.get_write_buffer_size():
             return False
-        transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        frame = b"%x\r\n%b\r\n" % (len(body), body)
+        if server.held:
+            frame, server.held = server.held + frame, b""
+        transport.write(frame)
         return True
+
+    def hold(self, body: bytes) -> None:
+        """The chunk goes out with the connection's next write (the end of the body, which
+        Hypercorn writes)."""
+        self.server.held += b"%x\r\n%b\r\n" % (len(body), body)
+
+    def hold_head(self) -> None:
+        """Hypercorn's next write (the response head about to be sent) goes out with the
+        first chunk instead: for a stream whose first event follows at once."""
+        self.server.hold_next = True
 
 
 def chunk_writer(client: Any) -> ChunkWriter | None:
@@ -185,7 +220,7 @@ def chunk_writer(client: Any) -> ChunkWriter | None:
     if state is None:
         return None
     server = state[2]
-    return ChunkWriter(server.writer, server.send_lock)
+    return ChunkWriter(server)
 
 
 def request_ended(client: Any) -> None:

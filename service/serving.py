@@ -216,6 +216,7 @@ class Serving:
                     tracer.finished(Finished(rid, "error", "error", time.time_ns(), e.message))
             raise
         if prep.stream:
+            prep.ctx.hold_head = prep.head.chat  # its role chunks follow the head at once
             return EventStream(
                 self._events(prep),
                 send_timeout=self.stall_timeout,
@@ -314,17 +315,25 @@ class Serving:
                     facts.first_delivered_ns = time.time_ns()
             return True
 
-        plain = head.tools is None and head.reasoning is None and len(prep.prompts) == 1
+        single = len(prep.prompts) == 1
+        plain = head.tools is None and head.reasoning is None and single
+        tail: list[bytes] = []  # a single prompt's last events go out with [DONE], in one write
         try:
             if head.chat:
-                for index in range(len(prep.prompts) * n):
-                    yield sse(_encode(head.chunk([head.role_choice(index)])))
-            generate = self._generate(prep, direct if plain and deliver_now is not _never else None)
+                yield b"".join(
+                    sse(_encode(head.chunk([head.role_choice(index)])))
+                    for index in range(len(prep.prompts) * n)
+                )
+            generate = self._generate(
+                prep, direct if plain and deliver_now is not _never else None, hold_last=single
+            )
             async with contextlib.aclosing(generate) as outputs:
                 async for p, out in outputs:
+                    batch: list[bytes] = []  # the output's events, in one write
                     for c in out.outputs:
                         if c.error is not None:
-                            yield sse(_encode(error_body(400, c.error)))
+                            batch.append(sse(_encode(error_body(400, c.error))))
+                            yield b"".join(batch)
                             return
                         num_completion_tokens += len(c.token_ids)
                         if not (c.text or c.finish_reason or c.logprobs):
@@ -334,25 +343,31 @@ class Serving:
                             done.add(index)
                         if head.tools is not None or head.reasoning is not None:
                             for chunk in head.parsed_chunks(index, c, streams):
-                                yield sse(_encode(chunk))
+                                batch.append(sse(_encode(chunk)))
                         elif c.text and c.finish_reason is None and c.logprobs is None:
-                            yield head.text_event(index, c.text)
+                            batch.append(head.text_event(index, c.text))
                         else:
                             chunk = head.chunk([head.delta_choice(index, c, offsets[index])])
-                            yield sse(_encode(chunk))
-                        if not facts.first_delivered_ns and c.token_ids:
-                            facts.first_delivered_ns = time.time_ns()  # the transport took it
+                            batch.append(sse(_encode(chunk)))
                         offsets[index] += len(c.text)
                     if out.finished:
                         timings.append(out.metrics)
+                        if single:
+                            tail = batch
+                            continue
+                    if batch:
+                        yield batch[0] if len(batch) == 1 else b"".join(batch)
+                    if not facts.first_delivered_ns and any(c.token_ids for c in out.outputs):
+                        facts.first_delivered_ns = time.time_ns()  # the transport took it
             if head.include_usage or prep.include_timing:
                 last = head.usage_chunk(prep.num_prompt_tokens, num_completion_tokens)
                 if not head.include_usage:
                     del last["usage"]
                 if prep.include_timing:
                     last["timing"] = server_timing(timings, prep.ctx.http_start_ns, time.time_ns())
-                yield sse(_encode(last))
-            yield DONE
+                tail.append(sse(_encode(last)))
+            tail.append(DONE)
+            yield b"".join(tail)
         except EngineDeadError as e:
             message, code = _dead(e)
             yield sse(_encode(error_body(503, message, code=code)))
@@ -372,10 +387,13 @@ class Serving:
             yield sse(_encode(error_body(500, "internal server error")))
 
     async def _generate(
-        self, prep: Prepared, direct: Callable[[RequestOutput], bool] | None = None
+        self,
+        prep: Prepared,
+        direct: Callable[[RequestOutput], bool] | None = None,
+        hold_last: bool = False,
     ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """Deltas of every prompt's request, tagged with the prompt's index (``direct``: one
-        prompt's, as AsyncLLM.generate_prepared takes it)."""
+        """Deltas of every prompt's request, tagged with the prompt's index (``direct`` and
+        ``hold_last``: one prompt's, as AsyncLLM.generate_prepared takes them)."""
         arrival_ns = prep.ctx.arrival_ns
         gens = [
             self.engine.generate_prepared(
@@ -386,6 +404,7 @@ class Serving:
                 stream=prep.stream,
                 close_trace=False,  # the front door closes it, once the response is written
                 direct=direct,
+                hold_last=hold_last,
             )
             for rid, prompt in zip(prep.request_ids, prep.prompts)
         ]

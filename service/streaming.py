@@ -132,8 +132,17 @@ class EventStream(Response):
             }
         )
         loop = asyncio.get_running_loop()
+        last = b""  # the [DONE] event goes out with the body's end
         async for event in self.events:
+            if last:  # not the last after all
+                await deliver({"type": "http.response.body", "body": last, "more_body": True})
+                last = b""
+            if event.endswith(DONE):
+                last = event
+                continue
             self._sending_since = loop.time()
             await deliver({"type": "http.response.body", "body": event, "more_body": True})
             self._sending_since = None
-        await deliver({"type": "http.response.body", "body": b"", "more_body": False})
+        self._sending_since = loop.time()
+        await deliver({"type": "http.response.body", "body": last, "more_body": False})
+        self._sending_since = None

@@ -330,12 +330,13 @@ class AsyncLLM:
             results, to_abort = self.frontend.process(await self.client.get_output())
             if to_abort:
                 await self.client.abort_requests(to_abort)
+            delivered: list[tuple[str, int]] = []  # what the streams' readers wrote here
             for result in results:
                 stream = self._streams.get(result.request_id)
                 if stream is not None:
                     try:
                         if stream.deliver_directly(result):
-                            frontend.delivered(result.request_id)
+                            delivered.append((result.request_id, time.time_ns()))
                             continue
                     except Exception:
                         logger.exception("direct delivery of %s failed", result.request_id)
@@ -343,6 +344,8 @@ class AsyncLLM:
                     stream.put(result)
                     if result.finished:
                         del self._streams[result.request_id]
+            if delivered:
+                frontend.delivered_many(delivered)
             now = time.monotonic()
             if now - last_stall_check > 1.0:
                 last_stall_check = now

@@ -69,6 +69,10 @@ class FrontendObserver(Protocol):
     def delivered(self, request_id: str, ns: int) -> None:
         """The caller took the request's pending outputs."""
 
+    def delivered_many(self, deliveries: list[tuple[str, int]]) -> None:
+        """``delivered`` for each (request id, instant) pair, in order: one call per output
+        batch where the output loop itself delivers."""
+
     def finished(self, event: Finished) -> None: ...
 
     def closed(self, request_id: str, ns: int) -> None:
@@ -179,6 +183,10 @@ class Frontend:
     def delivered(self, request_id: str) -> None:
         if self.observer is not None:
             self.observer.delivered(request_id, time.time_ns())
+
+    def delivered_many(self, deliveries: list[tuple[str, int]]) -> None:
+        if self.observer is not None:
+            self.observer.delivered_many(deliveries)
 
     def closed(self, request_id: str) -> None:
         if self.observer is not None:

@@ -14,7 +14,7 @@ from engine.sampling_params import SamplingParams
 from engine.stats import FinishedRequest, IterationStats
 
 
-@dataclass
+@dataclass(slots=True)
 class _Sequence:
     """One generated sequence (one of a request's n)."""
 
@@ -74,7 +74,7 @@ class _Sequence:
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Parent:
     """The request as the caller sees it; its n sequences run as separate core requests."""
 

@@ -90,7 +90,8 @@ class Tracer:
         self.observe_delivery = observe_delivery
         self._handlers: dict[type, Callable[[Any], None]] = {
             Start: self._on_start, Enqueued: self._on_enqueued, Outputs: self._on_outputs,
-            Delivered: self._on_delivered, Finished: self._on_finished, Closed: self._on_closed,
+            Delivered: self._on_delivered, list: self._on_delivered_many,
+            Finished: self._on_finished, Closed: self._on_closed,
             Pause: self._on_pause, Lifecycle: self._on_lifecycle,
         }  # fmt: skip
         self.run_id = uuid.uuid4().hex[:16]
@@ -144,6 +145,9 @@ class Tracer:
 
     def delivered(self, request_id: str, ns: int) -> None:
         self._put(Delivered(request_id, ns))
+
+    def delivered_many(self, deliveries: list[tuple[str, int]]) -> None:
+        self._put(deliveries)  # one event for a batch: a list of (request id, instant)
 
     def finished(self, event: Finished) -> None:
         self._put(event)
@@ -362,6 +366,12 @@ class Tracer:
     def _on_delivered(self, e: Delivered) -> None:
         if (req := self._requests.get(e.request_id)) is not None:
             req.delivered(e.ns)
+
+    def _on_delivered_many(self, deliveries: list[tuple[str, int]]) -> None:
+        requests = self._requests
+        for request_id, ns in deliveries:
+            if (req := requests.get(request_id)) is not None:
+                req.delivered(ns)
 
     def _on_finished(self, e: Finished) -> None:
         if (req := self._requests.get(e.request_id)) is not None and req.status is None:

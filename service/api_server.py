@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import signal
 import time
@@ -45,6 +46,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 _ID_KINDS = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}
+# The routes FrontDoor serves itself for a valid body (``FrontDoor._complete``): the schema and
+# the Serving method that prepares it. Their FastAPI routes answer every other body.
+_COMPLETION_ROUTES: dict[str, tuple[type[ChatCompletionRequest | CompletionRequest], str]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, "prepare_chat"),
+    "/v1/completions": (CompletionRequest, "prepare_completion"),
+}
 
 
 class FrontDoor:
@@ -178,7 +185,47 @@ class FrontDoor:
                 return
             ctx.body_read_ns, ctx.body_bytes = time.time_ns(), len(body)
             receive = _replay(body, receive)
+            if (route := _COMPLETION_ROUTES.get(scope["path"])) is not None and (
+                await self._complete(route, scope, receive, send_with_id, headers, body, ctx)
+            ):
+                return
         await self.app(scope, receive, send_with_id)
+
+    async def _complete(
+        self,
+        route: tuple[type[ChatCompletionRequest | CompletionRequest], str],
+        scope: Scope,
+        receive: Receive,
+        send_with_id: Send,
+        headers: dict[bytes, bytes],
+        body: bytes,
+        ctx: RequestContext,
+    ) -> bool:
+        """Serve a completion request whose body is valid JSON of its schema, as its FastAPI
+        route would but without FastAPI's layers (about 120 us a request on 2 busy cores);
+        False, having done nothing, for any other body: the route answers it, with FastAPI's
+        own errors."""
+        model, prepare = route
+        content_type = headers.get(b"content-type", b"").partition(b";")[0].strip().lower()
+        if scope["method"] != "POST" or not (
+            content_type == b"application/json" or content_type.endswith(b"+json")
+        ):
+            return False
+        try:  # what FastAPI does with a JSON body: Starlette's json.loads, then validation
+            parsed = model.model_validate(json.loads(body), from_attributes=True)
+        except Exception:  # a bad body: its route says why, as ever
+            return False
+        try:
+            prep = getattr(self.serving, prepare)(parsed, ctx, scope["path"])
+            response = await self.serving.respond(prep, Request(scope, receive))
+        except APIError as e:  # as the app's APIError handler answers
+            ctx.error = e.message
+            response = e.response()
+        except Exception:  # as its handler of the unexpected
+            logger.exception("unexpected error in %s", scope["path"])
+            response = APIError(500, "internal server error").response()
+        await response(scope, receive, send_with_id)
+        return True
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         if self.api_key is None:

@@ -241,6 +241,39 @@ def test_api_key_and_transport_errors(tiny_server: LumenServer) -> None:
     assert len(ids) == 6
 
 
+def test_each_body_is_answered_as_its_route_declares(tiny_server: LumenServer) -> None:
+    """The front door serves a valid JSON body of a completion route itself, and hands every
+    other body to the route, whose errors it keeps (FastAPI's parsing, then the schema)."""
+    auth = tiny_server.headers()
+    chat = json.dumps({"messages": MESSAGES, "max_tokens": 3}).encode()
+    prompt = json.dumps({"prompt": "Hi", "max_tokens": 3}).encode()
+
+    def post(path: str, body: bytes, content_type: str | None) -> httpx.Response:
+        headers = {**auth, **({"content-type": content_type} if content_type else {})}
+        return httpx.post(tiny_server.url(path), content=body, headers=headers, timeout=60)
+
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", prompt)):
+        for content_type in ("application/json", "Application/JSON; charset=utf-8",
+                             "application/vnd.example+json"):  # fmt: skip
+            r = post(path, body, content_type)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    refused = {
+        "not json": post("/v1/chat/completions", b"{not json", "application/json"),
+        "a list": post("/v1/chat/completions", b"[1, 2]", "application/json"),
+        "bad field": post("/v1/chat/completions", b'{"messages": "hi"}', "application/json"),
+        "text/plain": post("/v1/completions", prompt, "text/plain"),
+        "empty": post("/v1/completions", b"", "application/json"),
+    }
+    for name, r in refused.items():
+        assert r.status_code == 400, (name, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error", name
+    assert "JSON decode error" in refused["not json"].json()["error"]["message"]
+    assert "messages" in refused["bad field"].json()["error"]["message"]
+    unknown = post("/v1/chat/completions", json.dumps({"messages": MESSAGES, "model": "nope"})
+                   .encode(), "application/json")  # fmt: skip
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+
+
 def test_models_health_and_metrics(tiny_server: LumenServer, tiny_model_path: Path) -> None:
     models = tiny_server.client().models.list().data
     assert [m.id for m in models] == [tiny_model_path.name]  # the folder name

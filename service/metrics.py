@@ -192,10 +192,11 @@ class ServerMetrics:
         """Called from the trace writer thread."""
         self.delivery_lag.observe(seconds)
 
-    def observe_boundary(self, name: str, seconds: float) -> None:
-        """Called from the trace writer thread (prometheus_client is thread-safe)."""
+    def observe_boundary(self, name: str, seconds: Sequence[float]) -> None:
+        """Durations of one boundary (a request's emits come together). Called from the trace
+        writer thread (prometheus_client is thread-safe)."""
         if (child := self.boundary.get(name)) is not None:
-            child.observe(seconds)
+            observe_all(child, seconds)
 
     def set_tracer_stats(self, stats: TracerStats) -> None:
         self._mirror("trace_rows_dropped", stats.num_dropped_rows)

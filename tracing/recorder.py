@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +58,7 @@ MAX_POLL_S = 0.050
 FLUSH_CPU_SHARE = 0.01
 MAX_FLUSH_STRETCH = 10
 QUIET_POLLS = 4
-BoundaryObserver = Callable[[str, float], None]
+BoundaryObserver = Callable[[str, Sequence[float]], None]  # a boundary's durations (s)
 DeliveryObserver = Callable[[float], None]
 
 
@@ -338,12 +338,14 @@ class Tracer:
             self._add(rows, request_of)
         if self.observe_boundary is not None and not step.idle:  # once a step, not per row
             self.observe_boundary(
-                "core.schedule", (step.schedule_end_ns - step.schedule_start_ns) / 1e9
+                "core.schedule", ((step.schedule_end_ns - step.schedule_start_ns) / 1e9,)
             )
             self.observe_boundary(
-                "worker.execute", (step.execute_end_ns - step.execute_start_ns) / 1e9
+                "worker.execute", ((step.execute_end_ns - step.execute_start_ns) / 1e9,)
             )
-            self.observe_boundary("core.output", max(0, step.output_ns - step.execute_end_ns) / 1e9)
+            self.observe_boundary(
+                "core.output", (max(0, step.output_ns - step.execute_end_ns) / 1e9,)
+            )
         keep_visits, step_id, started = self._keep_visits, step.step_id, step.schedule_start_ns
         mask_ns = step.grammar_mask_ns  # every request in the step waited for the masks
         for rid, num_tokens in zip(step.req_ids, step.num_scheduled):
@@ -413,9 +415,12 @@ class Tracer:
                 self._otlp_rows.export_records(request_record_spans(
                     row, root_attributes(req), stored, children, slow_ns=self._slow_ns,
                 ))  # fmt: skip
-        if self.observe_boundary is not None:
+        if self.observe_boundary is not None:  # a request's emits: one call for them all
+            by_name: dict[str, list[float]] = {}
             for name, ns in boundary_durations(req):
-                self.observe_boundary(name, ns / 1e9)
+                by_name.setdefault(name, []).append(ns / 1e9)
+            for name, seconds in by_name.items():
+                self.observe_boundary(name, seconds)
         if self.observe_delivery is not None and req.last_token_ns:
             self.observe_delivery(max(0, req.last_delivered_ns - req.last_token_ns) / 1e9)
         if self.otlp is not None and self._otlp_rows is None:

@@ -87,7 +87,7 @@ def test_a_stalled_reader_does_not_slow_the_others(tiny_server: LumenServer) -> 
 
 
 def test_a_slow_reader_gets_the_whole_stream(tiny_server: LumenServer) -> None:
-    """A reader that stops reading until the server's writes back up, then reads the rest:
+    """A reader that stops reading until its whole completion is generated, then reads it:
     its stream says what a fast reader's does, every token once and in order, in fewer events
     (what waited was merged, not buffered). Streamed text is written straight from the
     engine's output loop while a connection takes it at once, and by the request's own task
@@ -96,7 +96,12 @@ def test_a_slow_reader_gets_the_whole_stream(tiny_server: LumenServer) -> None:
     whole = httpx.post(
         tiny_server.url("/v1/completions"), json=body, headers=tiny_server.headers(), timeout=60
     ).json()["choices"][0]["text"]
-    reader = SlowReader(tiny_server, body, stall_s=2.0).run()
+    before = metric(tiny_server.metrics(), "lumen:generation_tokens_total")
+
+    def generated() -> bool:  # all of it, while the reader did not read
+        return metric(tiny_server.metrics(), "lumen:generation_tokens_total") >= before + 1000
+
+    reader = SlowReader(tiny_server, body, stall_s=0.2, until=generated).run()
     texts = reader.texts()
     print(f"\nslow reader: 1000 tokens in {len(texts)} events, {reader.num_bytes:,} bytes")
     assert "".join(texts) == whole

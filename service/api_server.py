@@ -207,8 +207,9 @@ class FrontDoor:
         own errors."""
         model, prepare = route
         content_type = headers.get(b"content-type", b"").partition(b";")[0].strip().lower()
-        if scope["method"] != "POST" or not (
-            content_type == b"application/json" or content_type.endswith(b"+json")
+        if scope["method"] != "POST" or not (  # FastAPI's JSON types: application/json, .../*+json
+            content_type == b"application/json"
+            or (content_type.startswith(b"application/") and content_type.endswith(b"+json"))
         ):
             return False
         try:  # what FastAPI does with a JSON body: Starlette's json.loads, then validation

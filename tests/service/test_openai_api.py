@@ -262,6 +262,7 @@ def test_each_body_is_answered_as_its_route_declares(tiny_server: LumenServer) -
         "a list": post("/v1/chat/completions", b"[1, 2]", "application/json"),
         "bad field": post("/v1/chat/completions", b'{"messages": "hi"}', "application/json"),
         "text/plain": post("/v1/completions", prompt, "text/plain"),
+        "text/x+json": post("/v1/completions", prompt, "text/x+json"),
         "empty": post("/v1/completions", b"", "application/json"),
     }
     for name, r in refused.items():

@@ -1,6 +1,6 @@
 """Request ids: minted once where a request enters, and one convention for its children.
 
-A request enters at the server's front door (``service/api_server.py``) or at
+A request enters at the server's front door (``service/front_door.py``) or at
 ``LLM.generate`` / ``AsyncLLM.generate``; each calls ``new_request_id`` there
 and nowhere else. A completion with several prompts is one engine request per
 prompt, and a request with ``n`` > 1 is one core sequence per sample: both

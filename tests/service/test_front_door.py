@@ -20,9 +20,9 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.sampling_params import SamplingParams
 from service import http_timing
-from service.api_server import FrontDoor
 from service.config import ServerConfig
 from service.context import RequestContext, context_of
+from service.front_door import FrontDoor
 from service.protocol import CompletionRequest
 from service.serving import Serving
 

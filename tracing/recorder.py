@@ -34,6 +34,7 @@ from tracing.ids import parse_traceparent
 from tracing.otlp_records import WINDOW_NS, engine_spans, request_record_spans
 from tracing.spans import (
     RequestTrace,
+    Span,
     StepVisit,
     boundary_durations,
     build_request_row,
@@ -203,12 +204,16 @@ class Tracer:
         if self.store is not None:  # so that the first flush costs what the others do
             prepare_appends()
         interval = self.config.trace_flush_interval
-        last_flush, wait = time.monotonic(), interval
-        events, handlers, idle = self._events, self._handlers, 0
+        # Flushes are timed from the oldest row they hold, not from the last flush: traffic that
+        # starts after a quiet spell has its first flush a wait later, not a nearly empty one at
+        # once (a flush's cost is mostly fixed).
+        oldest: float | None = None  # when the buffer last went from empty to holding rows
+        events, handlers, idle, wait = self._events, self._handlers, 0, interval
         while True:
             if not events:  # poll: more often while events keep coming
                 idle += 1
                 time.sleep(min(POLL_S * idle, MAX_POLL_S))
+            polled = time.monotonic()
             while events:
                 idle = 0
                 item = events.popleft()
@@ -221,13 +226,22 @@ class Tracer:
                     handlers[type(item)](item)
                 except Exception:
                     logger.exception("trace writer: %s failed", type(item).__name__)
-                if time.monotonic() - last_flush >= wait:
+                if oldest is not None and time.monotonic() - oldest >= wait:
                     break
-            since = time.monotonic() - last_flush
-            if since >= wait or (since >= interval and (idle >= QUIET_POLLS or self._crowded())):
+            if oldest is None:
+                if not self._holds_rows():
+                    continue
+                oldest = polled
+            age = time.monotonic() - oldest
+            quiet = idle >= QUIET_POLLS
+            if age >= wait or (age >= interval and (quiet or self._crowded())):
                 cpu = self._flush()
-                last_flush = time.monotonic()
-                wait = flush_wait(interval, cpu)
+                if not quiet:  # a quiet spell's flush says nothing of the load: wait as before
+                    wait = flush_wait(interval, cpu)
+                oldest = time.monotonic() if self._holds_rows() else None  # kept: retried
+
+    def _holds_rows(self) -> bool:
+        return self.store is not None and self.store.num_buffered_rows > 0
 
     def _crowded(self) -> bool:
         """The store's buffer is half full: flush now rather than drop rows later."""
@@ -400,7 +414,13 @@ class Tracer:
         for child_id in req.child_ids:
             self._by_child.pop(child_id, None)
         req.close(e.ns, e.http)
-        spans, stored = request_spans(req, self.run_id)  # once: some ids are random
+        # Built once (a request of several sequences gets random ids for theirs), and only where
+        # they go somewhere: OTLP's request spans, or a store's rows for those sequences.
+        export = self.otlp is not None and self._otlp_rows is None
+        spans: list[Span] = []
+        stored: list[Span] = []
+        if export or (self._keep_rows and len(req.child_ids) > 1):
+            spans, stored = request_spans(req, self.run_id)
         if self._keep_rows:
             row = build_request_row(
                 req, self.run_id, trace_prompts=self.config.trace_prompts,
@@ -423,7 +443,7 @@ class Tracer:
                 self.observe_boundary(name, seconds)
         if self.observe_delivery is not None and req.last_token_ns:
             self.observe_delivery(max(0, req.last_delivered_ns - req.last_token_ns) / 1e9)
-        if self.otlp is not None and self._otlp_rows is None:
+        if export:
             self.otlp.export([*spans, *step_spans(req, self.run_id)])
         if self.genai is not None:
             self.genai.record(req)

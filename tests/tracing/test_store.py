@@ -224,6 +224,59 @@ def test_flushes_spread_out_under_load_and_a_pause_flushes_at_once(
     assert count is not None and count[0] > 500 and tracer.stats().num_dropped_rows == 0
 
 
+def _steady_pauses(tracer: recorder.Tracer, seconds: float) -> None:
+    """Events every 2 ms for ``seconds``: traffic, as the writer sees it."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        tracer.pause(Pause("api", "loop_lag", time.time_ns(), 1000))
+        time.sleep(0.002)
+
+
+def test_load_after_a_quiet_spell_waits_as_the_load_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quiet spell, however long, does not end the stretched wait that load set: the next
+    burst shorter than that wait is flushed once, when it pauses, not an interval into it (a
+    flush's cost is mostly fixed). Here every flush under load sets the longest wait."""
+    monkeypatch.setattr(recorder, "FLUSH_CPU_SHARE", 1e-6)
+    interval = 0.1
+    config = TracingConfig(trace_db=str(tmp_path / "t.db"), trace_flush_interval=interval)
+    tracer = recorder.Tracer(config, EngineInfo("tiny", 64, 16, 16, "float32", "cpu", "0"))
+    try:
+        _steady_pauses(tracer, 2 * interval)  # flushed an interval in: under load
+        wait_until(lambda: tracer.stats().num_flushes == 2, 5)  # and once it pauses
+        time.sleep((recorder.MAX_FLUSH_STRETCH + 3) * interval)  # quiet, past any wait
+        _steady_pauses(tracer, 4 * interval)  # a burst, shorter than the stretched wait
+        during = tracer.stats().num_flushes
+        flushed = wait_until(lambda: tracer.stats().num_flushes > 2, 5)
+        print(f"\nthe burst was flushed {flushed * 1000:.0f} ms after it ended")
+        time.sleep(2 * interval)
+        assert during == 2 and tracer.stats().num_flushes == 3  # once, whole
+    finally:
+        tracer.shutdown()
+
+
+def test_a_quiet_spell_keeps_the_wait_that_load_set(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wait between flushes under load follows what the last flush under load cost; a
+    flush in a quiet spell (a few rows, cheap) does not shorten the wait of the load after it.
+    Here a flush under load sets the longest wait, every other one the interval."""
+    waits = iter([10.0])
+    monkeypatch.setattr(recorder, "flush_wait", lambda interval, cpu: next(waits, 1.0) * interval)
+    interval = 0.1
+    config = TracingConfig(trace_db=str(tmp_path / "t.db"), trace_flush_interval=interval)
+    tracer = recorder.Tracer(config, EngineInfo("tiny", 64, 16, 16, "float32", "cpu", "0"))
+    try:
+        _steady_pauses(tracer, 2 * interval)  # flushed at its first interval: the wait is 10
+        wait_until(lambda: tracer.stats().num_flushes == 2, 5)  # and once quiet
+        _steady_pauses(tracer, 5 * interval)  # within the 10-interval wait: no flush
+        assert tracer.stats().num_flushes == 2
+        wait_until(lambda: tracer.stats().num_flushes == 3, 5)  # until it pauses
+    finally:
+        tracer.shutdown()
+
+
 def test_the_flush_wait_follows_the_flush_cost() -> None:
     assert recorder.flush_wait(1.0, 0.002) == 1.0  # cheap: every interval
     assert recorder.flush_wait(1.0, 0.04) == pytest.approx(0.04 / recorder.FLUSH_CPU_SHARE)

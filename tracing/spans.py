@@ -16,6 +16,7 @@ Spans follow DESIGN §3 (instants per the clock rule in engine/messages.py):
 from __future__ import annotations
 
 import hashlib
+import struct
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -425,14 +426,14 @@ def child_rows(req: RequestTrace, run_id: str) -> list[tuple[Any, ...]]:
 
 def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     """A chained 63-bit hash per block (the last one may be partial): equal prefixes give equal
-    leading hashes, as in the prefix cache, so replay can share the same prefixes again."""
+    leading hashes, as in the prefix cache, so replay can share the same prefixes again. A
+    block hashes its ids as 4-byte little-endian integers, after its parent's digest."""
     out: list[int] = []
     parent = b""
-    for start in range(0, len(token_ids), block_size):
-        block = token_ids[start : start + block_size]
-        digest = hashlib.blake2b(
-            parent + b"".join(t.to_bytes(4, "little") for t in block), digest_size=8
-        ).digest()
+    data = struct.pack(f"<{len(token_ids)}I", *token_ids)
+    step = 4 * block_size
+    for start in range(0, len(data), step):
+        digest = hashlib.blake2b(parent + data[start : start + step], digest_size=8).digest()
         out.append(int.from_bytes(digest, "little") >> 1)
         parent = digest
     return out

@@ -8,6 +8,12 @@ delivered tokens per second, and CPU per delivered token of the server (all its 
 from /proc through psutil) and of this client (a raw-socket HTTP/1.1 client, as light as one
 gets in Python: on 2 cores it competes with the server). At the end the traced server's trace
 db, checkpointed, in bytes per generated token.
+
+Tracing's cost pairs the traced and untraced servers round by round (every other round runs the
+servers in reverse order), as a share of the untraced server's CPU per token: over the whole
+server (`tracing_cpu`), over the API process alone (`tracing_api`: the engine core runs the same
+code traced or not, so its difference is noise, 6-8% of the server between rounds on 2 cores),
+and the trace writer thread's (`trace_writer`).
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class Level:
             "tok_s": self.tokens / self.seconds if self.seconds else math.nan,
             "server_cpu_us_per_token": self.server_cpu_s / per * 1e6,
             "children_cpu_us_per_token": self.children_cpu_s / per * 1e6,
+            "api_cpu_us_per_token": (self.server_cpu_s - self.children_cpu_s) / per * 1e6,
             "client_cpu_us_per_token": self.client_cpu_s / per * 1e6,
             "trace_writer_cpu_us_per_token": self.writer_cpu_s / per * 1e6,
         }
@@ -317,10 +324,13 @@ def run(args: argparse.Namespace) -> int:
                     model, log_path=tmp / "hf.log", kv_tokens=args.kv_tokens)))  # fmt: skip
             for _, server in servers:  # the first requests pay one-off costs
                 asyncio.run(_load(server.port, _body(server, 8), 4, 1))
-            for _ in range(args.rounds):
+            for round_ in range(args.rounds):
+                # Every other round runs the servers in reverse: a drift of the machine's speed
+                # within a round falls on each server alike.
+                order = servers if round_ % 2 == 0 else servers[::-1]
                 for streams in levels:
                     per_stream = math.ceil(args.tokens_per_level / (streams * args.max_tokens))
-                    for name, server in servers:
+                    for name, server in order:
                         level = measure(name, server, streams, per_stream, args.max_tokens)
                         results.append(level)
                         s = level.summary()
@@ -409,6 +419,7 @@ def _ratios(summaries: list[dict[str, Any]], levels: list[int]) -> dict[str, flo
             out[f"s{streams}_tok_s_ratio"] = tok[lumen, streams] / tok[hf, streams]
     for streams in levels:  # tracing's cost, paired round by round (rounds interleave servers)
         for key, figure in (("tracing_cpu", "server_cpu_us_per_token"),
+                            ("tracing_api", "api_cpu_us_per_token"),
                             ("trace_writer", "trace_writer_cpu_us_per_token")):  # fmt: skip
             extra = _paired_extra(summaries, streams, figure)
             if extra is not None:  # over the untraced server's CPU per token

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.bench import bench_json, lumen_bench, ratio_keys
 
 
@@ -63,8 +65,12 @@ def test_overhead_bench_counts_every_token_and_the_store(
     traced = sum(x["tokens"] for x in doc["levels"] if x["system"] == "lumen (traced)")
     assert doc["store"]["tokens"] >= traced and doc["store"]["bytes_per_token"] > 0
     want = {"s2_cpu_per_token_ratio", "s5_tok_s_ratio", "cpu_per_token_s5_over_s2_ratio",
-            "s2_tracing_cpu_extra_ratio", "s5_trace_writer_extra_ratio"}  # fmt: skip
+            "s2_tracing_cpu_extra_ratio", "s2_tracing_api_extra_ratio",
+            "s5_trace_writer_extra_ratio"}  # fmt: skip
     assert want <= set(ratio_keys(doc))
+    for x in doc["levels"]:  # the API process: the server less its engine core
+        api = x["server_cpu_us_per_token"] - x["children_cpu_us_per_token"]
+        assert x["api_cpu_us_per_token"] == pytest.approx(api)
 
 
 def test_cold_start_bench_compares_the_first_burst_with_warm_ones(

@@ -443,7 +443,7 @@ class Tracer:
                 self.observe_boundary(name, seconds)
         if self.observe_delivery is not None and req.last_token_ns:
             self.observe_delivery(max(0, req.last_delivered_ns - req.last_token_ns) / 1e9)
-        if export:
+        if export and self.otlp is not None:
             self.otlp.export([*spans, *step_spans(req, self.run_id)])
         if self.genai is not None:
             self.genai.record(req)

@@ -239,17 +239,18 @@ def measure(
     writer0 = thread_cpu_seconds(pid, WRITER)
     seconds, tokens, errors = asyncio.run(_load(server.port, body, streams, per_stream))
     top, kids = tree_cpu_seconds(pid)
-    writer = thread_cpu_seconds(pid, WRITER)
+    writer, client = thread_cpu_seconds(pid, WRITER), time.process_time() - client0
     if name.startswith("lumen (traced"):
         # The level's rows are stored on its bill, not the next one's: the writer thread's CPU
         # until its next flush is added (not the server's: its /metrics answers to the polls
-        # that wait for the flush are this bench's cost, not the level's).
+        # that wait for the flush are this bench's cost, not the level's, as is the client's
+        # CPU in those polls).
         _wait_for_a_flush(server)
         flushed = thread_cpu_seconds(pid, WRITER)
         top, writer = top + flushed - writer, flushed
     return Level(
         name, streams, seconds, tokens, streams * per_stream, errors,
-        top + kids - top0 - kids0, kids - kids0, time.process_time() - client0, writer - writer0,
+        top + kids - top0 - kids0, kids - kids0, client, writer - writer0,
     )  # fmt: skip
 
 

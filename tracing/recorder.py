@@ -416,10 +416,10 @@ class Tracer:
         req.close(e.ns, e.http)
         # Built once (a request of several sequences gets random ids for theirs), and only where
         # they go somewhere: OTLP's request spans, or a store's rows for those sequences.
-        export = self.otlp is not None and self._otlp_rows is None
+        export = self.otlp if self._otlp_rows is None else None  # OTLP's own request spans
         spans: list[Span] = []
         stored: list[Span] = []
-        if export or (self._keep_rows and len(req.child_ids) > 1):
+        if export is not None or (self._keep_rows and len(req.child_ids) > 1):
             spans, stored = request_spans(req, self.run_id)
         if self._keep_rows:
             row = build_request_row(
@@ -443,8 +443,8 @@ class Tracer:
                 self.observe_boundary(name, seconds)
         if self.observe_delivery is not None and req.last_token_ns:
             self.observe_delivery(max(0, req.last_delivered_ns - req.last_token_ns) / 1e9)
-        if export and self.otlp is not None:
-            self.otlp.export([*spans, *step_spans(req, self.run_id)])
+        if export is not None:
+            export.export([*spans, *step_spans(req, self.run_id)])
         if self.genai is not None:
             self.genai.record(req)
 

@@ -218,7 +218,7 @@ class Tracer:
                 idle = 0
                 item = events.popleft()
                 if item is _STOP:
-                    self._flush()
+                    self._flush(last=True)
                     if self.store is not None:
                         self.store.close()
                     return
@@ -270,14 +270,15 @@ class Tracer:
                                       at_ns=spans[0].start_ns)  # fmt: skip
             self._otlp_rows.export_records(spans)
 
-    def _flush(self) -> float:
+    def _flush(self, *, last: bool = False) -> float:
         """Flush the store; the CPU seconds it took (0 with nothing to write). A flush that
-        could not write (the file busy) costs CPU too, but is not counted as one."""
+        could not write (the file busy) costs CPU too, but is not counted as one. ``last``:
+        the writer's final one (TraceStore.flush)."""
         if self.store is None or not self.store.num_buffered_rows:
             return 0.0
         cpu, written = time.thread_time(), False
         try:
-            written = self.store.flush()
+            written = self.store.flush(last=last)
         except Exception:
             logger.exception("trace db flush failed; its rows are kept for the next one")
         cpu = time.thread_time() - cpu

@@ -14,7 +14,7 @@ from tests.helpers.load import wait_until
 from tracing import recorder
 from tracing.config import TracingConfig
 from tracing.events import Pause
-from tracing.store import MIGRATIONS, TraceStore, compact, open_db, write_new
+from tracing.store import MERGE_EVERY, MIGRATIONS, TraceStore, compact, open_db, write_new
 from tracing.store_schema import TABLES
 
 HOLD = """
@@ -147,6 +147,33 @@ def test_a_file_of_mostly_free_blocks_is_compacted_at_close(tmp_path: Path) -> N
     store.close()
     with open_db(db) as con:
         assert con.execute("SELECT count(*) FROM spans").fetchone() == (20_001,)
+
+
+def test_flushes_leave_earlier_rows_in_place_until_a_merge(tmp_path: Path) -> None:
+    """Each flush's rows are a row group of their own, which later flushes leave as they are;
+    every MERGE_EVERY-th flush, and the writer's last, merge them (DuckDB's checkpoint, left to
+    merge at every flush, rewrote the recent ones again and again)."""
+    db = tmp_path / "t.db"
+    store = TraceStore(db)
+    spans = iter(range(10**6))
+
+    def flush(*, last: bool = False) -> int:
+        store.add("span_rows", [_span(next(spans)) for _ in range(300)])
+        assert store.flush(last=last)
+        with open_db(db) as con:
+            return con.execute(
+                "SELECT count(DISTINCT row_group_id) FROM pragma_storage_info('span_rows')"
+            ).fetchone()[0]  # fmt: skip
+
+    assert [flush() for _ in range(5)] == [1, 2, 3, 4, 5]
+    assert flush(last=True) == 1  # the writer's last: merged
+    groups = [flush() for _ in range(MERGE_EVERY)]
+    assert groups[:3] == [2, 3, 4] and groups[-1] == 1, groups  # merged at the MERGE_EVERY-th
+    with open_db(db) as con:
+        assert con.execute("SELECT count(*), count(DISTINCT span_id) FROM spans").fetchone() == (
+            300 * (MERGE_EVERY + 6),
+            300 * (MERGE_EVERY + 6),
+        )
 
 
 def test_a_file_of_mostly_used_blocks_is_left_as_it_is(tmp_path: Path) -> None:

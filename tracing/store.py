@@ -184,7 +184,13 @@ class TraceStore:
         self.num_failed_flushes = 0
         self._buffer = _Buffer()
         # One thread: a flush must not compete with the engine for cores.
-        self._con = duckdb.connect(":memory:", config={"threads": 1, "max_vacuum_tasks": 0})
+        self._con = duckdb.connect(":memory:", config={
+            "threads": 1, "max_vacuum_tasks": 0,
+            # A commit checkpoints at once and writes no WAL (which the checkpoint at DETACH
+            # would read back and drop): 10% less a flush. Still one transaction: a kill -9
+            # mid-checkpoint leaves the file's previous header, without any of it.
+            "checkpoint_threshold": "0B", "auto_checkpoint_skip_wal_threshold": 0,
+        })  # fmt: skip
         self._merging = False  # max_vacuum_tasks is not 0 (this flush merges row groups)
         self.num_unmerged_flushes = 0  # written since the last that merged row groups
         self._migrated = False

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import random
+import signal
 import subprocess
 import sys
 import time
@@ -22,6 +25,18 @@ import sys, time, duckdb
 con = duckdb.connect(sys.argv[1], read_only=True)
 print("open", flush=True)
 time.sleep(float(sys.argv[2]))
+"""
+
+# Flushes 3,000 span rows at a time, for ever (until killed), saying so after each.
+FLUSH_FOREVER = """
+import sys
+from tracing.store import TraceStore
+store = TraceStore(sys.argv[1])
+while True:
+    store.add("span_rows", [("run", f"r{i}", "t" * 32, f"{i:016x}", None, "llm_request", i, i + 1,
+                             None, "{}") for i in range(3000)])
+    store.flush()
+    print("flushed", flush=True)
 """
 
 
@@ -115,6 +130,28 @@ def test_readers_wait_for_a_flush_to_release_the_file(tmp_path: Path) -> None:
     writer.wait()
     print(f"\nreader waited {waited * 1000:.0f} ms for the writer")
     assert waited >= 0.2
+
+
+def test_a_kill_9_at_any_moment_leaves_whole_flushes(tmp_path: Path) -> None:
+    """A flush commits by checkpointing the file, without a WAL: a writer killed at a random
+    moment leaves the file readable, with every flush whole or absent."""
+    db = tmp_path / "t.db"
+    rng = random.Random(7)
+    counts = []
+    for _ in range(8):
+        writer = subprocess.Popen(
+            [sys.executable, "-c", FLUSH_FOREVER, str(db)], stdout=subprocess.PIPE, text=True,
+            cwd=Path(__file__).parents[2],
+        )  # fmt: skip
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "flushed"
+        time.sleep(rng.uniform(0.0, 0.1))  # ~10 ms a flush: killed at any point of one
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.wait()
+        with open_db(db) as con:
+            counts.append(con.execute("SELECT count(*) FROM span_rows").fetchone()[0])
+    print(f"\nrows after each kill: {counts}")
+    assert all(n % 3000 == 0 for n in counts) and counts[-1] > 0
+    assert not db.with_name(db.name + ".wal").exists()
 
 
 def test_a_file_of_mostly_free_blocks_is_compacted_at_close(tmp_path: Path) -> None:

@@ -151,7 +151,6 @@ def test_a_kill_9_at_any_moment_leaves_whole_flushes(tmp_path: Path) -> None:
             counts.append(con.execute("SELECT count(*) FROM span_rows").fetchone()[0])
     print(f"\nrows after each kill: {counts}")
     assert all(n % 3000 == 0 for n in counts) and counts[-1] > 0
-    assert not db.with_name(db.name + ".wal").exists()
 
 
 def test_a_file_of_mostly_free_blocks_is_compacted_at_close(tmp_path: Path) -> None:

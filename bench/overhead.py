@@ -138,22 +138,25 @@ def thread_cpu_seconds(pid: int, name: str) -> float:
     except OSError:
         return 0.0
     for tid in tids:
+        task = f"/proc/{pid}/task/{tid}"
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            with open(f"{task}/stat") as f:
                 stat = f.read()
-            if stat[stat.index("(") + 1 : stat.rindex(")")] != name:
-                continue
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0]) / 1e9  # ns on a CPU
-                continue
-            except (OSError, ValueError, IndexError):
-                pass
         except OSError:  # the thread ended
             continue
-        utime, stime = stat[stat.rindex(")") + 2 :].split()[11:13]
-        total += (int(utime) + int(stime)) / tick
+        if stat[stat.index("(") + 1 : stat.rindex(")")] == name:
+            total += _task_cpu_seconds(task, stat, tick)
     return total
+
+
+def _task_cpu_seconds(task: str, stat: str, tick: int) -> float:
+    """A thread's CPU: its schedstat's nanoseconds on a CPU, else its stat's clock ticks."""
+    try:
+        with open(f"{task}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):  # no schedstat here, or the thread just ended
+        utime, stime = stat[stat.rindex(")") + 2 :].split()[11:13]
+        return (int(utime) + int(stime)) / tick
 
 
 class _Stream:

@@ -186,8 +186,8 @@ class TraceStore:
         # One thread: a flush must not compete with the engine for cores.
         self._con = duckdb.connect(":memory:", config={
             "threads": 1, "max_vacuum_tasks": 0,
-            # A commit checkpoints at once and writes no WAL (which the checkpoint at DETACH
-            # would read back and drop): 10% less a flush. Still one transaction: a kill -9
+            # A commit checkpoints at once and writes no WAL (the checkpoint at DETACH read it
+            # back and dropped it): 10% less a flush. Still one transaction: a kill -9
             # mid-checkpoint leaves the file's previous header, without any of it.
             "checkpoint_threshold": "0B", "auto_checkpoint_skip_wal_threshold": 0,
         })  # fmt: skip
@@ -239,7 +239,7 @@ class TraceStore:
             return True
         con = self._con
         merge = last or self.num_unmerged_flushes + 1 >= MERGE_EVERY
-        if merge != self._merging:  # read by the checkpoint at DETACH
+        if merge != self._merging:  # read by the checkpoint at COMMIT
             con.execute(f"SET max_vacuum_tasks = {100 if merge else 0}")
             self._merging = merge
         try:

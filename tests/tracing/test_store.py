@@ -154,8 +154,9 @@ def test_a_kill_9_at_any_moment_leaves_whole_flushes(tmp_path: Path) -> None:
 
 
 def test_a_file_of_mostly_free_blocks_is_compacted_at_close(tmp_path: Path) -> None:
-    """Many small flushes each rewrite the last row group, leaving free blocks behind; close
-    rewrites such a file into a fresh one with the same rows, schema and spans view."""
+    """Many small flushes, merged at the MERGE_EVERY-th, leave the blocks the merge rewrote
+    free; close rewrites such a file into a fresh one with the same rows, schema and spans
+    view."""
     db = tmp_path / "t.db"
     store = TraceStore(db)
     for flush in range(40):

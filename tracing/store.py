@@ -185,13 +185,12 @@ class TraceStore:
         self._buffer = _Buffer()
         # One thread: a flush must not compete with the engine for cores.
         self._con = duckdb.connect(":memory:", config={
-            "threads": 1, "max_vacuum_tasks": 0,
+            "threads": 1,
             # A commit checkpoints at once and writes no WAL (the checkpoint at DETACH read it
             # back and dropped it): 10% less a flush. Still one transaction: a kill -9
             # mid-checkpoint leaves the file's previous header, without any of it.
             "checkpoint_threshold": "0B", "auto_checkpoint_skip_wal_threshold": 0,
         })  # fmt: skip
-        self._merging = False  # max_vacuum_tasks is not 0 (this flush merges row groups)
         self.num_unmerged_flushes = 0  # written since the last that merged row groups
         self._migrated = False
         try:
@@ -239,9 +238,8 @@ class TraceStore:
             return True
         con = self._con
         merge = last or self.num_unmerged_flushes + 1 >= MERGE_EVERY
-        if merge != self._merging:  # read by the checkpoint at COMMIT
-            con.execute(f"SET max_vacuum_tasks = {100 if merge else 0}")
-            self._merging = merge
+        # Read by the checkpoint at COMMIT; DuckDB's default merges.
+        con.execute("RESET max_vacuum_tasks" if merge else "SET max_vacuum_tasks = 0")
         try:
             if not self._migrated:
                 self._migrate(timeout=0.2)  # the writer thread never waits long

@@ -326,16 +326,17 @@ class Tracer:
                     req.first_token_ns = received_ns
                 req.last_token_ns = received_ns
                 req.output_tokens += len(out.new_token_ids)
-                if step_id is not None and (
-                    not req.pending_emits or req.pending_emits[-1][0] != step_id
-                ):  # once per step, even for n > 1
-                    req.pending_emits.append((step_id, received_ns))
-            req.cached_tokens = max(req.cached_tokens, out.num_cached_tokens)
+                steps = req.emit_steps
+                if step_id is not None and (not steps or steps[-1] != step_id):
+                    steps.append(step_id)  # once per step, even for n > 1
+                    req.emit_received.append(received_ns)
+            if out.num_cached_tokens > req.cached_tokens:
+                req.cached_tokens = out.num_cached_tokens
             if out.finish_reason is not None:
                 freed = out.freed_ns or (step.update_end_ns if step is not None else 0)
                 req.kv_freed_ns = max(req.kv_freed_ns, freed)
-            if out.finish_reason == FinishReason.ERROR and out.error:
-                req.error = out.error
+                if out.finish_reason == FinishReason.ERROR and out.error:
+                    req.error = out.error
         if step is None:
             return
         if self._keep_rows:

@@ -93,8 +93,12 @@ class RequestTrace:
     first_step_id: int | None = None
     last_step_id: int | None = None
     visits: list[StepVisit] = field(default_factory=list)
-    pending_emits: list[tuple[int, int]] = field(default_factory=list)  # (step id, received)
-    emits: list[tuple[int, int, int]] = field(default_factory=list)  # (step, received, delivered)
+    # Its emits, one per step that gave it tokens: the step, when the frontend received them, and
+    # when they were delivered to the caller. Three flat lists, appended to once per token (a
+    # tuple per emit cost twice as much); emit_delivered is shorter while emits wait.
+    emit_steps: list[int] = field(default_factory=list)
+    emit_received: list[int] = field(default_factory=list)
+    emit_delivered: list[int] = field(default_factory=list)
     first_token_ns: int = 0
     last_token_ns: int = 0
     kv_freed_ns: int = 0
@@ -115,8 +119,17 @@ class RequestTrace:
 
     def delivered(self, ns: int) -> None:
         if self.stream:
-            self.emits += [(step, recv, ns) for step, recv in self.pending_emits]
-            self.pending_emits.clear()
+            delivered = self.emit_delivered
+            waiting = len(self.emit_steps) - len(delivered)
+            if waiting == 1:
+                delivered.append(ns)
+            elif waiting:
+                delivered += [ns] * waiting
+
+    @property
+    def emits(self) -> list[tuple[int, int, int]]:
+        """The delivered emits as (step, received, delivered)."""
+        return list(zip(self.emit_steps, self.emit_received, self.emit_delivered))
 
     @property
     def start_ns(self) -> int:
@@ -127,7 +140,7 @@ class RequestTrace:
     def first_delivered_ns(self) -> int:
         if self.http is not None and self.http.first_delivered_ns:
             return self.http.first_delivered_ns
-        return self.emits[0][2] if self.emits else 0
+        return self.emit_delivered[0] if self.emit_delivered else 0
 
     @property
     def last_delivered_ns(self) -> int:
@@ -137,13 +150,12 @@ class RequestTrace:
 
     def close(self, ns: int, http: HttpFacts | None = None) -> None:
         self.http = http
-        if self.pending_emits:
+        if len(self.emit_steps) > len(self.emit_delivered):
             if self.stream:
                 self.delivered(ns)
-            else:  # the one write of the final response
-                step, recv = self.pending_emits[-1]
-                self.emits.append((step, recv, ns))
-                self.pending_emits.clear()
+            else:  # the one write of the final response: its last emit
+                del self.emit_steps[:-1], self.emit_received[:-1]
+                self.emit_delivered[:] = [ns]
         if self.status is None:
             self.status, self.finish_reason = "error", "error"
             self.error = self.error or "the request ended without finishing"
@@ -234,7 +246,7 @@ def step_spans(req: RequestTrace, run_id: str) -> list[Span]:
         add("core.schedule", s.schedule_start_ns, s.schedule_end_ns, s.step_id, v.seq, text)
         add("worker.execute", s.execute_start_ns, s.execute_end_ns, s.step_id, v.seq, text)
         add("core.output", s.execute_end_ns, s.output_ns, s.step_id, v.seq, text)
-    for step, recv, delivered in req.emits:
+    for step, recv, delivered in zip(req.emit_steps, req.emit_received, req.emit_delivered):
         add("frontend.emit", recv, delivered, step, 0, "{}")
     return rows
 
@@ -253,7 +265,10 @@ def boundary_durations(req: RequestTrace) -> list[tuple[str, int]]:
         ("core.queue", max(0, first - req.received_ns.get(seq, first)))
         for seq, first in req.first_steps.items()
     ]
-    out += [("frontend.emit", max(0, delivered - recv)) for _, recv, delivered in req.emits]
+    out += [
+        ("frontend.emit", max(0, delivered - recv))
+        for recv, delivered in zip(req.emit_received, req.emit_delivered)
+    ]
     return out
 
 
@@ -401,12 +416,12 @@ def _params_json(params: Any) -> str | None:
 def _emit_lists(req: RequestTrace, first_step: int) -> tuple[Any, Any, Any]:
     """The emits as store_schema.REQUEST_COLUMNS keeps them: step deltas, received deltas (us, the
     first after the arrival) and delivery times (us)."""
-    if not req.emits:
+    if not req.emit_delivered:
         return None, None, None
     # Plain lists: a request has tens of emits, where numpy's fixed costs outweigh its loops.
     step_deltas, received_deltas, delivery_us = [], [], []
     last_step, last_received_us = first_step, req.arrival_ns // 1000
-    for step, received, delivered in req.emits:
+    for step, received, delivered in zip(req.emit_steps, req.emit_received, req.emit_delivered):
         received_us = received // 1000
         step_deltas.append(step - last_step)
         received_deltas.append(received_us - last_received_us)

@@ -20,7 +20,9 @@ def _request() -> RequestTrace:
                             *[0] * 10)  # fmt: skip
         req.visits.append(StepVisit(0, record, 5 if step == 0 else 1))
         req.first_steps.setdefault(0, record.schedule_start_ns)
-        req.emits.append((step, base + 960, base + 990))
+        req.emit_steps.append(step)
+        req.emit_received.append(base + 960)
+        req.emit_delivered.append(base + 990)
     req.status, req.finish_reason = "ok", "length"
     req.close(40_000)
     return req

@@ -127,11 +127,6 @@ class RequestTrace:
                 delivered += [ns] * waiting
 
     @property
-    def emits(self) -> list[tuple[int, int, int]]:
-        """The delivered emits as (step, received, delivered)."""
-        return list(zip(self.emit_steps, self.emit_received, self.emit_delivered))
-
-    @property
     def start_ns(self) -> int:
         """Where the recorded life starts: the first byte read, else the arrival."""
         return min(self.http_start_ns or self.arrival_ns, self.arrival_ns)

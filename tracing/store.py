@@ -184,9 +184,11 @@ class TraceStore:
         self.num_dropped_rows = 0
         self.num_failed_flushes = 0
         self._buffer = _Buffer()
-        # One thread: a flush must not compete with the engine for cores.
+        # One thread: a flush must not compete with the engine for cores. And none of DuckDB's 8
+        # async I/O threads (for remote files), which idle for ever: the traced API process had
+        # 17 threads against the untraced one's 8.
         self._con = duckdb.connect(":memory:", config={
-            "threads": 1,
+            "threads": 1, "async_threads": 0,
             # A commit checkpoints at once and writes no WAL (the checkpoint at DETACH read it
             # back and dropped it): 10% less a flush. Still one transaction: a kill -9
             # mid-checkpoint leaves the file's previous header, without any of it.

@@ -113,6 +113,28 @@ def test_a_full_buffer_drops_and_counts(tmp_path: Path) -> None:
         assert con.execute("SELECT count(*) FROM spans").fetchone() == (8,)
 
 
+def _num_threads() -> int:
+    return len(os.listdir(f"/proc/{os.getpid()}/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def test_the_writer_starts_no_duckdb_threads(tmp_path: Path) -> None:
+    """A DuckDB database starts 8 async I/O threads (for remote files) that idle for ever; the
+    writer's connection starts none, so a traced API process keeps the threads it had."""
+    warm = TraceStore(tmp_path / "warm.db")  # pyarrow's own threads start at its first flush
+    warm.add("span_rows", [_span(0)])
+    assert warm.flush()
+    warm.close()
+    before = _num_threads()
+    store = TraceStore(tmp_path / "t.db")
+    store.add("span_rows", [_span(i) for i in range(8)])
+    assert store.flush()
+    during = _num_threads()
+    store.close()
+    print(f"\nthreads: {before} before the store, {during} with it open")
+    assert during <= before  # (another test's thread may have ended meanwhile)
+
+
 @pytest.mark.serial  # a wait measured on the wall clock
 def test_readers_wait_for_a_flush_to_release_the_file(tmp_path: Path) -> None:
     db = tmp_path / "t.db"

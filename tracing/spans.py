@@ -94,7 +94,7 @@ class RequestTrace:
     last_step_id: int | None = None
     visits: list[StepVisit] = field(default_factory=list)
     # Its emits, one per step that gave it tokens: the step, when the frontend received them, and
-    # when they were delivered to the caller. Three flat lists, appended to once per token (a
+    # when they were delivered to the caller. Three flat lists, appended to once per emit (a
     # tuple per emit cost twice as much); emit_delivered is shorter while emits wait.
     emit_steps: list[int] = field(default_factory=list)
     emit_received: list[int] = field(default_factory=list)

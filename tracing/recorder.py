@@ -29,6 +29,7 @@ from engine.background import name_os_thread
 from engine.frontend import Enqueued, Finished
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineInfo, FinishReason
 from tracing.config import TracingConfig, replica_id, store_path
+from tracing.emit_columns import with_emit_lists
 from tracing.events import Closed, Delivered, HttpFacts, Lifecycle, Outputs, Pause, Start
 from tracing.ids import parse_traceparent
 from tracing.otlp_records import WINDOW_NS, engine_spans, request_record_spans
@@ -435,7 +436,8 @@ class Tracer:
                 })  # fmt: skip
             if self._otlp_rows is not None:
                 self._otlp_rows.export_records(request_record_spans(
-                    row, root_attributes(req), stored, children, slow_ns=self._slow_ns,
+                    with_emit_lists(row), root_attributes(req), stored, children,
+                    slow_ns=self._slow_ns,
                 ))  # fmt: skip
         if self.observe_boundary is not None:  # a request's emits: one call for them all
             by_name: dict[str, list[float]] = {}

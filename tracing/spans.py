@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from engine.messages import StepRecord
+from tracing.emit_columns import emits_of
 from tracing.events import HttpFacts
 from tracing.ids import new_span_id, new_trace_id
 
@@ -339,6 +340,9 @@ def build_request_row(
     http = req.http or HttpFacts()
     first_delivered = req.first_delivered_ns
     first_step = req.first_step_id
+    # The same in all three emit columns' places: the flush builds them (tracing.emit_columns).
+    emits = emits_of(req.emit_steps, req.emit_received, req.emit_delivered, first_step or 0,
+                     req.arrival_ns)  # fmt: skip
     hashes = tokens = None
     if trace_prompts == "hashes" and req.prompt_token_ids:
         hashes = block_hashes(req.prompt_token_ids, block_size)
@@ -385,7 +389,9 @@ def build_request_row(
         req.parent_span_id,
         first_step,
         req.last_step_id,
-        *_emit_lists(req, first_step or 0),
+        emits,
+        emits,
+        emits,
         grammar_kind(req),
         req.grammar_ready_ns or None,
         req.grammar_compile_ns if req.grammar_ready_ns else None,
@@ -406,23 +412,6 @@ def _params_json(params: Any) -> str | None:
     if so is not None and so.spec:
         params = params.clone(structured_outputs=msgspec.structs.replace(so, spec=""))
     return _encode(params).decode()
-
-
-def _emit_lists(req: RequestTrace, first_step: int) -> tuple[Any, Any, Any]:
-    """The emits as store_schema.REQUEST_COLUMNS keeps them: step deltas, received deltas (us, the
-    first after the arrival) and delivery times (us)."""
-    if not req.emit_delivered:
-        return None, None, None
-    # Plain lists: a request has tens of emits, where numpy's fixed costs outweigh its loops.
-    step_deltas, received_deltas, delivery_us = [], [], []
-    last_step, last_received_us = first_step, req.arrival_ns // 1000
-    for step, received, delivered in zip(req.emit_steps, req.emit_received, req.emit_delivered):
-        received_us = received // 1000
-        step_deltas.append(step - last_step)
-        received_deltas.append(received_us - last_received_us)
-        delivery_us.append((delivered - received) // 1000)
-        last_step, last_received_us = step, received_us
-    return step_deltas, received_deltas, delivery_us
 
 
 def child_rows(req: RequestTrace, run_id: str) -> list[tuple[Any, ...]]:

@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import duckdb
 
 from tracing import fleet
+from tracing.emit_columns import EMIT_INDEX, emit_arrays
 from tracing.store_schema import ADDED_IN, SCHEMA_VERSION, TABLES
 from tracing.store_views import SPANS_VIEW, SPANS_VIEW_4, SPANS_VIEW_7
 
@@ -383,8 +384,17 @@ def _append(
     import pyarrow as pa
 
     schema = _arrow_schema(table)
+    values_of = list(zip(*rows))
+    built: dict[int, Any] = {}
+    if table == "requests":  # the trace writer's rows hold their emits as recorded
+        arrays = emit_arrays(values_of[EMIT_INDEX[0]], [schema[i].type for i in EMIT_INDEX])
+        if arrays is not None:
+            built = dict(zip(EMIT_INDEX, arrays))
     columns = []
-    for column, values in zip(schema, zip(*rows)):
+    for i, (column, values) in enumerate(zip(schema, values_of)):
+        if i in built:
+            columns.append(built[i])
+            continue
         try:
             columns.append(pa.array(values, type=column.type))
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as e:

@@ -4,14 +4,20 @@ that instant), and a whole response's one write as its single emit."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
+
+import pyarrow as pa
+import pytest
 
 from engine.frontend import Enqueued, Finished
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineInfo, StepRecord
 from engine.sampling_params import SamplingParams
 from tracing.config import TracingConfig
+from tracing.emit_columns import Emits, emit_arrays, emits_of
 from tracing.recorder import Tracer
-from tracing.store import open_db
+from tracing.store import open_db, write_new
+from tracing.store_schema import TABLES
 
 T0 = 1_764_800_000_000_000_000  # ns since the epoch, as the server stamps them
 MS = 1_000_000
@@ -88,3 +94,37 @@ def test_emits_once_per_step_delivered_as_the_caller_got_them(tmp_path: Path) ->
         [(n_delivered[k] - _received(k)) // 1000 for k in (1, 2, 3)],
         6,
     )  # fmt: skip
+
+
+def test_a_flush_builds_every_requests_emit_columns_as_each_alone() -> None:
+    """The flush builds the three columns of all its requests at once: the same values as one
+    request at a time, with rows that have no emits (NULL) among them."""
+    rng = random.Random(7)
+    emits: list[Emits | None] = []
+    for i in range(60):
+        n = rng.choice([0, 1, 2, 5, 64])
+        received = sorted(T0 + rng.randrange(10**10) for _ in range(n))
+        steps = sorted(rng.randrange(1, 10**6) for _ in range(n))
+        delivered = [r + rng.randrange(10**8) for r in received]
+        arrival = received[0] - rng.randrange(10**9) if n else T0
+        emits.append(emits_of(steps, received, delivered, steps[0] - i % 3 if n else 0, arrival))
+    assert emits.count(None) > 0
+    types = [pa.list_(pa.int32()), pa.list_(pa.int64()), pa.list_(pa.int32())]
+    arrays = emit_arrays(emits, types)
+    assert arrays is not None
+    for k, array in enumerate(arrays):
+        assert array.type == types[k]
+        assert array.to_pylist() == [e.lists()[k] if e is not None else None for e in emits]
+    # Rows that hold plain lists (an import's) convert as they are.
+    assert emit_arrays([None, [1, 2]], types) is None
+    assert emit_arrays([None, None], types) is None
+
+
+def test_an_emit_its_column_cannot_hold_is_named(tmp_path: Path) -> None:
+    """A delivery 40 minutes after its tokens came does not fit the us in an INTEGER."""
+    requests = {name: None for name in TABLES["requests"]}
+    late = emits_of([5], [T0], [T0 + 40 * 60 * 10**9], 5, T0 - 1)
+    requests.update(run_id="run", request_id="r", emit_step_deltas=late, emit_received_us=late,
+                    emit_delivery_us=late)  # fmt: skip
+    with pytest.raises(ValueError, match="emit_delivery_us"):
+        write_new(tmp_path / "t.db", {"requests": [tuple(requests.values())]})

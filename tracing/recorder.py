@@ -54,13 +54,11 @@ _STOP = object()
 POLL_S = 0.010
 MAX_POLL_S = 0.050
 # A flush costs 8-13 ms of CPU fixed (DuckDB's attach, an insert a table, the checkpoint at
-# commit: each ~10-50 us a column) and ~0.4 us a token. Under load the next flush waits until
+# commit: each ~10-50 us a column) and ~0.45 us a token. Under load the next flush waits until
 # the last one's CPU is FLUSH_CPU_SHARE of a core in the time since, up to MAX_FLUSH_STRETCH
 # flush intervals: at 64 streams of the tiny model (16k tokens/s) the per-token part alone is
-# 0.6% of a core, so flushes are 10 intervals apart. A pause in traffic flushes what waits at
-# the interval as ever: no event for QUIET_POLLS polls (0.1 s), or for one (10 ms) with no
-# request open. The second is the end of a burst, flushed before the writer's caches go cold:
-# after 100 ms asleep the same flush cost 4.5 ms more CPU, after 10 ms 0.5.
+# 0.7% of a core, so flushes are 10 intervals apart. A pause in traffic (QUIET_POLLS polls
+# without an event, 0.1 s) flushes what waits at the interval as ever.
 FLUSH_CPU_SHARE = 0.005
 MAX_FLUSH_STRETCH = 10
 QUIET_POLLS = 4
@@ -238,7 +236,7 @@ class Tracer:
                     continue
                 oldest = polled
             age = time.monotonic() - oldest
-            quiet = idle >= QUIET_POLLS or (idle > 0 and not self._requests)
+            quiet = idle >= QUIET_POLLS
             if age >= wait or (age >= interval and (quiet or self._crowded())):
                 cpu = self._flush()
                 if not quiet:  # a quiet spell's flush says nothing of the load: wait as before

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.frontend import Enqueued, Finished
 from engine.messages import EngineInfo
-from engine.sampling_params import SamplingParams
 from tests.helpers.load import wait_until
 from tracing import recorder
 from tracing.config import TracingConfig
@@ -342,39 +340,6 @@ def test_load_after_a_quiet_spell_waits_as_the_load_before_it(
         assert during == 2 and tracer.stats().num_flushes == 3  # once, whole
     finally:
         tracer.shutdown()
-
-
-def test_a_burst_is_flushed_once_its_last_request_closes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The end of a burst is flushed when its last request closes, not after a quiet spell
-    of QUIET_POLLS polls (here never) nor at the stretched wait that load set (10 intervals)."""
-    monkeypatch.setattr(recorder, "FLUSH_CPU_SHARE", 1e-6)
-    monkeypatch.setattr(recorder, "QUIET_POLLS", 10**6)
-    interval = 0.2
-    config = TracingConfig(trace_db=str(tmp_path / "t.db"), trace_flush_interval=interval)
-    tracer = recorder.Tracer(config, EngineInfo("tiny", 64, 16, 16, "float32", "cpu", "0"))
-    try:
-        start = time.monotonic()
-        tracer.enqueued(Enqueued("r", ["r"], [1, 2], SamplingParams(), 0, time.time_ns(),
-                                 time.time_ns(), True))  # fmt: skip
-        _steady_pauses(tracer, 1.5 * interval)  # flushed an interval in: the wait is 2 s
-        wait_until(lambda: tracer.stats().num_flushes == 1, 5)
-        time.sleep(3 * interval)  # no event, but a request open: nothing flushed
-        assert tracer.stats().num_flushes == 1
-        tracer.finished(Finished("r", "ok", "stop", time.time_ns()))
-        tracer.closed("r", time.time_ns())
-        closed = time.monotonic()
-        wait_until(lambda: tracer.stats().num_flushes == 2, 5)
-        waited = time.monotonic() - closed
-        print(f"\nflushed {waited * 1000:.0f} ms after the last request closed, "
-              f"{closed - start:.2f} s after the burst began")  # fmt: skip
-        # The stretched wait would flush 2.2 s after the start, over 1 s after the close.
-        assert waited < 0.8
-    finally:
-        tracer.shutdown()
-    with open_db(tmp_path / "t.db") as con:
-        assert con.execute("SELECT count(*) FROM requests").fetchone() == (1,)
 
 
 def test_a_quiet_spell_keeps_the_wait_that_load_set(

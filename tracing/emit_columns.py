@@ -12,7 +12,7 @@ run's 40,960 emits).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 from tracing.store_schema import REQUEST_COLUMNS
@@ -88,11 +88,12 @@ def emit_arrays(values: Sequence[Emits | None], types: Sequence[Any]) -> list[An
     np.cumsum(sizes, out=offsets[1:])
     starts = offsets[:-1][present]
 
-    def flat(field: int) -> Any:
-        chained = itertools.chain.from_iterable(e[field] for e in kept)
-        return np.fromiter(chained, np.int64, total)
+    def flat(lists: Iterable[list[int]]) -> Any:
+        return np.fromiter(itertools.chain.from_iterable(lists), np.int64, total)
 
-    steps, received, delivered = flat(0), flat(1), flat(2)
+    steps = flat(e.steps for e in kept)
+    received = flat(e.received for e in kept)
+    delivered = flat(e.delivered for e in kept)
     before = np.empty(total, np.int64)  # each emit's predecessor; a request's first: its start
     before[1:] = steps[:-1]
     before[starts] = np.fromiter((e.first_step for e in kept), np.int64, len(kept))

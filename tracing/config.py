@@ -64,7 +64,7 @@ class TracingConfig:
         default=1.0,
         metadata={
             "help": "seconds between trace db flushes; under load they spread out, up to 10x "
-            "this, until flushing costs about 1%% of a core; a pause in traffic flushes at once"
+            "this, until flushing costs about 0.5%% of a core; a pause in traffic flushes at once"
         },
     )
     service_instance_id: str | None = field(

@@ -128,3 +128,20 @@ def test_an_emit_its_column_cannot_hold_is_named(tmp_path: Path) -> None:
                     emit_delivery_us=late)  # fmt: skip
     with pytest.raises(ValueError, match="emit_delivery_us"):
         write_new(tmp_path / "t.db", {"requests": [tuple(requests.values())]})
+
+
+def test_the_writers_rows_and_an_imports_flush_together(tmp_path: Path) -> None:
+    """A row holding its emits as recorded beside one holding plain lists: both as given."""
+    blank = {name: None for name in TABLES["requests"]}
+    recorded = emits_of([7, 8], [T0 + 5_000, T0 + 9_000], [T0 + 6_000, T0 + 12_000], 7, T0)
+    writers = {**blank, "run_id": "run", "request_id": "w", "emit_step_deltas": recorded,
+               "emit_received_us": recorded, "emit_delivery_us": recorded}  # fmt: skip
+    imported = {**blank, "run_id": "run", "request_id": "i", "emit_step_deltas": [0, 2],
+                "emit_received_us": [3, 4], "emit_delivery_us": [5, 6]}  # fmt: skip
+    write_new(tmp_path / "t.db", {"requests": [tuple(writers.values()), tuple(imported.values())]})
+    with open_db(tmp_path / "t.db") as con:
+        got = con.execute(
+            "SELECT request_id, emit_step_deltas, emit_received_us, emit_delivery_us "
+            "FROM requests ORDER BY request_id"
+        ).fetchall()
+    assert got == [("i", [0, 2], [3, 4], [5, 6]), ("w", [0, 1], [5, 4], [1, 3])]

@@ -124,6 +124,8 @@ class FrontDoor:
         finally:
             http_timing.request_ended(client)
             self._close_traces(scope["path"], ctx, status)
+            # Each closure points back at ctx: left, the cycle is the garbage collector's to free.
+            ctx.deliver = ctx.deliver_now = None
 
     def _close_traces(self, path: str, ctx: RequestContext, status: int) -> None:
         """The response is written (or abandoned): every engine request it started ends here."""

@@ -221,3 +221,39 @@ def test_generation_config_defaults_auto_none_or_a_folder(
     assert borrowed["max_tokens"] == 3
     with pytest.raises(ValueError, match="generation_config must be auto, none or a folder"):
         EngineConfig(generation_config="greedy")
+
+
+def test_finished_and_aborted_requests_leave_no_cycle_to_the_garbage_collector() -> None:
+    """A request's parent and sequences point at each other: once its last output is taken
+    they are let go, so reference counting frees them (in the API process, the collector's
+    passes over such cycles took 11-17 ms each)."""
+    import gc
+
+    from tokenizers import Tokenizer
+
+    from engine.messages import EngineCoreOutput, FinishReason
+    from engine.output_processor import OutputProcessor
+
+    proc = OutputProcessor(Tokenizer.from_str(_TINY_TOKENIZER))
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage, not freed
+    try:
+        proc.add_request("s", None, [1], SamplingParams(max_tokens=2), stream=True)
+        pair = proc.add_request("p", None, [1], SamplingParams(n=2, max_tokens=1))
+        proc.add_request("a", None, [1], SamplingParams(), stream=True)
+        outs, _ = proc.process_outputs([EngineCoreOutput("s", [0]), EngineCoreOutput("a", [1])])
+        assert [o.request_id for o in outs] == ["s", "a"]
+        done = FinishReason.LENGTH
+        outs, _ = proc.process_outputs([
+            EngineCoreOutput("s", [1], finish_reason=done),
+            *(EngineCoreOutput(child, [2], finish_reason=done) for child in pair),
+        ])  # fmt: skip
+        assert sorted((o.request_id, o.finished) for o in outs) == [("p", True), ("s", True)]
+        assert proc.abort_request("a") == ["a"]
+        del outs
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert not {"_Parent", "_Sequence", "IncrementalDetokenizer"} & set(left), left

@@ -104,6 +104,16 @@ def test_on_the_hooked_hypercorn_a_request_starts_at_its_first_byte(
     assert ctx.arrival_ns - ctx.http_start_ns >= 0.8 * DELAY_S * 1e9
 
 
+def test_a_written_response_lets_go_of_the_front_doors_closures(fresh_hook: None) -> None:
+    """The front door's write closures point at the request's context, which holds them:
+    once the response is written the context lets go of them, so reference counting frees a
+    request's objects (the server's own among them), not the garbage collector. Left to it,
+    the API process's passes took 11-17 ms each, about 2 us a token at 64 streams."""
+    ctx, response = asyncio.run(_request_slowly())
+    assert response.startswith(b"HTTP/1.1 200")
+    assert ctx.deliver is None and ctx.deliver_now is None
+
+
 def test_another_hypercorn_falls_back_to_the_app_arrival_with_one_warning(
     fresh_hook: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

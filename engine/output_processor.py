@@ -265,7 +265,6 @@ class OutputProcessor:
                 reason = str(out.finish_reason)
                 self._finish(out.request_id, reason, out.stop_reason, finished, stats)
         if streamed:
-            finished = [r for r in finished if r.request_id not in streamed]
             finished += [d for p in streamed.values() if (d := p.delta_output()) is not None]
             for parent in streamed.values():
                 if not parent.num_unfinished:
@@ -300,8 +299,8 @@ class OutputProcessor:
         parent.num_unfinished -= 1
         if parent.num_unfinished == 0:
             del self._parents[parent.request_id]
-            finished.append(parent.output())
-            if not parent.stream:  # a stream's last delta is taken after every output is in
+            if not parent.stream:  # a stream's last output is its delta, once every output is in
+                finished.append(parent.output())
                 parent.forget_sequences()
             if stats is not None:
                 stats.finished.append(parent.finished_stats(reason, stats.now_ns))

@@ -51,7 +51,8 @@ def emits_of(
     n = len(delivered)
     if not n:
         return None
-    if len(steps) != n or len(received) != n:  # not after a close; as zip would
+    if len(steps) != n or len(received) != n:  # not after a close: emit_arrays chains the
+        # three lists and needs them equally long, so cut them as zip would
         n = min(n, len(steps), len(received))
         steps, received, delivered = steps[:n], received[:n], delivered[:n]
     return Emits(steps, received, delivered, first_step, arrival_ns)

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import duckdb
 
 from tracing import fleet
-from tracing.emit_columns import EMIT_INDEX, Emits, emit_arrays, with_emit_lists
+from tracing.emit_columns import EMIT_INDEX, emit_arrays, with_emit_lists
 from tracing.store_schema import ADDED_IN, SCHEMA_VERSION, TABLES
 from tracing.store_views import SPANS_VIEW, SPANS_VIEW_4, SPANS_VIEW_7
 
@@ -390,7 +390,7 @@ def _append(
         arrays = emit_arrays(values_of[EMIT_INDEX[0]], [schema[i].type for i in EMIT_INDEX])
         if arrays is not None:
             built = dict(zip(EMIT_INDEX, arrays))
-        elif any(isinstance(v, Emits) for v in values_of[EMIT_INDEX[0]]):  # beside plain lists
+        else:  # an import's plain lists, perhaps beside recorded emits: every row as lists
             values_of = list(zip(*map(with_emit_lists, rows)))
     columns = []
     for i, (column, values) in enumerate(zip(schema, values_of)):

@@ -233,3 +233,44 @@ def test_cpu_of_another_process_and_its_thread_is_read_to_the_millisecond() -> N
           f"process {process_s * 1e3:.2f} ms, read {outside_process * 1e3:.2f} ms")  # fmt: skip
     assert abs(outside_thread - thread_s) < 0.002
     assert 0 <= outside_process - process_s < 0.002  # it only slept since
+
+
+BUSY_WRITER = """
+import threading, time
+from engine.background import name_os_thread
+def work():
+    name_os_thread()
+    print("started", flush=True)
+    for _ in range(6):  # events handled after the load: 6 bursts of 40 ms, 50 ms apart
+        end = time.thread_time() + 0.04
+        while time.thread_time() < end:
+            pass
+        time.sleep(0.05)
+    print(time.thread_time(), flush=True)
+    while True:  # idle: it only polls
+        time.sleep(0.05)
+threading.Thread(target=work, name="trace-writer", daemon=True).start()
+time.sleep(30)
+"""
+
+
+def test_the_overhead_bench_bills_a_writer_until_it_is_idle() -> None:
+    """A level's bill holds the trace writer's CPU until it has handled the level's last
+    events, traced or not: read while it works, the wait returns its CPU once it idles."""
+    import subprocess
+    import sys
+
+    from bench.overhead import _wait_for_idle_writer
+
+    proc = subprocess.Popen([sys.executable, "-c", BUSY_WRITER], stdout=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).parents[2])  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "started"
+        billed = _wait_for_idle_writer(proc.pid)
+        worked = float(proc.stdout.readline())  # printed before it idled
+    finally:
+        proc.kill()
+        proc.wait()
+    print(f"\nthe writer worked {worked * 1e3:.1f} ms; billed {billed * 1e3:.1f} ms")
+    assert worked >= 0.24 and billed >= worked - 0.002

@@ -13,6 +13,11 @@ static inline float from_bf16(uint16_t x) {
 }
 #define FROM_F32(x) (x)
 #define TO_F32(x) (x)
+/* Positions ahead whose K (or V) row is prefetched: a row is DIM values, so 16 rows is 4 KiB
+   of fp32 ahead at DIM 64. Without it the kernel read the KV at 17 GB/s on 2 threads of a
+   Xeon that streams 32: it waits on each row's cache misses in turn (its sums run at 50 GB/s
+   from cache). With it, 23 GB/s. */
+#define PREFETCH_ROWS 16
 
 /* Round to nearest even, as torch's .to(torch.bfloat16) does. */
 static inline uint16_t to_bf16(float f) {
@@ -53,6 +58,8 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new, T *
             for (int g = 0; g < GROUP; g++) mx[g] = -3.0e38f;                             \
             for (int64_t t = 0; t < n; t++) {                                             \
                 const T *kr = kh + t * DIM;                                               \
+                for (int c = 0; c < (int)(DIM * sizeof(T)); c += 64)                      \
+                    __builtin_prefetch((const char *)(kr + PREFETCH_ROWS * DIM) + c);     \
                 for (int g = 0; g < GROUP; g++) {                                         \
                     const float *qg = qh + g * DIM;                                       \
                     float a = 0.f;                                                        \
@@ -76,6 +83,8 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new, T *
             }                                                                             \
             for (int64_t t = 0; t < n; t++) {                                             \
                 const T *vr = vh + t * DIM;                                               \
+                for (int c = 0; c < (int)(DIM * sizeof(T)); c += 64)                      \
+                    __builtin_prefetch((const char *)(vr + PREFETCH_ROWS * DIM) + c);     \
                 for (int g = 0; g < GROUP; g++) {                                         \
                     float p = s[g * n + t], *ag = acc + g * DIM;                          \
                     _Pragma("omp simd")                                                   \

@@ -9,7 +9,10 @@ in a bounded buffer for the next flush, and what overflows is counted, never
 waited for. Readers retry briefly when a flush holds the file.
 
 A kill -9 mid-flush rolls that transaction back when the file is next opened,
-so the store never holds part of a request.
+so the store never holds part of a request. Except in one window: DuckDB's checkpoint rewrites
+a metadata block in place, and a SIGKILL during that write can tear it (Linux stops a write
+between pages for a fatal signal), which leaves the file unreadable. A writer that finds its
+file so sets it aside (``NAME.corrupt-<ns>``) and starts a new one; readers say what it is.
 """
 
 from __future__ import annotations
@@ -132,6 +135,37 @@ def migrate(con: duckdb.DuckDBPyConnection) -> None:
         con.execute("COMMIT")
 
 
+# What DuckDB says of a file with a torn block (a checksum), or torn metadata.
+_CORRUPT = ("corrupt database file", "no more data remaining in metadatareader")
+
+
+class CorruptStore(ValueError):
+    """A store DuckDB cannot open because a block of it is torn."""
+
+
+def is_corrupt(e: BaseException) -> bool:
+    """Whether DuckDB refused a file because a block of it is torn."""
+    return any(words in str(e).lower() for words in _CORRUPT)
+
+
+def _corrupt(where: str, e: duckdb.Error) -> CorruptStore:
+    return CorruptStore(
+        f"a trace db is corrupt ({where}: {str(e).splitlines()[0]}). A writer killed while "
+        "DuckDB rewrote one of its blocks can leave it so; the next server to write it sets it "
+        "aside as NAME.corrupt-<ns> and records into a new file"
+    )
+
+
+def set_aside(path: Path) -> Path:
+    """Move a corrupt store (and its WAL) out of the way, kept for salvage; its new name."""
+    aside = path.with_name(f"{path.name}.corrupt-{time.time_ns()}")
+    os.replace(path, aside)
+    wal = path.with_name(path.name + ".wal")
+    if wal.exists():
+        os.replace(wal, aside.with_name(aside.name + ".wal"))
+    return aside
+
+
 # One trace store, several (read as one fleet), or a folder of them.
 DbPath = str | Path | Sequence[str | Path]
 
@@ -149,7 +183,12 @@ def open_db(
                 raise ValueError("a fleet of trace dbs opens read-only")
             con = duckdb.connect(":memory:")
             try:
-                fleet.attach(con, paths, lambda attach: _while_locked(attach, timeout))
+                try:
+                    fleet.attach(con, paths, lambda attach: _while_locked(attach, timeout))
+                except duckdb.Error as e:
+                    if not is_corrupt(e):
+                        raise
+                    raise _corrupt(", ".join(map(str, paths)), e) from None
                 yield con
             finally:
                 con.close()
@@ -158,7 +197,12 @@ def open_db(
     path = Path(path)
     if read_only and not path.exists():
         raise ValueError(f"no trace db at {path}")
-    con = _while_locked(lambda: duckdb.connect(str(path), read_only=read_only), timeout)
+    try:
+        con = _while_locked(lambda: duckdb.connect(str(path), read_only=read_only), timeout)
+    except duckdb.Error as e:
+        if not is_corrupt(e):
+            raise
+        raise _corrupt(str(path), e) from None
     try:
         yield con
     finally:
@@ -212,8 +256,16 @@ class TraceStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not self.path.exists():
             _create_file(self.path)
-        with open_db(self.path, read_only=False, timeout=timeout) as con:
-            migrate(con)
+        try:
+            with open_db(self.path, read_only=False, timeout=timeout) as con:
+                migrate(con)
+        except CorruptStore as e:  # kept for salvage; the server records into a new file
+            aside = set_aside(self.path)
+            logger.error("%s. Set aside as %s; recording into a new %s", e, aside.name,
+                         self.path.name)  # fmt: skip
+            _create_file(self.path)
+            with open_db(self.path, read_only=False, timeout=timeout) as con:
+                migrate(con)
         self._migrated = True
 
     @property
@@ -258,6 +310,8 @@ class TraceStore:
         except (duckdb.Error, OSError) as e:
             self.num_failed_flushes += 1
             logger.debug("trace flush deferred: %s", e)
+            if is_corrupt(e):  # torn by something else meanwhile: the next flush starts anew
+                self._migrated = False
             return False
         try:
             con.execute("BEGIN TRANSACTION")

@@ -215,6 +215,10 @@ def test_a_torn_store_is_named_to_readers_and_set_aside_by_the_writer(
     err = capsys.readouterr().err
     print(err)
     assert err.startswith("lumen: error: a trace db is corrupt") and "set" in err
+    whole = tmp_path / "whole.db"
+    TraceStore(whole).close()
+    with pytest.raises(CorruptStore, match="corrupt"), open_db([whole, db]):  # as a fleet
+        pass
     with caplog.at_level(logging.ERROR, logger="tracing.store"):
         store = TraceStore(db)
     (aside,) = tmp_path.glob("t.db.corrupt-*")

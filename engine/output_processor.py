@@ -264,11 +264,11 @@ class OutputProcessor:
                 seq.error = out.error
                 reason = str(out.finish_reason)
                 self._finish(out.request_id, reason, out.stop_reason, finished, stats)
-        if streamed:
-            finished += [d for p in streamed.values() if (d := p.delta_output()) is not None]
-            for parent in streamed.values():
-                if not parent.num_unfinished:
-                    parent.forget_sequences()
+        for parent in streamed.values():
+            if (delta := parent.delta_output()) is not None:
+                finished.append(delta)
+            if not parent.num_unfinished:
+                parent.forget_sequences()
         return finished, to_abort
 
     def abort_request(self, request_id: str, stats: IterationStats | None = None) -> list[str]:

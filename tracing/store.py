@@ -148,12 +148,19 @@ def is_corrupt(e: BaseException) -> bool:
     return any(words in str(e).lower() for words in _CORRUPT)
 
 
-def _corrupt(where: str, e: duckdb.Error) -> CorruptStore:
-    return CorruptStore(
-        f"a trace db is corrupt ({where}: {str(e).splitlines()[0]}). A writer killed while "
-        "DuckDB rewrote one of its blocks can leave it so; the next server to write it sets it "
-        "aside as NAME.corrupt-<ns> and records into a new file"
-    )
+@contextlib.contextmanager
+def _naming_torn(where: str) -> Iterator[None]:
+    """DuckDB's refusal of a torn file, raised as a CorruptStore that says what to do."""
+    try:
+        yield
+    except duckdb.Error as e:
+        if not is_corrupt(e):
+            raise
+        raise CorruptStore(
+            f"a trace db is corrupt ({where}: {str(e).splitlines()[0]}). A writer killed while "
+            "DuckDB rewrote one of its blocks can leave it so; the next server to write it "
+            "sets it aside as NAME.corrupt-<ns> and records into a new file"
+        ) from None
 
 
 def set_aside(path: Path) -> Path:
@@ -183,12 +190,8 @@ def open_db(
                 raise ValueError("a fleet of trace dbs opens read-only")
             con = duckdb.connect(":memory:")
             try:
-                try:
+                with _naming_torn(", ".join(map(str, paths))):
                     fleet.attach(con, paths, lambda attach: _while_locked(attach, timeout))
-                except duckdb.Error as e:
-                    if not is_corrupt(e):
-                        raise
-                    raise _corrupt(", ".join(map(str, paths)), e) from None
                 yield con
             finally:
                 con.close()
@@ -197,12 +200,8 @@ def open_db(
     path = Path(path)
     if read_only and not path.exists():
         raise ValueError(f"no trace db at {path}")
-    try:
+    with _naming_torn(str(path)):
         con = _while_locked(lambda: duckdb.connect(str(path), read_only=read_only), timeout)
-    except duckdb.Error as e:
-        if not is_corrupt(e):
-            raise
-        raise _corrupt(str(path), e) from None
     try:
         yield con
     finally:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.worker import kv_memory
 from engine.worker.attention import additive_mask
 from engine.worker.cpu_attention import NativeDecodeAttention
 
@@ -243,7 +242,7 @@ class DecodeCache:
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         # Zeroed: slots outside a row's length are masked, but a masked NaN would poison P @ V.
-        return kv_memory.zeros(shape, self.kv_dtype, self.device)
+        return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _fit(self, slots: int, width: int) -> bool:
         """Grow the tensors to hold ``slots`` x ``width``; False if that is over budget."""

@@ -334,6 +334,7 @@ def reserve(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[mmap.mmap, torc
     # 4 KiB pages: under THP "always" a huge page would back 2 MiB of positions (a whole slot
     # of one head at SmolLM2's shape) on its first write.
     m.madvise(mmap.MADV_NOHUGEPAGE)
+    m.madvise(mmap.MADV_DONTDUMP)  # a copy of the paged cache: nothing a core file needs
     return m, torch.frombuffer(m, dtype=dtype).view(shape)
 
 

@@ -140,8 +140,8 @@ class DecodeCache:
         max_slots: int = 0,
         max_width: int = 0,
     ) -> None:
-        """``max_slots``, ``max_width``: the most it may hold (the scheduler's running
-        requests, the model's length); given both, on CPU, it reserves them (above)."""
+        """``max_slots``, ``max_width``: the most it may hold (the runner's: twice the running
+        requests, and the model's length); given both, on CPU, it reserves them (above)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -329,12 +329,13 @@ def reserve(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[mmap.mmap, torc
         size *= n
     try:
         m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+        # 4 KiB pages: under THP "always" a huge page would back 2 MiB of positions (a whole
+        # slot of one head at SmolLM2's shape) on its first write. (EINVAL on a kernel
+        # without THP: then no reservation.)
+        m.madvise(mmap.MADV_NOHUGEPAGE)
+        m.madvise(mmap.MADV_DONTDUMP)  # a copy of the paged cache: nothing a core file needs
     except (OSError, ValueError):
         return None
-    # 4 KiB pages: under THP "always" a huge page would back 2 MiB of positions (a whole slot
-    # of one head at SmolLM2's shape) on its first write.
-    m.madvise(mmap.MADV_NOHUGEPAGE)
-    m.madvise(mmap.MADV_DONTDUMP)  # a copy of the paged cache: nothing a core file needs
     return m, torch.frombuffer(m, dtype=dtype).view(shape)
 
 

@@ -44,7 +44,7 @@ class ModelRunner:
         self.quantization = quantization
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs  # the most requests running at once: the mirror's slots
+        self.max_num_seqs = max_num_seqs  # the most requests running at once (the mirror's slots)
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_cache: DecodeCache | None = None
@@ -96,7 +96,9 @@ class ModelRunner:
                 self.cfg.num_layers, num_kv_heads, self.cfg.head_dim, self.block_size,
                 self.dtype, self.device, max_bytes=num_blocks * self.block_bytes(),
                 kv_dtype=self.kv_dtype, native=choice.kernel, window=self.cfg.sliding_window,
-                max_slots=self.max_num_seqs, max_width=self.max_model_len,
+                # Twice the running requests: within a step a row moving down keeps its old
+                # slot taken while a new row takes the next free one above the rows.
+                max_slots=2 * self.max_num_seqs, max_width=self.max_model_len,
             )  # fmt: skip
 
         if self.device.type == "cpu":

@@ -235,14 +235,14 @@ def test_native_kernel_at_a_model_shape_matches_torch(kv_dtype: torch.dtype) -> 
 
 
 def test_the_engine_reserves_its_mirror_at_its_limits(tiny_model_path: Path) -> None:
-    """The runner maps the mirror at the engine's ``max_num_seqs`` x ``max_model_len``
+    """The runner maps the mirror at twice the engine's ``max_num_seqs`` x ``max_model_len``
     (rounded up to a width step), and decodes through it."""
     core = EngineCore(EngineConfig(num_kv_blocks=64, max_num_seqs=5, max_model_len=300),
                       str(tiny_model_path))  # fmt: skip
     try:
         cache = core.executor.runner.decode_cache  # type: ignore[attr-defined]
         assert cache is not None and cache.reserved
-        assert (cache.max_slots, cache.max_width, cache.k[0].shape[0]) == (5, 384, 5)
+        assert (cache.max_slots, cache.max_width, cache.k[0].shape[0]) == (10, 384, 10)
         core.add_request(make_core_request("a", list(range(10, 40)), max_tokens=8))
         slots = []
         while core.has_work():

@@ -167,9 +167,11 @@ class EngineCore:
         ]
 
     def has_work(self) -> bool:
-        """Requests to step, or KV frees (aborts) not yet reported in a step record."""
+        """Requests to step, KV frees (aborts) not yet reported in a step record, or ended
+        requests not yet told to the workers."""
         s = self.scheduler
-        return s.has_requests() or s.has_unreported_frees() or bool(s.grammar_errors)
+        return (s.has_requests() or s.has_unreported_frees() or bool(s.grammar_errors)
+                or s.has_untold_finished())  # fmt: skip
 
     def step(self) -> EngineCoreOutputs:
         scheduler = self.scheduler
@@ -179,6 +181,10 @@ class EngineCore:
             self.grammars.wait(scheduler.compiling, GRAMMAR_WAIT_S)
             scheduler.admit_compiled()
         if not scheduler.has_requests() or scheduler.only_compiling():
+            if scheduler.has_untold_finished():
+                # Nothing runs: the workers let go of the ended requests now, not when the
+                # next one comes (the CPU decode mirror gives its pages back).
+                self.executor.execute_model(scheduler.idle_output())
             if scheduler.grammar_errors:
                 return EngineCoreOutputs(self._grammar_errors())
             if scheduler.has_unreported_frees():

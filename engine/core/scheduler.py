@@ -295,6 +295,16 @@ class Scheduler:
     def has_unreported_frees(self) -> bool:
         return any(self.num_freed_blocks)
 
+    def has_untold_finished(self) -> bool:
+        """Requests ended since the last step, which the workers still hold state for."""
+        return bool(self._finished_req_ids)
+
+    def idle_output(self) -> SchedulerOutput:
+        """No batch, only the ended requests: what the workers hear when nothing runs."""
+        out = SchedulerOutput(step_id=-1, finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = []
+        return out
+
     def number_steps_from(self, first: int) -> None:
         """Number this core's steps from ``first``: a restarted core's never meet the old one's."""
         self._step_id = first

@@ -27,7 +27,8 @@ def test_abort_frees_blocks_and_a_reused_id_gets_only_new_outputs(tiny_model_pat
     steps = []
     while client.core.has_work():
         outs = client.get_output()
-        steps.append(outs.step)
+        if outs.step is not None:  # (the last call only tells the workers what ended)
+            steps.append(outs.step)
         for o in outs.outputs:
             tokens[o.request_id] += o.new_token_ids
             if o.finish_reason is not None:

@@ -236,7 +236,8 @@ def test_native_kernel_at_a_model_shape_matches_torch(kv_dtype: torch.dtype) -> 
 
 def test_the_engine_reserves_its_mirror_at_its_limits(tiny_model_path: Path) -> None:
     """The runner maps the mirror at twice the engine's ``max_num_seqs`` x ``max_model_len``
-    (rounded up to a width step), and decodes through it."""
+    (rounded up to a width step), decodes through it, and gives its pages back as soon as
+    the engine runs out of work, not when the next request comes."""
     core = EngineCore(EngineConfig(num_kv_blocks=64, max_num_seqs=5, max_model_len=300),
                       str(tiny_model_path))  # fmt: skip
     try:
@@ -249,5 +250,6 @@ def test_the_engine_reserves_its_mirror_at_its_limits(tiny_model_path: Path) -> 
             core.step()
             slots.append(cache.num_slots)
         assert max(slots) == 1  # decoded in a slot of it
+        assert cache.num_slots == 0 and resident_bytes(cache.k + cache.v) == 0
     finally:
         core.shutdown()

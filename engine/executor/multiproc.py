@@ -98,7 +98,6 @@ class MultiprocExecutor:
                 os.getpid(),
                 config.resolve_kv_cache_dtype(dtype),
                 config.quantization,
-                config.max_num_seqs,
             )
             proc = ctx.Process(
                 target=_run_worker, args=(args, child_end), name=f"lumen-tp{rank}", daemon=False

@@ -23,7 +23,6 @@ class UniProcExecutor:
         self.runner = ModelRunner(
             model_config, device, dtype, max_model_len, config.block_size, config.seed,
             kv_dtype=config.resolve_kv_cache_dtype(dtype), quantization=config.quantization,
-            max_num_seqs=config.max_num_seqs,
         )  # fmt: skip
         self.runner.owns_process = owns_process
         self.runner.load_model()

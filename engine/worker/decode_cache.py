@@ -12,20 +12,12 @@ The paged cache stays the source of truth (prefix caching, preemption); a
 slot is only a copy of its blocks. A request's slot is dropped when it
 finishes or is preempted. The mirror is bounded by ``max_bytes``; a step that
 would need more runs with the gather path instead.
-
-Given the most slots and positions it may ever hold, the mirror maps them once,
-unbacked (``reserve``): memory comes to a page as it is first written, and the
-mirror grows by widening the part attention reads, with no copy. Otherwise it
-reallocates and copies to grow, which at SmolLM2's 72 slots x 1024 positions is
-3.4 GB zeroed and 1.7 GB copied in one step: 4 s on a fresh VM.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import mmap
-import sys
 from dataclasses import dataclass, replace
 
 import torch
@@ -37,7 +29,6 @@ logger = logging.getLogger(__name__)
 
 WIDTH_STEP = 128  # positions; widths are rounded up to this
 SLOT_STEP = 8
-_MAP_NORESERVE = 0x4000  # Linux's; not in Python's mmap before 3.13
 
 Move = tuple[int, int, int]  # (from slot, to slot, valid tokens)
 
@@ -137,11 +128,7 @@ class DecodeCache:
         kv_dtype: torch.dtype | None = None,
         native: NativeDecodeAttention | None = None,
         window: int = 0,
-        max_slots: int = 0,
-        max_width: int = 0,
     ) -> None:
-        """``max_slots``, ``max_width``: the most it may hold (the runner's: twice the running
-        requests, and the model's length); given both, on CPU, it reserves them (above)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -161,28 +148,6 @@ class DecodeCache:
         self.width = 0
         self.slot_of: dict[str, int] = {}
         self.length: list[int] = []  # valid positions of each slot
-        self.max_slots = max_slots
-        self.max_width = -(-max_width // WIDTH_STEP) * WIDTH_STEP
-        self._maps: list[mmap.mmap] = []  # the reservation, when there is one
-        if max_slots and max_width and device.type == "cpu":
-            self._reserve()
-
-    @property
-    def reserved(self) -> bool:
-        return bool(self._maps)
-
-    def _reserve(self) -> None:
-        """Map every layer's K and V at [max_slots, KVH, max_width, D], unbacked; on failure
-        (no Linux, or an overcommit policy that refuses it), reallocate to grow instead."""
-        shape = (self.max_slots, self.num_kv_heads, self.max_width, self.head_dim)
-        tries = [reserve(shape, self.kv_dtype) for _ in range(2 * self.num_layers)]
-        maps = [m for m in tries if m is not None]
-        if len(maps) < len(tries):
-            logger.info("decode mirror: no reservation of %s; it reallocates to grow", shape)
-            return
-        self._maps = [m for m, _ in maps]
-        tensors = [t for _, t in maps]
-        self.k, self.v = tensors[: self.num_layers], tensors[self.num_layers :]
 
     def bytes_for(self, slots: int, width: int) -> int:
         per = self.num_kv_heads * self.head_dim * torch.finfo(self.kv_dtype).bits // 8
@@ -197,12 +162,7 @@ class DecodeCache:
             self.release()
 
     def release(self) -> None:
-        """Give the memory back: a reservation's pages (read as zeros again), or the tensors."""
-        if self._maps:
-            for m in self._maps:
-                m.madvise(mmap.MADV_DONTNEED)
-        else:
-            self.k, self.v = [], []
+        self.k, self.v = [], []
         self.num_slots = self.width = 0
         self.slot_of.clear()
         self.length = []
@@ -288,14 +248,6 @@ class DecodeCache:
         """Grow the tensors to hold ``slots`` x ``width``; False if that is over budget."""
         if slots <= self.num_slots and width <= self.width:
             return True
-        if self._maps:  # mapped already: the bounds widen, nothing moves
-            new_slots, new_width = max(self.num_slots, slots), max(self.width, width)
-            if (new_slots > self.max_slots or new_width > self.max_width
-                    or self.bytes_for(new_slots, new_width) > self.max_bytes):  # fmt: skip
-                return False
-            self.length += [0] * (new_slots - self.num_slots)
-            self.num_slots, self.width = new_slots, new_width
-            return True
         # Grow ahead (twice the slots, twice the width) so reallocations, which
         # copy the whole mirror, stay rare; exactly what is needed near the budget.
         new_slots = (
@@ -317,26 +269,6 @@ class DecodeCache:
         self.length += [0] * (new_slots - self.num_slots)
         self.num_slots, self.width = new_slots, new_width
         return True
-
-
-def reserve(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[mmap.mmap, torch.Tensor] | None:
-    """A zeroed ``shape`` tensor in a private anonymous mapping that the kernel backs a page
-    at a time as it is first written (reads of the rest see zeros); None if it cannot map."""
-    if sys.platform != "linux":
-        return None
-    size = dtype.itemsize
-    for n in shape:
-        size *= n
-    try:
-        m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
-        # 4 KiB pages: under THP "always" a huge page would back 2 MiB of positions (a whole
-        # slot of one head at SmolLM2's shape) on its first write. (EINVAL on a kernel
-        # without THP: then no reservation.)
-        m.madvise(mmap.MADV_NOHUGEPAGE)
-        m.madvise(mmap.MADV_DONTDUMP)  # a copy of the paged cache: nothing a core file needs
-    except (OSError, ValueError):
-        return None
-    return m, torch.frombuffer(m, dtype=dtype).view(shape)
 
 
 def _blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -155,4 +155,3 @@ class WorkerArgs:
     parent_pid: int
     kv_dtype: torch.dtype | None = None  # None: the model's dtype
     quantization: str | None = None
-    max_num_seqs: int = 256

@@ -32,7 +32,6 @@ class ModelRunner:
         shard: Shard | None = None,
         kv_dtype: torch.dtype | None = None,
         quantization: str | None = None,
-        max_num_seqs: int = 256,
     ) -> None:
         self.cfg = model_config
         self.shard = shard or Shard()
@@ -43,8 +42,6 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or dtype  # the paged cache's and the mirror's
         self.quantization = quantization
         self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs  # the most requests running at once (the mirror's slots)
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_cache: DecodeCache | None = None
@@ -96,9 +93,6 @@ class ModelRunner:
                 self.cfg.num_layers, num_kv_heads, self.cfg.head_dim, self.block_size,
                 self.dtype, self.device, max_bytes=num_blocks * self.block_bytes(),
                 kv_dtype=self.kv_dtype, native=choice.kernel, window=self.cfg.sliding_window,
-                # Twice the running requests: within a step a row moving down keeps its old
-                # slot taken while a new row takes the next free one above the rows.
-                max_slots=2 * self.max_num_seqs, max_width=self.max_model_len,
             )  # fmt: skip
 
         if self.device.type == "cpu":

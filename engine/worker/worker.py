@@ -110,7 +110,6 @@ class Worker:
             Shard(args.rank, args.world_size),
             kv_dtype=args.kv_dtype,
             quantization=args.quantization,
-            max_num_seqs=args.max_num_seqs,
         )
         self.runner.owns_process = True  # a worker process of the engine's own
         self.runner.load_model()

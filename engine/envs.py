@@ -86,6 +86,13 @@ LUMEN_CPU_INT4_LAYER = EnvVar(
     "its products included, up to 16 rows where the model and the step allow; "
     "engine/worker/cpu_decode_layer.py) or off (the products from Python)",
 )
+LUMEN_CPU_F32_LAYER = EnvVar(
+    "LUMEN_CPU_F32_LAYER",
+    "auto",
+    "fp32 decode steps on CPU: auto (each decoder layer in one native call, its products "
+    "through the sgemm aten calls, where torch runs on MKL and the model and the step allow; "
+    "engine/worker/cpu_decode_layer.py) or off (the products from Python)",
+)
 LUMEN_CPU_DECODE_LAYER = EnvVar(
     "LUMEN_CPU_DECODE_LAYER",
     "auto",
@@ -120,8 +127,8 @@ LUMEN_GC = EnvVar(
 ALL = (
     LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_CPU_MATMUL,
     LUMEN_CPU_ATTENTION, LUMEN_CPU_GREEDY_HEAD, LUMEN_CPU_THREADS, LUMEN_CPU_INT8,
-    LUMEN_CPU_INT4, LUMEN_CPU_INT4_LAYER, LUMEN_CPU_DECODE_LAYER, LUMEN_AUTOTUNE,
-    LUMEN_AUTOTUNE_DIR, LUMEN_TOKENIZER_DIR, LUMEN_GC,
+    LUMEN_CPU_INT4, LUMEN_CPU_INT4_LAYER, LUMEN_CPU_F32_LAYER, LUMEN_CPU_DECODE_LAYER,
+    LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR, LUMEN_TOKENIZER_DIR, LUMEN_GC,
 )  # fmt: skip
 
 

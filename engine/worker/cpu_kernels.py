@@ -90,7 +90,8 @@ class CpuKernels:
 
     def plan_decode_layers(self, layers: Sequence[Any]) -> None:
         """Decode steps' layers with native glue (cpu_decode_layer), where they can; under
-        int4 (after plan_int4), each layer in one call up to the plan's rows."""
+        int4 (after plan_int4), each layer in one call up to the plan's rows; in fp32 on
+        aten's products, each layer in one call."""
         why = cpu_decode_layer.unfit(layers)
         if why is None:
             try:
@@ -109,6 +110,15 @@ class CpuKernels:
                 autotune.log("int4 decode layers", f"one native call each, up to {rows} rows")
             else:
                 autotune.log("int4 decode layers", f"products from Python: {int4_why}")
+        else:
+            f32_why = cpu_decode_layer.f32_unfit(layers)
+            if f32_why is None:
+                sgemm = cpu_decode_layer.blas_sgemm()
+                assert sgemm is not None  # f32_unfit checked
+                self.decode_layers.use_f32(sgemm)
+                autotune.log("fp32 decode layers", "one native call each, products by sgemm")
+            else:
+                autotune.log("fp32 decode layers", f"products from Python: {f32_why}")
         autotune.log("decode layers", "the work between the products in 3 native calls each")
 
     def choose_attention(

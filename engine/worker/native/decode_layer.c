@@ -4,7 +4,8 @@
  * and SwiGLU, each in one call over all of a step's rows. Compiled by native_build.
  *
  * decode_layer runs a whole layer in one call where its products are native too (int4's
- * kernel, handed in by address): one stream's step then runs no Python between its ops. */
+ * kernel, or fp32's sgemm, handed in by address): a step then runs no Python between its
+ * ops. */
 
 #include <math.h>
 #include <stdint.h>
@@ -23,6 +24,29 @@ typedef struct {
     int64_t n, k;  /* out, in */
 } weight_t;
 typedef int (*product_fn)(const void *weight, const float *x, int64_t m, float *y, int threads);
+
+/* Fortran BLAS sgemm: MKL's, which torch's CPU library exports and aten's fp32 products call */
+typedef void (*sgemm_fn)(const char *transa, const char *transb, const int *m, const int *n,
+                         const int *k, const float *alpha, const float *a, const int *lda,
+                         const float *b, const int *ldb, const float *beta, float *c,
+                         const int *ldc);
+typedef struct {
+    const float *w;  /* [k, n], row-major: the model's Linear stores [in, out] */
+    int64_t n, k;
+    sgemm_fn sgemm;
+} f32_weight_t;
+
+/* y [m, n] = x [m, k] . w through sgemm, called as aten calls it for x @ w (its results are
+ * the same bits); sgemm runs on the BLAS's own threads, which torch sets with its own. */
+int f32_product(const void *weight, const float *x, int64_t m, float *y, int threads) {
+    (void)threads;
+    const f32_weight_t *W = weight;
+    const int n = (int)W->n, k = (int)W->k, rows = (int)m;
+    const float one = 1.0f, zero = 0.0f;
+    /* Column-major: y^T [n, m] = w^T [n, k] . x^T [k, m], each buffer as it lies. */
+    W->sgemm("N", "N", &n, &rows, &k, &one, W->w, &n, x, &k, &zero, y, &n);
+    return 0;
+}
 
 typedef struct {
     int64_t heads, kv_heads, head_dim;

@@ -118,6 +118,34 @@ def test_fp32_layers_in_one_call_equal_the_op_by_op_layers(
     assert median < 1e-5 and worst < 1e-4 and kv < 1e-5
 
 
+def test_fp32_layers_call_their_products_from_python_where_torch_has_no_mkl(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without MKL (torch built on another BLAS, or on ARM) there is no sgemm of aten's to
+    call: the layers keep their products in Python, say why, and decode the same tokens."""
+    built(cpu_decode_layer.build)
+    _native_kernels(monkeypatch)
+    monkeypatch.setenv("LUMEN_CPU_MATMUL", "aten")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run() -> list[int]:
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            llm = LLM(str(tiny_model_path), warmup=False)
+            out = llm.generate([{"prompt_token_ids": [3, 4, 5, 6]}], params, use_tqdm=False)
+            llm.shutdown()
+        return list(out[0].outputs[0].token_ids)
+
+    with_mkl = run()
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)
+    assert cpu_decode_layer.blas_sgemm() is None
+    assert run() == with_mkl
+    assert (
+        "fp32 decode layers: products from Python: torch's products do not run on MKL here"
+        in caplog.text
+    )
+
+
 def test_int4_layers_equal_the_op_by_op_layers(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -78,41 +78,31 @@ def _summary(seen: Seen) -> tuple[float, float, float]:
     return hidden[len(hidden) // 2], hidden[-1], kv
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2", "llama_bias"])
+@pytest.mark.parametrize("model", ["llama", "llama_sgemm", "qwen2", "llama_bias"])
 def test_native_layers_equal_the_op_by_op_layers_in_fp32(
-    tiny_model_path: Path, tiny_family_path: Any, monkeypatch: pytest.MonkeyPatch, model: str
-) -> None:
+    tiny_model_path: Path, tiny_family_path: Any, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture, model: str,
+) -> None:  # fmt: skip
     """Decode steps of 1 to 20 rows, over KV block boundaries: the hidden states after the
     layers and the KV each path wrote agree to float rounding (the products are the same
-    oneDNN calls; the norms, RoPE and SwiGLU round in another order). Qwen2's q/k/v biases, and
-    a Llama with a bias on every product, are added by the products. Measured on the tiny
-    Llama: median 1.2e-6 of the largest value, worst 3.6e-6, KV 1.5e-6; a wrong sign in RoPE
-    made the median 1.2."""
+    calls; the norms, RoPE and SwiGLU round in another order). Qwen2's q/k/v biases, and
+    a Llama with a bias on every product, are added by the products. ``llama_sgemm``: on aten's
+    products, where torch runs them on MKL, every step runs each layer in one native call, the
+    products through the sgemm aten calls. Measured on the tiny Llama: median 1.2e-6 of the
+    largest value, worst 3.6e-6, KV 1.5e-6 (in one call: 1.3e-6, 4.1e-6); a wrong sign in RoPE
+    made the median 1.2, an sgemm adding to its output instead of writing it made it NaN."""
     built(cpu_decode_layer.build)
     _native_kernels(monkeypatch)
-    seen = _compare_each_step(monkeypatch)
-    _generate(tiny_model_path if model == "llama" else tiny_family_path(model), None, 20)
-    median, worst, kv = _summary(seen)
-    assert len(seen) >= 30 and {1, 20} <= {r for r, _, _ in seen}
-    assert median < 1e-5 and worst < 1e-4 and kv < 1e-5
-
-
-def test_fp32_layers_in_one_call_equal_the_op_by_op_layers(
-    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """On aten's fp32 products, where torch runs them on MKL, every decode step runs each layer
-    in one native call, the products through the sgemm aten calls: steps of 1 to 20 rows agree
-    with the op-by-op path to float rounding, as the layers with their products from Python do
-    (measured on the tiny Llama: median 1.3e-6 of the largest value, worst 4.1e-6)."""
-    built(cpu_decode_layer.build)
-    if cpu_decode_layer.blas_sgemm() is None:
-        pytest.skip("torch's products do not run on MKL here: fp32's layers call them from Python")
-    _native_kernels(monkeypatch)
-    monkeypatch.setenv("LUMEN_CPU_MATMUL", "aten")
+    if model == "llama_sgemm":
+        if cpu_decode_layer.blas_sgemm() is None:
+            pytest.skip("torch's products do not run on MKL here: no sgemm of aten's to call")
+        monkeypatch.setenv("LUMEN_CPU_MATMUL", "aten")
     seen = _compare_each_step(monkeypatch)
     with caplog.at_level("INFO"):
-        _generate(tiny_model_path, None, 20)
-    assert "fp32 decode layers: one native call each, products by sgemm" in caplog.text
+        _generate(tiny_family_path(model) if model in ("qwen2", "llama_bias")
+                  else tiny_model_path, None, 20)  # fmt: skip
+    one_call = "fp32 decode layers: one native call each, products by sgemm" in caplog.text
+    assert one_call or model != "llama_sgemm"
     median, worst, kv = _summary(seen)
     assert len(seen) >= 30 and {1, 20} <= {r for r, _, _ in seen}
     assert median < 1e-5 and worst < 1e-4 and kv < 1e-5

@@ -22,10 +22,11 @@ It runs where a step and the model allow, else the layers run op by op:
 - the step: decode rows only, over the CPU decode mirror's native attention, with a contiguous
   fp32 KV cache.
 
-In fp32, where torch runs its products on MKL (x86), every decode step runs each layer in one
-call too, the products through the Fortran ``sgemm`` that torch's CPU library exports and that
-aten's ``x @ w`` calls: the same kernel and the same bits, without the Python around its four
-products and three native calls (about 3 ms of a 64-row step of SmolLM2, 2 threads, Xeon).
+In fp32, where torch runs its products on MKL (x86), a decode step runs each layer in one call
+too (up to the rows whose scratch fits in ``F32_SCRATCH_BYTES``), the products through the
+Fortran ``sgemm`` that torch's CPU library exports and that aten's ``x @ w`` calls: the same
+kernel and the same bits, without the Python around its four products and three native calls
+(about 3 ms of a 64-row step of SmolLM2, 2 threads, Xeon).
 
 ``LUMEN_CPU_DECODE_LAYER=off`` runs every step op by op; ``LUMEN_CPU_INT4_LAYER=off`` keeps
 int4's products in Python (the work between them still native), ``LUMEN_CPU_F32_LAYER=off``
@@ -53,6 +54,10 @@ DecoderLayer = Any
 # int4's whole layers in one call: at most this many rows (beyond, the products' own plan
 # decides, and the Python between the calls is spread over the rows).
 MAX_WHOLE_ROWS = 16
+# fp32's whole layers in one call: up to the rows whose scratch fits in this. glibc serves a
+# freed block of up to 32 MiB again from its heap; a larger one is mapped afresh each call,
+# and its pages faulted in again (SmolLM2: 32 KiB a row, so 508 rows; an 8B Llama: 62).
+F32_SCRATCH_BYTES = 16 << 20
 _P = ctypes.c_void_p
 
 
@@ -197,17 +202,23 @@ class NativeLayers:
         self._attention = 0
         return self._whole_rows
 
-    def use_f32(self, sgemm: int) -> None:
-        """Run each layer in one call, at every row count, its products through the BLAS
-        ``sgemm`` at that address (blas_sgemm): the kernel aten calls, so no row count runs
-        faster from Python."""
-        self._whole_rows = 1 << 31
+    def use_f32(self, sgemm: int) -> int:
+        """Run each layer in one call, its products through the BLAS ``sgemm`` at that
+        address (blas_sgemm): the kernel aten calls, so the products run no slower than from
+        Python. Up to the rows whose scratch (decode_layer's one allocation a call) stays
+        within F32_SCRATCH_BYTES; returns that limit."""
+        lay = self.layers[0]
+        hidden, inter = lay.qkv_proj.weight.shape[0], lay.down_proj.weight.shape[0]
+        qkv = lay.qkv_proj.weight.shape[1]  # RoPE's copy of q, k and v too
+        per_row = 4 * (2 * hidden + 2 * qkv + self._attn_width + 3 * inter)
+        self._whole_rows = max(MAX_WHOLE_ROWS, F32_SCRATCH_BYTES // per_row)
         self._f32 = [
             tuple(_F32(m.weight.data_ptr(), m.weight.shape[1], m.weight.shape[0], sgemm)
                   for m in (lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj))
             for lay in self.layers
         ]  # fmt: skip
         self._attention = 0
+        return self._whole_rows
 
     def _describe(self, attention: int) -> list[_Layer]:
         if self._attention != attention:

@@ -115,8 +115,11 @@ class CpuKernels:
             if f32_why is None:
                 sgemm = cpu_decode_layer.blas_sgemm()
                 assert sgemm is not None  # f32_unfit checked
-                self.decode_layers.use_f32(sgemm)
-                autotune.log("fp32 decode layers", "one native call each, products by sgemm")
+                rows = self.decode_layers.use_f32(sgemm)
+                autotune.log(
+                    "fp32 decode layers",
+                    f"one native call each, products by sgemm, up to {rows} rows",
+                )
             else:
                 autotune.log("fp32 decode layers", f"products from Python: {f32_why}")
         autotune.log("decode layers", "the work between the products in 3 native calls each")

@@ -58,6 +58,12 @@ MAX_WHOLE_ROWS = 16
 # freed block of up to 32 MiB again from its heap; a larger one is mapped afresh each call,
 # and its pages faulted in again (SmolLM2: 32 KiB a row, so 508 rows; an 8B Llama: 62).
 F32_SCRATCH_BYTES = 16 << 20
+# The layers' kernel is timed on one product (cpu_matmul). Where fp32's layers can run in one call
+# on aten's products, oneDNN's must time this much faster to be chosen. Measured on SmolLM2, a
+# Xeon's 2 vCPUs, decode steps at 128 positions: aten's in one call against oneDNN's with the
+# products from Python, 1 row 17.5-18.4 ms against 26.5-27.1, 16 rows 49.2-50.5 against 43.4-43.6,
+# 64 rows 88.6-93.4 against 92.2-94.5; their single products had timed 5.66 ms against 5.63.
+ATEN_EDGE = 0.10
 _P = ctypes.c_void_p
 
 
@@ -139,6 +145,15 @@ def blas_sgemm() -> int | None:
     return None
 
 
+def f32_one_call(weight: torch.Tensor) -> bool:
+    """Whether fp32 layers on aten's products, with ``weight`` among them, could run in one
+    call a layer (the layers' shape is checked later, by unfit and f32_unfit)."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and autotune.forced(envs.LUMEN_CPU_DECODE_LAYER, ("auto", "off")) != "off"
+            and autotune.forced(envs.LUMEN_CPU_F32_LAYER, ("auto", "off")) != "off"
+            and blas_sgemm() is not None)  # fmt: skip
+
+
 def f32_unfit(layers: Sequence[DecoderLayer]) -> str | None:
     """Why fp32's products cannot run inside the layer's one call (None where they can)."""
     if autotune.forced(envs.LUMEN_CPU_F32_LAYER, ("auto", "off")) == "off":
@@ -164,7 +179,7 @@ class NativeLayers:
         lib = ctypes.CDLL(str(library))
         i64, f32, cint = ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self._norm = lib.add_rms_norm
-        self._norm.argtypes = [_P, _P, _P, f32, i64, i64, _P]
+        self._norm.argtypes = [_P, _P, _P, f32, i64, i64, _P, cint]
         self._norm.restype = None
         self._attend = lib.rope_attend
         self._attend.argtypes = [_P, _P, _P, _P, i64, cint]
@@ -269,7 +284,7 @@ class NativeLayers:
             xn, attn = torch.empty_like(h), h.new_empty(rows, self._attn_width)
             act = h.new_empty(rows, self.layers[0].intermediate)
             self._norm(h.data_ptr(), None, self._weights[0][0].data_ptr(), self._eps, rows,
-                       h.shape[1], xn.data_ptr())  # fmt: skip
+                       h.shape[1], xn.data_ptr(), threads)  # fmt: skip
         for index, (k_cache, v_cache) in enumerate(kv_caches):
             kb, vb = plan.mirror(index, k_cache, v_cache)
             step.k_cache, step.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
@@ -295,11 +310,12 @@ class NativeLayers:
                         attn.data_ptr(), rows, threads):  # fmt: skip
             raise MemoryError("rope_attend: no memory for its buffers")
         o = lay.o_proj(attn).contiguous()
-        self._norm(h.data_ptr(), o.data_ptr(), described.norm_mlp, self._eps, rows, hidden, x)
+        self._norm(h.data_ptr(), o.data_ptr(), described.norm_mlp, self._eps, rows, hidden, x,
+                   threads)  # fmt: skip
         gu = lay.gate_up_proj(xn).contiguous()
         self._swiglu(gu.data_ptr(), act.data_ptr(), rows, act.shape[1], threads)
         down = lay.down_proj(act).contiguous()
         following = self._weights[index + 1][0] if index + 1 < len(self.layers) else None
         self._norm(h.data_ptr(), down.data_ptr(),
                    None if following is None else following.data_ptr(), self._eps, rows,
-                   hidden, x)  # fmt: skip
+                   hidden, x, threads)  # fmt: skip

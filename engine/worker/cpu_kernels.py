@@ -54,7 +54,8 @@ class CpuKernels:
         if layer_weight is None:
             layers = cpu_matmul.Choice("quantized", "see the quantized weights' line")
         else:
-            layers = cpu_matmul.choose(layer_weight)
+            edge = cpu_decode_layer.ATEN_EDGE if cpu_decode_layer.f32_one_call(layer_weight) else 0
+            layers = cpu_matmul.choose(layer_weight, aten_edge=edge)
         said = "LM head in int8: see its line"
         if head_weight is not None:
             head = cpu_matmul.choose(head_weight.t(), rows=cpu_matmul.HEAD_ROWS)

@@ -47,21 +47,27 @@ class Choice:
     why: str  # the measurement (or the setting) behind it
 
 
-def choose(weight_in_out: torch.Tensor, rows: tuple[int, ...] = TIMED_ROWS) -> Choice:
+def choose(
+    weight_in_out: torch.Tensor, rows: tuple[int, ...] = TIMED_ROWS, aten_edge: float = 0.0
+) -> Choice:
     """The faster kernel for products with ``weight_in_out`` ([in, out], as Linear holds it),
-    timed at each of ``rows`` (autotune: cached per machine and shape)."""
+    timed at each of ``rows`` (autotune: cached per machine and shape). ``aten_edge``: oneDNN
+    must be faster by more than this fraction (where aten's products gain something beyond
+    their own time: fp32's one-call decode layers, cpu_decode_layer)."""
     forced = autotune.forced(envs.LUMEN_CPU_MATMUL, KERNELS)
     if not onednn_available(weight_in_out.dtype):
         return Choice("aten", f"oneDNN does not serve {weight_in_out.dtype} here")
     if forced != autotune.AUTO:
         return Choice(forced, "set by LUMEN_CPU_MATMUL")
     shape = {"weight": list(weight_in_out.shape), "dtype": str(weight_in_out.dtype),
-             "rows": list(rows)}  # fmt: skip
-    decision = autotune.decide("matmul", shape, lambda: _time_both(weight_in_out, rows))
+             "rows": list(rows), "aten_edge": aten_edge}  # fmt: skip
+    decision = autotune.decide("matmul", shape, lambda: _time_both(weight_in_out, rows, aten_edge))
     return Choice(decision.choice, decision.why)
 
 
-def _time_both(weight_in_out: torch.Tensor, rows: tuple[int, ...]) -> tuple[str, str]:
+def _time_both(
+    weight_in_out: torch.Tensor, rows: tuple[int, ...], aten_edge: float = 0.0
+) -> tuple[str, str]:
     packed = pack(weight_in_out.t())
     total = {"aten": 0.0, "onednn": 0.0}
     for n in rows:
@@ -70,9 +76,10 @@ def _time_both(weight_in_out: torch.Tensor, rows: tuple[int, ...]) -> tuple[str,
             {"aten": lambda: x @ weight_in_out, "onednn": lambda: onednn_linear(x, packed)}  # noqa: B023
         )
         total = {k: total[k] + times[k] for k in total}
-    kernel = "onednn" if total["onednn"] < total["aten"] else "aten"
+    kernel = "onednn" if total["onednn"] * (1 + aten_edge) < total["aten"] else "aten"
     shape = "x".join(map(str, weight_in_out.shape))
+    edge = f"; aten unless oneDNN is over {aten_edge:.0%} faster" if aten_edge else ""
     return kernel, (
         f"weight {shape} at {'+'.join(map(str, rows))} rows: "
-        f"oneDNN {total['onednn'] * 1e3:.2f} ms, aten {total['aten'] * 1e3:.2f} ms"
+        f"oneDNN {total['onednn'] * 1e3:.2f} ms, aten {total['aten'] * 1e3:.2f} ms{edge}"
     )

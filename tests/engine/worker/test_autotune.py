@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.worker import autotune, cpu_attention, cpu_matmul
+from engine.worker import autotune, cpu_attention, cpu_decode_layer, cpu_matmul
 from engine.worker.decode_cache import torch_attention
 from tests.helpers.native import built
 
@@ -128,3 +128,37 @@ def test_the_matmul_and_attention_choosers_go_through_the_cache(cache: Path) -> 
     cached = cpu_attention.choose(2, 8, torch.float32, torch_attention)
     assert cached.why == f"cached: {timed.why}"
     assert (cached.kernel is None) == (timed.kernel is None)
+
+
+@pytest.mark.parametrize(
+    ("aten_s", "edge", "kernel"),
+    [(1.05, 0.0, "onednn"), (1.05, 0.10, "aten"), (1.2, 0.10, "onednn"), (0.9, 0.0, "aten")],
+)
+def test_the_matmul_chooser_gives_aten_its_edge(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, aten_s: float, edge: float, kernel: str
+) -> None:
+    """Where aten's products gain beyond their own time (fp32's one-call decode layers), oneDNN
+    is chosen only when it times more than the edge faster; the edge is in the cache's key."""
+    if not cpu_matmul.onednn_available(torch.float32):
+        pytest.skip("oneDNN does not serve fp32 here")
+    times = {"aten": aten_s, "onednn": 1.0}
+    monkeypatch.setattr(autotune, "best_of_each", lambda fns, **kw: dict(times))
+    choice = cpu_matmul.choose(torch.randn(32, 48), rows=(4,), aten_edge=edge)
+    assert choice.kernel == kernel, choice.why
+    assert ("aten unless oneDNN is over 10% faster" in choice.why) == (edge > 0)
+
+
+def test_fp32_layers_that_can_run_in_one_call_give_aten_the_edge(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    weight = torch.randn(32, 48)
+    if cpu_decode_layer.blas_sgemm() is None:
+        assert not cpu_decode_layer.f32_one_call(weight)
+        pytest.skip("torch's products do not run on MKL here")
+    assert cpu_decode_layer.f32_one_call(weight)
+    assert not cpu_decode_layer.f32_one_call(weight.to(torch.bfloat16))
+    monkeypatch.setenv("LUMEN_CPU_F32_LAYER", "off")
+    assert not cpu_decode_layer.f32_one_call(weight)
+    monkeypatch.setenv("LUMEN_CPU_F32_LAYER", "auto")
+    monkeypatch.setenv("LUMEN_CPU_DECODE_LAYER", "off")
+    assert not cpu_decode_layer.f32_one_call(weight)

@@ -62,7 +62,7 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new, T *
             for (int64_t t = 0; t < n; t++) {                                             \
                 const T *kr = kh + t * DIM;                                               \
                 for (int c = 0; c < (int)(DIM * sizeof(T)); c += 64)                      \
-                    PREFETCH((const char *)(kr + PREFETCH_ROWS * DIM) + c);     \
+                    PREFETCH((const char *)(kr + PREFETCH_ROWS * DIM) + c);               \
                 for (int g = 0; g < GROUP; g++) {                                         \
                     const float *qg = qh + g * DIM;                                       \
                     float a = 0.f;                                                        \
@@ -87,7 +87,7 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new, T *
             for (int64_t t = 0; t < n; t++) {                                             \
                 const T *vr = vh + t * DIM;                                               \
                 for (int c = 0; c < (int)(DIM * sizeof(T)); c += 64)                      \
-                    PREFETCH((const char *)(vr + PREFETCH_ROWS * DIM) + c);     \
+                    PREFETCH((const char *)(vr + PREFETCH_ROWS * DIM) + c);               \
                 for (int g = 0; g < GROUP; g++) {                                         \
                     float p = s[g * n + t], *ag = acc + g * DIM;                          \
                     _Pragma("omp simd")                                                   \

@@ -195,6 +195,7 @@ class Streams:
         self.finish: list[str | None] = [None] * len(lengths)
         self.error: list[str | None] = [None] * len(lengths)  # the code of a raised APIError
         self.ended = [0.0] * len(lengths)
+        self.ended_ns = [0] * len(lengths)  # wall clock, to compare with the trace store's
         client = server.client(timeout=timeout)
         self._threads = [
             threading.Thread(target=self._run, args=(client, i), daemon=True)
@@ -223,6 +224,7 @@ class Streams:
         except Exception as e:  # a cut connection: what a drain must never give
             self.error[i] = f"{type(e).__name__}: {e}"
         self.ended[i] = time.monotonic()
+        self.ended_ns[i] = time.time_ns()
 
     def started(self, indices: range | list[int] | None = None) -> bool:
         """Every stream (of ``indices``) has had its first token."""

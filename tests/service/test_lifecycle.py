@@ -124,10 +124,18 @@ def test_every_stop_signal_drains(stop_servers: ServerPool, how: str) -> None:
     assert all(0 < n < LONG for n in longs.tokens), longs.tokens
     assert [p for p in family if pid_alive(p)] == []
     with open_db(server.trace_db) as con:
-        kind, cause, finished, failed = con.execute(
-            "SELECT kind, cause, num_finished, num_failed FROM lifecycle"
+        kind, cause, start_ns, finished, failed = con.execute(
+            "SELECT kind, cause, start_ns, num_finished, num_failed FROM lifecycle"
         ).fetchone()
-    assert (kind, finished, failed) == ("drain", 4, 4)
+    # The record counts what was in flight when the drain began. A short stream that a loaded
+    # machine started late may have ended by then: the client's end time says which did, but
+    # for one that ended within a moment of the drain's start.
+    ends = [shorts.ended_ns[i] - start_ns for i in range(4)]
+    surely, maybe = sum(e > 100_000_000 for e in ends), sum(e > -100_000_000 for e in ends)
+    print(f"shorts ended {[round(e / 1e6) for e in ends]} ms after the drain began; "
+          f"recorded finished {finished}")  # fmt: skip
+    assert (kind, failed) == ("drain", 4)
+    assert surely <= finished <= maybe, (ends, finished)
     assert cause in CAUSES[how]
     # A second Ctrl-C cut the wait short; otherwise the long ones were aborted at the timeout.
     assert ("SIGINT again" in server.log()) == (how == "group_int_twice")

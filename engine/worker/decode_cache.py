@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.worker import heap
 from engine.worker.attention import additive_mask
 from engine.worker.cpu_attention import NativeDecodeAttention
 
@@ -162,10 +163,13 @@ class DecodeCache:
             self.release()
 
     def release(self) -> None:
+        had = bool(self.k)
         self.k, self.v = [], []
         self.num_slots = self.width = 0
         self.slot_of.clear()
         self.length = []
+        if had:  # what of it came from the heap (heap.py) goes back to the OS
+            heap.trim()
 
     def plan(
         self, req_ids: list[str], starts: list[int], tables: list[list[int]]

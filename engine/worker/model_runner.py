@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from engine.config import GiB, ModelConfig
-from engine.worker import cpu_threads
+from engine.worker import cpu_threads, heap
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask, windowed
 from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.decode_cache import DecodeCache
@@ -96,6 +96,8 @@ class ModelRunner:
             )  # fmt: skip
 
         if self.device.type == "cpu":
+            if self.owns_process:  # before the threads' timing, which steps the model
+                heap.fix_mmap_threshold()
             self.kernels.choose_threads(self._time_step, self.owns_process, self._shape())
 
     def _shape(self) -> dict[str, object]:

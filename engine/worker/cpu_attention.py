@@ -26,13 +26,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine import envs
 from engine.worker import autotune
 
+if TYPE_CHECKING:
+    from engine.worker.decode_cache import Chunks
+
 KERNELS = ("auto", "native", "torch")
+CHUNK = 128  # positions a chunk of the decode mirror holds (decode_cache.Chunks)
 _ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # torch's path: (q [slots, heads, D], k, v, width, mask, scale) -> [slots, heads, D]
@@ -42,10 +47,11 @@ TorchPath = Callable[
 
 
 class NativeDecodeAttention:
-    """The compiled kernel for one (group, head_dim)."""
+    """The compiled kernel for one (group, head_dim, chunk)."""
 
-    def __init__(self, library: Path) -> None:
+    def __init__(self, library: Path, chunk: int = CHUNK) -> None:
         self.library = library
+        self.chunk = chunk  # what it was built with
         lib = ctypes.CDLL(str(library))
         self._fns = {}
         for dtype, name in ((torch.float32, "decode_attention_f32"),
@@ -63,24 +69,26 @@ class NativeDecodeAttention:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kb: torch.Tensor,
-        vb: torch.Tensor,
+        kb: Chunks,
+        vb: Chunks,
         slots: torch.Tensor,
         positions: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
         """q: [rows, heads, D]; k, v: [rows, KVH, D], the rows' new K and V, written into
-        the mirror first; kb, vb: [slots, KVH, width, D] (contiguous, fp32 or bf16);
-        slots, positions: [rows] int64. Row r writes its K and V at position positions[r]
-        of slot slots[r], and attends to positions [0, positions[r]] there. Returns
-        [rows, heads, D] in q's dtype."""
+        the mirror first; kb, vb: the layer's mirror in chunks of this kernel's (fp32 or
+        bf16); slots, positions: [rows] int64. Row r writes its K and V at position
+        positions[r] of slot slots[r], and attends to positions [0, positions[r]] there.
+        Returns [rows, heads, D] in q's dtype."""
+        assert kb.chunk == self.chunk, (kb.chunk, self.chunk)
         qf = q.to(torch.float32).contiguous()
         kf, vf = k.to(torch.float32).contiguous(), v.to(torch.float32).contiguous()
         out = torch.empty_like(qf)
+        part = kb.parts[0]
         failed = self._fns[kb.dtype](
-            qf.data_ptr(), out.data_ptr(), kf.data_ptr(), vf.data_ptr(), kb.data_ptr(),
-            vb.data_ptr(), slots.data_ptr(), positions.data_ptr(), q.shape[0], kb.shape[1],
-            kb.stride(0), kb.stride(1), scale, torch.get_num_threads(),
+            qf.data_ptr(), out.data_ptr(), kf.data_ptr(), vf.data_ptr(), kb.table.data_ptr(),
+            vb.table.data_ptr(), slots.data_ptr(), positions.data_ptr(), q.shape[0],
+            part.shape[1], part.stride(0), part.stride(1), scale, torch.get_num_threads(),
         )  # fmt: skip
         if failed:
             raise MemoryError("decode attention: could not allocate its score buffer")
@@ -93,11 +101,11 @@ class Choice:
     why: str
 
 
-def build(group: int, head_dim: int) -> Path:
+def build(group: int, head_dim: int, chunk: int = CHUNK) -> Path:
     """The kernel's shared library for this shape (native/decode_attention.c), compiled once."""
     return autotune.build(
-        f"decode_attention_g{group}_d{head_dim}", "decode_attention.c",
-        (f"-DGROUP={group}", f"-DDIM={head_dim}"),
+        f"decode_attention_g{group}_d{head_dim}" + (f"_c{chunk}" if chunk != CHUNK else ""),
+        "decode_attention.c", (f"-DGROUP={group}", f"-DDIM={head_dim}", f"-DCHUNK={chunk}"),
     )  # fmt: skip
 
 
@@ -148,8 +156,12 @@ def _time_both(
     positions = torch.full((rows,), context - 1)
     mask = torch.zeros(rows, 1, 1, context)
 
+    from engine.worker.decode_cache import Chunks
+
+    chunked = [(Chunks.view(k), Chunks.view(v)) for k, v in zip(ks, vs)]
+
     def native() -> None:
-        for k, v in zip(ks, vs):
+        for k, v in chunked:
             kernel(q, k_new, k_new, k, v, slots, positions, 0.125)
 
     def torch_() -> None:

@@ -288,8 +288,8 @@ class NativeLayers:
         for index, (k_cache, v_cache) in enumerate(kv_caches):
             kb, vb = plan.mirror(index, k_cache, v_cache)
             step.k_cache, step.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-            step.kb, step.vb = kb.data_ptr(), vb.data_ptr()
-            step.slot_stride, step.head_stride = kb.stride(0), kb.stride(1)
+            step.kb, step.vb = kb.table.data_ptr(), vb.table.data_ptr()
+            step.slot_stride, step.head_stride = kb.parts[0].stride(0), kb.parts[0].stride(1)
             if not whole:
                 self._glue(index, described[index], step, h, xn, attn, act, threads)
             elif self._layer(ctypes.byref(described[index]), ctypes.byref(step), h.data_ptr(),

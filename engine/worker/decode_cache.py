@@ -8,6 +8,12 @@ decoding request instead owns a slot of per-layer tensors
 decoding (or again if its slot fell behind), then each step appends one token.
 Attention runs over the slots as they lie.
 
+Each layer's K (and V) lies in chunks of ``CHUNK`` positions, ``[slots, KVH, CHUNK, D]``
+each: a context that outgrows the width adds a chunk, and nothing is copied. (One tensor
+``[slots, KVH, width, D]`` had to be reallocated and copied to grow: at 72 slots, from 512
+positions to 1,024, a 4-second decode step on a VM whose first write to fresh memory costs
+1.2 ms a MB.) More slots still copy every chunk.
+
 The paged cache stays the source of truth (prefix caching, preemption); a
 slot is only a copy of its blocks. A request's slot is dropped when it
 finishes or is preempted. The mirror is bounded by ``max_bytes``; a step that
@@ -24,14 +30,63 @@ import torch
 
 from engine.worker import heap
 from engine.worker.attention import additive_mask
-from engine.worker.cpu_attention import NativeDecodeAttention
+from engine.worker.cpu_attention import CHUNK, NativeDecodeAttention
 
 logger = logging.getLogger(__name__)
 
-WIDTH_STEP = 128  # positions; widths are rounded up to this
 SLOT_STEP = 8
 
 Move = tuple[int, int, int]  # (from slot, to slot, valid tokens)
+
+
+@dataclass
+class Chunks:
+    """A layer's K (or V) in the mirror: ``parts[c]`` holds positions ``[c * chunk,
+    (c + 1) * chunk)`` of every slot, ``[slots, KVH, chunk, D]``, all with the same strides
+    (chunks of their own, or views of one ``[slots, KVH, width, D]`` tensor: ``view``)."""
+
+    parts: list[torch.Tensor]
+    chunk: int
+    table: torch.Tensor  # int64 [len(parts)]: the parts' addresses, what the kernel reads
+
+    @classmethod
+    def of(cls, parts: list[torch.Tensor], chunk: int) -> Chunks:
+        table = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64)
+        return cls(parts, chunk, table)
+
+    @classmethod
+    def view(cls, tensor: torch.Tensor, chunk: int = CHUNK) -> Chunks:
+        """``tensor`` [slots, KVH, width, D] (contiguous) as chunks, in place."""
+        return cls.of(list(tensor.split(chunk, dim=2)), chunk)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def write(self, slot: int, start: int, values: torch.Tensor) -> None:
+        """Positions [start, start + n) of ``slot`` = values [KVH, n, D]."""
+        n, c = values.shape[1], self.chunk
+        for pos in range(start - start % c, start + n, c):
+            lo, hi = max(pos, start), min(pos + c, start + n)
+            self.parts[pos // c][slot, :, lo - pos : hi - pos] = values[:, lo - start : hi - start]
+
+    def read(self, slot: int, n: int) -> torch.Tensor:
+        """Positions [0, n) of ``slot``: [KVH, n, D] (a copy where they span chunks)."""
+        spans = [p[slot] for p in self.parts[: -(-n // self.chunk)]]
+        return torch.cat(spans, dim=1)[:, :n] if len(spans) > 1 else spans[0][:, :n]
+
+    def set_rows(self, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """Position positions[i] of slot slots[i] = rows[i] ([nd, KVH, D])."""
+        which = positions // self.chunk
+        for c in which.unique().tolist():
+            at = which == c
+            self.parts[c][slots[at], :, positions[at] - c * self.chunk] = rows[at]
+
+    def joined(self, used: int, first: int, width: int) -> torch.Tensor:
+        """Slots [0, used), positions [first * chunk, width): [used, KVH, ..., D]."""
+        parts = [p[:used] for p in self.parts[first : -(-width // self.chunk)]]
+        out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        return out[:, :, : width - first * self.chunk]
 
 
 @dataclass
@@ -51,23 +106,26 @@ class DecodePlan:
     # torch's path, the native kernel having no window.
     window_mask: torch.Tensor | None = None
     native: bool = True  # the cache's native kernel, where it has one
+    first_chunk: int = 0  # torch's path reads chunks from this one on
+    window_first_chunk: int = 0  # the first chunk a local layer's window reaches
 
     def windowed(self) -> DecodePlan:
         assert self.window_mask is not None  # the cache has a window
-        return replace(self, mask=self.window_mask, native=False)
+        return replace(self, mask=self.window_mask, native=False,
+                       first_chunk=self.window_first_chunk)  # fmt: skip
 
     def mirror(
         self, layer: int, k_cache: torch.Tensor, v_cache: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's mirror (K and V: [slots, KVH, width, D]), its moves and fills done
-        (``k_cache``, ``v_cache``: the layer's paged cache they fill from)."""
+    ) -> tuple[Chunks, Chunks]:
+        """The layer's mirror (K and V in chunks), its moves and fills done (``k_cache``,
+        ``v_cache``: the layer's paged cache they fill from)."""
         kb, vb = self.cache.k[layer], self.cache.v[layer]
         for src, dst, n in self.moves:
-            kb[dst, :, :n] = kb[src, :, :n]
-            vb[dst, :, :n] = vb[src, :, :n]
+            kb.write(dst, 0, kb.read(src, n))
+            vb.write(dst, 0, vb.read(src, n))
         for slot, n, blocks in self.fills:
-            kb[slot, :, :n] = _blocks(k_cache, blocks)[:n].transpose(0, 1)
-            vb[slot, :, :n] = _blocks(v_cache, blocks)[:n].transpose(0, 1)
+            kb.write(slot, 0, _blocks(k_cache, blocks)[:n].transpose(0, 1))
+            vb.write(slot, 0, _blocks(v_cache, blocks)[:n].transpose(0, 1))
         return kb, vb
 
     def attention(
@@ -84,15 +142,20 @@ class DecodePlan:
         kb, vb = self.mirror(layer, k_cache, v_cache)
         if self.cache.native is not None and self.native:  # it writes the rows' K and V
             return self.cache.native(q, k, v, kb, vb, self.slot_idx, self.positions, scale)
-        kb[self.slot_idx, :, self.positions] = k.to(kb.dtype)
-        vb[self.slot_idx, :, self.positions] = v.to(vb.dtype)
+        kb.set_rows(self.slot_idx, self.positions, k.to(kb.dtype))
+        vb.set_rows(self.slot_idx, self.positions, v.to(vb.dtype))
         assert self.mask is not None
         if self.in_order:
             qs = q
         else:
             qs = q.new_zeros(self.used, q.shape[1], q.shape[2])
             qs[self.slot_idx] = q
-        out = torch_attention(qs, kb, vb, self.width, self.mask, scale)
+        # torch's path reads one tensor: the chunks it needs, joined (a window needs the last)
+        first, chunk = self.first_chunk, kb.chunk
+        k_all = kb.joined(self.used, first, self.width)
+        v_all = vb.joined(self.used, first, self.width)
+        mask = self.mask[..., first * chunk :] if first else self.mask
+        out = torch_attention(qs, k_all, v_all, self.width - first * chunk, mask, scale)
         return out if self.in_order else out[self.slot_idx]
 
 
@@ -129,7 +192,9 @@ class DecodeCache:
         kv_dtype: torch.dtype | None = None,
         native: NativeDecodeAttention | None = None,
         window: int = 0,
+        chunk: int = CHUNK,
     ) -> None:
+        """``chunk``: positions a chunk of the mirror holds (the native kernel's, if set)."""
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -143,8 +208,10 @@ class DecodeCache:
                         "run torch's path")  # fmt: skip
         self.device = device
         self.max_bytes = max_bytes
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
+        # Chunks of CHUNK positions; the native kernel's own (tests build it smaller).
+        self.chunk = native.chunk if native is not None else chunk
+        self.k: list[Chunks] = []
+        self.v: list[Chunks] = []
         self.num_slots = 0
         self.width = 0
         self.slot_of: dict[str, int] = {}
@@ -168,7 +235,7 @@ class DecodeCache:
         self.num_slots = self.width = 0
         self.slot_of.clear()
         self.length = []
-        if had:  # what of it came from the heap (heap.py) goes back to the OS
+        if had:  # its chunks came from the heap (heap.py): their pages go back to the OS
             heap.trim()
 
     def plan(
@@ -177,9 +244,9 @@ class DecodeCache:
         """Slots for this step's decode rows, or None (use the gather path) when over budget."""
         slots, moves = self._assign(req_ids, starts)
         used = max(slots) + 1
-        # Attention reads positions [0, span) only; the tensors grow in WIDTH_STEPs.
+        # Attention reads positions [0, span) only; the mirror grows a chunk at a time.
         span = max(starts) + 1
-        if not self._fit(used, -(-span // WIDTH_STEP) * WIDTH_STEP):
+        if not self._fit(used, -(-span // self.chunk) * self.chunk):
             for req_id in req_ids:  # these rows' slots fall behind this step
                 slot = self.slot_of.get(req_id)
                 if slot is not None:
@@ -200,6 +267,7 @@ class DecodeCache:
             self.length[slot] = start + 1
         dev = self.device
         mask = window_mask = None
+        window_first = 0
         if self.native is None or self.window:
             # A slot no row uses this step shows its first position: finite, never NaN.
             lens = torch.tensor([max(n, 1) for n in self.length[:used]], device=dev).unsqueeze(1)
@@ -209,6 +277,10 @@ class DecodeCache:
             if self.window:
                 visible &= keys >= lens - self.window
                 window_mask = additive_mask(visible, self.dtype).view(used, 1, 1, span)
+                # The chunk of the earliest position a row's window reaches: torch's path
+                # joins the chunks from there. A slot no row uses may then show no position
+                # at all: its output (NaN) is never read.
+                window_first = max(min(starts) + 1 - self.window, 0) // self.chunk
         return DecodePlan(
             cache=self,
             slot_idx=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -220,6 +292,7 @@ class DecodeCache:
             fills=fills,
             in_order=slots == list(range(len(slots))),
             window_mask=window_mask,
+            window_first_chunk=window_first,
         )
 
     def _assign(self, req_ids: list[str], starts: list[int]) -> tuple[list[int], list[Move]]:
@@ -244,32 +317,51 @@ class DecodeCache:
             slots.append(slot)
         return slots, moves
 
-    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        # Zeroed: slots outside a row's length are masked, but a masked NaN would poison P @ V.
+    def _part(self, slots: int) -> torch.Tensor:
+        shape = (slots, self.num_kv_heads, self.chunk, self.head_dim)
+        if self.native is not None and not self.window:  # it reads only what rows wrote
+            return torch.empty(shape, dtype=self.kv_dtype, device=self.device)
+        # Zeroed for torch's path: slots outside a row's length are masked, but a masked NaN
+        # would poison P @ V.
         return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
 
     def _fit(self, slots: int, width: int) -> bool:
-        """Grow the tensors to hold ``slots`` x ``width``; False if that is over budget."""
+        """Grow the mirror to hold ``slots`` x ``width``; False if that is over budget. More
+        width adds chunks (nothing copied); more slots reallocates every chunk (copied), twice
+        the slots at a time so that stays rare."""
         if slots <= self.num_slots and width <= self.width:
             return True
-        # Grow ahead (twice the slots, twice the width) so reallocations, which
-        # copy the whole mirror, stay rare; exactly what is needed near the budget.
         new_slots = (
             max(slots, 2 * self.num_slots, SLOT_STEP) if slots > self.num_slots else self.num_slots
         )
-        new_width = max(width, 2 * self.width) if width > self.width else self.width
+        new_width = max(width, self.width)
         if self.bytes_for(new_slots, new_width) > self.max_bytes:
-            new_slots, new_width = max(self.num_slots, slots), max(self.width, width)
+            new_slots = max(self.num_slots, slots)
             if self.bytes_for(new_slots, new_width) > self.max_bytes:
                 return False
-        shape = (new_slots, self.num_kv_heads, new_width, self.head_dim)
-        old_k, old_v = self.k, self.v
-        self.k = [self._zeros(shape) for _ in range(self.num_layers)]
-        self.v = [self._zeros(shape) for _ in range(self.num_layers)]
-        if old_k:
-            s, w = self.num_slots, self.width
-            for new, old in zip(self.k + self.v, old_k + old_v):
-                new[:s, :, :w] = old
+        old = self.k + self.v
+        chunks = new_width // self.chunk
+        if new_slots > self.num_slots:
+            grown = []
+            for layer in old:
+                parts = [self._part(new_slots) for _ in range(chunks)]
+                for new, part in zip(parts, layer.parts):
+                    new[: self.num_slots] = part
+                grown.append(Chunks.of(parts, self.chunk))
+            if not old:
+                grown = [
+                    Chunks.of([self._part(new_slots) for _ in range(chunks)], self.chunk)
+                    for _ in range(2 * self.num_layers)
+                ]
+        else:
+            grown = [
+                Chunks.of(
+                    layer.parts + [self._part(new_slots) for _ in range(chunks - len(layer.parts))],
+                    self.chunk,
+                )
+                for layer in old
+            ]
+        self.k, self.v = grown[: self.num_layers], grown[self.num_layers :]
         self.length += [0] * (new_slots - self.num_slots)
         self.num_slots, self.width = new_slots, new_width
         return True

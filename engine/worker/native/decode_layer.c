@@ -14,7 +14,8 @@
 
 /* decode_attention_f32 (native/decode_attention.c) */
 typedef int (*attention_fn)(const float *q, float *out, const float *k_new, const float *v_new,
-                            float *k, float *v, const int64_t *slots, const int64_t *positions,
+                            float *const *k, float *const *v, const int64_t *slots,
+                            const int64_t *positions,
                             int64_t rows, int64_t kvh, int64_t slot_stride, int64_t head_stride,
                             float scale, int threads);
 
@@ -58,7 +59,7 @@ typedef struct {
     const float *cos, *sin;            /* [m, head_dim]: each row's rotary tables */
     const int64_t *slot_mapping;       /* [m]: each row's row of the paged KV cache */
     float *k_cache, *v_cache;          /* the layer's paged cache, [rows, kv_heads, head_dim] */
-    float *kb, *vb;                    /* the layer's decode mirror */
+    float *const *kb, *const *vb;      /* the layer's decode mirror: its chunk tables */
     const int64_t *slots, *positions;  /* [m]: each row's mirror slot and position */
     int64_t slot_stride, head_stride;
 } step_t;

@@ -16,11 +16,12 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.worker import cpu_attention
 from engine.worker.attention import AttentionMetadata, paged_attention, windowed
-from engine.worker.decode_cache import DecodeCache
+from engine.worker.decode_cache import Chunks, DecodeCache
 from tests.helpers.factories import make_core_request
 from tests.helpers.native import built
 
 BS, KVH, H, D, BLOCKS = 4, 2, 4, 8, 96
+CHUNK = 8  # positions a chunk of the mirror holds here: contexts cross several
 
 
 def reference_meta(slots: torch.Tensor, tables: list[list[int]], lens: list[int]):
@@ -33,7 +34,9 @@ def reference_meta(slots: torch.Tensor, tables: list[list[int]], lens: list[int]
 
 @functools.cache
 def native_kernel() -> cpu_attention.NativeDecodeAttention:
-    return built(lambda: cpu_attention.NativeDecodeAttention(cpu_attention.build(H // KVH, D)))
+    return built(
+        lambda: cpu_attention.NativeDecodeAttention(cpu_attention.build(H // KVH, D, CHUNK), CHUNK)
+    )
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -59,7 +62,7 @@ def test_mirror_matches_gather(
     cache = DecodeCache(
         1, KVH, D, BS, torch.float32, torch.device("cpu"), budget_slot_tokens * per_token,
         kv_dtype=kv_dtype, native=native_kernel() if kernel == "native" else None,
-        window=window,
+        window=window, chunk=CHUNK,
     )  # fmt: skip
     free_blocks = list(range(BLOCKS))
     rng.shuffle(free_blocks)
@@ -128,6 +131,29 @@ def test_stale_slot_is_refilled_after_a_step_without_it() -> None:
     assert k_cache.numel()  # (the paged cache is untouched by planning)
 
 
+def test_a_longer_context_adds_a_chunk_and_moves_nothing() -> None:
+    """Growing the width adds chunks: the ones there stay where they are, with what they
+    hold. More slots copies every chunk, and keeps what each slot held."""
+    cache = DecodeCache(2, KVH, D, BS, torch.float32, torch.device("cpu"), 1 << 24, chunk=CHUNK)
+    k_cache = torch.randn(BLOCKS, BS, KVH, D)
+    table = list(range(10))
+    assert cache.plan(["a"], [5], [table]) is not None
+    before = [p.data_ptr() for layer in cache.k + cache.v for p in layer.parts]
+    assert cache.width == CHUNK and len(before) == 2 * 2
+    plan = cache.plan(["a"], [3 * CHUNK + 1], [table])  # a context past three chunks
+    assert plan is not None and cache.width == 4 * CHUNK
+    kb, _ = plan.mirror(0, k_cache, k_cache)
+    assert [p.data_ptr() for p in kb.parts[:1]] == before[:1] and len(kb.parts) == 4
+    want = k_cache[table].flatten(0, 1)[: 3 * CHUNK + 1].transpose(0, 1)
+    assert torch.equal(kb.read(0, 3 * CHUNK + 1), want)
+    slots = ["a"] + [f"r{i}" for i in range(20)]  # more slots than the first 8
+    plan = cache.plan(slots, [3 * CHUNK + 2] + [1] * 20, [table] * 21)
+    assert plan is not None and cache.num_slots >= 21
+    kb, _ = plan.mirror(0, k_cache, k_cache)
+    assert torch.equal(kb.read(0, 3 * CHUNK + 1), want)
+    assert kb.table.tolist() == [p.data_ptr() for p in kb.parts]
+
+
 @pytest.mark.parametrize("budget", [0, 1])
 def test_over_budget_falls_back_to_gather(budget: int) -> None:
     cache = DecodeCache(1, KVH, D, BS, torch.float32, torch.device("cpu"), budget)
@@ -162,15 +188,16 @@ def test_native_kernel_at_a_model_shape_matches_torch(kv_dtype: torch.dtype) -> 
     group, dim = 3, 64
     kernel = built(lambda: cpu_attention.NativeDecodeAttention(cpu_attention.build(group, dim)))
     torch.manual_seed(0)
-    positions = torch.tensor([0, 1, 15, 16, 17, 31, 32, 100])
-    rows, width = len(positions), 104
+    # In chunks of 128 positions: rows within the first, at its ends, and in the third.
+    positions = torch.tensor([0, 1, 15, 16, 17, 31, 32, 100, 127, 128, 129, 300])
+    rows, width = len(positions), 304
     kb = torch.randn(rows, KVH, width, dim).to(kv_dtype)
     vb = torch.randn(rows, KVH, width, dim).to(kv_dtype)
     q = torch.randn(rows, KVH * group, dim)
     k_new, v_new = torch.randn(rows, KVH, dim), torch.randn(rows, KVH, dim)
     slots = torch.arange(rows).flip(0)
     want_k, want_v = kb.clone(), vb.clone()
-    got = kernel(q, k_new, v_new, kb, vb, slots, positions, 0.125)
+    got = kernel(q, k_new, v_new, Chunks.view(kb), Chunks.view(vb), slots, positions, 0.125)
     want_k[slots, :, positions] = k_new.to(kv_dtype)
     want_v[slots, :, positions] = v_new.to(kv_dtype)
     hidden = torch.arange(width).view(1, 1, 1, -1) > positions.view(-1, 1, 1, 1)

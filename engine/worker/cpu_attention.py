@@ -158,14 +158,15 @@ def _time_both(
 
     from engine.worker.decode_cache import Chunks
 
-    chunked = [(Chunks.view(k), Chunks.view(v)) for k, v in zip(ks, vs)]
+    chunked = [(Chunks.view(k, kernel.chunk), Chunks.view(v, kernel.chunk)) for k, v in zip(ks, vs)]
 
     def native() -> None:
         for k, v in chunked:
             kernel(q, k_new, k_new, k, v, slots, positions, 0.125)
 
-    def torch_() -> None:
-        for k, v in zip(ks, vs):
-            torch_path(q, k, v, context, mask, 0.125)
+    def torch_() -> None:  # as the engine runs it: the mirror's chunks joined first
+        for k, v in chunked:
+            torch_path(q, k.joined(rows, 0, context), v.joined(rows, 0, context), context, mask,
+                       0.125)  # fmt: skip
 
     return autotune.best_of_each({"native": native, "torch": torch_}, rounds=3)

@@ -26,15 +26,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from engine import envs
 from engine.worker import autotune
-
-if TYPE_CHECKING:
-    from engine.worker.decode_cache import Chunks
 
 KERNELS = ("auto", "native", "torch")
 CHUNK = 128  # positions a chunk of the decode mirror holds (decode_cache.Chunks)
@@ -44,6 +40,56 @@ KV_DTYPES = (torch.float32, torch.bfloat16)
 TorchPath = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, float], torch.Tensor
 ]
+
+
+@dataclass
+class Chunks:
+    """A layer's K (or V) in the mirror: ``parts[c]`` holds positions ``[c * chunk,
+    (c + 1) * chunk)`` of every slot, ``[slots, KVH, chunk, D]``, all with the same strides
+    (chunks of their own, or views of one ``[slots, KVH, width, D]`` tensor: ``view``)."""
+
+    parts: list[torch.Tensor]
+    chunk: int
+    table: torch.Tensor  # int64 [len(parts)]: the parts' addresses, what the kernel reads
+
+    @classmethod
+    def of(cls, parts: list[torch.Tensor], chunk: int) -> Chunks:
+        table = torch.tensor([p.data_ptr() for p in parts], dtype=torch.int64)
+        return cls(parts, chunk, table)
+
+    @classmethod
+    def view(cls, tensor: torch.Tensor, chunk: int = CHUNK) -> Chunks:
+        """``tensor`` [slots, KVH, width, D] (contiguous) as chunks, in place."""
+        return cls.of(list(tensor.split(chunk, dim=2)), chunk)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def write(self, slot: int, start: int, values: torch.Tensor) -> None:
+        """Positions [start, start + n) of ``slot`` = values [KVH, n, D]."""
+        n, c = values.shape[1], self.chunk
+        for pos in range(start - start % c, start + n, c):
+            lo, hi = max(pos, start), min(pos + c, start + n)
+            self.parts[pos // c][slot, :, lo - pos : hi - pos] = values[:, lo - start : hi - start]
+
+    def read(self, slot: int, n: int) -> torch.Tensor:
+        """Positions [0, n) of ``slot``: [KVH, n, D] (a copy where they span chunks)."""
+        spans = [p[slot] for p in self.parts[: -(-n // self.chunk)]]
+        return torch.cat(spans, dim=1)[:, :n] if len(spans) > 1 else spans[0][:, :n]
+
+    def set_rows(self, slots: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """Position positions[i] of slot slots[i] = rows[i] ([nd, KVH, D])."""
+        which = positions // self.chunk
+        for c in which.unique().tolist():
+            at = which == c
+            self.parts[c][slots[at], :, positions[at] - c * self.chunk] = rows[at]
+
+    def joined(self, used: int, first: int, width: int) -> torch.Tensor:
+        """Slots [0, used), positions [first * chunk, width): [used, KVH, ..., D]."""
+        parts = [p[:used] for p in self.parts[first : -(-width // self.chunk)]]
+        out = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+        return out[:, :, : width - first * self.chunk]
 
 
 class NativeDecodeAttention:
@@ -155,8 +201,6 @@ def _time_both(
     slots = torch.arange(rows)
     positions = torch.full((rows,), context - 1)
     mask = torch.zeros(rows, 1, 1, context)
-
-    from engine.worker.decode_cache import Chunks
 
     chunked = [(Chunks.view(k, kernel.chunk), Chunks.view(v, kernel.chunk)) for k, v in zip(ks, vs)]
 

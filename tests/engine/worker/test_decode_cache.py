@@ -16,7 +16,8 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.worker import cpu_attention
 from engine.worker.attention import AttentionMetadata, paged_attention, windowed
-from engine.worker.decode_cache import Chunks, DecodeCache
+from engine.worker.cpu_attention import Chunks
+from engine.worker.decode_cache import DecodeCache
 from tests.helpers.factories import make_core_request
 from tests.helpers.native import built
 

@@ -50,7 +50,7 @@ def fix_mmap_threshold() -> bool:
     done = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
     done &= libc.mallopt(_M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD) == 1
     if done:
-        logger.info("heap: blocks under %d MiB come from glibc's heap, not a mapping each "
+        logger.info("blocks under %d MiB come from glibc's heap, not a mapping each "
                     "(M_MMAP_THRESHOLD fixed)", MMAP_THRESHOLD >> 20)  # fmt: skip
     return done
 

@@ -33,7 +33,7 @@ from engine import envs
 from engine.worker import autotune
 
 KERNELS = ("auto", "native", "torch")
-CHUNK = 128  # positions a chunk of the decode mirror holds (decode_cache.Chunks)
+CHUNK = 128  # positions a chunk of the decode mirror holds (Chunks; the kernel's -DCHUNK)
 _ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
 KV_DTYPES = (torch.float32, torch.bfloat16)
 # torch's path: (q [slots, heads, D], k, v, width, mask, scale) -> [slots, heads, D]

@@ -54,9 +54,9 @@ DecoderLayer = Any
 # int4's whole layers in one call: at most this many rows (beyond, the products' own plan
 # decides, and the Python between the calls is spread over the rows).
 MAX_WHOLE_ROWS = 16
-# fp32's whole layers in one call: up to the rows whose scratch fits in this. glibc serves a
-# freed block of up to 32 MiB again from its heap; a larger one is mapped afresh each call,
-# and its pages faulted in again (SmolLM2: 32 KiB a row, so 508 rows; an 8B Llama: 62).
+# fp32's whole layers in one call: up to the rows whose scratch fits in this. An engine
+# process serves blocks under 32 MiB from glibc's heap (heap.py); a larger one is mapped afresh
+# each call, and its pages faulted in again (SmolLM2: 32 KiB a row, so 508 rows; an 8B Llama: 62).
 F32_SCRATCH_BYTES = 16 << 20
 # The layers' kernel is timed on one product (cpu_matmul). Where fp32's layers can run in one call
 # on aten's products, oneDNN's must time this much faster to be chosen. Measured on SmolLM2, a

@@ -289,28 +289,19 @@ class DecodeCache:
             new_slots = max(self.num_slots, slots)
             if self.bytes_for(new_slots, new_width) > self.max_bytes:
                 return False
-        old = self.k + self.v
+        old = self.k + self.v or [Chunks.of([], self.chunk)] * (2 * self.num_layers)
         chunks = new_width // self.chunk
-        if new_slots > self.num_slots:
-            grown = []
-            for layer in old:
+        grown = []
+        for layer in old:
+            if new_slots == self.num_slots:  # wider: chunks added, none copied
+                parts = layer.parts + [
+                    self._part(new_slots) for _ in range(chunks - len(layer.parts))
+                ]
+            else:  # more slots: every chunk anew, what each slot held copied in
                 parts = [self._part(new_slots) for _ in range(chunks)]
                 for new, part in zip(parts, layer.parts):
                     new[: self.num_slots] = part
-                grown.append(Chunks.of(parts, self.chunk))
-            if not old:
-                grown = [
-                    Chunks.of([self._part(new_slots) for _ in range(chunks)], self.chunk)
-                    for _ in range(2 * self.num_layers)
-                ]
-        else:
-            grown = [
-                Chunks.of(
-                    layer.parts + [self._part(new_slots) for _ in range(chunks - len(layer.parts))],
-                    self.chunk,
-                )
-                for layer in old
-            ]
+            grown.append(Chunks.of(parts, self.chunk))
         self.k, self.v = grown[: self.num_layers], grown[self.num_layers :]
         self.length += [0] * (new_slots - self.num_slots)
         self.num_slots, self.width = new_slots, new_width

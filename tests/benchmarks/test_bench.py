@@ -274,3 +274,31 @@ def test_the_overhead_bench_bills_a_writer_until_it_is_idle() -> None:
         proc.wait()
     print(f"\nthe writer worked {worked * 1e3:.1f} ms; billed {billed * 1e3:.1f} ms")
     assert worked >= 0.24 and billed >= worked - 0.002
+
+
+def test_tracing_shares_come_with_an_interval_that_holds_their_median() -> None:
+    """On 2 cores one round's share of tracing moves by several points; the overhead bench
+    gives each median a bootstrap interval, which widens with the rounds' spread and is the
+    same on a rerun."""
+    from bench.overhead import _intervals, _ratios, median_interval
+
+    def levels(extras: list[float]) -> list[dict[str, object]]:
+        rows: list[dict[str, object]] = []
+        for extra in extras:  # the untraced server at 100 us a token, the traced one above it
+            for system, cpu in (("lumen (traced)", 100 * (1 + extra)),
+                                ("lumen (no trace db)", 100.0)):  # fmt: skip
+                rows.append({"system": system, "streams": 64, "server_cpu_us_per_token": cpu,
+                             "api_cpu_us_per_token": cpu / 4,
+                             "trace_writer_cpu_us_per_token": 1.0, "tok_s": 1.0})  # fmt: skip
+        return rows
+
+    steady = [0.02, 0.021, 0.019, 0.02, 0.022, 0.018, 0.02]
+    noisy = [0.02, 0.09, -0.05, 0.06, -0.02, 0.04, 0.0]
+    narrow, wide = (_intervals(levels(x), [64])["s64_tracing_cpu_extra_ratio"]
+                    for x in (steady, noisy))  # fmt: skip
+    for interval, extras in ((narrow, steady), (wide, noisy)):
+        median = _ratios(levels(extras), [64])["s64_tracing_cpu_extra_ratio"]
+        assert interval["low"] <= median <= interval["high"] and interval["rounds"] == 7
+    assert narrow["high"] - narrow["low"] < 0.005 < wide["high"] - wide["low"]
+    assert median_interval(noisy) == median_interval(noisy)
+    assert "s64_tracing_cpu_extra_ratio" not in _intervals(levels(steady[:4]), [64])

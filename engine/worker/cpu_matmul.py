@@ -12,6 +12,7 @@ forces one; the decision is cached per machine and shape, autotune).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,18 @@ KERNELS = ("auto", "onednn", "aten")
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
-    return torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+    """oneDNN's packed products in ``dtype`` run here: fp32 wherever torch has oneDNN, bf16
+    only where the CPU has AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT (an AVX2-only CPU
+    refuses to pack a bf16 weight)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _onednn_bf16())
+
+
+@functools.cache
+def _onednn_bf16() -> bool:
+    supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(supported()) if supported is not None else False
 
 
 def pack(weight_out_in: torch.Tensor) -> torch.Tensor:

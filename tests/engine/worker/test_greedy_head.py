@@ -62,7 +62,7 @@ def test_threads_split_the_vocabulary_and_agree(monkeypatch: pytest.MonkeyPatch)
 
 def _screened(weight: torch.Tensor) -> cpu_greedy_head.ScreenedHead:
     if not cpu_matmul.onednn_available(torch.bfloat16):
-        pytest.skip("this torch's oneDNN has no bf16")
+        pytest.skip("this CPU has no oneDNN bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT)")
     return cpu_greedy_head.ScreenedHead(_library()[0], weight)
 
 
@@ -124,3 +124,25 @@ def test_plan_is_timed_cached_and_forced_by_the_environment(
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "flash")
     with pytest.raises(ValueError, match="LUMEN_CPU_GREEDY_HEAD must be one of auto, fused"):
         cpu_greedy_head.plan(weight, torch_path)
+
+
+def test_bf16_is_offered_exactly_where_onednn_packs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An AVX2-only CPU has oneDNN, but it refuses to pack a bf16 weight: there the screened
+    head is not timed, and forcing it is one clear error rather than a failed load."""
+    try:
+        cpu_matmul.pack(torch.randn(64, 32).bfloat16())
+        packs = True
+    except RuntimeError as e:
+        print(f"\noneDNN bf16 here: {e}")
+        packs = False
+    assert cpu_matmul.onednn_available(torch.bfloat16) == packs
+    weight = torch.randn(300, 32)
+    torch_path = lambda h: (h @ weight.t()).argmax(-1)  # noqa: E731
+    assert ("screened" in cpu_greedy_head._Paths(weight).names()) == packs
+    monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "screened")
+    if packs:
+        path = cpu_greedy_head.plan(weight, torch_path).path(1)
+        assert isinstance(path, cpu_greedy_head.ScreenedHead)
+    else:
+        with pytest.raises(RuntimeError, match="screened, but oneDNN has no bf16 here"):
+            cpu_greedy_head.plan(weight, torch_path)

@@ -13,9 +13,8 @@ Tracing's cost pairs the traced and untraced servers round by round (every other
 servers in reverse order), as a share of the untraced server's CPU per token: over the whole
 server (`tracing_cpu`), over the API process alone (`tracing_api`: the engine core runs the same
 code traced or not, so its difference is noise, 6-8% of the server between rounds on 2 cores),
-and the trace writer thread's (`trace_writer`). With five or more rounds each share also gets
-a 90% bootstrap interval of its median: on 2 cores one round's whole-server share moves by
-several points, so the median alone cannot say whether a target of a few percent is met.
+and the trace writer thread's (`trace_writer`); with five or more rounds, each with a 90%
+interval of its median (bench.tracing_shares).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import asyncio
 import json
 import math
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -36,6 +34,7 @@ from typing import Any
 
 import psutil
 
+from bench import tracing_shares
 from bench.common import check_json_path, machine, parse_ints, print_table, write_json
 from bench.server import (
     LumenServer,
@@ -50,8 +49,6 @@ from tracing.receiver import OtlpReceiver
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 WRITER = "trace-writer"  # tracing.recorder's thread
-INTERVAL = 0.9  # the tracing shares' bootstrap interval
-MIN_ROUNDS_FOR_INTERVAL = 5
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
@@ -396,10 +393,10 @@ def run(args: argparse.Namespace) -> int:
     _print(summaries, store)
     _print_otlp(summaries, otlp)
     ratios = _ratios(summaries, levels)
-    intervals = _intervals(summaries, levels)
+    intervals = tracing_shares.intervals(summaries, levels)
     for key, value in ratios.items():
         if (i := intervals.get(key)) is not None:
-            print(f"{key}: {value:.3f} ({INTERVAL:.0%} interval {i['low']:.3f} to "
+            print(f"{key}: {value:.3f} ({tracing_shares.INTERVAL:.0%} interval {i['low']:.3f} to "
                   f"{i['high']:.3f}, {i['rounds']} paired rounds)")  # fmt: skip
         else:
             print(f"{key}: {value:.3f}")
@@ -460,57 +457,8 @@ def _ratios(summaries: list[dict[str, Any]], levels: list[int]) -> dict[str, flo
         if (hf, streams) in cpu:
             out[f"s{streams}_cpu_per_token_ratio"] = cpu[lumen, streams] / cpu[hf, streams]
             out[f"s{streams}_tok_s_ratio"] = tok[lumen, streams] / tok[hf, streams]
-    for key, (streams, figure) in _tracing_keys(levels).items():
-        extras = _paired_extras(summaries, streams, figure)  # tracing's cost, round by round
-        if extras:  # over the untraced server's CPU per token
-            out[key] = statistics.median(extras)
+    out.update(tracing_shares.medians(summaries, levels))
     lo, hi = min(levels), max(levels)
     if lo != hi:  # flat in load: Lumen's own cost at the most streams over the fewest
         out[f"cpu_per_token_s{hi}_over_s{lo}_ratio"] = cpu[lumen, hi] / cpu[lumen, lo]
     return out
-
-
-_FIGURES = {"tracing_cpu": "server_cpu_us_per_token", "tracing_api": "api_cpu_us_per_token",
-            "trace_writer": "trace_writer_cpu_us_per_token"}  # fmt: skip
-
-
-def _tracing_keys(levels: list[int]) -> dict[str, tuple[int, str]]:
-    """Each tracing share's key, with its level and figure."""
-    return {f"s{streams}_{name}_extra_ratio": (streams, figure)
-            for streams in levels for name, figure in _FIGURES.items()}  # fmt: skip
-
-
-def _paired_extras(summaries: list[dict[str, Any]], streams: int, figure: str) -> list[float]:
-    """Per round, (traced - untraced) ``figure`` as a share of the untraced server's CPU per
-    token in that round; empty without both servers."""
-
-    def of(system: str) -> list[dict[str, Any]]:
-        return [s for s in summaries if s["system"] == system and s["streams"] == streams]
-
-    pairs = zip(of("lumen (traced)"), of("lumen (no trace db)"))
-    return [(on[figure] - off[figure]) / off["server_cpu_us_per_token"] for on, off in pairs]
-
-
-def _intervals(summaries: list[dict[str, Any]], levels: list[int]) -> dict[str, dict[str, float]]:
-    """Each tracing share's INTERVAL bootstrap interval of its median (where it has at least
-    MIN_ROUNDS_FOR_INTERVAL paired rounds): on 2 cores one round's share moves by several
-    points, so the median alone does not say whether a target is met."""
-    out = {}
-    for key, (streams, figure) in _tracing_keys(levels).items():
-        extras = _paired_extras(summaries, streams, figure)
-        if len(extras) >= MIN_ROUNDS_FOR_INTERVAL:
-            low, high = median_interval(extras)
-            out[key] = {"low": low, "high": high, "rounds": len(extras)}
-    return out
-
-
-def median_interval(
-    values: list[float], share: float = INTERVAL, resamples: int = 4000, seed: int = 0
-) -> tuple[float, float]:
-    """The percentile bootstrap interval holding ``share`` of the medians of ``values``
-    resampled with replacement; the same for the same values (a fixed seed)."""
-    rng = random.Random(seed)
-    n = len(values)
-    medians = sorted(statistics.median(rng.choices(values, k=n)) for _ in range(resamples))
-    tail = (1 - share) / 2
-    return medians[int(tail * (resamples - 1))], medians[int((1 - tail) * (resamples - 1))]

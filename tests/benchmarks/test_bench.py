@@ -280,7 +280,8 @@ def test_tracing_shares_come_with_an_interval_that_holds_their_median() -> None:
     """On 2 cores one round's share of tracing moves by several points; the overhead bench
     gives each median a bootstrap interval, which widens with the rounds' spread and is the
     same on a rerun."""
-    from bench.overhead import _intervals, _ratios, median_interval
+    from bench.overhead import _ratios
+    from bench.tracing_shares import intervals, median_interval
 
     def levels(extras: list[float]) -> list[dict[str, object]]:
         rows: list[dict[str, object]] = []
@@ -294,11 +295,11 @@ def test_tracing_shares_come_with_an_interval_that_holds_their_median() -> None:
 
     steady = [0.02, 0.021, 0.019, 0.02, 0.022, 0.018, 0.02]
     noisy = [0.02, 0.09, -0.05, 0.06, -0.02, 0.04, 0.0]
-    narrow, wide = (_intervals(levels(x), [64])["s64_tracing_cpu_extra_ratio"]
+    narrow, wide = (intervals(levels(x), [64])["s64_tracing_cpu_extra_ratio"]
                     for x in (steady, noisy))  # fmt: skip
     for interval, extras in ((narrow, steady), (wide, noisy)):
         median = _ratios(levels(extras), [64])["s64_tracing_cpu_extra_ratio"]
         assert interval["low"] <= median <= interval["high"] and interval["rounds"] == 7
     assert narrow["high"] - narrow["low"] < 0.005 < wide["high"] - wide["low"]
     assert median_interval(noisy) == median_interval(noisy)
-    assert "s64_tracing_cpu_extra_ratio" not in _intervals(levels(steady[:4]), [64])
+    assert "s64_tracing_cpu_extra_ratio" not in intervals(levels(steady[:4]), [64])

@@ -36,6 +36,19 @@ static inline uint16_t to_bf16(float f) {
 #endif
 _Static_assert((CHUNK & (CHUNK - 1)) == 0, "CHUNK must be a power of two");
 
+/* Position t of a walk over chunk table TAB at offset OFF (CHUNKS chunks in the walk): ROW,
+   advanced a row each step by the loop, is re-based at each chunk's start, as is AHEAD,
+   PREFETCH_ROWS positions on, whose row is then prefetched. */
+#define NEXT_ROW(TAB, OFF, CHUNKS, t, ROW, AHEAD)                                          \
+    do {                                                                                   \
+        if (((t) & (CHUNK - 1)) == 0) ROW = TAB[(t) / CHUNK] + (OFF);                      \
+        const int64_t ahead_ = (t) + PREFETCH_ROWS;                                        \
+        if ((ahead_ & (CHUNK - 1)) == 0 && ahead_ < (CHUNKS) * CHUNK)                      \
+            AHEAD = TAB[ahead_ / CHUNK] + (OFF);                                           \
+        for (int b_ = 0; b_ < (int)(DIM * sizeof(*(AHEAD))); b_ += 64)                     \
+            PREFETCH((const char *)(AHEAD) + b_);                                          \
+    } while (0)
+
 /* q, out: [rows, kvh * GROUP, DIM] fp32; k_new, v_new: [rows, kvh, DIM] fp32, the rows'
    own K and V, written first at position positions[r] of slot slots[r]. k, v: a layer's
    mirror as chunk tables: chunk c holds positions [c * CHUNK, (c + 1) * CHUNK) of every slot,
@@ -74,12 +87,7 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new,    
             for (int g = 0; g < GROUP; g++) mx[g] = -3.0e38f;                              \
             const T *kr = k[0] + off, *kp = kr + PREFETCH_ROWS * DIM;                      \
             for (int64_t t = 0; t < n; t++, kr += DIM, kp += DIM) {                        \
-                if ((t & (CHUNK - 1)) == 0) kr = k[t / CHUNK] + off;                       \
-                const int64_t ahead = t + PREFETCH_ROWS;                                   \
-                if ((ahead & (CHUNK - 1)) == 0 && ahead < chunks * CHUNK)                  \
-                    kp = k[ahead / CHUNK] + off;                                           \
-                for (int b = 0; b < (int)(DIM * sizeof(T)); b += 64)                       \
-                    PREFETCH((const char *)kp + b);                                        \
+                NEXT_ROW(k, off, chunks, t, kr, kp);                                       \
                 for (int g = 0; g < GROUP; g++) {                                          \
                     const float *qg = qh + g * DIM;                                        \
                     float a = 0.f;                                                         \
@@ -103,12 +111,7 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new,    
             }                                                                              \
             const T *vr = v[0] + off, *vp = vr + PREFETCH_ROWS * DIM;                      \
             for (int64_t t = 0; t < n; t++, vr += DIM, vp += DIM) {                        \
-                if ((t & (CHUNK - 1)) == 0) vr = v[t / CHUNK] + off;                       \
-                const int64_t ahead = t + PREFETCH_ROWS;                                   \
-                if ((ahead & (CHUNK - 1)) == 0 && ahead < chunks * CHUNK)                  \
-                    vp = v[ahead / CHUNK] + off;                                           \
-                for (int b = 0; b < (int)(DIM * sizeof(T)); b += 64)                       \
-                    PREFETCH((const char *)vp + b);                                        \
+                NEXT_ROW(v, off, chunks, t, vr, vp);                                       \
                 for (int g = 0; g < GROUP; g++) {                                          \
                     float p = s[g * n + t], *ag = acc + g * DIM;                           \
                     _Pragma("omp simd")                                                    \

@@ -20,12 +20,19 @@ def _share_the_cores() -> None:
     OMP_NUM_THREADS. Two workers each on a team as wide as the machine spin on each other's cores
     after every op: measured on 2 cores, the SmolLM2 correctness and bench tests took 201 s that
     way and 103 s on one thread each. The serial pass (timing and provoked-latency scenarios)
-    keeps torch's default team, and the kernel tests in tests/engine/worker set their own."""
+    keeps torch's default team, and the kernel tests in tests/engine/worker set their own.
+
+    Those kernel tests' team of two still meets the other worker's load: its threads then wait
+    for each other asleep (OMP_WAIT_POLICY, read when OpenMP loads), not spinning. Measured on 2
+    cores beside a busy loop, test_decode_cache.py and test_decode_layer.py took 46 s spinning
+    and 26 s asleep; with tests/engine/test_correctness.py on two workers, 86-87 s and 73-82 s
+    (AMD EPYC, 2026-12-04)."""
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not workers or "OMP_NUM_THREADS" in os.environ:
         return
     team = max(1, (os.cpu_count() or 1) // int(workers))
     os.environ["OMP_NUM_THREADS"] = str(team)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if "torch" in sys.modules:  # a plugin imported it before the variable could count
         sys.modules["torch"].set_num_threads(team)
 

@@ -41,12 +41,14 @@ lint: install
 # flaky. Both passes run; either failing fails the target. Bytecode is cached even where the
 # environment says not to (PYTHONDONTWRITEBYTECODE): every worker, server and engine core the
 # suite starts would compile the project's sources again, and pytest rewrite every test module's
-# asserts again, about 10 s of a 2-core run (__pycache__ is ignored by git).
+# asserts again, about 10 s of a 2-core run (__pycache__ is ignored by git). The passes share
+# one folder for what the tests build once and only read (LUMEN_TEST_BUILD_DIR, tests/conftest.py).
 test: test-models lint
+	export LUMEN_TEST_BUILD_DIR=$$(mktemp -d); \
 	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder \
 		-m "not serial" --durations=20; a=$$?; \
 	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -m serial --durations=20; b=$$?; \
-	test $$a = 0 && test $$b = 0
+	rm -rf "$$LUMEN_TEST_BUILD_DIR"; test $$a = 0 && test $$b = 0
 
 # The latency regression gate CI runs after the tests (regress/README.md).
 regress: model

@@ -31,9 +31,9 @@ def test_gemma3_270m_matches_hf(gemma_model_path: Path, monkeypatch: pytest.Monk
     equal transformers' of each prompt alone. Its kernels are set, not timed (timing them on
     a 262,144-token head took 20 s of this test): oneDNN's products where this torch has
     them, a native greedy head over the whole vocabulary, and the native decode attention on
-    the global layers beside torch's on the local ones."""
-    from transformers import AutoTokenizer
-
+    the global layers beside torch's on the local ones. The prompts are encoded by the
+    engine's own tokenizer (AutoTokenizer's class, as tests/engine/test_tokenizer_load.py
+    holds it): loading Gemma's 33 MB tokenizer.json a second time took 7 s of this test."""
     from engine.worker import cpu_matmul
 
     if cpu_matmul.onednn_available(torch.float32):
@@ -42,11 +42,11 @@ def test_gemma3_270m_matches_hf(gemma_model_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "screened" if screened else "fused")
     monkeypatch.setenv("LUMEN_CPU_ATTENTION", "native")
 
-    tokenizer = AutoTokenizer.from_pretrained(gemma_model_path)
-    prompts = [tokenizer(text)["input_ids"] for text in GEMMA_PROMPTS]
-    assert sum(len(p) > 512 for p in prompts) == 2 and prompts[3][:500] == prompts[4][:500]
     llm = LLM(str(gemma_model_path), max_model_len=2048, num_kv_blocks=256, warmup=False)
     try:
+        tokenizer = llm.get_tokenizer()
+        prompts = [tokenizer(text)["input_ids"] for text in GEMMA_PROMPTS]
+        assert sum(len(p) > 512 for p in prompts) == 2 and prompts[3][:500] == prompts[4][:500]
         params = SamplingParams(temperature=0, max_tokens=32)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:

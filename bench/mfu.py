@@ -19,7 +19,7 @@ from bench.common import check_json_path, machine, parse_ints, print_table, writ
 from bench.roofline import FlopCounter, StepTimer, kv_pass, matmul_ceiling, weights_pass
 from bench.throughput import ENGINE_SKIP, make_workload, run_lumen, warmup_workload
 
-ROUNDS = 3  # interleaved weights-pass / decode-step rounds per batch size
+ROUNDS = 3  # interleaved weights-pass / decode-step rounds per batch size (--rounds)
 TARGETS = {"mfu": 0.70, "decode_over_floor": 1.1, "model_time": 0.90}
 
 
@@ -36,6 +36,13 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "--decode-contexts",
         default="128,512",
         help="tokens before each timed decode row, comma-separated",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=ROUNDS,
+        help="interleaved weights-pass / decode-step rounds per batch, the fastest of each "
+        "counting (more on a noisy machine)",
     )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
@@ -55,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     contexts = parse_ints(args.decode_contexts, "--decode-contexts")
     if args.num_requests < 1:
         raise ValueError("--num-requests must be at least 1")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be at least 1, got {args.rounds}")
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
@@ -75,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         # Interleaved rounds, the fastest of each: the two figures share the machine's state.
         floors: list[float] = []
         steps_by_ctx: dict[int, list[float]] = {ctx: [] for ctx in contexts}
-        for _ in range(ROUNDS):
+        for _ in range(args.rounds):
             floors.append(weights_pass(timer.model, b, device))
             for ctx in contexts:
                 steps_by_ctx[ctx].append(timer.decode_step(b, ctx))
@@ -164,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
             "ceiling_before_flops": ceiling_before,
             "ceiling_after_flops": ceiling_after,
             "decode": decode,
+            "rounds": args.rounds,
             **ratios,
             "workload": {
                 "num_requests": args.num_requests,

@@ -66,11 +66,12 @@ def test_mfu_bench(tmp_path: Path, tiny_model_path: Path) -> None:
     out = tmp_path / "mfu.json"
     r = lumen_bench(
         "mfu", "--model", str(tiny_model_path), "--num-requests", "4",
-        "--decode-batches", "1,16", "--decode-contexts", "32",
+        "--decode-batches", "1,16", "--decode-contexts", "32", "--rounds", "2",
         "--num-kv-blocks", "256", "--json", str(out),
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
+    assert doc["rounds"] == 2
     assert doc["ceiling_flops"] > 0 and doc["achieved_flops"] > 0
     assert 0 < doc["model_time_ratio"] <= 1
     assert doc["mfu_ratio"] == pytest.approx(doc["achieved_flops"] / doc["ceiling_flops"])
@@ -127,6 +128,7 @@ def test_throughput_bench_runs_every_system(tmp_path: Path, tiny_model_path: Pat
         (("scheduler", "--sizes", "0"), "--sizes takes integers >= 1"),
         (("serve", "--rates", "-1"), "--rates must be positive"),
         (("mfu", "--json", "/nonexistent-folder/x.json"), "does not exist"),
+        (("mfu", "--rounds", "0"), "--rounds must be at least 1, got 0"),
         (("overhead", "--streams", "16,0"), "--streams takes integers >= 1"),
         (("structured", "--rounds", "0"), "must be >= 1"),
         (("serve", "--kv-tokens", "0"), "--kv-tokens: must be >= 1, not 0"),

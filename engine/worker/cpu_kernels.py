@@ -119,7 +119,8 @@ class CpuKernels:
                 rows = self.decode_layers.use_f32(sgemm)
                 autotune.log(
                     "fp32 decode layers",
-                    f"one native call each, products by sgemm, up to {rows} rows",
+                    f"one native call each, products by sgemm, up to {rows} rows (steps of 1-2 "
+                    "rows: a native pass over the weights)",
                 )
             else:
                 autotune.log("fp32 decode layers", f"products from Python: {f32_why}")

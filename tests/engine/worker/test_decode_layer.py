@@ -85,7 +85,8 @@ def test_native_layers_equal_the_op_by_op_layers_in_fp32(
 ) -> None:  # fmt: skip
     """Decode steps of 1 to 20 rows, over KV block boundaries: the hidden states after the
     layers and the KV each path wrote agree to float rounding (the products are the same
-    calls; the norms, RoPE and SwiGLU round in another order). Qwen2's q/k/v biases, and
+    calls, but for one- and two-row steps in one call, which read the weights with their own
+    pass; the norms, RoPE and SwiGLU round in another order). Qwen2's q/k/v biases, and
     a Llama with a bias on every product, are added by the products. ``llama_sgemm``: on aten's
     products, where torch runs them on MKL, steps of up to 16 rows (here) run each layer in one
     native call, the products through the sgemm aten calls. Measured on the tiny Llama: median
@@ -246,3 +247,32 @@ def test_layers_that_are_not_llama_shaped_run_op_by_op(tiny_family_path: Any) ->
     qwen.quantize_weights("int4")
     why = cpu_decode_layer.int4_unfit(qwen.decoder_layers, plan)
     assert why is not None and "a bias" in why
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("k, n", [(64, 48), (576, 960), (37, 5), (3, 17)])
+def test_fp32_products_of_one_or_two_rows_match_a_float64_reference(
+    k: int, n: int, threads: int
+) -> None:
+    """The one-call layer's fp32 product (f32_product): steps of one or two rows are read by
+    its own pass over the weights (k split over the threads), wider ones by MKL's sgemm. Both
+    against float64, at widths that are no multiple of four rows, nor of the threads, and a k
+    smaller than the threads' four-row passes."""
+    import ctypes
+
+    lib = ctypes.CDLL(str(built(cpu_decode_layer.build)))
+    fn = lib.f32_product
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                   ctypes.c_int]  # fmt: skip
+    fn.restype = ctypes.c_int
+    gen = torch.Generator().manual_seed(k * 1000 + n)
+    w = torch.randn(k, n, generator=gen)  # [in, out], as the model's Linear stores it
+    sgemm = cpu_decode_layer.blas_sgemm()
+    for m in (1, 2, 3) if sgemm is not None else (1, 2):
+        x = torch.randn(m, k, generator=gen)
+        y = torch.full((m, n), float("nan"))
+        weight = cpu_decode_layer._F32(w.data_ptr(), n, k, sgemm or 0)
+        assert fn(ctypes.byref(weight), x.data_ptr(), m, y.data_ptr(), threads) == 0
+        ref = x.double() @ w.double()
+        err = (y.double() - ref).abs().max().item() / ref.abs().max().item()
+        assert err < 1e-5, (m, err)

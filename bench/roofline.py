@@ -65,9 +65,9 @@ def weights_pass(model: torch.nn.Module, rows: int, device: torch.device) -> flo
     The weights' share of a decode step's floor. A plain matrix W [a, b] can
     be read by ``x @ W`` (x: [rows, a]) or by ``x @ W.T`` (x: [rows, b]); each
     uses the faster of the two (timed alone). A matrix the model handed to
-    oneDNN (cpu_matmul: chosen at load because it was faster) is read by
-    oneDNN. Then whole passes over all the weights are timed, so each pass
-    streams them from memory.
+    oneDNN or to Lumen's panels (cpu_matmul: chosen at load because it was
+    faster) is read by that kernel. Then whole passes over all the weights are
+    timed, so each pass streams them from memory.
     """
     products: list[Callable[[], object]] = []
     with torch.inference_mode():
@@ -75,7 +75,10 @@ def weights_pass(model: torch.nn.Module, rows: int, device: torch.device) -> flo
             if hasattr(module, "packed"):  # the model's Linear: a plain weight or oneDNN's copy
                 # Typed loosely: bench may not import the worker's model (engine.worker.llama).
                 linear: Any = module
-                products.append(_read(linear.packed, linear.weight, rows, device))
+                if linear.panels is not None:  # Lumen's panels (cpu_matmul.NativePanels)
+                    products.append(_read_panels(linear.panels[1], rows))
+                else:
+                    products.append(_read(linear.packed, linear.weight, rows, device))
         llama: Any = model
         products.append(_read(llama.kernels.packed_head, llama.head_weight(), rows, device))
 
@@ -97,6 +100,11 @@ def _read(
     nn_s = best_time(lambda: x_nn @ w, repeat=3, device=device)
     nt_s = best_time(lambda: F.linear(x_nt, w), repeat=3, device=device)
     return (lambda: x_nn @ w) if nn_s <= nt_s else (lambda: F.linear(x_nt, w))
+
+
+def _read_panels(described: cpu_matmul.Panels, rows: int) -> Callable[[], object]:
+    x = torch.randn(rows, described.k)
+    return lambda: cpu_matmul.panels().linear(x, described)
 
 
 def kv_pass(cfg: ModelConfig, tokens: int, device: torch.device, dtype: torch.dtype) -> float:

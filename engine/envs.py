@@ -37,8 +37,9 @@ LUMEN_DEBUG_DELAY = EnvVar(
 LUMEN_CPU_MATMUL = EnvVar(
     "LUMEN_CPU_MATMUL",
     "auto",
-    "CPU kernel of the model's matrix products: auto (the faster of the two, timed at load), "
-    "onednn (weights packed for oneDNN) or aten (torch's BLAS)",
+    "CPU kernel of the model's matrix products: auto (the fastest, timed at load), onednn "
+    "(weights packed for oneDNN), aten (torch's BLAS) or panels (fp32 weights packed for "
+    "Lumen's own kernel, native/f32_panels.c)",
 )
 
 LUMEN_CPU_ATTENTION = EnvVar(

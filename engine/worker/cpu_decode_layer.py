@@ -132,6 +132,18 @@ def int4_unfit(layers: Sequence[DecoderLayer], plan: cpu_int4.Plan) -> str | Non
     return None
 
 
+def panels_unfit(layers: Sequence[DecoderLayer]) -> str | None:
+    """Why the panels' products cannot run inside the layer's one call (None where they
+    can)."""
+    if autotune.forced(envs.LUMEN_CPU_F32_LAYER, ("auto", "off")) == "off":
+        return "set by LUMEN_CPU_F32_LAYER"
+    for layer in layers:
+        for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            if m.panels is None or m.bias is not None:
+                return "a bias, or a product the panels do not hold"
+    return None
+
+
 def blas_sgemm() -> int | None:
     """The address of the Fortran ``sgemm`` that aten's fp32 products call, where torch runs
     them on MKL and its CPU library exports it (None elsewhere)."""
@@ -164,9 +176,10 @@ def f32_unfit(layers: Sequence[DecoderLayer]) -> str | None:
     for layer in layers:
         for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             w = m.weight
-            if (m.packed is not None or m.qweight is not None or m.q4 is not None
-                    or m.bias is not None or w.dtype != torch.float32 or w.dim() != 2
-                    or not w.is_contiguous() or w.device.type != "cpu"):  # fmt: skip
+            if (m.packed is not None or m.panels is not None or m.qweight is not None
+                    or m.q4 is not None or m.bias is not None or w.dtype != torch.float32
+                    or w.dim() != 2 or not w.is_contiguous()
+                    or w.device.type != "cpu"):  # fmt: skip
                 return "a bias, or a product that is not aten's fp32 (oneDNN's, or quantized)"
     if blas_sgemm() is None:
         return "torch's products do not run on MKL here"
@@ -196,8 +209,10 @@ class NativeLayers:
         self._whole_rows = 0  # one call a layer (int4's, fp32's), up to this many rows
         self._int4: cpu_int4.NativeInt4 | None = None
         self._q4: list[tuple[_Q4, ...]] = []  # kept alive: the descriptions point at them
-        self._f32: list[tuple[_F32, ...]] = []  # as _q4, for fp32's products
+        # As _q4, for fp32's products: sgemm's descriptions (_F32) or the panels' own.
+        self._f32: list[tuple[ctypes.Structure, ...]] = []
         self._f32_product = ctypes.cast(lib.f32_product, _P).value or 0
+        self._product = 0  # fp32's products in the one call: f32_product, or the panels'
         self._described: list[_Layer] = []
         self._attention = 0  # the attention kernel's address the descriptions hold
         self._weights = [(lay.input_layernorm.weight, lay.post_attention_layernorm.weight)
@@ -224,21 +239,39 @@ class NativeLayers:
         self._attention = 0
         return self._whole_rows
 
+    def _f32_rows(self) -> int:
+        """fp32's one call: up to the rows whose scratch (decode_layer's one allocation a
+        call) stays within F32_SCRATCH_BYTES."""
+        lay = self.layers[0]
+        hidden, inter = lay.qkv_proj.in_features, lay.down_proj.in_features
+        qkv = lay.qkv_proj.out_features  # RoPE's copy of q, k and v too
+        per_row = 4 * (2 * hidden + 2 * qkv + self._attn_width + 3 * inter)
+        return max(MAX_WHOLE_ROWS, F32_SCRATCH_BYTES // per_row)
+
     def use_f32(self, sgemm: int) -> int:
         """Run each layer in one call, its products through the BLAS ``sgemm`` at that
         address (blas_sgemm): the kernel aten calls, so the products run no slower than from
-        Python. Up to the rows whose scratch (decode_layer's one allocation a call) stays
-        within F32_SCRATCH_BYTES; returns that limit."""
-        lay = self.layers[0]
-        hidden, inter = lay.qkv_proj.weight.shape[0], lay.down_proj.weight.shape[0]
-        qkv = lay.qkv_proj.weight.shape[1]  # RoPE's copy of q, k and v too
-        per_row = 4 * (2 * hidden + 2 * qkv + self._attn_width + 3 * inter)
-        self._whole_rows = max(MAX_WHOLE_ROWS, F32_SCRATCH_BYTES // per_row)
+        Python. Up to _f32_rows rows; returns that limit."""
+        self._whole_rows = self._f32_rows()
         self._f32 = [
             tuple(_F32(m.weight.data_ptr(), m.weight.shape[1], m.weight.shape[0], sgemm)
                   for m in (lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj))
             for lay in self.layers
         ]  # fmt: skip
+        self._product = self._f32_product
+        self._attention = 0
+        return self._whole_rows
+
+    def use_panels(self, address: int) -> int:
+        """Run each layer in one call, its products through Lumen's panels kernel (its C
+        function at ``address``), up to _f32_rows rows; returns that limit."""
+        self._whole_rows = self._f32_rows()
+        self._f32 = [
+            tuple(m.panels[1] for m in (lay.qkv_proj, lay.o_proj, lay.gate_up_proj,
+                                        lay.down_proj))
+            for lay in self.layers
+        ]  # fmt: skip
+        self._product = address
         self._attention = 0
         return self._whole_rows
 
@@ -255,7 +288,7 @@ class NativeLayers:
                     for name, q in zip(("qkv", "o", "gate_up", "down"), self._q4[i]):
                         setattr(layer, name, _Weight(ctypes.addressof(q), q.n, q.k))
                 elif self._f32:
-                    layer.product = self._f32_product
+                    layer.product = self._product
                     for name, w in zip(("qkv", "o", "gate_up", "down"), self._f32[i]):
                         setattr(layer, name, _Weight(ctypes.addressof(w), w.n, w.k))
                 described.append(layer)

@@ -58,7 +58,7 @@ class CpuKernels:
             layers = cpu_matmul.choose(layer_weight, aten_edge=edge)
         said = "LM head in int8: see its line"
         if head_weight is not None:
-            head = cpu_matmul.choose(head_weight.t(), rows=cpu_matmul.HEAD_ROWS)
+            head = cpu_matmul.choose(head_weight.t(), rows=cpu_matmul.HEAD_ROWS, with_panels=False)
             if head.kernel == "onednn":
                 self.packed_head = cpu_matmul.pack(head_weight)
             said = f"LM head {head.kernel}: {head.why}"
@@ -92,7 +92,7 @@ class CpuKernels:
     def plan_decode_layers(self, layers: Sequence[Any]) -> None:
         """Decode steps' layers with native glue (cpu_decode_layer), where they can; under
         int4 (after plan_int4), each layer in one call up to the plan's rows; in fp32 on
-        aten's products, each layer in one call."""
+        aten's products or the panels', each layer in one call."""
         why = cpu_decode_layer.unfit(layers)
         if why is None:
             try:
@@ -111,6 +111,14 @@ class CpuKernels:
                 autotune.log("int4 decode layers", f"one native call each, up to {rows} rows")
             else:
                 autotune.log("int4 decode layers", f"products from Python: {int4_why}")
+        elif layers[0].qkv_proj.panels is not None:
+            panels_why = cpu_decode_layer.panels_unfit(layers)
+            if panels_why is None:
+                rows = self.decode_layers.use_panels(cpu_matmul.panels().address)
+                said = f"one native call each, products on the panels, up to {rows} rows"
+                autotune.log("fp32 decode layers", said)
+            else:
+                autotune.log("fp32 decode layers", f"products from Python: {panels_why}")
         else:
             f32_why = cpu_decode_layer.f32_unfit(layers)
             if f32_why is None:

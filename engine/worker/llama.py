@@ -67,9 +67,12 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
+        self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(in_features, out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # set: oneDNN's copy (cpu_matmul) replaces weight
+        # Set: Lumen's panels (cpu_matmul.NativePanels) replace weight, and their description.
+        self.panels: tuple[torch.Tensor, cpu_matmul.Panels] | None = None
         # Set by quantize: int8 [out, in] and its per-channel scales, or 4-bit groups (q4),
         # replace weight.
         self.qweight: torch.Tensor | None = None
@@ -81,6 +84,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             y = cpu_matmul.onednn_linear(x, self.packed)
+        elif self.panels is not None:
+            y = cpu_matmul.panels().linear(x, self.panels[1])
         elif self.qweight is not None:
             # quantize sets scale with qweight; a cast, not a check, on the hot path.
             y = self.int8.linear(x, self.qweight, cast("torch.Tensor", self.scale))
@@ -95,6 +100,13 @@ class Linear(nn.Module):
         if self.qweight is not None or self.q4 is not None:
             return
         self.packed = cpu_matmul.pack(self.weight.detach().t())
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+
+    def pack_panels(self) -> None:
+        """Hand the weight to Lumen's panels kernel in its layout; the plain copy is freed."""
+        if self.qweight is not None or self.q4 is not None:
+            return
+        self.panels = cpu_matmul.panels().pack(self.weight.detach())
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def quantize(self, quantization: str = "int8", grid: Grid | None = None) -> bool:
@@ -313,10 +325,12 @@ class LlamaForCausalLM(nn.Module):
         # (under int4) is not timed against the fp32 one.
         head = None if self.kernels.head_q8 is not None else self.head_weight()
         kernel = self.kernels.choose_matmul(first if first.numel() else None, head)
-        if kernel == "onednn":
+        if kernel in ("onednn", "panels"):
             for module in self.modules():
-                if isinstance(module, Linear):
+                if isinstance(module, Linear) and kernel == "onednn":
                     module.pack()
+                elif isinstance(module, Linear):
+                    module.pack_panels()
         self.kernels.plan_decode_layers(self.decoder_layers)
 
     @torch.no_grad()

@@ -150,7 +150,7 @@ SMOL_RUNS: dict[str, dict[str, str]] = {
         "LUMEN_CPU_ATTENTION": "native",
         "LUMEN_CPU_GREEDY_HEAD": "screened",
     },
-    "preemption": {"LUMEN_CPU_GREEDY_HEAD": "torch"},
+    "preemption": {"LUMEN_CPU_MATMUL": "panels", "LUMEN_CPU_GREEDY_HEAD": "torch"},
 }
 
 
@@ -186,7 +186,9 @@ def test_unknown_cpu_kernel_is_a_clear_error(
     tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("LUMEN_CPU_MATMUL", "blas")
-    with pytest.raises(ValueError, match="LUMEN_CPU_MATMUL must be one of auto, onednn, aten"):
+    with pytest.raises(
+        ValueError, match="LUMEN_CPU_MATMUL must be one of auto, onednn, aten, panels"
+    ):
         LLM(str(tiny_model_path))
 
 

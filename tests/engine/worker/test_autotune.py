@@ -131,21 +131,26 @@ def test_the_matmul_and_attention_choosers_go_through_the_cache(cache: Path) -> 
 
 
 @pytest.mark.parametrize(
-    ("aten_s", "edge", "kernel"),
-    [(1.05, 0.0, "onednn"), (1.05, 0.10, "aten"), (1.2, 0.10, "onednn"), (0.9, 0.0, "aten")],
-)
+    ("aten_s", "panels_s", "edge", "kernel"),
+    [(1.05, 5.0, 0.0, "onednn"), (1.05, 5.0, 0.10, "aten"), (1.2, 5.0, 0.10, "onednn"),
+     (0.9, 5.0, 0.0, "aten"), (1.2, 1.05, 0.10, "panels"), (1.2, 0.95, 0.0, "panels")],
+)  # fmt: skip
 def test_the_matmul_chooser_gives_aten_its_edge(
-    cache: Path, monkeypatch: pytest.MonkeyPatch, aten_s: float, edge: float, kernel: str
-) -> None:
+    cache: Path, monkeypatch: pytest.MonkeyPatch, aten_s: float, panels_s: float, edge: float,
+    kernel: str,
+) -> None:  # fmt: skip
     """Where aten's products gain beyond their own time (fp32's one-call decode layers), oneDNN
-    is chosen only when it times more than the edge faster; the edge is in the cache's key."""
+    is chosen only when it times more than the edge faster, than aten and than Lumen's panels
+    (which run in one call too); the fastest otherwise. The edge is in the cache's key."""
     if not cpu_matmul.onednn_available(torch.float32):
         pytest.skip("oneDNN does not serve fp32 here")
-    times = {"aten": aten_s, "onednn": 1.0}
-    monkeypatch.setattr(autotune, "best_of_each", lambda fns, **kw: dict(times))
+    built(cpu_matmul.panels)
+    times = {"aten": aten_s, "onednn": 1.0, "panels": panels_s}
+    monkeypatch.setattr(autotune, "best_of_each", lambda fns, **kw: {k: times[k] for k in fns})
     choice = cpu_matmul.choose(torch.randn(32, 48), rows=(4,), aten_edge=edge)
     assert choice.kernel == kernel, choice.why
-    assert ("aten unless oneDNN is over 10% faster" in choice.why) == (edge > 0)
+    assert ("oneDNN must be over 10% faster" in choice.why) == (edge > 0)
+    assert f"panels {panels_s * 1e3:.2f} ms" in choice.why
 
 
 def test_fp32_layers_that_can_run_in_one_call_give_aten_the_edge(

@@ -12,7 +12,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
-from engine.worker import cpu_decode_layer, cpu_int4, llama
+from engine.worker import cpu_decode_layer, cpu_int4, cpu_matmul, llama
 from tests.helpers.native import built
 
 Seen = list[tuple[int, float, float]]
@@ -78,7 +78,7 @@ def _summary(seen: Seen) -> tuple[float, float, float]:
     return hidden[len(hidden) // 2], hidden[-1], kv
 
 
-@pytest.mark.parametrize("model", ["llama", "llama_sgemm", "qwen2", "llama_bias"])
+@pytest.mark.parametrize("model", ["llama", "llama_sgemm", "llama_panels", "qwen2", "llama_bias"])
 def test_native_layers_equal_the_op_by_op_layers_in_fp32(
     tiny_model_path: Path, tiny_family_path: Any, monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture, model: str,
@@ -89,7 +89,8 @@ def test_native_layers_equal_the_op_by_op_layers_in_fp32(
     pass; the norms, RoPE and SwiGLU round in another order). Qwen2's q/k/v biases, and
     a Llama with a bias on every product, are added by the products. ``llama_sgemm``: on aten's
     products, where torch runs them on MKL, steps of up to 16 rows (here) run each layer in one
-    native call, the products through the sgemm aten calls. Measured on the tiny Llama: median
+    native call, the products through the sgemm aten calls; ``llama_panels`` the same on
+    Lumen's panels (cpu_matmul), and from Python above. Measured on the tiny Llama: median
     1.2e-6 of the largest value, worst 3.6e-6, KV 1.5e-6 (in one call: 1.3e-6, 4.1e-6); a wrong
     sign in RoPE made the median 1.2, an sgemm adding to its output instead of writing it NaN."""
     built(cpu_decode_layer.build)
@@ -100,12 +101,18 @@ def test_native_layers_equal_the_op_by_op_layers_in_fp32(
         monkeypatch.setenv("LUMEN_CPU_MATMUL", "aten")
         # Scratch for no more than 16 rows: steps of 17 to 20 rows call the products from Python.
         monkeypatch.setattr(cpu_decode_layer, "F32_SCRATCH_BYTES", 1)
+    if model == "llama_panels":
+        built(cpu_matmul.panels)
+        monkeypatch.setenv("LUMEN_CPU_MATMUL", "panels")
+        monkeypatch.setattr(cpu_decode_layer, "F32_SCRATCH_BYTES", 1)
     seen = _compare_each_step(monkeypatch)
     with caplog.at_level("INFO"):
         _generate(tiny_family_path(model) if model in ("qwen2", "llama_bias")
                   else tiny_model_path, None, 20)  # fmt: skip
     one_call = "fp32 decode layers: one native call each, products by sgemm, up to 16 rows"
     assert (one_call in caplog.text) == (model == "llama_sgemm")
+    on_panels = "fp32 decode layers: one native call each, products on the panels, up to 16 rows"
+    assert (on_panels in caplog.text) == (model == "llama_panels")
     median, worst, kv = _summary(seen)
     assert len(seen) >= 30 and {1, 20} <= {r for r, _, _ in seen}
     assert median < 1e-5 and worst < 1e-4 and kv < 1e-5

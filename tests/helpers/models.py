@@ -6,13 +6,14 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from bench.tiny_model import TOKENIZER_FILES, build_tiny_llama
 from engine.gguf_files import content_hash
 
-__all__ = ["FAMILIES", "build_tiny_family", "build_tiny_llama", "hf_greedy"]
+__all__ = ["FAMILIES", "build_tiny_family", "build_tiny_llama", "hf_greedy", "lumen_greedy"]
 
 # Families beside Llama, each as a tiny random checkpoint with its quirks switched on.
 FAMILIES = ("qwen2", "qwen3", "phi3", "gemma3")
@@ -148,6 +149,23 @@ LLAMA3_TOOL_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}"
 )
+
+
+def lumen_greedy(
+    model_path: Path, prompt: list[int], max_tokens: int = 8, **engine: Any
+) -> list[int]:
+    """One greedy request through a fresh offline engine (no warm-up), which is shut down
+    after: the kernels' choices are made again at each call, under the environment's
+    settings, and logged."""
+    from engine import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM(str(model_path), warmup=False, **engine)
+    try:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return list(out[0].outputs[0].token_ids)
 
 
 def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

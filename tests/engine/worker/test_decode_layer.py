@@ -13,6 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.config import ModelConfig
 from engine.worker import cpu_decode_layer, cpu_int4, cpu_matmul, llama
+from tests.helpers.models import lumen_greedy
 from tests.helpers.native import built
 
 Seen = list[tuple[int, float, float]]
@@ -126,15 +127,11 @@ def test_fp32_layers_call_their_products_from_python_where_torch_has_no_mkl(
     built(cpu_decode_layer.build)
     _native_kernels(monkeypatch)
     monkeypatch.setenv("LUMEN_CPU_MATMUL", "aten")
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def run() -> list[int]:
         caplog.clear()
         with caplog.at_level("INFO"):
-            llm = LLM(str(tiny_model_path), warmup=False)
-            out = llm.generate([{"prompt_token_ids": [3, 4, 5, 6]}], params, use_tqdm=False)
-            llm.shutdown()
-        return list(out[0].outputs[0].token_ids)
+            return lumen_greedy(tiny_model_path, [3, 4, 5, 6])
 
     with_mkl = run()
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
 from engine.worker import cpu_matmul, llama
+from tests.helpers.models import lumen_greedy
 from tests.helpers.native import built
 
 
@@ -74,16 +74,12 @@ def test_the_panels_are_timed_at_load_and_forced_where_they_serve(
     choice = cpu_matmul.choose(w, rows=(4, 32))
     assert choice.kernel in ("aten", "onednn", "panels") and "panels" in choice.why
     assert cpu_matmul.choose(w.t(), rows=(4,), with_panels=False).why.count("panels") == 0
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def run(kernel: str) -> list[int]:
         monkeypatch.setenv("LUMEN_CPU_MATMUL", kernel)
         caplog.clear()
         with caplog.at_level("INFO"):
-            llm = LLM(str(tiny_model_path), warmup=False)
-            out = llm.generate([{"prompt_token_ids": [3, 4, 5, 6]}], params, use_tqdm=False)
-            llm.shutdown()
-        return list(out[0].outputs[0].token_ids)
+            return lumen_greedy(tiny_model_path, [3, 4, 5, 6])
 
     on_panels = run("panels")
     assert "CPU matrix products: panels (set by LUMEN_CPU_MATMUL" in caplog.text

@@ -131,21 +131,29 @@ def choose(
     must be faster than aten by more than this fraction (where aten's products gain something
     beyond their own time: fp32's one-call decode layers, cpu_decode_layer), and so than
     Lumen's panels, which run in one call too. ``with_panels``: the panels are a candidate
-    (the LM head's products are not theirs). A forced kernel that cannot serve this weight
-    here leaves the choice to aten (oneDNN's, the panels') or to the timing (the LM head's)."""
+    (the LM head's products are not theirs: there a forced ``panels`` leaves it to the
+    timing). Forced, the panels refuse a weight that is not fp32, and fail where they do not
+    build, as every forced native kernel does; a forced oneDNN that does not serve the dtype
+    leaves it to aten, as before the panels."""
     forced = autotune.forced(envs.LUMEN_CPU_MATMUL, KERNELS)
+    dtype = weight_in_out.dtype
+    if forced == "panels" and with_panels:
+        if dtype != torch.float32:
+            raise ValueError(f"LUMEN_CPU_MATMUL=panels: Lumen's panels multiply fp32 weights, "
+                             f"and this model's are {dtype}")  # fmt: skip
+        panels()  # a build error is the load's
+        return Choice("panels", "set by LUMEN_CPU_MATMUL")
     candidates = ["aten"]
-    if onednn_available(weight_in_out.dtype):
+    if onednn_available(dtype):
         candidates.append("onednn")
-    if with_panels and panels_available(weight_in_out.dtype):
+    if forced in ("aten", "onednn"):
+        if forced in candidates:
+            return Choice(forced, "set by LUMEN_CPU_MATMUL")
+        return Choice("aten", f"oneDNN does not serve {dtype} here")
+    if with_panels and panels_available(dtype):
         candidates.append("panels")
-    if forced in candidates:
-        return Choice(forced, "set by LUMEN_CPU_MATMUL")
-    if forced != autotune.AUTO and (with_panels or forced != "panels"):
-        return Choice("aten", f"LUMEN_CPU_MATMUL={forced} does not serve {weight_in_out.dtype} "
-                              "here")  # fmt: skip
     if len(candidates) == 1:
-        return Choice("aten", f"neither oneDNN nor the panels serve {weight_in_out.dtype} here")
+        return Choice("aten", f"neither oneDNN nor the panels serve {dtype} here")
     shape = {"weight": list(weight_in_out.shape), "dtype": str(weight_in_out.dtype),
              "rows": list(rows), "aten_edge": aten_edge, "kernels": candidates}  # fmt: skip
     decision = autotune.decide(

@@ -67,7 +67,8 @@ def test_the_panels_are_timed_at_load_and_forced_where_they_serve(
 ) -> None:  # fmt: skip
     """The load times the panels beside aten and oneDNN (and names each figure); forced, a
     model runs on them, its decode layers in one call, with the tokens of aten's products; a
-    bf16 weight, which they do not serve, is left to aten and says why."""
+    bf16 weight, which they do not multiply, is refused with the reason; the LM head, which
+    is never theirs, is timed."""
     _panels()
     monkeypatch.setenv("LUMEN_AUTOTUNE_DIR", str(tmp_path / "autotune"))
     w = torch.randn(64, 96)
@@ -86,5 +87,25 @@ def test_the_panels_are_timed_at_load_and_forced_where_they_serve(
     assert "fp32 decode layers: one native call each, products on the panels" in caplog.text
     assert on_panels == run("aten")
     monkeypatch.setenv("LUMEN_CPU_MATMUL", "panels")
-    bf16 = cpu_matmul.choose(w.bfloat16(), rows=(4,))
-    assert bf16.kernel != "panels" and "LUMEN_CPU_MATMUL=panels does not serve" in bf16.why
+    with pytest.raises(ValueError, match="panels multiply fp32 weights, and this model's are"):
+        cpu_matmul.choose(w.bfloat16(), rows=(4,))
+    head = cpu_matmul.choose(w.t(), rows=(4,), with_panels=False)  # timed: not the panels'
+    assert head.kernel in ("aten", "onednn") and "set by" not in head.why
+
+
+def test_panels_that_do_not_build_are_an_error_forced_and_no_candidate_timed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Without a working C compiler the timing leaves the panels out, and forcing them fails
+    the load with the build's error, as for every forced native kernel."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("LUMEN_AUTOTUNE_DIR", str(tmp_path / "autotune"))
+    cpu_matmul.panels.cache_clear()
+    try:
+        timed = cpu_matmul.choose(torch.randn(64, 96), rows=(4,))
+        assert timed.kernel != "panels" and "panels" not in timed.why
+        monkeypatch.setenv("LUMEN_CPU_MATMUL", "panels")
+        with pytest.raises((RuntimeError, OSError)):
+            cpu_matmul.choose(torch.randn(64, 96), rows=(4,))
+    finally:
+        cpu_matmul.panels.cache_clear()

@@ -19,8 +19,8 @@ def _panels() -> cpu_matmul.NativePanels:
     return built(cpu_matmul.panels)
 
 
-# (k, n): a k over two of its KC-row blocks (256) and one that ends mid-vector; an n with a
-# last, narrower panel, one over its NC-column blocks (256), and ones under a panel's width.
+# (k, n): k past one and two of its 256-row blocks (300, 513, 576), and of 1, 3 and 37;
+# n past its 256-column blocks (600, 960), with a narrower last panel, and under a panel.
 SHAPES = [(576, 960), (513, 600), (37, 5), (3, 17), (300, 1), (1, 33)]
 
 

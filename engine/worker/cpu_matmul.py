@@ -153,7 +153,8 @@ def choose(
     if with_panels and panels_available(dtype):
         candidates.append("panels")
     if len(candidates) == 1:
-        return Choice("aten", f"neither oneDNN nor the panels serve {dtype} here")
+        others = "neither oneDNN nor the panels serve" if with_panels else "oneDNN does not serve"
+        return Choice("aten", f"{others} {dtype} here")
     shape = {"weight": list(weight_in_out.shape), "dtype": str(weight_in_out.dtype),
              "rows": list(rows), "aten_edge": aten_edge, "kernels": candidates}  # fmt: skip
     decision = autotune.decide(

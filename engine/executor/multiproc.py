@@ -18,7 +18,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.executor.base import WorkerDeadError
-from engine.worker.llama import check_tensor_parallel
+from engine.worker.layers import check_tensor_parallel
 from engine.worker.messages import (
     Done,
     ExecuteModel,

@@ -12,7 +12,8 @@ from engine.worker import cpu_threads, heap
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask, windowed
 from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.decode_cache import DecodeCache
-from engine.worker.llama import LlamaForCausalLM, Shard
+from engine.worker.layers import Shard
+from engine.worker.llama import LlamaForCausalLM
 from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.worker.rotary import Rotary
 from engine.worker.sampler import Sampler, SamplingRow, plain_greedy

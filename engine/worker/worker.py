@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from engine.gc_pauses import settle_heap
-from engine.worker.llama import Shard
+from engine.worker.layers import Shard
 from engine.worker.messages import (
     Done,
     ExecuteModel,

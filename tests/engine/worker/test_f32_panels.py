@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.worker import cpu_matmul, llama
+from engine.worker import cpu_matmul, layers
 from tests.helpers.models import lumen_greedy
 from tests.helpers.native import built
 
@@ -49,7 +49,7 @@ def test_a_linear_on_the_panels_gives_its_plain_product() -> None:
     a bias, is the plain one's to float rounding."""
     _panels()
     torch.manual_seed(0)
-    linear = llama.Linear(40, 70, bias=True)
+    linear = layers.Linear(40, 70, bias=True)
     torch.nn.init.normal_(linear.weight)
     torch.nn.init.normal_(linear.bias)
     w, b = linear.weight.detach().clone(), linear.bias.detach().clone()

@@ -72,7 +72,7 @@ def weights_pass(model: torch.nn.Module, rows: int, device: torch.device) -> flo
     products: list[Callable[[], object]] = []
     with torch.inference_mode():
         for module in model.modules():
-            if hasattr(module, "packed"):  # the model's Linear: a plain weight or oneDNN's copy
+            if hasattr(module, "packed"):  # the model's Linear: plain, oneDNN's or panels
                 # Typed loosely: bench may not import the worker's model (engine.worker.llama).
                 linear: Any = module
                 if linear.panels is not None:  # Lumen's panels (cpu_matmul.NativePanels)

@@ -29,7 +29,9 @@ kernel and the same bits, without the Python around its four products and three 
 (about 3 ms of a 64-row step of SmolLM2, 2 threads, Xeon). A step of one or two rows reads
 each weight with decode_layer.c's own pass instead (``f32_product``), as fast as the memory
 reads: sgemm read SmolLM2's decoder weights at 13-16 GB/s at one row, this at 29-30 (AMD
-EPYC, AVX2, 2 threads), a one-row step 29-31 -> 20-22 ms.
+EPYC, AVX2, 2 threads), a one-row step 29-31 -> 20-22 ms. Where the load chose Lumen's
+panels (cpu_matmul.NativePanels), each layer runs in one call the same way, its products
+through the panels' own C function, at every step size.
 
 ``LUMEN_CPU_DECODE_LAYER=off`` runs every step op by op; ``LUMEN_CPU_INT4_LAYER=off`` keeps
 int4's products in Python (the work between them still native), ``LUMEN_CPU_F32_LAYER=off``

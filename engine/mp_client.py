@@ -124,7 +124,9 @@ class CoreProcess:
                     return ready.info
                 error = ValueError if ready.error_type == "ValueError" else RuntimeError
                 raise error(ready.error)
-            if not self.proc.is_alive():
+            # A core that failed says why, then exits: its last word may land just after the
+            # poll above, so a dead core's socket is read once more before its exit code is.
+            if not self.proc.is_alive() and not self.out_sock.poll(500):
                 raise RuntimeError(
                     f"engine core exited with code {self.proc.exitcode} while starting"
                 )

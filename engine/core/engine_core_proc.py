@@ -235,6 +235,10 @@ def run_engine_core(
         core.scheduler.number_steps_from(epoch << STEP_EPOCH_BITS)
         settle_heap()  # the model is loaded and warm: what lives now lives for good
     except Exception as e:
+        # Nothing started, so nothing to drain: a SIGTERM from here on (the frontend's close
+        # after the error below) ends this process, not passed on as the server's SIGUSR1,
+        # which the server would read as a stop signal and exit 0.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if isinstance(e, ValueError):  # a user error: the frontend shows the one line
             logger.error("engine core failed to start: %s", e)
         else:

@@ -24,7 +24,7 @@ from replay.report import render_text
 from service.cli import main
 from tests.helpers.load import Streams, server_idle, wait_until
 from tests.helpers.procs import live_children, pid_alive
-from tests.helpers.server import ROOT, LumenServer, ServerPool, metric
+from tests.helpers.server import ROOT, LumenServer, ServerPool, free_port, metric
 from tracing.store import open_db
 
 SHORT, LONG = 100, 1900  # tokens: the short streams fit in the shutdown timeout, the long not
@@ -333,3 +333,23 @@ def test_health_and_liveness_name_the_state(tiny_server: LumenServer) -> None:
     assert health.json()["status"] == live.json()["status"] == "ready"
     assert metric(tiny_server.metrics(), "lumen:engine_state", state="ready") == 1
     assert httpx.get(tiny_server.url("/livez")).json()["engine_epoch"] >= 0
+
+
+def test_an_engine_that_fails_to_start_fails_lumen_serve(tiny_model_path: Path) -> None:
+    """The core's start error is the server's one-line error and exit status 2. Here the core
+    exited before its error was read, and the server died of "engine core exited with code 1"
+    (a traceback, exit 1); with SmolLM2, whose teardown is slower, the frontend's close reached
+    it first, it passed that SIGTERM on as a drain signal, and the server stopped as if asked
+    to (exit 0)."""
+    env = {**os.environ, "LUMEN_CPU_MATMUL": "blas", "HF_HUB_OFFLINE": "1"}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve", str(tiny_model_path), "--port",
+         str(free_port())],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    print(f"lumen serve exited {done.returncode} in {time.monotonic() - started:.1f} s")
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("lumen: error: LUMEN_CPU_MATMUL must be one of auto"), last
+    assert "while starting: stopping" not in done.stderr

@@ -78,8 +78,9 @@ static void quantize_row(const float *x, int64_t groups, int64_t blocks, int8_t 
     }
 }
 
-/* Per path: a weight row's block (codes_t: its 128 codes unpacked and its four scales as the
- * int32 lanes they apply to), loaded once for up to MR rows of x; the accumulator of one row
+/* The AVX-512 and plain paths (AVX2 has rows_pair below): a weight row's block (codes_t: its
+ * 128 codes unpacked and its four scales as the int32 lanes they apply to), loaded once for up
+ * to MR rows of x; the accumulator of one row
  * of x against one weight row (acc_t), and the step that adds one block of x to it. */
 #if PATH == 512
 typedef struct { __m512i lo, hi; __m512 d; } codes_t;
@@ -100,38 +101,6 @@ static inline acc_t acc_add(acc_t a, const codes_t *w, const int8_t *xb, const f
                            a);
 }
 static inline float acc_sum(acc_t a) { return _mm512_reduce_add_ps(a); }
-#elif PATH == 256
-typedef struct { __m256i lo[2], hi[2]; __m256 d[2]; } codes_t;
-typedef __m256 acc_t;
-static inline void codes_load(codes_t *w, const uint8_t *c, const float *d4) {
-    const __m256i low = _mm256_set1_epi8(15);
-    for (int h = 0; h < 2; h++) {  /* groups 2h and 2h + 1 */
-        const __m256i codes = _mm256_loadu_si256((const __m256i *)(c + 32 * h));
-        w->lo[h] = _mm256_and_si256(codes, low);
-        w->hi[h] = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
-        w->d[h] = _mm256_set_m128(_mm_set1_ps(d4[2 * h + 1]), _mm_set1_ps(d4[2 * h]));
-    }
-}
-static inline acc_t acc_zero(void) { return _mm256_setzero_ps(); }
-static inline acc_t acc_add(acc_t a, const codes_t *w, const int8_t *xb, const float *dxb) {
-    for (int h = 0; h < 2; h++) {
-        const __m256i xl = _mm256_loadu_si256((const __m256i *)(xb + 32 * h));
-        const __m256i xh = _mm256_loadu_si256((const __m256i *)(xb + 64 + 32 * h));
-        /* pairs of u8 x s8 in int16: at most 2 * 15 * 127 each, twice that summed */
-        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w->lo[h], xl),
-                                               _mm256_maddubs_epi16(w->hi[h], xh));
-        const __m256i dot = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-        a = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(dot), _mm256_loadu_ps(dxb + 8 * h)),
-                            w->d[h], a);
-    }
-    return a;
-}
-static inline float acc_sum(acc_t a) {
-    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-    v = _mm_add_ss(v, _mm_movehdup_ps(v));
-    return _mm_cvtss_f32(v);
-}
 #else
 typedef struct { const uint8_t *c; const float *d4; } codes_t;
 typedef float acc_t;
@@ -178,95 +147,97 @@ ALWAYS_INLINE void dot_blocks(acc_t acc[TILE][MR], const int mr, const int8_t *x
 }
 
 
+
 #if PATH == 256
-/* One row of x against TILE weight rows on AVX2, the product one decode stream runs: each
- * block of x is loaded once for the four rows, and each row's codes are unpacked and used at
- * once, so the accumulators (four for the codes' term, four for the minimums') stay in
- * registers. A block's four scales times x's four dx make one 128-bit product, spread over the
- * int32 lanes each applies to; a last, partial block loads only the groups it has (masked).
+/* The AVX2 path: ``mr`` (1 to MR) rows of x against two weight rows, rows[t0] and
+ * rows[t0 + 1] (out[r][t0], out[r][t0 + 1]). Each weight block is unpacked once for all the
+ * rows, x is read by the multiplies from memory (vpmaddubsw's memory operand) and the
+ * minimums' term rides in the low half of each accumulator (a block's four minimums times x's
+ * four xs), so the 2 x mr accumulators stay in registers: dot_tile's AVX2 form spilled its
+ * unpacked codes. A block's four scales times x's four dx make one 128-bit product, spread
+ * over the int32 lanes each applies to; a last, partial block loads only the groups it has
+ * (masked), where dot_tile copies it.
  *
- * A tile's four rows are read side by side, short runs (288 bytes a row at k = 576) that the
+ * A tile's rows are read side by side, short runs (288 bytes a row at k = 576) that the
  * hardware prefetcher does not follow, so each read asks for the bytes AHEAD further on: the
  * rows are contiguous, so that is the tiles to come. On a 2-vCPU AVX2 EPYC, SmolLM2's 120
- * layer products at one row (79.6 MB) took 3.03 ms with AHEAD 4096, 3.60 without, 4.09 before
- * this routine (best of five runs each; a plain every-core read of the same bytes, 2.2-2.7). */
+ * layer products (79.6 MB, 2 threads, best of runs) took 2.7-2.8 ms at one row with this
+ * routine and AHEAD 4096, 3.6 without AHEAD, 4.1 with dot_tile; at 2 rows 4.1 against 5.6, at
+ * 4 rows 6.8 against 8.3, at 16 rows the same (30 ms: the arithmetic bounds it there). A plain
+ * every-core read of the same bytes took 2.2-2.7 ms. */
 #define AHEAD 4096
-#define ROW_STEP(t, c0, c1, dd, mnv)                                                          \
-    do {                                                                                      \
-        const __m256 dd8 = _mm256_castps128_ps256(dd);                                        \
-        const __m256i p0 = _mm256_add_epi16(                                                  \
-            _mm256_maddubs_epi16(_mm256_and_si256(c0, low), xl0),                             \
-            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c0, 4), low), xh0));      \
-        const __m256i p1 = _mm256_add_epi16(                                                  \
-            _mm256_maddubs_epi16(_mm256_and_si256(c1, low), xl1),                             \
-            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(c1, 4), low), xh1));      \
-        a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p0, ones)),               \
-                               _mm256_permutevar8x32_ps(dd8, first), a[t]);                   \
-        a[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p1, ones)),               \
-                               _mm256_permutevar8x32_ps(dd8, second), a[t]);                  \
-        s[t] = _mm_fmadd_ps(mnv, xsb, s[t]);                                                  \
-    } while (0)
-
-static void row_tile(const xrows_t *x, int64_t i, const uint8_t *q, const float *d,
-                     const float *mn, int64_t groups, const int64_t *rows, float out[TILE]) {
+ALWAYS_INLINE void rows_pair(const xrows_t *x, int64_t i, const int mr, const uint8_t *q,
+                             const float *d, const float *mn, int64_t groups,
+                             const int64_t *rows, int t0, float out[MR][TILE]) {
     const int64_t full = groups / BLOCK, rest = groups % BLOCK, stride = groups * HALF;
-    const int8_t *xq = x->q + i * x->blocks * BLOCK_X;
-    const float *dx = x->dx + i * x->blocks * BLOCK, *xs = x->xs + i * x->blocks * BLOCK;
+    const int64_t xstride = x->blocks * BLOCK_X, gstride = x->blocks * BLOCK;
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     const __m256i first = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
     const __m256i second = _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3);
-    const uint8_t *w[TILE];
-    const float *dw[TILE], *mw[TILE];
-    __m256 a[TILE];
-    __m128 s[TILE];
-    for (int t = 0; t < TILE; t++) {
-        w[t] = q + rows[t] * stride;
-        dw[t] = d + rows[t] * groups;
-        mw[t] = mn + rows[t] * groups;
-        a[t] = _mm256_setzero_ps();
-        s[t] = _mm_setzero_ps();
-    }
-    for (int64_t b = 0; b < full; b++) {
-        const int8_t *xb = xq + b * BLOCK_X;
-        const __m256i xl0 = _mm256_loadu_si256((const __m256i *)xb);
-        const __m256i xl1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
-        const __m256i xh0 = _mm256_loadu_si256((const __m256i *)(xb + 64));
-        const __m256i xh1 = _mm256_loadu_si256((const __m256i *)(xb + 96));
-        const __m128 dxb = _mm_loadu_ps(dx + b * BLOCK), xsb = _mm_loadu_ps(xs + b * BLOCK);
-        for (int t = 0; t < TILE; t++) {
+    const uint8_t *w[2] = {q + rows[t0] * stride, q + rows[t0 + 1] * stride};
+    const float *dw[2] = {d + rows[t0] * groups, d + rows[t0 + 1] * groups};
+    const float *mw[2] = {mn + rows[t0] * groups, mn + rows[t0 + 1] * groups};
+    const int8_t *xq = x->q + i * xstride;
+    const float *dx = x->dx + i * gstride, *xs = x->xs + i * gstride;
+    __m256 a[2][MR];
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < mr; r++) a[t][r] = _mm256_setzero_ps();
+    const __m256i lane = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rest), lane);
+    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rest - 2), lane);
+    const __m128i mg = _mm_cmpgt_epi32(_mm_set1_epi32((int)rest), _mm_setr_epi32(0, 1, 2, 3));
+    const int64_t blocks = full + (rest != 0);
+    for (int64_t b = 0; b < blocks; b++) {
+        const int part = b == full;  /* the last, partial block: masked loads */
+        for (int t = 0; t < 2; t++) {
             const uint8_t *c = w[t] + b * 64;
             _mm_prefetch((const char *)c + AHEAD, _MM_HINT_T0);
             _mm_prefetch((const char *)(dw[t] + b * BLOCK) + AHEAD / 4, _MM_HINT_T0);
             _mm_prefetch((const char *)(mw[t] + b * BLOCK) + AHEAD / 4, _MM_HINT_T0);
-            ROW_STEP(t, _mm256_loadu_si256((const __m256i *)c),
-                     _mm256_loadu_si256((const __m256i *)(c + 32)),
-                     _mm_mul_ps(_mm_loadu_ps(dw[t] + b * BLOCK), dxb),
-                     _mm_loadu_ps(mw[t] + b * BLOCK));
+            __m256i c0, c1;
+            __m128 d4, m4;
+            if (part) {
+                c0 = _mm256_maskload_epi32((const int *)c, m0);
+                c1 = _mm256_maskload_epi32((const int *)c + 8, m1);
+                d4 = _mm_maskload_ps(dw[t] + b * BLOCK, mg);
+                m4 = _mm_maskload_ps(mw[t] + b * BLOCK, mg);
+            } else {
+                c0 = _mm256_loadu_si256((const __m256i *)c);
+                c1 = _mm256_loadu_si256((const __m256i *)(c + 32));
+                d4 = _mm_loadu_ps(dw[t] + b * BLOCK);
+                m4 = _mm_loadu_ps(mw[t] + b * BLOCK);
+            }
+            const __m256i l0 = _mm256_and_si256(c0, low);
+            const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), low);
+            const __m256i l1 = _mm256_and_si256(c1, low);
+            const __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), low);
+            for (int r = 0; r < mr; r++) {
+                const int8_t *xb = xq + r * xstride + b * BLOCK_X;
+                const __m256i p0 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(l0, _mm256_loadu_si256((const __m256i *)xb)),
+                    _mm256_maddubs_epi16(h0, _mm256_loadu_si256((const __m256i *)(xb + 64))));
+                const __m256i p1 = _mm256_add_epi16(
+                    _mm256_maddubs_epi16(l1, _mm256_loadu_si256((const __m256i *)(xb + 32))),
+                    _mm256_maddubs_epi16(h1, _mm256_loadu_si256((const __m256i *)(xb + 96))));
+                const __m256 dd = _mm256_castps128_ps256(
+                    _mm_mul_ps(d4, _mm_loadu_ps(dx + r * gstride + b * BLOCK)));
+                __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p0, ones)),
+                                             _mm256_permutevar8x32_ps(dd, first), a[t][r]);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p1, ones)),
+                                      _mm256_permutevar8x32_ps(dd, second), acc);
+                a[t][r] = _mm256_add_ps(acc, _mm256_zextps128_ps256(
+                    _mm_mul_ps(m4, _mm_loadu_ps(xs + r * gstride + b * BLOCK))));
+            }
         }
     }
-    if (rest) {  /* groups full * 4 .. groups - 1: x is zero past them, the weight may end */
-        const int8_t *xb = xq + full * BLOCK_X;
-        const __m256i xl0 = _mm256_loadu_si256((const __m256i *)xb);
-        const __m256i xl1 = _mm256_loadu_si256((const __m256i *)(xb + 32));
-        const __m256i xh0 = _mm256_loadu_si256((const __m256i *)(xb + 64));
-        const __m256i xh1 = _mm256_loadu_si256((const __m256i *)(xb + 96));
-        const __m128 dxb = _mm_loadu_ps(dx + full * BLOCK), xsb = _mm_loadu_ps(xs + full * BLOCK);
-        const __m256i lane = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);  /* group in a half */
-        const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rest), lane);
-        const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)rest - 2), lane);
-        const __m128i mg = _mm_cmpgt_epi32(_mm_set1_epi32((int)rest), _mm_setr_epi32(0, 1, 2, 3));
-        for (int t = 0; t < TILE; t++) {
-            const int *c = (const int *)(w[t] + full * 64);
-            ROW_STEP(t, _mm256_maskload_epi32(c, m0), _mm256_maskload_epi32(c + 8, m1),
-                     _mm_mul_ps(_mm_maskload_ps(dw[t] + full * BLOCK, mg), dxb),
-                     _mm_maskload_ps(mw[t] + full * BLOCK, mg));
+    for (int t = 0; t < 2; t++)
+        for (int r = 0; r < mr; r++) {
+            __m128 v = _mm_add_ps(_mm256_castps256_ps128(a[t][r]),
+                                  _mm256_extractf128_ps(a[t][r], 1));
+            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            v = _mm_add_ss(v, _mm_movehdup_ps(v));
+            out[r][t0 + t] = _mm_cvtss_f32(v);
         }
-    }
-    __m128 v[TILE];
-    for (int t = 0; t < TILE; t++)
-        v[t] = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(a[t]), _mm256_extractf128_ps(a[t], 1)),
-                          s[t]);
-    _mm_storeu_ps(out, _mm_hadd_ps(_mm_hadd_ps(v[0], v[1]), _mm_hadd_ps(v[2], v[3])));
 }
 #endif
 
@@ -310,6 +281,14 @@ ALWAYS_INLINE void dot_tile(const xrows_t *x, int64_t i, const int mr, const uin
         }
 }
 
+/* ``k_`` rows of x from row i against the TILE weight rows ``rows``: out[r][t] */
+#if PATH == 256
+#define ROWS_TILE(k_) (rows_pair(&xr, i, k_, q, d, mn, groups, rows, 0, out), \
+                       rows_pair(&xr, i, k_, q, d, mn, groups, rows, 2, out))
+#else
+#define ROWS_TILE(k_) dot_tile(&xr, i, k_, q, d, mn, groups, rows, out)
+#endif
+
 /* y[m, n] = x[m, k] . w[n, k] with w in 4-bit groups and x quantized as above; x, y fp32;
  * k % 32 == 0. Returns 0, or -1 where scratch could not be allocated. */
 int int4_linear(const float *x, const uint8_t *q, const float *d, const float *mn, float *y,
@@ -337,14 +316,10 @@ int int4_linear(const float *x, const uint8_t *q, const float *d, const float *m
         for (int64_t i = 0; i < m; i += MR) {
             const int mr = m - i < MR ? (int)(m - i) : MR;
             switch (mr) {  /* each a constant, so the accumulators stay in registers */
-#if PATH == 256
-            case 1: row_tile(&xr, i, q, d, mn, groups, rows, out[0]); break;
-#else
-            case 1: dot_tile(&xr, i, 1, q, d, mn, groups, rows, out); break;
-#endif
-            case 2: dot_tile(&xr, i, 2, q, d, mn, groups, rows, out); break;
-            case 3: dot_tile(&xr, i, 3, q, d, mn, groups, rows, out); break;
-            default: dot_tile(&xr, i, MR, q, d, mn, groups, rows, out); break;
+            case 1: ROWS_TILE(1); break;
+            case 2: ROWS_TILE(2); break;
+            case 3: ROWS_TILE(3); break;
+            default: ROWS_TILE(MR); break;
             }
             for (int a = 0; a < mr; a++)
                 for (int t = 0; t < r; t++) y[(i + a) * n + j + t] = out[a][t];

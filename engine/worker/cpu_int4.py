@@ -8,7 +8,9 @@ A native kernel (native/int4_linear.c, built by native_build) rounds each row of
 8 bits per group of 32 (as llama.cpp's Q4 x Q8 products do) and multiplies codes by bytes with
 integer dot products (AVX-512 VNNI, else AVX2); above the row count where it stops winning
 (timed at load on the model's own weight, autotune; ``LUMEN_CPU_INT4`` forces one) and
-without a C compiler the weight is widened to fp32 for the product, with fp32 activations.
+without a C compiler the weight is widened to fp32 for the product, with fp32 activations (in
+one native pass into a buffer kept for the next product where the kernel built, with torch
+where it did not).
 cpu_decode_layer runs a whole decoder layer of a decode step through the same kernel.
 
 A width that is not a whole number of groups is padded with zero weights, and its
@@ -17,6 +19,7 @@ activations with zeros, to the next group."""
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +117,11 @@ class NativeInt4:
         self.path = int(lib.int4_linear_path())
         # int4_product's address: native/decode_layer.c calls it for a layer's products
         self.product_address = ctypes.cast(lib.int4_product, ctypes.c_void_p).value or 0
+        widen = lib.int4_widen
+        widen.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        widen.restype = None
+        self._widen = widen
+        self._scratch = threading.local()  # each thread's fp32 weight, grown as needed
 
     def __call__(self, x: torch.Tensor, q: Q4Weight) -> torch.Tensor:
         """x: [m, in] fp32 -> [m, out] fp32 (x quantized to 8 bits per group of 32)."""
@@ -129,6 +137,19 @@ class NativeInt4:
             raise MemoryError(f"int4_linear: no memory for {m} rows of {q.padded} activations")
         return y
 
+    def widened(self, x: torch.Tensor, q: Q4Weight) -> torch.Tensor:
+        """``widened_linear`` for fp32 x, the same weight values widened natively into a
+        buffer kept for the next product (prefill's many rows, where the kernel is slower)."""
+        size = q.out_features * q.in_features
+        buffer = getattr(self._scratch, "weight", None)
+        if buffer is None or buffer.numel() < size:
+            buffer = self._scratch.weight = torch.empty(size, dtype=torch.float32)
+        weight = buffer[:size].view(q.out_features, q.in_features)
+        self._widen(q.codes.data_ptr(), q.scale.data_ptr(), q.minimum.data_ptr(),
+                    weight.data_ptr(), q.out_features, q.padded, q.in_features,
+                    torch.get_num_threads())  # fmt: skip
+        return torch.nn.functional.linear(x, weight)
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -140,9 +161,11 @@ class Plan:
 
     def linear(self, x: torch.Tensor, q: Q4Weight) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if self.kernel is not None and rows.shape[0] <= self.max_rows and x.dtype == torch.float32:
+        if self.kernel is None or x.dtype != torch.float32:
+            return widened_linear(x, q)
+        if rows.shape[0] <= self.max_rows:
             return self.kernel(rows, q).reshape(*x.shape[:-1], q.out_features)
-        return widened_linear(x, q)
+        return self.kernel.widened(x, q)
 
 
 WIDEN_ONLY = Plan(None, 0, "every product widens the weight")
@@ -166,7 +189,7 @@ def plan(q: Q4Weight, dtype: torch.dtype) -> Plan:
     the decision is cached per machine and shape (weight_only.plan_rows)."""
 
     def products(kernel: NativeInt4) -> weight_only.Products:
-        return lambda x: {"native": lambda: kernel(x, q), "widen": lambda: widened_linear(x, q)}
+        return lambda x: {"native": lambda: kernel(x, q), "widen": lambda: kernel.widened(x, q)}
 
     planned = weight_only.plan_rows(
         "int4", envs.LUMEN_CPU_INT4, dtype, build, products, in_features=q.in_features,

@@ -329,6 +329,31 @@ int int4_linear(const float *x, const uint8_t *q, const float *d, const float *m
     return 0;
 }
 
+/* w[n, k] fp32: the weight the codes stand for, d * code + mn rounded twice as torch's
+ * dequantize does (no fused multiply-add), its columns past k (to a whole group) dropped. The
+ * widened product's weight (cpu_int4.NativeInt4.widened): one pass over the codes into a
+ * buffer that is used again, where torch's took several, each into a fresh tensor. */
+__attribute__((optimize("fp-contract=off"))) void int4_widen(
+    const uint8_t *q, const float *d, const float *mn, float *w, int64_t n, int64_t padded,
+    int64_t k, int threads) {
+    const int64_t groups = padded / GROUP;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *c = q + j * groups * HALF;
+        float *row = w + j * k;
+        for (int64_t g = 0; g < groups; g++) {
+            const float dg = d[j * groups + g], mg = mn[j * groups + g];
+            float v[GROUP];
+            for (int i = 0; i < HALF; i++) {
+                v[i] = dg * (float)(c[g * HALF + i] & 15) + mg;
+                v[i + HALF] = dg * (float)(c[g * HALF + i] >> 4) + mg;
+            }
+            const int64_t take = k - g * GROUP < GROUP ? k - g * GROUP : GROUP;
+            memcpy(row + g * GROUP, v, (size_t)take * sizeof(float));
+        }
+    }
+}
+
 /* The product as native/decode_layer.c calls it (its product_fn), over a weight described by
  * a q4_t: decode_layer runs a whole decoder layer of a decode step through this kernel. */
 typedef struct {

@@ -67,6 +67,23 @@ def test_native_kernel_equals_a_float64_reference(
                                rtol=1e-4, atol=1e-4)  # fmt: skip
 
 
+@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 40), (130, 576), (9, 1568)])
+def test_the_native_widening_is_torchs_bit_for_bit(n: int, k: int) -> None:
+    """Prefill's widened product: the weight widened natively (into a buffer kept between
+    products, here reused by a smaller weight after a larger one) holds exactly torch's
+    dequantized values, so the product is torch's."""
+    kernel = built(cpu_int4.build)
+    torch.manual_seed(n + k)
+    big = cpu_int4.quantize(torch.randn(300, 1600))
+    x_big = torch.randn(5, 1600)
+    assert torch.equal(kernel.widened(x_big, big), cpu_int4.widened_linear(x_big, big))
+    q = cpu_int4.quantize(torch.randn(n, k))
+    x = torch.randn(70, k)
+    assert torch.equal(kernel.widened(x, q), cpu_int4.widened_linear(x, q))
+    plan = cpu_int4.Plan(kernel, 16, "test")
+    assert torch.equal(plan.linear(x.view(2, 35, k), q), cpu_int4.widened_linear(x, q).view(2, 35, n))
+
+
 def test_the_widest_path_is_the_one_the_cpu_has() -> None:
     kernel = built(cpu_int4.build)
     flags = native_build.cpu_key()

@@ -28,7 +28,11 @@ from engine import envs
 from engine.worker import autotune, weight_only
 
 GROUP = 32
-TIMED_ROWS = (1, 4, 16, 64, 256)
+# Timed up to 256 rows alone, the kernel won at every count in one start on the AVX2 EPYC (7.35
+# ms against 8.19 widened at 256; it lost at the next start, 6.96 against 6.34), so every row
+# count went to it, and a 512-row prefill took 1162 ms where widening took 1038. Timing 1024 rows
+# too puts the crossover between timed counts.
+TIMED_ROWS = (1, 4, 16, 64, 256, 1024)
 
 
 @dataclass

@@ -80,8 +80,8 @@ static void quantize_row(const float *x, int64_t groups, int64_t blocks, int8_t 
 
 /* The AVX-512 and plain paths (AVX2 has rows_pair below): a weight row's block (codes_t: its
  * 128 codes unpacked and its four scales as the int32 lanes they apply to), loaded once for up
- * to MR rows of x; the accumulator of one row
- * of x against one weight row (acc_t), and the step that adds one block of x to it. */
+ * to MR rows of x; the accumulator of one row of x against one weight row (acc_t), and the
+ * step that adds one block of x to it. */
 #if PATH == 512
 typedef struct { __m512i lo, hi; __m512 d; } codes_t;
 typedef __m512 acc_t;
@@ -146,8 +146,6 @@ ALWAYS_INLINE void dot_blocks(acc_t acc[TILE][MR], const int mr, const int8_t *x
         }
 }
 
-
-
 #if PATH == 256
 /* The AVX2 path: ``mr`` (1 to MR) rows of x against two weight rows, rows[t0] and
  * rows[t0 + 1] (out[r][t0], out[r][t0 + 1]). Each weight block is unpacked once for all the
@@ -162,9 +160,9 @@ ALWAYS_INLINE void dot_blocks(acc_t acc[TILE][MR], const int mr, const int8_t *x
  * hardware prefetcher does not follow, so each read asks for the bytes AHEAD further on: the
  * rows are contiguous, so that is the tiles to come. On a 2-vCPU AVX2 EPYC, SmolLM2's 120
  * layer products (79.6 MB, 2 threads, best of runs) took 2.7-2.8 ms at one row with this
- * routine and AHEAD 4096, 3.6 without AHEAD, 4.1 with dot_tile; at 2 rows 4.1 against 5.6, at
- * 4 rows 6.8 against 8.3, at 16 rows the same (30 ms: the arithmetic bounds it there). A plain
- * every-core read of the same bytes took 2.2-2.7 ms. */
+ * routine and AHEAD 4096, 3.6 without the prefetch, 4.1 with dot_tile; at 2 rows 4.1 against
+ * 5.6, at 4 rows 6.8 against 8.3, at 16 rows the same (30 ms: the arithmetic bounds it there).
+ * A plain every-core read of the same bytes took 2.2-2.7 ms. */
 #define AHEAD 4096
 ALWAYS_INLINE void rows_pair(const xrows_t *x, int64_t i, const int mr, const uint8_t *q,
                              const float *d, const float *mn, int64_t groups,

@@ -184,14 +184,35 @@ def test_native_kernel_at_a_model_shape_matches_torch(kv_dtype: torch.dtype) -> 
     """SmolLM2's shape (3 query heads a KV head, head dim 64: the kernel's loops unroll into
     whole vectors, which the tests above at head dim 8 do not reach), rows in shuffled slots,
     against torch's path over the same mirror."""
+    # In chunks of 128 positions: rows within the first, at its ends, and in the third.
+    _model_shape_against_torch([0, 1, 15, 16, 17, 31, 32, 100, 127, 128, 129, 300], kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "positions", [[1000], [2047, 700], [5, 1500], [600, 0]], ids=["one", "two", "short", "last"]
+)
+def test_a_few_long_rows_split_their_positions_over_the_threads(
+    positions: list[int], kv_dtype: torch.dtype
+) -> None:
+    """Too few (row, KV head) pairs for the threads: each pair's positions are split in parts
+    (a row's part may hold none of its positions, or only the one it writes), merged after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        _model_shape_against_torch(positions, kv_dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _model_shape_against_torch(at: list[int], kv_dtype: torch.dtype) -> None:
     from engine.worker.decode_cache import torch_attention
 
     group, dim = 3, 64
     kernel = built(lambda: cpu_attention.NativeDecodeAttention(cpu_attention.build(group, dim)))
-    torch.manual_seed(0)
-    # In chunks of 128 positions: rows within the first, at its ends, and in the third.
-    positions = torch.tensor([0, 1, 15, 16, 17, 31, 32, 100, 127, 128, 129, 300])
-    rows, width = len(positions), 304
+    torch.manual_seed(len(at))
+    positions = torch.tensor(at)
+    rows, width = len(positions), -(-(max(at) + 1) // 16) * 16
     kb = torch.randn(rows, KVH, width, dim).to(kv_dtype)
     vb = torch.randn(rows, KVH, width, dim).to(kv_dtype)
     q = torch.randn(rows, KVH * group, dim)

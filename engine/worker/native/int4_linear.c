@@ -46,13 +46,12 @@
 int int4_linear_path(void) { return PATH; }
 
 /* One row of x: xq [blocks * 128] int8 in block order, dxe [blocks * 16] (each group's dx
- * four times, as its int32 lanes), dx [blocks * 4] (each once), xs [blocks * 4]
- * (dx * sum(xq)); groups past k / 32 are zero. */
+ * four times, as its int32 lanes), xs [blocks * 4] (dx * sum(xq)); groups past k / 32 are
+ * zero. */
 static void quantize_row(const float *x, int64_t groups, int64_t blocks, int8_t *xq,
-                         float *dxe, float *dx, float *xs) {
+                         float *dxe, float *xs) {
     memset(xq, 0, (size_t)blocks * BLOCK_X);
     memset(dxe, 0, (size_t)blocks * 16 * sizeof(float));
-    memset(dx, 0, (size_t)blocks * BLOCK * sizeof(float));
     memset(xs, 0, (size_t)blocks * BLOCK * sizeof(float));
     const float inv127 = 1.0f / 127.0f;  /* folded at compile time, correctly rounded */
     for (int64_t g = 0; g < groups; g++) {
@@ -73,7 +72,6 @@ static void quantize_row(const float *x, int64_t groups, int64_t blocks, int8_t 
             sum += (int32_t)v;
         }
         for (int i = 0; i < 4; i++) dxe[g * 4 + i] = d;
-        dx[g] = d;
         xs[g] = d * (float)sum;
     }
 }
@@ -124,7 +122,7 @@ static inline float acc_sum(acc_t a) { return a; }
 #endif
 
 /* The quantized rows of x, each ``blocks`` blocks long. */
-typedef struct { const int8_t *q; const float *dxe, *dx, *xs; int64_t blocks; } xrows_t;
+typedef struct { const int8_t *q; const float *dxe, *xs; int64_t blocks; } xrows_t;
 
 /* ``mr`` (1 to MR, a constant where inlined) rows of x from row i against TILE weight rows
  * (rows[t]: their indices): out[r][t]. Each weight block is unpacked once for all mr rows.
@@ -152,9 +150,9 @@ ALWAYS_INLINE void dot_blocks(acc_t acc[TILE][MR], const int mr, const int8_t *x
  * rows, x is read by the multiplies from memory (vpmaddubsw's memory operand) and the
  * minimums' term rides in the low half of each accumulator (a block's four minimums times x's
  * four xs), so the 2 x mr accumulators stay in registers: dot_tile's AVX2 form spilled its
- * unpacked codes. A block's four scales times x's four dx make one 128-bit product, spread
- * over the int32 lanes each applies to; a last, partial block loads only the groups it has
- * (masked), where dot_tile copies it.
+ * unpacked codes. A block's four scales are spread over the int32 lanes each applies to once
+ * for all the rows, then times x's dx as dxe holds them; a last, partial block loads only the
+ * groups it has (masked), where dot_tile copies it.
  *
  * A tile's rows are read side by side, short runs (288 bytes a row at k = 576) that the
  * hardware prefetcher does not follow, so each read asks for the bytes AHEAD further on: the
@@ -176,7 +174,8 @@ ALWAYS_INLINE void rows_pair(const xrows_t *x, int64_t i, const int mr, const ui
     const float *dw[2] = {d + rows[t0] * groups, d + rows[t0 + 1] * groups};
     const float *mw[2] = {mn + rows[t0] * groups, mn + rows[t0 + 1] * groups};
     const int8_t *xq = x->q + i * xstride;
-    const float *dx = x->dx + i * gstride, *xs = x->xs + i * gstride;
+    const int64_t dstride = x->blocks * 16;
+    const float *dxe = x->dxe + i * dstride, *xs = x->xs + i * gstride;
     __m256 a[2][MR];
     for (int t = 0; t < 2; t++)
         for (int r = 0; r < mr; r++) a[t][r] = _mm256_setzero_ps();
@@ -205,6 +204,8 @@ ALWAYS_INLINE void rows_pair(const xrows_t *x, int64_t i, const int mr, const ui
                 d4 = _mm_loadu_ps(dw[t] + b * BLOCK);
                 m4 = _mm_loadu_ps(mw[t] + b * BLOCK);
             }
+            const __m256 d_lo = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), first);
+            const __m256 d_hi = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), second);
             const __m256i l0 = _mm256_and_si256(c0, low);
             const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), low);
             const __m256i l1 = _mm256_and_si256(c1, low);
@@ -217,12 +218,11 @@ ALWAYS_INLINE void rows_pair(const xrows_t *x, int64_t i, const int mr, const ui
                 const __m256i p1 = _mm256_add_epi16(
                     _mm256_maddubs_epi16(l1, _mm256_loadu_si256((const __m256i *)(xb + 32))),
                     _mm256_maddubs_epi16(h1, _mm256_loadu_si256((const __m256i *)(xb + 96))));
-                const __m256 dd = _mm256_castps128_ps256(
-                    _mm_mul_ps(d4, _mm_loadu_ps(dx + r * gstride + b * BLOCK)));
+                const float *dxb = dxe + r * dstride + b * 16;
                 __m256 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p0, ones)),
-                                             _mm256_permutevar8x32_ps(dd, first), a[t][r]);
+                                             _mm256_mul_ps(d_lo, _mm256_loadu_ps(dxb)), a[t][r]);
                 acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p1, ones)),
-                                      _mm256_permutevar8x32_ps(dd, second), acc);
+                                      _mm256_mul_ps(d_hi, _mm256_loadu_ps(dxb + 8)), acc);
                 a[t][r] = _mm256_add_ps(acc, _mm256_zextps128_ps256(
                     _mm_mul_ps(m4, _mm_loadu_ps(xs + r * gstride + b * BLOCK))));
             }
@@ -296,15 +296,14 @@ int int4_linear(const float *x, const uint8_t *q, const float *d, const float *m
     int8_t *xq = malloc((size_t)(m * blocks * BLOCK_X));
     float *dxe = malloc((size_t)(m * blocks * 16) * sizeof(float));
     float *xs = malloc((size_t)(m * blocks * BLOCK) * sizeof(float));
-    float *dx = malloc((size_t)(m * blocks * BLOCK) * sizeof(float));
-    if (!xq || !dxe || !xs || !dx) {
-        free(xq), free(dxe), free(xs), free(dx);
+    if (!xq || !dxe || !xs) {
+        free(xq), free(dxe), free(xs);
         return -1;
     }
     for (int64_t i = 0; i < m; i++)
         quantize_row(x + i * k, groups, blocks, xq + i * blocks * BLOCK_X,
-                     dxe + i * blocks * 16, dx + i * blocks * BLOCK, xs + i * blocks * BLOCK);
-    const xrows_t xr = {xq, dxe, dx, xs, blocks};
+                     dxe + i * blocks * 16, xs + i * blocks * BLOCK);
+    const xrows_t xr = {xq, dxe, xs, blocks};
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t j = 0; j < n; j += TILE) {
         const int r = n - j < TILE ? (int)(n - j) : TILE;
@@ -323,7 +322,7 @@ int int4_linear(const float *x, const uint8_t *q, const float *d, const float *m
                 for (int t = 0; t < r; t++) y[(i + a) * n + j + t] = out[a][t];
         }
     }
-    free(xq), free(dxe), free(xs), free(dx);
+    free(xq), free(dxe), free(xs);
     return 0;
 }
 

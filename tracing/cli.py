@@ -85,11 +85,15 @@ def _waterfall(req: tuple[Any, ...], spans: list[tuple[str, int, int]]) -> None:
     rows = []
     for name in (*BOUNDARIES[:3], GRAMMAR_SPAN, *BOUNDARIES[3:]):  # core.grammar: if it has one
         mine = [(s, e) for n, s, e in spans if n == name]
+        held = _held(mine) if name == "frontend.emit" else []
         if mine:
-            rows.append((name, len(mine), sum(e - s for s, e in mine), mine))
+            total = sum(e - s for s, e in mine) - sum(e - s for s, e in held)
+            rows.append((name, len(mine), total, mine))
+        if held:
+            rows.append((HELD, len(held), sum(e - s for s, e in held), held))
     if not rows:
         return
-    slowest = max(rows, key=lambda r: r[2])[0]
+    slowest = max((r for r in rows if r[0] != HELD), key=lambda r: r[2])[0]
     print(f"\n{'boundary':<18}{'n':>6}{'total ms':>11}{'share':>7}  0 ms {'.' * (WIDTH - 10)} "
           f"{e2e / 1e6:,.1f} ms")  # fmt: skip
     for name, count, total, mine in rows:
@@ -105,6 +109,19 @@ def _waterfall(req: tuple[Any, ...], spans: list[tuple[str, int, int]]) -> None:
     note = f" (of which {_ms(queue)} ms waiting in the core's queue)" if slowest == (
         "core.schedule") and queue else ""  # fmt: skip
     print(f"\nslowest boundary: {slowest}, {total / 1e6:,.1f} ms, {total / e2e:.0%} of e2e{note}\n")
+
+
+# Emits that one write delivered share its end: each but the last was held from its start
+# to the last one's start, the output that sent them (--stream-interval; or text that could
+# still begin a stop string). The hold is shown apart, not as frontend.emit's own time.
+HELD = "  held to send"
+
+
+def _held(emits: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    last_start_by_end: dict[int, int] = {}
+    for s, e in emits:
+        last_start_by_end[e] = max(s, last_start_by_end.get(e, s))
+    return [(s, last_start_by_end[e]) for s, e in emits if s < last_start_by_end[e]]
 
 
 def _why(args: argparse.Namespace) -> int:

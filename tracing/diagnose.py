@@ -20,6 +20,8 @@ registered in ``tracing.parts``.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -227,9 +229,7 @@ def _decompose(row: RequestFacts, window: Window, run: _Run) -> RequestDiagnosis
     req.ttft = _ttft_parts(row, run, start, ttft_end, steps_t, steps_d)
     if first_token is not None and end > ttft_end:
         req.decode = _decode_parts(row, run, ttft_end, end, steps_d)
-    emits = [e for e in row.emit_ends_ns or [] if e is not None]
-    req.gaps_ns = [int(g) for g in np.diff(emits)] if len(emits) > 1 else []
-    req.gap_step_ids = list(row.emit_step_ids or [])[1 : len(emits)]
+    req.gaps_ns, req.gap_step_ids = _write_gaps(row.emit_ends_ns or [], row.emit_step_ids or [])
     for phase in ("ttft", "decode"):
         if found := run.neighbours.get((rid, phase)):
             req.neighbour_steps[phase] = found
@@ -238,6 +238,25 @@ def _decompose(row: RequestFacts, window: Window, run: _Run) -> RequestDiagnosis
     mine = [*(steps_t.step_ids if steps_t else []), *(steps_d.step_ids if steps_d else [])]
     req.step_ids = sorted(set(mine))
     return req
+
+
+def _write_gaps(
+    ends: Sequence[int | None], step_ids: Sequence[int | None]
+) -> tuple[list[int], list[int | None]]:
+    """The gaps between a stream's writes, each with the step that ended it. Emits delivered
+    by one write share its instant (tokens held back by --stream-interval, or text that could
+    still begin a stop string): the client saw them together, so they make one gap, ended
+    by the last of them."""
+    writes: list[tuple[int, int | None]] = []
+    for end, step_id in zip(ends, [*step_ids, *[None] * (len(ends) - len(step_ids))]):
+        if end is None:
+            continue
+        if writes and writes[-1][0] == end:
+            writes[-1] = (end, step_id)
+        else:
+            writes.append((end, step_id))
+    gaps = [int(b[0] - a[0]) for a, b in itertools.pairwise(writes)]
+    return gaps, [step_id for _, step_id in writes[1:]]
 
 
 def _delivered_ttft(row: RequestFacts, start: int, stream: bool) -> int | None:

@@ -1,6 +1,6 @@
 """A request's emits as the store keeps them (store_schema.REQUEST_COLUMNS' emit_* lists):
 the step after the previous, the instant received after the previous (us; the first after the
-arrival) and the wait from received to delivered (us).
+arrival) and the wait from received to delivered (us, between the two instants in us).
 
 The trace writer does not work them out per request as it closes: its row holds the recorded
 lists (``Emits``, the same in all three columns' places), and the flush builds the three
@@ -38,7 +38,7 @@ class Emits(NamedTuple):
             received_us = received // 1000
             step_deltas.append(step - last_step)
             received_deltas.append(received_us - last_received_us)
-            delivery_us.append((delivered - received) // 1000)
+            delivery_us.append(delivered // 1000 - received_us)
             last_step, last_received_us = step, received_us
         return step_deltas, received_deltas, delivery_us
 
@@ -103,7 +103,9 @@ def emit_arrays(values: Sequence[Emits | None], types: Sequence[Any]) -> list[An
     before[1:] = received_us[:-1]
     before[starts] = np.fromiter((e.arrival_ns for e in kept), np.int64, len(kept)) // 1000
     received_deltas = received_us - before
-    delivery_us = (delivered - received) // 1000
+    # From the instants in us, not their difference: emits one write delivered (tokens held
+    # back) share their end to the us in the spans view, and read as one write.
+    delivery_us = delivered // 1000 - received_us
     mask = pa.array(~present) if not present.all() else None
     arrays = []
     for name, column, typ in zip(EMIT_COLUMNS, (step_deltas, received_deltas, delivery_us), types):

@@ -28,6 +28,8 @@ class Req:
     received: int
     stream: bool = True
     reader_ns: int = 0  # how long each write waits on a slow reader's socket
+    stream_interval: int = 1  # tokens a write takes (lumen serve --stream-interval)
+    written: int = 0  # emits delivered so far
     computed: int = 0
     first_token: int | None = None
     emits: list[tuple[int, int, int]] = field(default_factory=list)  # step, received, delivered
@@ -102,8 +104,14 @@ class Trace:
     def _token(self, r: Req, step_id: int, out: int) -> None:
         received = out + MS // 10
         r.first_token = r.first_token or received
-        last = r.emits[-1][2] if r.emits else 0
-        r.emits.append((step_id, received, max(received, last) + MS // 5 + r.reader_ns))
+        r.emits.append((step_id, received, 0))
+        n = len(r.emits)
+        if 1 < n < r.output and n - r.written < r.stream_interval:
+            return  # held: the write that sends it is a later step's
+        last = r.emits[r.written - 1][2] if r.written else 0
+        delivered = max(received, last) + MS // 5 + r.reader_ns
+        r.emits[r.written :] = [(step, got, delivered) for step, got, _ in r.emits[r.written :]]
+        r.written = n
 
     def _finish(self, r: Req, status: str, at: int) -> None:
         r.status, r.kv_freed = status, at
@@ -143,7 +151,8 @@ class Trace:
                 received_ns=r.received, first_scheduled_ns=r.steps[0][1] if r.steps else None,
                 first_delivered_ns=first, last_delivered_ns=r.emits[-1][2] if r.emits else None,
                 delivered_ttft_ns=first - r.http_start if first else None,
-                send_wait_ns=r.reader_ns * len(r.emits), bytes_sent=6 * len(r.emits),
+                send_wait_ns=r.reader_ns * len({d for _, _, d in r.emits}),
+                bytes_sent=6 * len(r.emits),
                 kv_freed_ns=r.kv_freed,
             ))  # fmt: skip
         return rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import duckdb
@@ -139,6 +140,36 @@ def test_slow_reader_delivery(tmp_path: Path) -> None:
     [slow] = [f for f in run.findings if f.kind == "cause"]
     assert slow.part == "delivery" and slow.request_ids == ["c3"]
     assert "slow reader" in slow.text and "waited 500.0 ms on its socket" in slow.text
+
+
+def test_tokens_sent_n_at_a_time_are_writes_not_causes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """lumen serve --stream-interval 4: the first token goes at once, then a write every 4
+    tokens. The held tokens' emits end at their write: the token gaps are the writes' gaps,
+    nothing is named, and `trace show` shows the hold apart from frontend.emit's own time."""
+    from service.cli import main
+
+    tr = serial_run(output=17, stream_interval=4)
+    path = tr.write(tmp_path / "t.db")
+    run = diagnose_run(path)
+    text = render_run(run)
+    print(text)
+    assert not kinds(run, "cause") and not kinds(run, "paid") and not kinds(run, "step")
+    assert "Nothing stands out" in text
+    for r in run.requests:  # 1 + 4 x 4 tokens: five writes, each gap 4 decode steps of 5 ms
+        assert len(r.gaps_ns) == 4 and all(20 * MS < g < 25 * MS for g in r.gaps_ns), r.gaps_ns
+    _, sentences = explain_request(path, "r3")
+    assert any(s.startswith("Its token gaps were even") for s in sentences), sentences
+    assert main(["trace", "show", "r3", "--db", str(path)]) == 0
+    out = capsys.readouterr().out
+    print(out)
+    rows = {line[:18].strip(): line.split()[-4:] for line in out.splitlines() if "|" in line}
+    held = float(out.split("held to send")[1].split()[1])
+    emitted = float(next(line for line in out.splitlines() if line.startswith("frontend.emit"))
+                    .split()[2])  # fmt: skip
+    assert held > 100 and emitted < 5, rows  # 12 held tokens of 5-15 ms; 17 x 0.2 ms own
+    assert "slowest boundary: worker.execute" in out
 
 
 def _all_aborted(kv_left: int, idle_at_ms: float = 62.0) -> Trace:
@@ -311,14 +342,16 @@ def test_trace_top_calls_the_queue_wait_core_queue(
     assert "core.queue" in late and "core.schedule" not in out
 
 
-def test_two_steps_written_at_once_keep_their_order(tmp_path: Path) -> None:
+def test_two_steps_written_at_once_are_one_gap(tmp_path: Path) -> None:
     """A frontend behind its core writes two steps' tokens in one write: their emits end at
-    the same instant. The gap each step ended is still the step's, however the rows lie."""
+    the same instant. The client saw one gap, ended by the later step, however the rows lie."""
     tr = serial_run(n=3)
     r = tr.reqs["r1"]
     (s3, recv3, _), (s4, recv4, at) = r.emits[3], r.emits[4]
     r.emits[3:5] = [(s4, recv4, at), (s3, recv3, at)]  # one write; the later step's row first
     run = diagnose_run(tr.write(tmp_path / "t.db"))
     [req] = [q for q in run.requests if q.request_id == "r1"]
-    steps = [s for s, _, _ in sorted(r.emits)]
-    assert req.gap_step_ids == steps[1:]
+    writes = sorted({d: s for s, _, d in sorted(r.emits)}.items())
+    assert req.gap_step_ids == [s for _, s in writes[1:]] and s3 not in req.gap_step_ids
+    assert req.gaps_ns == [b - a for (a, _), (b, _) in itertools.pairwise(writes)]
+    assert all(g > 0 for g in req.gaps_ns)

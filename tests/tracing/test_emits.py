@@ -67,11 +67,16 @@ def test_emits_once_per_step_delivered_as_the_caller_got_them(tmp_path: Path) ->
             "SELECT request_id, first_step_id, emit_step_deltas, emit_received_us, "
             "emit_delivery_us, output_tokens FROM requests ORDER BY request_id"
         ).fetchall()
+        ends = con.execute(
+            "SELECT step_id, end_ns FROM spans WHERE request_id = 's' "
+            "AND name = 'frontend.emit' ORDER BY step_id"
+        ).fetchall()
     got = {r[0]: r[1:] for r in rows}
     arrival_us = T0 // 1000
     recv_us = {k: _received(k) // 1000 for k in (1, 2, 3, 4)}
 
     # Streamed: steps 1 to 4; 2 and 3 delivered together (step 3's write), 4 at its close.
+    # Each wait is between the two instants in us: emits of one write end at one us.
     delivered = {1: _received(1) + 5_000, 2: _received(3) + 15_000, 3: _received(3) + 15_000,
                  4: end + 777_000}  # fmt: skip
     assert got["s"] == (
@@ -79,19 +84,23 @@ def test_emits_once_per_step_delivered_as_the_caller_got_them(tmp_path: Path) ->
         [0, 1, 1, 1],
         [recv_us[1] - arrival_us, recv_us[2] - recv_us[1], recv_us[3] - recv_us[2],
          recv_us[4] - recv_us[3]],
-        [(delivered[k] - _received(k)) // 1000 for k in (1, 2, 3, 4)],
+        [delivered[k] // 1000 - recv_us[k] for k in (1, 2, 3, 4)],
         4,
     )  # fmt: skip
+    # The spans view: the emits of one write end at one instant (to the us), so that readers
+    # such as the diagnosis's token gaps see one write.
+    assert [step for step, _ in ends] == [1, 2, 3, 4]
+    assert ends[1][1] == ends[2][1] == delivered[3] // 1000 * 1000 != ends[0][1]
     # A whole response: its one write, at the close, of the last step's tokens.
     assert got["p"] == (1, [3 - 1], [recv_us[3] - arrival_us],
-                        [(end + 777_000 - _received(3)) // 1000], 3)  # fmt: skip
+                        [(end + 777_000) // 1000 - recv_us[3]], 3)  # fmt: skip
     # n = 2: both sequences' tokens of a step are one emit.
     n_delivered = {1: _received(1) + 9_000, 2: _received(3) + 9_000, 3: _received(3) + 9_000}
     assert got["n"] == (
         1,
         [0, 1, 1],
         [recv_us[1] - arrival_us, recv_us[2] - recv_us[1], recv_us[3] - recv_us[2]],
-        [(n_delivered[k] - _received(k)) // 1000 for k in (1, 2, 3)],
+        [n_delivered[k] // 1000 - recv_us[k] for k in (1, 2, 3)],
         6,
     )  # fmt: skip
 

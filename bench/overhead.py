@@ -64,6 +64,9 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
                         "per stream)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="times each level is run per server")
     p.add_argument("--skip-hf", action="store_true", help="no transformers serve baseline")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="Lumen's servers send tokens this many at a time (lumen serve "
+                        "--stream-interval)")  # fmt: skip
     p.add_argument("--otlp", default="", metavar="DETAILS",
                    help="also a traced server per --otlp-detail listed (request, boundary, step, "
                         "store), each exporting to a local OTLP receiver: OTLP bytes and the "
@@ -320,8 +323,10 @@ def run(args: argparse.Namespace) -> int:
     from engine.model_files import resolve_model
 
     levels = parse_ints(args.streams, "--streams")
-    if min(args.max_tokens, args.tokens_per_level, args.rounds) < 1:
-        raise ValueError("--max-tokens, --tokens-per-level and --rounds must be >= 1")
+    if min(args.max_tokens, args.tokens_per_level, args.rounds, args.stream_interval) < 1:
+        raise ValueError(
+            "--max-tokens, --tokens-per-level, --rounds and --stream-interval must be >= 1"
+        )
     check_json_path(args.json)
     results: list[Level] = []
     details = [d for d in args.otlp.split(",") if d]
@@ -335,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
                  else build_tiny_llama(tmp / "tiny-llama", resolve_model(None)))  # fmt: skip
         top = str(max(levels))
         common = ("--max-num-seqs", top, "--max-concurrent-requests", str(4 * max(levels)),
+                  "--stream-interval", str(args.stream_interval),
                   *kv_flags(args.kv_tokens))  # fmt: skip
         servers: list[tuple[str, LumenServer]] = []
         try:
@@ -400,7 +406,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{i['high']:.3f}, {i['rounds']} paired rounds)")  # fmt: skip
         else:
             print(f"{key}: {value:.3f}")
-    write_json(args.json, {"max_tokens": args.max_tokens, "levels": summaries, "store": store,
+    write_json(args.json, {"max_tokens": args.max_tokens,
+                           "stream_interval": args.stream_interval,
+                           "levels": summaries, "store": store,
                            "otlp": otlp, **ratios, "intervals": intervals,
                            "machine": machine()})  # fmt: skip
     return 0

@@ -152,7 +152,9 @@ class AsyncLLM:
             path, self.client.info, tokenizer, config.sampling_defaults(path)
         )
         self.tokenizer = self.processor.tokenizer
-        self.frontend = Frontend(self.processor, self.client.state, stat_loggers)
+        self.frontend = Frontend(
+            self.processor, self.client.state, stat_loggers, config.stream_interval
+        )
         self.stall_timeout = stall_timeout
         self.dead_error: EngineDeadError | None = None
         self.num_failed = 0  # requests failed with a dead engine, ever (a supervisor counts)

@@ -345,6 +345,15 @@ class EngineConfig:
             "generation_config.json"
         },
     )
+    stream_interval: int = field(
+        default=1,
+        metadata={
+            "help": "tokens a stream gathers before the server sends them, as vLLM's: 1 sends "
+            "every token as it comes; N sends the first token at once, then every N tokens "
+            "and the last at once. Fewer, larger writes cost the API process less CPU per "
+            "token; a client sees the text in steps of N tokens"
+        },
+    )
     warmup: bool = field(
         default=True,
         metadata={
@@ -363,6 +372,7 @@ class EngineConfig:
             "max_num_batched_tokens",
             "max_num_seqs",
             "tensor_parallel_size",
+            "stream_interval",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

@@ -87,10 +87,13 @@ class Frontend:
         processor: InputProcessor,
         client_state: ClientState,
         stat_loggers: tuple[StatLogger, ...] = (),
+        stream_interval: int = 1,
     ) -> None:
         self.processor = processor
         self.state = client_state
-        self.output_processor = OutputProcessor(processor.tokenizer.backend_tokenizer)
+        self.output_processor = OutputProcessor(
+            processor.tokenizer.backend_tokenizer, stream_interval
+        )
         self.stat_loggers = stat_loggers
         self.observer: FrontendObserver | None = None
         self.emit_fault = faults.hook("emit")  # nothing unless LUMEN_DEBUG_DELAY sets it

@@ -117,6 +117,14 @@ class _Parent:
             "last_token_ns": self.last_token_ns,
         }
 
+    def due(self, interval: int) -> bool:
+        """An unfinished stream's delta goes now: a sequence has sent no token yet (its first
+        goes at once), or holds ``interval`` tokens it has not sent."""
+        return any(
+            not s.sent_tokens or len(s.token_ids) - s.sent_tokens >= interval
+            for s in self.sequences
+        )
+
     def delta_output(self) -> RequestOutput | None:
         deltas = [d for s in self.sequences if (d := s.delta()) is not None]
         if not deltas:
@@ -172,8 +180,14 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    """``stream_interval`` (vLLM's --stream-interval): a streamed request's delta waits until
+    it holds that many new tokens, except its first token and its last output, which go at
+    once. The tokens are detokenized as they come; only the delta, and all that delivering it
+    costs downstream, is held."""
+
+    def __init__(self, tokenizer: Tokenizer, stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval
         self._sequences: dict[str, _Sequence] = {}
         self._parents: dict[str, _Parent] = {}
 
@@ -264,7 +278,10 @@ class OutputProcessor:
                 seq.error = out.error
                 reason = str(out.finish_reason)
                 self._finish(out.request_id, reason, out.stop_reason, finished, stats)
+        interval = self.stream_interval
         for parent in streamed.values():
+            if interval > 1 and parent.num_unfinished and not parent.due(interval):
+                continue
             if (delta := parent.delta_output()) is not None:
                 finished.append(delta)
             if not parent.num_unfinished:

@@ -61,6 +61,41 @@ def test_streamed_deltas_add_up_to_the_offline_result(tiny_model_path: Path) -> 
     assert wait_no_children() == []
 
 
+def test_a_stream_interval_sends_the_first_token_then_every_nth(tiny_model_path: Path) -> None:
+    """--stream-interval 4 (vLLM's): the first token at once, then deltas of 4 tokens, the last
+    one at once with what is left; the text, tokens and finish are those of interval 1."""
+    greedy = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
+    ref = LLM(str(tiny_model_path), num_kv_blocks=64).generate(PROMPTS[:3], greedy, use_tqdm=False)
+    cut = ref[1].outputs[0].text[8:11]
+
+    async def sizes(llm: AsyncLLM, prompt, params: SamplingParams) -> list[list[int]]:
+        got: list[list[int]] = [[] for _ in range(params.n)]
+        async for out in llm.generate(prompt, params):
+            for c in out.outputs:
+                got[c.index].append(len(c.token_ids))
+        return got
+
+    async def main() -> None:
+        config = EngineConfig(model=str(tiny_model_path), num_kv_blocks=128, stream_interval=4)
+        llm = AsyncLLM(config)
+        try:
+            got = await asyncio.gather(*(_drain(llm, p, greedy) for p in PROMPTS[:3]))
+            for (text, tokens, finish), r in zip(got, ref):
+                assert (text, tokens, finish) == (r.outputs[0].text, r.outputs[0].token_ids,
+                                                  "length")  # fmt: skip
+            assert await sizes(llm, PROMPTS[0], greedy) == [[1, 4, 4, 2]]
+            assert await sizes(llm, PROMPTS[0], greedy.clone(n=2, temperature=1.0)) == [
+                [1, 4, 4, 2], [1, 4, 4, 2]]  # fmt: skip
+            # A stop string ends the stream at once, held tokens and all.
+            text, _, finish = await _drain(llm, PROMPTS[1], greedy.clone(stop=[cut]))
+            assert finish == "stop" and text == ref[1].outputs[0].text.split(cut)[0]
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+    assert wait_no_children() == []
+
+
 def test_leaving_a_stream_aborts_the_request(tiny_model_path: Path) -> None:
     async def main() -> None:
         llm = AsyncLLM(_config(tiny_model_path))

@@ -261,9 +261,13 @@ def boundary_durations(req: RequestTrace) -> list[tuple[str, int]]:
         ("core.queue", max(0, first - req.received_ns.get(seq, first)))
         for seq, first in req.first_steps.items()
     ]
+    # Once per write: where one write delivered several steps' tokens (held back by
+    # --stream-interval, or by a stop string), its last emit, the step that sent them.
+    delivered = req.emit_delivered
     out += [
-        ("frontend.emit", max(0, delivered - recv))
-        for recv, delivered in zip(req.emit_received, req.emit_delivered)
+        ("frontend.emit", max(0, at - recv))
+        for i, (recv, at) in enumerate(zip(req.emit_received, delivered))
+        if i + 1 == len(delivered) or delivered[i + 1] != at
     ]
     return out
 

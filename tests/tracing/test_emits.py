@@ -35,9 +35,11 @@ def _received(step_id: int) -> int:
 
 
 def test_emits_once_per_step_delivered_as_the_caller_got_them(tmp_path: Path) -> None:
+    observed: list[tuple[str, tuple[float, ...]]] = []
     tracer = Tracer(
         TracingConfig(trace_db=str(tmp_path / "t.db")),
         EngineInfo("tiny", 64, 16, 16, "float32", "cpu", "0"),
+        observe_boundary=lambda name, seconds: observed.append((name, tuple(seconds))),
     )
     try:
         requests = {"s": (["s"], True), "p": (["p"], False), "n": (["n-0", "n-1"], True)}
@@ -91,6 +93,16 @@ def test_emits_once_per_step_delivered_as_the_caller_got_them(tmp_path: Path) ->
     # such as the diagnosis's token gaps see one write.
     assert [step for step, _ in ends] == [1, 2, 3, 4]
     assert ends[1][1] == ends[2][1] == delivered[3] // 1000 * 1000 != ends[0][1]
+    # The frontend.emit histogram: once per write, the wait of the step that sent it.
+    emit_waits = sorted(x for name, seconds in observed if name == "frontend.emit"
+                        for x in seconds)  # fmt: skip
+    writes = [delivered[k] - _received(k) for k in (1, 3, 4)]  # "s": step 2 went with 3
+    writes += [end + 777_000 - _received(3)]  # "p"
+    writes += [
+        n_delivered - _received(k)
+        for k, n_delivered in ((1, _received(1) + 9_000), (3, _received(3) + 9_000))
+    ]
+    assert emit_waits == sorted(w / 1e9 for w in writes)
     # A whole response: its one write, at the close, of the last step's tokens.
     assert got["p"] == (1, [3 - 1], [recv_us[3] - arrival_us],
                         [(end + 777_000) // 1000 - recv_us[3]], 3)  # fmt: skip

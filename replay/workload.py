@@ -138,7 +138,7 @@ def synthetic_prompt(
 # files, the process layout, sockets) belongs to the machine that replays.
 REPLAYED_OPTIONS = ("dtype", "kv_cache_dtype", "quantization", "block_size",
                     "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
-                    "scheduling_policy", "seed", "warmup")  # fmt: skip
+                    "scheduling_policy", "seed", "warmup", "stream_interval")  # fmt: skip
 
 
 def is_server_recording(db: str, run_id: str | None = None) -> bool:
@@ -192,9 +192,9 @@ def replay_config(
         source = "flag" if name in given else "recorded" if name in recorded else "default"
         value = Path(value).name if name == "model" and value else value
         cells.append(f"{name} {'auto' if value is None else value} ({source})")
-    for name in ("dtype", "kv_cache_dtype", "quantization"):  # shown where not the default
-        value = getattr(config, name)
-        if value not in (None, "auto"):
+    for name in ("dtype", "kv_cache_dtype", "quantization", "stream_interval"):
+        value = getattr(config, name)  # shown where not the default
+        if value not in (None, "auto", 1):
             source = "flag" if name in given else "recorded" if name in recorded else "replay"
             cells.append(f"{name} {value} ({source})")
     # An import records the block size of its hashes, and no engine.

@@ -240,3 +240,18 @@ def test_capacity_finds_the_rate_that_meets_a_target(
     assert code in (0, 1)  # the tiny model's real replays are noisy: agreement is not asserted
     assert "The highest rate that meets TPOT p90" in printed
     assert printed.count("  virtual at ") == 2 and printed.count("  real at ") == 2
+
+
+def test_a_replay_sends_tokens_as_the_recording_did(tmp_path: Path) -> None:
+    """A run recorded with --stream-interval 4 is replayed with it (its ITL is per write), and
+    a flag given to the replay wins; the line that says where each setting came from says so."""
+    from tracing.store import row, write_new
+
+    db = tmp_path / "t.db"
+    config = {"stream_interval": 4, "max_num_seqs": 8, "core_process": True}
+    write_new(db, {"runs": [row("runs", run_id="r", started_ns=1,
+                                engine_config=json.dumps(config))]})  # fmt: skip
+    config, used = replay_config(str(db), "r", {})
+    assert config.stream_interval == 4 and "stream_interval 4 (recorded)" in used, used
+    config, used = replay_config(str(db), "r", {"stream_interval": 1})
+    assert config.stream_interval == 1 and "stream_interval" not in used, used

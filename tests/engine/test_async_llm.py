@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
 import time
@@ -35,38 +36,14 @@ async def _drain(llm: AsyncLLM, prompt, params: SamplingParams) -> tuple[str, li
 
 
 def test_streamed_deltas_add_up_to_the_offline_result(tiny_model_path: Path) -> None:
-    greedy = SamplingParams(temperature=0, max_tokens=20)
+    """Deltas add up to the offline result, stop strings included, at --stream-interval 4
+    (vLLM's): the first token at once, then deltas of 4 tokens, the last at once with what is
+    left. (Every server test streams at the default interval, 1: a delta a token.)"""
+    greedy = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
     offline = LLM(str(tiny_model_path), num_kv_blocks=64)
     ref = offline.generate(PROMPTS, greedy, use_tqdm=False)
     cut = ref[0].outputs[0].text[10:13]
     stopped = offline.generate(PROMPTS[:1], greedy.clone(stop=[cut]), use_tqdm=False)[0]
-
-    async def main() -> None:
-        llm = AsyncLLM(_config(tiny_model_path))
-        try:
-            got = await asyncio.gather(*(_drain(llm, p, greedy) for p in PROMPTS))
-            for (text, tokens, finish), r in zip(got, ref):
-                assert (text, tokens, finish) == (
-                    r.outputs[0].text,
-                    r.outputs[0].token_ids,
-                    "length",
-                )
-            # A stop string: the stream never shows text past the cut.
-            text, _, finish = await _drain(llm, PROMPTS[0], greedy.clone(stop=[cut]))
-            assert (text, finish) == (stopped.outputs[0].text, "stop")
-        finally:
-            await llm.shutdown()
-
-    asyncio.run(main())
-    assert wait_no_children() == []
-
-
-def test_a_stream_interval_sends_the_first_token_then_every_nth(tiny_model_path: Path) -> None:
-    """--stream-interval 4 (vLLM's): the first token at once, then deltas of 4 tokens, the last
-    one at once with what is left; the text, tokens and finish are those of interval 1."""
-    greedy = SamplingParams(temperature=0, max_tokens=11, ignore_eos=True)
-    ref = LLM(str(tiny_model_path), num_kv_blocks=64).generate(PROMPTS[:3], greedy, use_tqdm=False)
-    cut = ref[1].outputs[0].text[8:11]
 
     async def sizes(llm: AsyncLLM, prompt, params: SamplingParams) -> list[list[int]]:
         got: list[list[int]] = [[] for _ in range(params.n)]
@@ -76,19 +53,29 @@ def test_a_stream_interval_sends_the_first_token_then_every_nth(tiny_model_path:
         return got
 
     async def main() -> None:
-        config = EngineConfig(model=str(tiny_model_path), num_kv_blocks=128, stream_interval=4)
-        llm = AsyncLLM(config)
+        llm = AsyncLLM(EngineConfig(model=str(tiny_model_path), num_kv_blocks=128,
+                                    stream_interval=4))  # fmt: skip
         try:
-            got = await asyncio.gather(*(_drain(llm, p, greedy) for p in PROMPTS[:3]))
+            got = await asyncio.gather(*(_drain(llm, p, greedy) for p in PROMPTS))
             for (text, tokens, finish), r in zip(got, ref):
-                assert (text, tokens, finish) == (r.outputs[0].text, r.outputs[0].token_ids,
-                                                  "length")  # fmt: skip
-            assert await sizes(llm, PROMPTS[0], greedy) == [[1, 4, 4, 2]]
-            assert await sizes(llm, PROMPTS[0], greedy.clone(n=2, temperature=1.0)) == [
-                [1, 4, 4, 2], [1, 4, 4, 2]]  # fmt: skip
-            # A stop string ends the stream at once, held tokens and all.
-            text, _, finish = await _drain(llm, PROMPTS[1], greedy.clone(stop=[cut]))
-            assert finish == "stop" and text == ref[1].outputs[0].text.split(cut)[0]
+                assert (text, tokens, finish) == (
+                    r.outputs[0].text,
+                    r.outputs[0].token_ids,
+                    "length",
+                )
+            # A reader that falls behind gets deltas merged (4 + 4 as one 8): cut only after
+            # tokens 1, 5 and 9 then, and at the end.
+            [one] = await sizes(llm, PROMPTS[0], greedy)
+            cuts = list(itertools.accumulate(one))
+            assert cuts[-1] == 11 and set(cuts[:-1]) <= {1, 5, 9} and cuts[0] == 1, one
+            # n = 2: a delta goes when either sample has 4 unsent tokens (or its first), and
+            # takes both samples' tokens.
+            for got in await sizes(llm, PROMPTS[0], greedy.clone(n=2, temperature=1.0)):
+                assert sum(got) == 11 and got[0] == 1 and len(got) <= 6, got
+            # A stop string: the stream never shows text past the cut, and ends at once, held
+            # tokens and all.
+            text, _, finish = await _drain(llm, PROMPTS[0], greedy.clone(stop=[cut]))
+            assert (text, finish) == (stopped.outputs[0].text, "stop")
         finally:
             await llm.shutdown()
 

@@ -64,9 +64,10 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
                         "per stream)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="times each level is run per server")
     p.add_argument("--skip-hf", action="store_true", help="no transformers serve baseline")
-    p.add_argument("--stream-interval", type=int, default=1,
-                   help="Lumen's servers send tokens this many at a time (lumen serve "
-                        "--stream-interval)")  # fmt: skip
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="also an untraced Lumen server that sends tokens N at a time (lumen "
+                        "serve --stream-interval N), beside the others: its API process's and "
+                        "its client's CPU per token against the untraced server's")  # fmt: skip
     p.add_argument("--otlp", default="", metavar="DETAILS",
                    help="also a traced server per --otlp-detail listed (request, boundary, step, "
                         "store), each exporting to a local OTLP receiver: OTLP bytes and the "
@@ -340,7 +341,6 @@ def run(args: argparse.Namespace) -> int:
                  else build_tiny_llama(tmp / "tiny-llama", resolve_model(None)))  # fmt: skip
         top = str(max(levels))
         common = ("--max-num-seqs", top, "--max-concurrent-requests", str(4 * max(levels)),
-                  "--stream-interval", str(args.stream_interval),
                   *kv_flags(args.kv_tokens))  # fmt: skip
         servers: list[tuple[str, LumenServer]] = []
         try:
@@ -354,6 +354,10 @@ def run(args: argparse.Namespace) -> int:
             )
             servers.append(("lumen (no trace db)", LumenServer(
                 model, *common, "--no-trace-db", log_path=tmp / "untraced.log")))  # fmt: skip
+            if args.stream_interval > 1:
+                servers.append((_interval_name(args.stream_interval), LumenServer(
+                    model, *common, "--no-trace-db", "--stream-interval",
+                    str(args.stream_interval), log_path=tmp / "interval.log")))  # fmt: skip
             for detail in details:
                 receiver = stack.enter_context(OtlpReceiver())
                 receivers[f"lumen (traced, otlp {detail})"] = receiver
@@ -398,7 +402,7 @@ def run(args: argparse.Namespace) -> int:
     summaries = [r.summary() for r in results]
     _print(summaries, store)
     _print_otlp(summaries, otlp)
-    ratios = _ratios(summaries, levels)
+    ratios = _ratios(summaries, levels, args.stream_interval)
     intervals = tracing_shares.intervals(summaries, levels)
     for key, value in ratios.items():
         if (i := intervals.get(key)) is not None:
@@ -406,9 +410,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{i['high']:.3f}, {i['rounds']} paired rounds)")  # fmt: skip
         else:
             print(f"{key}: {value:.3f}")
-    write_json(args.json, {"max_tokens": args.max_tokens,
-                           "stream_interval": args.stream_interval,
-                           "levels": summaries, "store": store,
+    write_json(args.json, {"max_tokens": args.max_tokens, "levels": summaries, "store": store,
                            "otlp": otlp, **ratios, "intervals": intervals,
                            "machine": machine()})  # fmt: skip
     return 0
@@ -456,15 +458,29 @@ def _print_otlp(summaries: list[dict[str, Any]], otlp: dict[str, dict[str, float
               f"{extra}")  # fmt: skip
 
 
-def _ratios(summaries: list[dict[str, Any]], levels: list[int]) -> dict[str, float]:
+def _interval_name(n: int) -> str:
+    return f"lumen (no trace db, --stream-interval {n})"
+
+
+def _ratios(
+    summaries: list[dict[str, Any]], levels: list[int], stream_interval: int = 1
+) -> dict[str, float]:
     tok = _median_by(summaries, "tok_s")
     cpu = _median_by(summaries, "server_cpu_us_per_token")
+    api = _median_by(summaries, "api_cpu_us_per_token")
+    client = _median_by(summaries, "client_cpu_us_per_token")
     out: dict[str, float] = {}
     lumen, hf = "lumen (traced)", "transformers serve"
+    held, every = _interval_name(stream_interval), "lumen (no trace db)"
     for streams in levels:
         if (hf, streams) in cpu:
             out[f"s{streams}_cpu_per_token_ratio"] = cpu[lumen, streams] / cpu[hf, streams]
             out[f"s{streams}_tok_s_ratio"] = tok[lumen, streams] / tok[hf, streams]
+        if (held, streams) in api:  # N tokens a write against one
+            out[f"s{streams}_stream_interval_api_ratio"] = api[held, streams] / api[every, streams]
+            out[f"s{streams}_stream_interval_client_ratio"] = (
+                client[held, streams] / client[every, streams]
+            )
     out.update(tracing_shares.medians(summaries, levels))
     lo, hi = min(levels), max(levels)
     if lo != hi:  # flat in load: Lumen's own cost at the most streams over the fewest

@@ -48,12 +48,13 @@ def test_overhead_bench_counts_every_token_and_the_store(
     out = tmp_path / "overhead.json"
     r = lumen_bench(
         "overhead", "--model", str(tiny_model_path), "--streams", "2,5", "--max-tokens", "8",
-        "--tokens-per-level", "40", "--json", str(out),
+        "--tokens-per-level", "40", "--stream-interval", "4", "--json", str(out),
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     print(r.stdout)
     doc = json.loads(out.read_text())
-    systems = ("lumen (traced)", "lumen (no trace db)", "transformers serve")
+    systems = ("lumen (traced)", "lumen (no trace db)", "transformers serve",
+               "lumen (no trace db, --stream-interval 4)")  # fmt: skip
     assert {(x["system"], x["streams"]) for x in doc["levels"]} == {
         (s, n) for s in systems for n in (2, 5)
     }
@@ -66,7 +67,8 @@ def test_overhead_bench_counts_every_token_and_the_store(
     assert doc["store"]["tokens"] >= traced and doc["store"]["bytes_per_token"] > 0
     want = {"s2_cpu_per_token_ratio", "s5_tok_s_ratio", "cpu_per_token_s5_over_s2_ratio",
             "s2_tracing_cpu_extra_ratio", "s2_tracing_api_extra_ratio",
-            "s5_trace_writer_extra_ratio"}  # fmt: skip
+            "s5_trace_writer_extra_ratio", "s2_stream_interval_api_ratio",
+            "s5_stream_interval_client_ratio"}  # fmt: skip
     assert want <= set(ratio_keys(doc))
     for x in doc["levels"]:  # the API process: the server less its engine core
         api = x["server_cpu_us_per_token"] - x["children_cpu_us_per_token"]

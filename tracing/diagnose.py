@@ -326,7 +326,9 @@ def _ttft_parts(
         parts["chunk_wait"] = gap - gap_gc
     if window := span(last_out, hi):
         tail = window[1] - window[0]
-        writes = len(row.emit_ends_ns or []) or max(row.output_tokens or 0, 1)
+        # The writes its socket waited on: emits that one write delivered end at one instant.
+        writes = len({e for e in row.emit_ends_ns or [] if e is not None})
+        writes = writes or max(row.output_tokens or 0, 1)
         delivery = min(tail, (row.send_wait_ns or 0) // writes) if row.stream is not False else 0
         parts["emit"] = api.carve(parts, window[0], window[1] - delivery)
         parts["delivery"] = api.carve(parts, window[1] - delivery, window[1])

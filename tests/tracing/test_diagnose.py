@@ -170,6 +170,10 @@ def test_tokens_sent_n_at_a_time_are_writes_not_causes(
                     .split()[2])  # fmt: skip
     assert held > 100 and emitted < 5, rows  # 12 held tokens of 5-15 ms; 17 x 0.2 ms own
     assert "slowest boundary: worker.execute" in out
+    # A write's wait on the client's socket: its summed waits over the writes, not the emits.
+    slow = diagnose_run(serial_run(output=17, stream_interval=4, reader_ns=2 * MS)
+                        .write(tmp_path / "slow.db"))  # fmt: skip
+    assert all(r.ttft["delivery"] == 2 * MS for r in slow.requests)
 
 
 def _all_aborted(kv_left: int, idle_at_ms: float = 62.0) -> Trace:

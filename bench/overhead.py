@@ -467,16 +467,17 @@ def _ratios(
 ) -> dict[str, float]:
     tok = _median_by(summaries, "tok_s")
     cpu = _median_by(summaries, "server_cpu_us_per_token")
-    api = _median_by(summaries, "api_cpu_us_per_token")
-    client = _median_by(summaries, "client_cpu_us_per_token")
     out: dict[str, float] = {}
     lumen, hf = "lumen (traced)", "transformers serve"
     held, every = _interval_name(stream_interval), "lumen (no trace db)"
+    if stream_interval > 1:
+        api = _median_by(summaries, "api_cpu_us_per_token")
+        client = _median_by(summaries, "client_cpu_us_per_token")
     for streams in levels:
         if (hf, streams) in cpu:
             out[f"s{streams}_cpu_per_token_ratio"] = cpu[lumen, streams] / cpu[hf, streams]
             out[f"s{streams}_tok_s_ratio"] = tok[lumen, streams] / tok[hf, streams]
-        if (held, streams) in api:  # N tokens a write against one
+        if (held, streams) in cpu:  # N tokens a write against one
             out[f"s{streams}_stream_interval_api_ratio"] = api[held, streams] / api[every, streams]
             out[f"s{streams}_stream_interval_client_ratio"] = (
                 client[held, streams] / client[every, streams]

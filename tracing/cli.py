@@ -86,8 +86,9 @@ def _waterfall(req: tuple[Any, ...], spans: list[tuple[str, int, int]]) -> None:
     for name in (*BOUNDARIES[:3], GRAMMAR_SPAN, *BOUNDARIES[3:]):  # core.grammar: if it has one
         mine = [(s, e) for n, s, e in spans if n == name]
         held = _held(mine) if name == "frontend.emit" else []
-        if mine:
-            total = sum(e - s for s, e in mine) - sum(e - s for s, e in held)
+        if mine:  # a write's own time once, from the emit that sent it
+            held_starts = {s for s, _ in held}
+            total = sum(e - s for s, e in mine if s not in held_starts)
             rows.append((name, len(mine), total, mine))
         if held:
             rows.append((HELD, len(held), sum(e - s for s, e in held), held))
@@ -113,7 +114,8 @@ def _waterfall(req: tuple[Any, ...], spans: list[tuple[str, int, int]]) -> None:
 
 # Emits that one write delivered share its end: each but the last was held from its start
 # to the last one's start, the output that sent them (--stream-interval; or text that could
-# still begin a stop string). The hold is shown apart, not as frontend.emit's own time.
+# still begin a stop string). The hold is shown apart, and the write's own time (the last
+# one's span) counts once in frontend.emit's total.
 HELD = "  held to send"
 
 

@@ -126,6 +126,7 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
         pauses=list(facts.pauses),
         step_prior=facts.step_prior,
         lifecycle=facts.lifecycle,
+        stream_interval=facts.stream_interval,
     )
     verdict.judge(run)
     return run

@@ -64,6 +64,7 @@ class RunFacts:
     pauses: list[PauseRow]
     step_prior: list[float] | None = None  # the warm-up's [a, b, c] (tracing.shares)
     lifecycle: list[LifecycleRow] = field(default_factory=list)  # drains, restarts
+    stream_interval: int = 1  # tokens a write took (lumen serve --stream-interval)
 
 
 def load_step_prior(con: duckdb.DuckDBPyConnection, run_id: str) -> list[float] | None:
@@ -72,6 +73,16 @@ def load_step_prior(con: duckdb.DuckDBPyConnection, run_id: str) -> list[float] 
         return None
     row = con.execute("SELECT step_prior FROM runs WHERE run_id = ?", [run_id]).fetchone()
     return list(row[0]) if row and row[0] and len(row[0]) == 3 else None
+
+
+def load_stream_interval(con: duckdb.DuckDBPyConnection, run_id: str) -> int:
+    """The tokens a write took in the run (--stream-interval), 1 where it recorded none."""
+    row = con.execute(
+        "SELECT TRY_CAST(json_extract(engine_config, '$.stream_interval') AS INTEGER) "
+        "FROM runs WHERE run_id = ?",
+        [run_id],
+    ).fetchone()
+    return row[0] if row and row[0] and row[0] > 1 else 1
 
 
 def _columns(con: duckdb.DuckDBPyConnection, table: str) -> set[str]:
@@ -327,6 +338,7 @@ def load_run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunFacts:
         pauses=load_pauses(con, run_id),
         step_prior=load_step_prior(con, run_id),
         lifecycle=load_lifecycle(con, run_id),
+        stream_interval=load_stream_interval(con, run_id),
     )
 
 

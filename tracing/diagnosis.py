@@ -168,6 +168,7 @@ class RunDiagnosis:
     pauses: list[tuple[str, str, int, int]] = field(default_factory=list)  # process, kind, ns
     step_prior: list[float] | None = None  # the warm-up's price of a step (tracing.shares)
     lifecycle: list[LifecycleRow] = field(default_factory=list)  # the server's drains, restarts
+    stream_interval: int = 1  # tokens a write took (--stream-interval): ITL is between writes
 
 
 def percentiles(values: list[float], weights: list[float] | None = None) -> dict[str, float]:

@@ -365,4 +365,9 @@ def headline(run: RunDiagnosis) -> str:
     ):
         if s.get(key):
             said.append(f"{label} p50 {ms(s[key]['p50'] * 1e9)}, p99 {ms(s[key]['p99'] * 1e9)}")
-    return ("; ".join(said) + ".") if said else "No request got a token."
+    if not said:
+        return "No request got a token."
+    n = run.stream_interval
+    held = (f" The server sent tokens {n} at a time (--stream-interval {n}): ITL is the gap "
+            "between writes.") if n > 1 and s.get("itl_s") else ""  # fmt: skip
+    return "; ".join(said) + "." + held

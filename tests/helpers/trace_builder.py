@@ -4,6 +4,7 @@ would have written)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ class Trace:
         self.steps: list[tuple[Any, ...]] = []
         self.pauses: list[tuple[Any, ...]] = []
         self.step_prior: list[float] | None = None  # the warm-up's [a, b, c] ns, if any
+        self.engine_config: dict[str, Any] | None = None  # the server's options, if any
 
     def request(
         self, rid: str, at_ms: float, *, prompt: int = 32, output: int = 8,
@@ -182,7 +184,9 @@ class Trace:
     def write(self, path: Path) -> Path:
         assert all(r.status for r in self.reqs.values()), "every request must end"
         store = TraceStore(path, max_buffered_rows=10_000_000)
-        runs = [row("runs", run_id=RUN, started_ns=T0, step_prior=self.step_prior)]
+        config = json.dumps(self.engine_config) if self.engine_config is not None else None
+        runs = [row("runs", run_id=RUN, started_ns=T0, step_prior=self.step_prior,
+                    engine_config=config)]  # fmt: skip
         store.add_all({"runs": runs, "requests": self.request_rows(), "steps": self.steps,
                        "span_rows": self.span_rows(), "pauses": self.pauses})  # fmt: skip
         assert store.flush()

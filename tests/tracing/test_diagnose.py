@@ -151,12 +151,17 @@ def test_tokens_sent_n_at_a_time_are_writes_not_causes(
     from service.cli import main
 
     tr = serial_run(output=17, stream_interval=4)
+    tr.engine_config = {"stream_interval": 4, "max_num_seqs": 128}  # as the server records it
     path = tr.write(tmp_path / "t.db")
     run = diagnose_run(path)
     text = render_run(run)
     print(text)
     assert not kinds(run, "cause") and not kinds(run, "paid") and not kinds(run, "step")
     assert "Nothing stands out" in text
+    assert (
+        "sent tokens 4 at a time (--stream-interval 4): ITL is the gap between writes"
+        in " ".join(text.split())
+    )
     for r in run.requests:  # 1 + 4 x 4 tokens: five writes, each gap 4 decode steps of 5 ms
         assert len(r.gaps_ns) == 4 and all(20 * MS < g < 25 * MS for g in r.gaps_ns), r.gaps_ns
     _, sentences = explain_request(path, "r3")

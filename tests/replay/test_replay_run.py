@@ -43,7 +43,11 @@ def _record(server: LumenServer) -> None:
     assert httpx.post(url, json={"messages": []}).status_code == 400
     fat = {"prompt": "Count with me: " * 8, "max_tokens": 300, "ignore_eos": True,
            "temperature": 0, "logprobs": 5}  # fmt: skip
-    SlowReader(server, fat, stall_s=1.0).run()
+    # The replay reads it at the recorded pace (its delivery span over its tokens): a stall of
+    # 2 s makes that ~7 ms a token, slower than a busy 2-core machine generates them, so the
+    # replayed writes back up too. At 1 s (~4 ms a token) a slow machine's replay once kept
+    # pace, and its writes waited 8.6 ms in all.
+    SlowReader(server, fat, stall_s=2.0).run()
 
 
 def _requests(db: Path, run_id: str | None = None) -> list[tuple]:

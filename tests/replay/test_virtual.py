@@ -64,6 +64,22 @@ def test_what_if_a_smaller_kv_pool_preempts_more(tmp_path: Path) -> None:
     assert small["num_steps"] > roomy["num_steps"]
 
 
+def test_a_stream_interval_makes_the_virtual_itl_the_gap_between_writes(tmp_path: Path) -> None:
+    """--stream-interval 4: the first token, then every 4th and the last are written, so the
+    virtual run's ITL is the gap between those writes, as a real run's is; TTFT, TPOT and the
+    steps are the same run's."""
+    db, cost = _trace(tmp_path), _cost(tmp_path)
+    every = _virtual(db, cost, tmp_path / "1.json", "--num-kv-blocks", "512")
+    held = _virtual(db, cost, tmp_path / "4.json", "--num-kv-blocks", "512",
+                    "--stream-interval", "4")  # fmt: skip
+    for key in ("ttft_s", "tpot_s", "e2e_s", "num_steps"):
+        assert held[key] == every[key], key
+    ratio = held["itl_s"]["p50"] / every["itl_s"]["p50"]
+    print(f"\nITL p50 {every['itl_s']['p50'] * 1e3:.2f} ms a token, {held['itl_s']['p50'] * 1e3:.2f}"
+          f" ms a write of 4 ({ratio:.2f}x)")  # fmt: skip
+    assert 3.5 < ratio < 4.5
+
+
 def test_calibration_fits_measured_steps(tmp_path: Path) -> None:
     from tracing.store import TraceStore, row
 

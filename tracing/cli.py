@@ -9,6 +9,7 @@ import re
 import sys
 from typing import Any
 
+from tracing.emit_columns import closes_write
 from tracing.spans import BOUNDARIES, GRAMMAR_SPAN
 from tracing.store import open_db
 
@@ -85,10 +86,11 @@ def _waterfall(req: tuple[Any, ...], spans: list[tuple[str, int, int]]) -> None:
     rows = []
     for name in (*BOUNDARIES[:3], GRAMMAR_SPAN, *BOUNDARIES[3:]):  # core.grammar: if it has one
         mine = [(s, e) for n, s, e in spans if n == name]
-        held = _held(mine) if name == "frontend.emit" else []
+        emits = name == "frontend.emit"
+        closing = closes_write([e for _, e in mine]) if emits else [True] * len(mine)
+        held = _held(mine, closing)
         if mine:  # a write's own time once, from the emit that sent it
-            held_starts = {s for s, _ in held}
-            total = sum(e - s for s, e in mine if s not in held_starts)
+            total = sum(e - s for (s, e), closes in zip(mine, closing) if closes)
             rows.append((name, len(mine), total, mine))
         if held:
             rows.append((HELD, len(held), sum(e - s for s, e in held), held))
@@ -112,18 +114,20 @@ def _waterfall(req: tuple[Any, ...], spans: list[tuple[str, int, int]]) -> None:
     print(f"\nslowest boundary: {slowest}, {total / 1e6:,.1f} ms, {total / e2e:.0%} of e2e{note}\n")
 
 
-# Emits that one write delivered share its end: each but the last was held from its start
-# to the last one's start, the output that sent them (--stream-interval; or text that could
-# still begin a stop string). The hold is shown apart, and the write's own time (the last
-# one's span) counts once in frontend.emit's total.
+# The emits one write delivered (emit_columns.closes_write): each but the last was held from
+# its start to the last one's, the output that sent them. The hold is shown apart, and the
+# write's own time (the last one's span) counts once in frontend.emit's total.
 HELD = "  held to send"
 
 
-def _held(emits: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    last_start_by_end: dict[int, int] = {}
-    for s, e in emits:
-        last_start_by_end[e] = max(s, last_start_by_end.get(e, s))
-    return [(s, last_start_by_end[e]) for s, e in emits if s < last_start_by_end[e]]
+def _held(emits: list[tuple[int, int]], closing: list[bool]) -> list[tuple[int, int]]:
+    held, sent_at = [], 0
+    for (s, _), closes in zip(reversed(emits), reversed(closing)):
+        if closes:
+            sent_at = s
+        else:
+            held.append((s, sent_at))
+    return held[::-1]
 
 
 def _why(args: argparse.Namespace) -> int:

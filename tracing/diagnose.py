@@ -46,6 +46,7 @@ from tracing.diagnosis import (
     percentiles,
     summarize,
 )
+from tracing.emit_columns import closes_write
 from tracing.pauses import Intervals, Pauses, pauses_of
 from tracing.shares import StepShare
 from tracing.store import DbPath, latest_run, open_db
@@ -244,18 +245,11 @@ def _decompose(row: RequestFacts, window: Window, run: _Run) -> RequestDiagnosis
 def _write_gaps(
     ends: Sequence[int | None], step_ids: Sequence[int | None]
 ) -> tuple[list[int], list[int | None]]:
-    """The gaps between a stream's writes, each with the step that ended it. Emits delivered
-    by one write share its instant (tokens held back by --stream-interval, or text that could
-    still begin a stop string): the client saw them together, so they make one gap, ended
-    by the last of them."""
-    writes: list[tuple[int, int | None]] = []
-    for end, step_id in zip(ends, [*step_ids, *[None] * (len(ends) - len(step_ids))]):
-        if end is None:
-            continue
-        if writes and writes[-1][0] == end:
-            writes[-1] = (end, step_id)
-        else:
-            writes.append((end, step_id))
+    """The gaps between a stream's writes (emit_columns.closes_write), each with the step
+    that ended it: the emits one write delivered make one gap, as the client saw them."""
+    emits = [(end, step) for end, step in itertools.zip_longest(ends, step_ids[: len(ends)])
+             if end is not None]  # fmt: skip
+    writes = [e for e, last in zip(emits, closes_write([end for end, _ in emits])) if last]
     gaps = [int(b[0] - a[0]) for a, b in itertools.pairwise(writes)]
     return gaps, [step_id for _, step_id in writes[1:]]
 
@@ -327,8 +321,8 @@ def _ttft_parts(
         parts["chunk_wait"] = gap - gap_gc
     if window := span(last_out, hi):
         tail = window[1] - window[0]
-        # The writes its socket waited on: emits that one write delivered end at one instant.
-        writes = len({e for e in row.emit_ends_ns or [] if e is not None})
+        # The writes its socket waited on (emit_columns.closes_write), not the emits.
+        writes = sum(closes_write([e for e in row.emit_ends_ns or [] if e is not None]))
         writes = writes or max(row.output_tokens or 0, 1)
         delivery = min(tail, (row.send_wait_ns or 0) // writes) if row.stream is not False else 0
         parts["emit"] = api.carve(parts, window[0], window[1] - delivery)

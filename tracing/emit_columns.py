@@ -43,6 +43,15 @@ class Emits(NamedTuple):
         return step_deltas, received_deltas, delivery_us
 
 
+def closes_write(ends: Sequence[int | None]) -> list[bool]:
+    """For a request's emits in order, whether each is the last that its write delivered. The
+    emits one write delivered share its end (tokens held back by --stream-interval, or text
+    that could still begin a stop string), and the last of them, the step that sent them,
+    stands for the write: the client saw their tokens together."""
+    n = len(ends)
+    return [i + 1 == n or ends[i + 1] != ends[i] for i in range(n)]
+
+
 def emits_of(
     steps: list[int], received: list[int], delivered: list[int], first_step: int, arrival_ns: int
 ) -> Emits | None:

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from engine.messages import StepRecord
-from tracing.emit_columns import emits_of
+from tracing.emit_columns import closes_write, emits_of
 from tracing.events import HttpFacts
 from tracing.ids import new_span_id, new_trace_id
 
@@ -261,13 +261,12 @@ def boundary_durations(req: RequestTrace) -> list[tuple[str, int]]:
         ("core.queue", max(0, first - req.received_ns.get(seq, first)))
         for seq, first in req.first_steps.items()
     ]
-    # Once per write: where one write delivered several steps' tokens (held back by
-    # --stream-interval, or by a stop string), its last emit, the step that sent them.
+    # Once per write (emit_columns.closes_write): the wait of the step that sent it.
     delivered = req.emit_delivered
     out += [
         ("frontend.emit", max(0, at - recv))
-        for i, (recv, at) in enumerate(zip(req.emit_received, delivered))
-        if i + 1 == len(delivered) or delivered[i + 1] != at
+        for recv, at, last in zip(req.emit_received, delivered, closes_write(delivered))
+        if last
     ]
     return out
 

@@ -41,7 +41,8 @@ class PreparedPrompt:
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The folder's tokenizer, as ``AutoTokenizer.from_pretrained`` loads it.
+    """The folder's tokenizer, as ``AutoTokenizer.from_pretrained`` loads it (once per process
+    while the folder is unchanged: ``_LOADED``).
 
     AutoTokenizer chooses the class through transformers' configuration code, which imports
     torch: 1.5 s of a 2-core machine, in an API process that needs no torch otherwise. So the
@@ -50,6 +51,9 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     and calls only that class, as AutoTokenizer would have.
     """
     record = _class_record(path)
+    loaded_key = json.dumps(record[1]) if record else None
+    if loaded_key is not None and (tokenizer := _LOADED.get(loaded_key)) is not None:
+        return tokenizer
     cls = _recorded_class(*record) if record else None
     if cls is not None:
         tokenizer = cls.from_pretrained(path, _from_auto=True)  # AutoTokenizer's own call
@@ -61,7 +65,16 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
             _record_class(*record, type(tokenizer))
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{path} has no fast tokenizer (tokenizer.json), which Lumen needs")
+    if loaded_key is not None:
+        _LOADED[loaded_key] = tokenizer
     return tokenizer
+
+
+# Tokenizers loaded in this process, by the record's key (the folder, its files' sizes and
+# times, the transformers version): a second LLM or AsyncLLM of an unchanged folder shares the
+# first one's, as vLLM's cached tokenizers are shared, instead of parsing tokenizer.json again
+# (0.2 s). Lumen only reads it; a caller that reconfigures it changes it for the others.
+_LOADED: dict[str, PreTrainedTokenizerBase] = {}
 
 
 def _class_record(path: str) -> tuple[Path, dict[str, Any]] | None:

@@ -41,6 +41,12 @@ JSON_OPTIONS: JsonCompileOptions = {
 GRAMMAR_WAIT_S = 0.005  # how long an otherwise idle core waits for a grammar before a poll
 
 
+# llguidance's tokenizers loaded in this process, by tokenizer.json (its path, size and time),
+# vocabulary size and EOS ids: engines of one model in one process (LLM, in-process cores)
+# share one, as a matcher only reads it, and a second engine's warm-up skips the 0.3 s load.
+_LOADED: dict[tuple[str, int, int, int, tuple[int, ...]], Any] = {}
+
+
 class Grammar:
     """One request's grammar: compiling (``future``), then a matcher of its own."""
 
@@ -162,7 +168,13 @@ class GrammarManager:
 
         started = time.monotonic()
         path = Path(self.model_path) / "tokenizer.json"
+        key = None
         if path.is_file():
+            st = path.stat()
+            key = (str(path.resolve()), st.st_size, st.st_mtime_ns, self.vocab_size,
+                   tuple(self.eos_token_ids))  # fmt: skip
+            if (loaded := _LOADED.get(key)) is not None:
+                return loaded
             spec = path.read_text(encoding="utf-8")
         else:
             from transformers import AutoTokenizer
@@ -175,6 +187,8 @@ class GrammarManager:
             spec, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
         )
         logger.info("grammar tokenizer loaded in %.2fs", time.monotonic() - started)
+        if key is not None:
+            _LOADED[key] = tokenizer
         return tokenizer
 
     # -- each step -----------------------------------------------------------------

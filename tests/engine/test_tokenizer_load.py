@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import processor
 from engine.processor import load_tokenizer
 from tests.helpers.server import ROOT
 
@@ -92,15 +93,17 @@ def test_a_recorded_class_is_used_only_for_the_folder_as_it_was(
     monkeypatch.setenv("LUMEN_TOKENIZER_DIR", str(records))
     folder = tmp_path / "model"
     shutil.copytree(default_model_path, folder, ignore=shutil.ignore_patterns("*.safetensors"))
-    load_tokenizer(str(folder))
+    first = load_tokenizer(str(folder))
     (record,) = records.glob("*.json")
-    _same(load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder))  # from the record
+    assert load_tokenizer(str(folder)) is first  # this process loaded it already
+    _same(_fresh_load(folder), AutoTokenizer.from_pretrained(folder))  # from the record
 
     # An edited folder is another key: AutoTokenizer chooses again, and is recorded again.
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["model_max_length"] = 1234
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    assert load_tokenizer(str(folder)).model_max_length == 1234
+    edited = load_tokenizer(str(folder))
+    assert edited is not first and edited.model_max_length == 1234
     assert len(list(records.glob("*.json"))) == 2
 
     # A record that names code outside transformers, or that others may write, is not used:
@@ -108,11 +111,17 @@ def test_a_recorded_class_is_used_only_for_the_folder_as_it_was(
     (current,) = set(records.glob("*.json")) - {record}
     entry = json.loads(current.read_text())
     current.write_text(json.dumps({**entry, "module": "os", "class": "PathLike"}))
-    _same(load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder))
+    _same(_fresh_load(folder), AutoTokenizer.from_pretrained(folder))
     assert json.loads(current.read_text()) == entry
     os.chmod(current, 0o666)
-    _same(load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(folder))
+    _same(_fresh_load(folder), AutoTokenizer.from_pretrained(folder))
     assert current.stat().st_mode & 0o777 == 0o644
+
+
+def _fresh_load(folder: Path):  # type: ignore[no-untyped-def]
+    """load_tokenizer as a fresh process runs it: nothing loaded before (processor._LOADED)."""
+    processor._LOADED.clear()
+    return load_tokenizer(str(folder))
 
 
 ENCODED = [
@@ -137,6 +146,7 @@ def test_the_processor_encodes_as_transformers_does(
     tokenizer = load_tokenizer(str(path))
     encoder = plain_encoder(tokenizer)
     tokenizer.backend_tokenizer.enable_truncation(8)  # transformers' call turns this off
+    request.addfinalizer(tokenizer.backend_tokenizer.no_truncation)  # shared in this process
     for text in ENCODED:
         for special in (True, False):
             assert encoder.encode(text, add_special_tokens=special).ids == tokenizer.encode(

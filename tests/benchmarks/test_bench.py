@@ -11,6 +11,7 @@ import importlib.util
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -305,3 +306,27 @@ def test_tracing_shares_come_with_an_interval_that_holds_their_median() -> None:
     assert narrow["high"] - narrow["low"] < 0.005 < wide["high"] - wide["low"]
     assert median_interval(noisy) == median_interval(noisy)
     assert "s64_tracing_cpu_extra_ratio" not in intervals(levels(steady[:4]), [64])
+
+
+def test_the_overhead_bench_compares_with_each_baseline_it_ran() -> None:
+    """`lumen bench overhead`'s ratios, from one level of each server: the traced server over
+    transformers serve, N tokens a write over one; a baseline left out (--skip-hf, no
+    --stream-interval) leaves its ratios out. The servers themselves run in test_bench_servers."""
+    from bench.overhead import _interval_name, _ratios
+
+    def row(system: str, cpu: float, api: float, client: float, tok_s: float) -> dict[str, Any]:
+        return {"system": system, "streams": 8, "server_cpu_us_per_token": cpu,
+                "api_cpu_us_per_token": api, "client_cpu_us_per_token": client,
+                "trace_writer_cpu_us_per_token": 0.0, "tok_s": tok_s}  # fmt: skip
+
+    lumen = [row("lumen (traced)", 150, 60, 30, 9000),
+             row("lumen (no trace db)", 140, 50, 30, 9500)]  # fmt: skip
+    others = [row("transformers serve", 600, 500, 40, 3000),
+              row(_interval_name(4), 120, 30, 12, 9600)]  # fmt: skip
+    ratios = _ratios(lumen + others, [8], stream_interval=4)
+    assert ratios["s8_cpu_per_token_ratio"] == pytest.approx(150 / 600)
+    assert ratios["s8_tok_s_ratio"] == pytest.approx(9000 / 3000)
+    assert ratios["s8_stream_interval_api_ratio"] == pytest.approx(30 / 50)
+    assert ratios["s8_stream_interval_client_ratio"] == pytest.approx(12 / 30)
+    alone = _ratios(lumen, [8])
+    assert not {k for k in alone if "stream_interval" in k or k.startswith("s8_cpu_per_token")}

@@ -48,12 +48,14 @@ def test_overhead_bench_counts_every_token_and_the_store(
     out = tmp_path / "overhead.json"
     r = lumen_bench(
         "overhead", "--model", str(tiny_model_path), "--streams", "2,5", "--max-tokens", "8",
-        "--tokens-per-level", "40", "--stream-interval", "4", "--json", str(out),
+        "--tokens-per-level", "40", "--stream-interval", "4", "--json", str(out), "--skip-hf",
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
     print(r.stdout)
     doc = json.loads(out.read_text())
-    systems = ("lumen (traced)", "lumen (no trace db)", "transformers serve",
+    # transformers serve is left out: the serve bench above runs it, and the ratios to it are
+    # test_bench.py's (a 12 s start on 2 cores, to run two requests).
+    systems = ("lumen (traced)", "lumen (no trace db)",
                "lumen (no trace db, --stream-interval 4)")  # fmt: skip
     assert {(x["system"], x["streams"]) for x in doc["levels"]} == {
         (s, n) for s in systems for n in (2, 5)
@@ -65,7 +67,7 @@ def test_overhead_bench_counts_every_token_and_the_store(
     # Every traced token is in the store, whose size is reported per token.
     traced = sum(x["tokens"] for x in doc["levels"] if x["system"] == "lumen (traced)")
     assert doc["store"]["tokens"] >= traced and doc["store"]["bytes_per_token"] > 0
-    want = {"s2_cpu_per_token_ratio", "s5_tok_s_ratio", "cpu_per_token_s5_over_s2_ratio",
+    want = {"cpu_per_token_s5_over_s2_ratio",
             "s2_tracing_cpu_extra_ratio", "s2_tracing_api_extra_ratio",
             "s5_trace_writer_extra_ratio", "s2_stream_interval_api_ratio",
             "s5_stream_interval_client_ratio"}  # fmt: skip

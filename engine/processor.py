@@ -7,6 +7,7 @@ import importlib
 import json
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -178,12 +179,23 @@ def plain_encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
 
     Transformers' own call sends even one text through ``encode_batch``, whose thread pool
     wakes on every call: about half of a served request's tokenizing on 2 busy cores. This is a
-    copy, so that a transformers call that configures the backend cannot change it."""
+    copy, so that a transformers call that configures the backend cannot change it. Made once
+    for a tokenizer (0.1 s): the LLMs that share a tokenizer (``_LOADED``) share it too."""
+    split = bool(getattr(tokenizer, "split_special_tokens", False))
+    made = _ENCODERS.get(tokenizer)
+    if made is not None and made.encode_special_tokens == split:
+        return made
     encoder = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     encoder.no_truncation()
     encoder.no_padding()
-    encoder.encode_special_tokens = bool(getattr(tokenizer, "split_special_tokens", False))
+    encoder.encode_special_tokens = split
+    _ENCODERS[tokenizer] = encoder
     return encoder
+
+
+_ENCODERS: weakref.WeakKeyDictionary[PreTrainedTokenizerBase, Tokenizer] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def start_loading_tokenizer(path: str) -> Future[PreTrainedTokenizerBase]:

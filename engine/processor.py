@@ -68,6 +68,8 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
         raise ValueError(f"{path} has no fast tokenizer (tokenizer.json), which Lumen needs")
     if loaded_key is not None:
         _LOADED[loaded_key] = tokenizer
+        while len(_LOADED) > KEEP_LOADED:  # the oldest first: a process of many models
+            del _LOADED[next(iter(_LOADED))]
     return tokenizer
 
 
@@ -76,6 +78,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 # first one's, as vLLM's cached tokenizers are shared, instead of parsing tokenizer.json again
 # (0.2 s). Lumen only reads it; a caller that reconfigures it changes it for the others.
 _LOADED: dict[str, PreTrainedTokenizerBase] = {}
+KEEP_LOADED = 4  # folders' tokenizers kept (Gemma's is 33 MB of JSON)
 
 
 def _class_record(path: str) -> tuple[Path, dict[str, Any]] | None:

@@ -45,6 +45,7 @@ GRAMMAR_WAIT_S = 0.005  # how long an otherwise idle core waits for a grammar be
 # vocabulary size and EOS ids: engines of one model in one process (LLM, in-process cores)
 # share one, as a matcher only reads it, and a second engine's warm-up skips the 0.3 s load.
 _LOADED: dict[tuple[str, int, int, int, tuple[int, ...]], Any] = {}
+KEEP_LOADED = 4
 
 
 class Grammar:
@@ -189,6 +190,8 @@ class GrammarManager:
         logger.info("grammar tokenizer loaded in %.2fs", time.monotonic() - started)
         if key is not None:
             _LOADED[key] = tokenizer
+            while len(_LOADED) > KEEP_LOADED:  # the oldest first
+                del _LOADED[next(iter(_LOADED))]
         return tokenizer
 
     # -- each step -----------------------------------------------------------------

@@ -130,3 +130,26 @@ def test_abort_while_compiling_and_a_grammar_the_core_cannot_build(
     assert not scheduler.requests and not scheduler.compiling and scheduler.num_grammars == 0
     assert scheduler.kv_cache.pool.num_free_blocks == scheduler.kv_cache.num_blocks
     client.shutdown()
+
+
+def test_engines_of_one_model_share_the_grammar_tokenizer(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """llguidance's view of a tokenizer is loaded once a process for a tokenizer.json as it
+    is, with the engine's vocabulary and EOS ids; another file, or other ids, load their own."""
+    import shutil
+
+    from engine.core import grammar
+
+    def load(folder: Path, eos: tuple[int, ...] = (0,)) -> object:
+        return grammar.GrammarManager(str(folder), 49152, eos)._load_tokenizer()
+
+    first = load(tiny_model_path)
+    assert load(tiny_model_path) is first
+    assert load(tiny_model_path, eos=(0, 2)) is not first
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(tiny_model_path / "tokenizer.json", copy / "tokenizer.json")
+    assert load(copy) is not first
+    # A process that loads many models keeps the newest few.
+    assert len(grammar._LOADED) <= grammar.KEEP_LOADED

@@ -17,7 +17,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-from engine import envs, gguf_q4
+from engine import envs
 
 MAGIC = b"GGUF"
 # GGUF's general.architecture -> the families engine/config.py runs.
@@ -71,6 +71,8 @@ def ensure_converted(path: Path, *, log=print) -> Path:
     digest = content_hash(path)
     target = cache_dir(path, digest)
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
+        from engine import gguf_q4  # numpy: not before `lumen serve` has spawned its core
+
         if not (target / gguf_q4.GRIDS_FILE).is_file():  # converted before grids were kept
             gguf_q4.write_grids(path, target)  # best effort: int4 fits its own where it fails
         return target
@@ -107,6 +109,8 @@ def _convert(gguf: Path, out: Path) -> None:
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     # Its Q4_0, Q4_1 and Q4_K grids, which --quantization int4 keeps (engine/gguf_q4.py).
+    from engine import gguf_q4
+
     gguf_q4.write_grids(gguf, out)
 
 

@@ -11,7 +11,6 @@ from typing import Any
 
 from tracing.emit_columns import closes_write
 from tracing.spans import BOUNDARIES, GRAMMAR_SPAN
-from tracing.store import open_db
 
 DEFAULT_DB = "traces/trace.db"
 # Several stores (or a folder of them) read as one fleet, each row with its replica.
@@ -49,6 +48,8 @@ def _highlight(text: str) -> str:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from tracing.store import open_db  # duckdb: `lumen serve` builds this parser before its core
+
     with open_db(args.db) as con:
         # A completion with several prompts is one engine request per prompt: ID-0, ID-1, ...
         reqs = con.execute(
@@ -142,6 +143,7 @@ def _why(args: argparse.Namespace) -> int:
 def _top(args: argparse.Namespace) -> int:
     from tracing.diagnose import diagnose_run
     from tracing.judge import dominant_words
+    from tracing.store import open_db
 
     order = "e2e_ns" if args.by == "e2e" else "ttft_ns"
     with open_db(args.db) as con:

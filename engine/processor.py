@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -43,7 +44,7 @@ class PreparedPrompt:
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """The folder's tokenizer, as ``AutoTokenizer.from_pretrained`` loads it (once per process
-    while the folder is unchanged: ``_LOADED``).
+    while the folder is unchanged: ``_load_unchanged``).
 
     AutoTokenizer chooses the class through transformers' configuration code, which imports
     torch: 1.5 s of a 2-core machine, in an API process that needs no torch otherwise. So the
@@ -52,9 +53,21 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     and calls only that class, as AutoTokenizer would have.
     """
     record = _class_record(path)
-    loaded_key = json.dumps(record[1]) if record else None
-    if loaded_key is not None and (tokenizer := _LOADED.get(loaded_key)) is not None:
-        return tokenizer
+    if record is None:
+        return _load(path, None)
+    return _load_unchanged(path, record[0], json.dumps(record[1]))
+
+
+# By the record and its key (the folder, its files' sizes and times, the transformers version):
+# a second LLM or AsyncLLM of an unchanged folder shares the first one's tokenizer, as vLLM's
+# cached tokenizers are shared, instead of parsing tokenizer.json again (0.2 s). Lumen only
+# reads it; a caller that reconfigures it changes it for the others.
+@functools.lru_cache(maxsize=4)  # folders' tokenizers kept (Gemma's is 33 MB of JSON)
+def _load_unchanged(path: str, record: Path, key: str) -> PreTrainedTokenizerBase:
+    return _load(path, (record, json.loads(key)))
+
+
+def _load(path: str, record: tuple[Path, dict[str, Any]] | None) -> PreTrainedTokenizerBase:
     cls = _recorded_class(*record) if record else None
     if cls is not None:
         tokenizer = cls.from_pretrained(path, _from_auto=True)  # AutoTokenizer's own call
@@ -66,19 +79,7 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
             _record_class(*record, type(tokenizer))
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(f"{path} has no fast tokenizer (tokenizer.json), which Lumen needs")
-    if loaded_key is not None:
-        _LOADED[loaded_key] = tokenizer
-        while len(_LOADED) > KEEP_LOADED:  # the oldest first: a process of many models
-            del _LOADED[next(iter(_LOADED))]
     return tokenizer
-
-
-# Tokenizers loaded in this process, by the record's key (the folder, its files' sizes and
-# times, the transformers version): a second LLM or AsyncLLM of an unchanged folder shares the
-# first one's, as vLLM's cached tokenizers are shared, instead of parsing tokenizer.json again
-# (0.2 s). Lumen only reads it; a caller that reconfigures it changes it for the others.
-_LOADED: dict[str, PreTrainedTokenizerBase] = {}
-KEEP_LOADED = 4  # folders' tokenizers kept (Gemma's is 33 MB of JSON)
 
 
 def _class_record(path: str) -> tuple[Path, dict[str, Any]] | None:
@@ -183,7 +184,7 @@ def plain_encoder(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
     Transformers' own call sends even one text through ``encode_batch``, whose thread pool
     wakes on every call: about half of a served request's tokenizing on 2 busy cores. This is a
     copy, so that a transformers call that configures the backend cannot change it. Made once
-    for a tokenizer (0.1 s): the LLMs that share a tokenizer (``_LOADED``) share it too."""
+    for a tokenizer (0.1 s): the LLMs that share a tokenizer (``_load_unchanged``) share it too."""
     split = bool(getattr(tokenizer, "split_special_tokens", False))
     made = _ENCODERS.get(tokenizer)
     if made is not None and made.encode_special_tokens == split:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -39,13 +40,6 @@ JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False,
 }
 GRAMMAR_WAIT_S = 0.005  # how long an otherwise idle core waits for a grammar before a poll
-
-
-# llguidance's tokenizers loaded in this process, by tokenizer.json (its path, size and time),
-# vocabulary size and EOS ids: engines of one model in one process (LLM, in-process cores)
-# share one, as a matcher only reads it, and a second engine's warm-up skips the 0.3 s load.
-_LOADED: dict[tuple[str, int, int, int, tuple[int, ...]], Any] = {}
-KEEP_LOADED = 4
 
 
 class Grammar:
@@ -165,34 +159,17 @@ class GrammarManager:
         """llguidance's view of the model's tokenizer: from tokenizer.json's own text (0.3 s
         here; parsing it with `tokenizers` first and serializing it again cost 0.2 s more and
         changed no token), else through transformers (1-2 s)."""
-        import llguidance
-
-        started = time.monotonic()
+        eos = tuple(self.eos_token_ids)
         path = Path(self.model_path) / "tokenizer.json"
-        key = None
         if path.is_file():
             st = path.stat()
-            key = (str(path.resolve()), st.st_size, st.st_mtime_ns, self.vocab_size,
-                   tuple(self.eos_token_ids))  # fmt: skip
-            if (loaded := _LOADED.get(key)) is not None:
-                return loaded
-            spec = path.read_text(encoding="utf-8")
-        else:
-            from transformers import AutoTokenizer
+            return _from_file(str(path.resolve()), st.st_size, st.st_mtime_ns, self.vocab_size, eos)
+        from transformers import AutoTokenizer
 
-            backend = copy.copy(AutoTokenizer.from_pretrained(self.model_path).backend_tokenizer)
-            backend.no_padding()
-            backend.no_truncation()
-            spec = backend.to_str()
-        tokenizer = llguidance.LLTokenizer(
-            spec, n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-        )
-        logger.info("grammar tokenizer loaded in %.2fs", time.monotonic() - started)
-        if key is not None:
-            _LOADED[key] = tokenizer
-            while len(_LOADED) > KEEP_LOADED:  # the oldest first
-                del _LOADED[next(iter(_LOADED))]
-        return tokenizer
+        backend = copy.copy(AutoTokenizer.from_pretrained(self.model_path).backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        return _ll_tokenizer(backend.to_str(), self.vocab_size, eos)
 
     # -- each step -----------------------------------------------------------------
 
@@ -208,3 +185,20 @@ class GrammarManager:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# By tokenizer.json (its path, size and time), vocabulary size and EOS ids: engines of one
+# model in one process (LLM, in-process cores) share one, as a matcher only reads it, and a
+# second engine's warm-up skips the 0.3 s load.
+@functools.lru_cache(maxsize=4)
+def _from_file(path: str, size: int, mtime_ns: int, vocab_size: int, eos: tuple[int, ...]) -> Any:
+    return _ll_tokenizer(Path(path).read_text(encoding="utf-8"), vocab_size, eos)
+
+
+def _ll_tokenizer(spec: str, vocab_size: int, eos: tuple[int, ...]) -> Any:
+    import llguidance
+
+    started = time.monotonic()
+    tokenizer = llguidance.LLTokenizer(spec, n_vocab=vocab_size, eos_token=list(eos))
+    logger.info("grammar tokenizer loaded in %.2fs", time.monotonic() - started)
+    return tokenizer

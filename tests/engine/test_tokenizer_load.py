@@ -119,8 +119,8 @@ def test_a_recorded_class_is_used_only_for_the_folder_as_it_was(
 
 
 def _fresh_load(folder: Path):  # type: ignore[no-untyped-def]
-    """load_tokenizer as a fresh process runs it: nothing loaded before (processor._LOADED)."""
-    processor._LOADED.clear()
+    """load_tokenizer as a fresh process runs it: nothing loaded before."""
+    processor._load_unchanged.cache_clear()
     return load_tokenizer(str(folder))
 
 

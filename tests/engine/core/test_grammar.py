@@ -152,4 +152,4 @@ def test_engines_of_one_model_share_the_grammar_tokenizer(
     shutil.copy(tiny_model_path / "tokenizer.json", copy / "tokenizer.json")
     assert load(copy) is not first
     # A process that loads many models keeps the newest few.
-    assert len(grammar._LOADED) <= grammar.KEEP_LOADED
+    assert grammar._from_file.cache_info().currsize <= 4

@@ -173,7 +173,9 @@ def test_tool_choice_modes(tiny_server: LumenServer, choice: str, stream: bool) 
 
 def test_streamed_tool_call_deltas_have_openais_shape(tiny_server: LumenServer) -> None:
     kwargs = {"tools": TOOLS, "tool_choice": "required", "max_tokens": 160}
-    _, calls, finish, chunks = _streamed(tiny_server, **kwargs)
+    # Sampled, but seeded: unseeded, about 1 in 30 draws of the tiny model's calls (parallel
+    # ones allowed) ran past 160 tokens, so the outcome hung on the requests before it.
+    _, calls, finish, chunks = _streamed(tiny_server, **kwargs, seed=3)
     assert calls and finish == "tool_calls"
     deltas = [t for c in chunks for ch in c.choices for t in ch.delta.tool_calls or []]
     first = {}

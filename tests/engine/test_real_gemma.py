@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.processor import load_tokenizer
+from tests.helpers.encoding import check_plain_encoder
 from tests.helpers.models import hf_greedy
 
 # Gemma 3 270M's window is 512 tokens: the last two prompts reach past it. They share their
@@ -55,3 +57,10 @@ def test_gemma3_270m_matches_hf(gemma_model_path: Path, monkeypatch: pytest.Monk
     for i, (out, ref) in enumerate(zip(outs, expected)):
         print(f"prompt {i} ({len(prompts[i])} tokens): {tokenizer.decode(ref)[:60]!r}")
         assert out.outputs[0].token_ids == ref, f"prompt {i} (len {len(prompts[i])}) differs"
+
+
+@pytest.mark.real_model
+def test_the_processor_encodes_gemma_as_transformers_does(gemma_model_path: Path) -> None:
+    """tests/engine/test_tokenizer_load.py's check on Gemma's tokenizer (its <bos> and turn
+    tokens), in this file: the test above loaded it in this process (load_tokenizer's cache)."""
+    check_plain_encoder(load_tokenizer(str(gemma_model_path)))

@@ -14,13 +14,8 @@ import pytest
 
 from engine import processor
 from engine.processor import load_tokenizer
+from tests.helpers.encoding import MESSAGES, TEXTS, check_plain_encoder
 from tests.helpers.server import ROOT
-
-TEXTS = ["Hello, world!", "naïve café — “quotes”", "日本語のテキスト", "  two  spaces\n"]
-MESSAGES = [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "What is the capital of France?"},
-]
 
 
 def _same(ours, theirs) -> None:  # type: ignore[no-untyped-def]
@@ -124,40 +119,8 @@ def _fresh_load(folder: Path):  # type: ignore[no-untyped-def]
     return load_tokenizer(str(folder))
 
 
-ENCODED = [
-    *TEXTS,
-    "<|im_start|>user\nhi<|im_end|>",
-    "<bos><start_of_turn> in a text",
-    "",
-    "x" * 4000,
-]
-
-
-@pytest.mark.parametrize("model", ["default", "gemma"])
-def test_the_processor_encodes_as_transformers_does(
-    request: pytest.FixtureRequest, model: str
-) -> None:
+def test_the_processor_encodes_as_transformers_does(default_model_path: Path) -> None:
     """The served path encodes with a plain copy of the Rust tokenizer (plain_encoder): the
-    same ids as transformers' encode and tokenizing apply_chat_template, special tokens written
-    in a user's text included, on a tokenizer configured to truncate."""
-    from engine.processor import plain_encoder
-
-    path = request.getfixturevalue(f"{model}_model_path")
-    tokenizer = load_tokenizer(str(path))
-    encoder = plain_encoder(tokenizer)
-    tokenizer.backend_tokenizer.enable_truncation(8)  # transformers' call turns this off
-    request.addfinalizer(tokenizer.backend_tokenizer.no_truncation)  # shared in this process
-    for text in ENCODED:
-        for special in (True, False):
-            assert encoder.encode(text, add_special_tokens=special).ids == tokenizer.encode(
-                text, add_special_tokens=special
-            ), (text, special)
-    for content in ENCODED[1:] if tokenizer.chat_template else []:
-        messages = [*MESSAGES, {"role": "user", "content": content}]
-        rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        assert encoder.encode(rendered, add_special_tokens=False).ids == list(ids)
+    same ids as transformers' encode and tokenizing apply_chat_template. Gemma's is held to the
+    same in tests/engine/test_real_gemma.py."""
+    check_plain_encoder(load_tokenizer(str(default_model_path)))

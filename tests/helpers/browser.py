@@ -22,6 +22,7 @@ def render_page(page: Path, tmp_path: Path, window: str = "1200,3000") -> tuple[
         pytest.skip("chromium not installed (Debian package chromium; .ci/run installs it)")
     base = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'chromium'}"]
     shot = tmp_path / "page.png"
+    shot.unlink(missing_ok=True)  # a page rendered before in the folder is not this one
     screenshot = [f"--screenshot={shot}", f"--window-size={window}"]
     # One start for both (a Chromium start is 1-2 s of a loaded 2-core machine); a Chromium
     # whose headless mode takes one command a start writes only one, so it is started again.

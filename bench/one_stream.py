@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -120,6 +123,25 @@ def run_llama_cpp(gguf: Path, max_tokens: int, repeats: int) -> float:
     return max(once() for _ in range(repeats))
 
 
+_CHILD = "import sys; from bench.one_stream import run_llama_cpp as r; " \
+    "print(r(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))"
+
+
+def _llama_cpp_child(gguf: Path, max_tokens: int, repeats: int) -> tuple[float, str]:
+    """``run_llama_cpp`` in a process of its own: a llama.cpp build that faults on this CPU (a
+    native build's AMX tiles in a VM that does not grant them, say) must not take Lumen's
+    figures with it. (tok/s, "") or (0, what went wrong)."""
+    cmd = [sys.executable, "-c", _CHILD, str(gguf), str(max_tokens), str(repeats)]
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False)
+    if done.returncode < 0:
+        return 0.0, (f"its process died of {signal.Signals(-done.returncode).name}: a build for "
+                     "instructions this machine refuses? Rebuild llama-cpp-python with "
+                     "CMAKE_ARGS naming this CPU's features")  # fmt: skip
+    if done.returncode != 0:
+        return 0.0, f"it exited with status {done.returncode}; its error is above"
+    return float(done.stdout.strip().splitlines()[-1]), ""
+
+
 def run(args: argparse.Namespace) -> int:
     from engine.config import check_quantization
     from engine.model_files import resolve_model
@@ -182,7 +204,9 @@ def _llama_cpp(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
     gguf = Path(args.gguf) if args.gguf else packaged_gguf(log=print)
     if not gguf.is_file():
         raise ValueError(f"no GGUF file at {gguf}")
-    tok_s = run_llama_cpp(gguf, args.max_tokens, args.repeats)
+    tok_s, failure = _llama_cpp_child(gguf, args.max_tokens, args.repeats)
+    if failure:
+        return f"llama.cpp: not measured ({failure}); Lumen's rows stand"
     rows.append({"system": "llama.cpp", "tok_s": tok_s, "gguf": gguf.name,
                  "bytes_per_token": float(gguf.stat().st_size)})  # fmt: skip
     return ""

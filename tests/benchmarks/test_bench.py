@@ -196,6 +196,18 @@ def test_one_stream_bench_states_each_system_against_its_floor(
         assert len(doc["rows"]) == 2
 
 
+def test_one_stream_bench_survives_a_llama_cpp_that_faults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A native llama.cpp build can fault on a CPU that does not grant what it was built for
+    (AMX tiles in a VM): it runs in its own process, and the bench says what killed it."""
+    from bench import one_stream
+
+    monkeypatch.setattr(one_stream, "_CHILD", "import os, signal; os.kill(os.getpid(), 11)")
+    tok_s, failure = one_stream._llama_cpp_child(Path("model.gguf"), 8, 1)
+    assert tok_s == 0.0 and failure.startswith("its process died of SIGSEGV")
+    monkeypatch.setattr(one_stream, "_CHILD", "print(123.5)")
+    assert one_stream._llama_cpp_child(Path("model.gguf"), 8, 1) == (123.5, "")
+
+
 SPIN = """
 import threading, time
 from engine.background import name_os_thread

@@ -123,8 +123,10 @@ def run_llama_cpp(gguf: Path, max_tokens: int, repeats: int) -> float:
     return max(once() for _ in range(repeats))
 
 
-_CHILD = "import sys; from bench.one_stream import run_llama_cpp as r; " \
+_CHILD = (
+    "import sys; from bench.one_stream import run_llama_cpp as r; "
     "print(r(sys.argv[1], int(sys.argv[2]), int(sys.argv[3])))"
+)
 
 
 def _llama_cpp_child(gguf: Path, max_tokens: int, repeats: int) -> tuple[float, str]:

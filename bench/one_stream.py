@@ -4,7 +4,8 @@ One chat prompt, ``--max-tokens`` greedy tokens (``ignore_eos``), the best of ``
 runs after a warm-up, through the offline LLM for each ``--quantizations`` setting (none: the
 model's dtype). llama.cpp (llama-cpp-python, when it is installed; the line says so when it is
 not) runs the model's own GGUF file, the one Lumen's default model is converted from (Q4_1 for
-SmolLM2), with every core, the same number of tokens, greedy.
+SmolLM2), with every core, the same number of tokens, greedy, in a process of its own (a build
+that faults on this CPU says so in its line and leaves Lumen's rows).
 
 Each is also stated against its floor: a single stream reads every weight once per token, so
 tokens per second cannot pass (read bandwidth) / (bytes read per token). The bandwidth is

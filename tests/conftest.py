@@ -27,8 +27,9 @@ def _trust_one_ca() -> None:
     import certifi
 
     bundle = Path(certifi.where()).read_text(encoding="utf-8")
-    first = bundle[: bundle.index("-----END CERTIFICATE-----") + 26]
-    first = first[first.index("-----BEGIN CERTIFICATE-----") :]
+    begin, end = "-----BEGIN CERTIFICATE-----", "-----END CERTIFICATE-----\n"
+    start = bundle.index(begin)
+    first = bundle[start : bundle.index(end, start) + len(end)]
     digest = hashlib.sha256(first.encode()).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / f"lumen-tests-ca-{digest}.pem"
     if not path.exists():  # one per machine and CA; written whole (workers start together)

@@ -9,12 +9,22 @@ import os
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError, EngineRestartingError, RequestAbortedError
+from engine.errors import (
+    CLIENT,
+    ENGINE_DEAD,
+    ENGINE_RESTARTED,
+    SHUTDOWN,
+    STALLED,
+    EngineDeadError,
+    EngineRestartingError,
+    RequestAbortedError,
+)
 from engine.frontend import Frontend, FrontendObserver
-from engine.messages import EngineInfo, EngineStats, UtilityMethod
+from engine.messages import EngineCoreRequest, EngineInfo, EngineStats, UtilityMethod
 from engine.model_files import resolve_config
 from engine.mp_client import STARTUP_TIMEOUT_S, AsyncMPClient, CoreProcess
 from engine.outputs import CompletionOutput, RequestOutput
@@ -33,6 +43,16 @@ class StreamStalledError(RuntimeError):
     """The caller stopped reading a stream for longer than the stall timeout."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Submission:
+    """What ``Frontend.add`` took for a request: enough to send it again to a new core."""
+
+    prompt: PreparedPrompt
+    priority: int
+    arrival_ns: int
+    stream: bool
+
+
 class _Stream:
     """Holds at most one pending output per request: new deltas merge into it.
 
@@ -40,12 +60,21 @@ class _Stream:
     slows no one; its memory is bounded by its own text.
 
     ``direct``: the reader's own delivery of an output, offered each output while the reader
-    waits with nothing pending (``generate_prepared``).
+    waits with nothing pending (``generate_prepared``). ``sent``: the caller has taken output
+    (a stream's delta, directly or from ``get``); until then the request can be sent again to
+    another core, and ``attempt`` counts how often it was.
     """
 
-    __slots__ = ("direct", "error", "pending", "pending_since", "ready", "waiting")
+    __slots__ = (
+        "attempt", "direct", "error", "orphaned_at", "pending", "pending_since", "ready", "sent",
+        "submission", "waiting",
+    )  # fmt: skip
 
-    def __init__(self, direct: Callable[[RequestOutput], bool] | None = None) -> None:
+    def __init__(
+        self,
+        direct: Callable[[RequestOutput], bool] | None = None,
+        submission: _Submission | None = None,
+    ) -> None:
         self.pending: RequestOutput | None = None
         self.error: BaseException | None = None
         self.ready = asyncio.Event()
@@ -53,6 +82,10 @@ class _Stream:
         self.pending_since = 0.0
         self.waiting = False  # the reader waits in get()
         self.direct = direct
+        self.submission = submission
+        self.sent = False
+        self.attempt = 0
+        self.orphaned_at = 0.0  # monotonic: its core failed and it waits for the next one
 
     def put(self, out: RequestOutput) -> None:
         if self.pending is None:
@@ -70,13 +103,23 @@ class _Stream:
         """Whether ``direct`` delivered ``out``: only while the reader waits with nothing
         pending (so nothing it has not written yet comes before), and never the last output
         (the reader's loop ends on that one)."""
-        return (
+        if (
             self.waiting
             and self.pending is None
             and self.direct is not None
             and not out.finished
             and self.direct(out)
-        )
+        ):
+            self.sent = True
+            return True
+        return False
+
+    def orphan(self) -> None:
+        """Its core failed before it sent anything: what the core gave it is dropped, and it
+        waits for the next core."""
+        self.pending, self.pending_since = None, 0.0
+        self.ready.clear()
+        self.orphaned_at = time.monotonic()
 
     async def get(self) -> RequestOutput:
         self.waiting = True
@@ -122,7 +165,11 @@ class AsyncLLM:
 
     ``supervised``: a server owns this engine. Its cores tell it of a SIGTERM
     (it conducts the stop), open streams of a dead core raise
-    EngineRestartingError, and ``restart`` starts the next core.
+    EngineRestartingError, and ``restart`` starts the next core. ``resubmit_timeout`` (with
+    ``supervised``; a server passes --max-queue-wait): a request that has sent its caller no
+    output when its core dies (a stream: no delta taken; otherwise always, as its output is one
+    whole response) is not failed but sent again to the next core, if that core is ready within
+    this many seconds.
 
     ``tokenizer``: its load, started by ``start_loading_tokenizer`` beside ``launch_core`` so
     that it overlaps the core's start instead of following its READY.
@@ -137,6 +184,7 @@ class AsyncLLM:
         core: CoreProcess | None = None,
         supervised: bool = False,
         tokenizer: Future[PreTrainedTokenizerBase] | None = None,
+        resubmit_timeout: float = 0.0,
     ) -> None:
         # A core launched ahead (launch_core) resolved the model and its tokenizer already.
         path, config = (
@@ -160,6 +208,10 @@ class AsyncLLM:
         self.num_failed = 0  # requests failed with a dead engine, ever (a supervisor counts)
         self._dead = asyncio.Event()  # set when the output loop fails for good
         self._streams: dict[str, _Stream] = {}
+        # Requests a failed core left before they sent anything, waiting for the next core, for
+        # at most resubmit_timeout seconds; 0: they fail with it.
+        self._orphans: dict[str, _Stream] = {}
+        self.resubmit_timeout = resubmit_timeout if supervised else 0.0
         self._wake = asyncio.Event()
         self.client.on_output = self._wake.set
         self._task = asyncio.create_task(self._output_loop(), name="async-llm-output")
@@ -267,19 +319,18 @@ class AsyncLLM:
         self._check_alive()
         request_id = request_id or new_request_id()
         frontend = self.frontend
-        requests = frontend.add(
-            request_id, prompt.text, prompt.prompt_token_ids, prompt.params, priority=priority,
-            arrival_ns=arrival_ns, stream=stream, stream_deltas=True,
-        )  # fmt: skip
-        stream_state = self._streams[request_id] = _Stream(direct if stream else None)
+        stream_state = _Stream(
+            direct if stream else None, _Submission(prompt, priority, arrival_ns, stream)
+        )
+        requests = self._add(request_id, stream_state)  # raises if the id is in use
+        self._streams[request_id] = stream_state
         finished = False
         try:
-            for request in requests:
-                await self.client.add_request(request)
-            self._wake.set()
+            await self._send(requests)
             while not finished:
                 out = await stream_state.get()
                 finished = out.finished
+                stream_state.sent = stream
                 yield out
                 if stream and not (finished and hold_last and not close_trace):
                     frontend.delivered(request_id)  # the caller took it
@@ -289,14 +340,34 @@ class AsyncLLM:
             if close_trace:
                 frontend.closed(request_id)
 
+    def _add(self, request_id: str, stream: _Stream) -> list[EngineCoreRequest]:
+        """Register the request with the frontend (again, for a new core: ``stream.attempt``);
+        returns its core requests. A streamed request gets a delta after every step; any other,
+        its whole output once."""
+        sub = stream.submission
+        assert sub is not None
+        prompt = sub.prompt
+        return self.frontend.add(
+            request_id, prompt.text, prompt.prompt_token_ids, prompt.params,
+            priority=sub.priority, arrival_ns=sub.arrival_ns, stream=sub.stream,
+            stream_deltas=sub.stream, attempt=stream.attempt,
+        )  # fmt: skip
+
+    async def _send(self, requests: list[EngineCoreRequest]) -> None:
+        for request in requests:
+            await self.client.add_request(request)
+        self._wake.set()
+
     def _check_alive(self) -> None:
         if not self.is_alive:
             raise self.dead_error or EngineDeadError(self.client.core.dead_reason)
 
-    async def abort(self, request_id: str) -> None:
-        """Stop a request; its stream (if still read) ends with no more outputs."""
+    async def abort(self, request_id: str, code: str = CLIENT) -> None:
+        """Stop a request; its stream (if still read) ends with no more outputs. ``code``: who
+        stopped it (engine.errors.END_CODES)."""
         self._streams.pop(request_id, None)
-        child_ids = self.frontend.abort(request_id)
+        self._orphans.pop(request_id, None)
+        child_ids = self.frontend.abort(request_id, code)
         if child_ids and self.dead_error is None and not self.client.state.closed:
             with contextlib.suppress(EngineDeadError):
                 await self.client.abort_requests(child_ids)
@@ -318,7 +389,7 @@ class AsyncLLM:
                 e = EngineRestartingError(
                     f"the engine core failed ({e}) and is restarting: retry the request"
                 )
-            self._fail_all(e)
+            self._fail_all(e, resubmit=self.supervised)
             self._dead.set()
 
     async def _pump_outputs(self) -> None:
@@ -363,24 +434,63 @@ class AsyncLLM:
             logger.warning(
                 "aborting %s: its reader stalled for %.0fs", request_id, self.stall_timeout
             )
-            await self.abort(request_id)
+            await self.abort(request_id, STALLED)
             stream.fail(StreamStalledError(f"request {request_id} was not read in time"))
 
-    def _fail_all(self, error: EngineDeadError) -> None:
+    def _fail_all(self, error: EngineDeadError, *, resubmit: bool = False) -> None:
+        """Every open request fails with ``error``; with ``resubmit`` (a core failed and a
+        supervisor starts the next), those that have sent their caller nothing wait for the
+        next core instead, up to ``resubmit_timeout`` (``restart`` sends them again)."""
         self.dead_error = error
-        self.num_failed += len(self._streams)
+        code = ENGINE_RESTARTED if isinstance(error, EngineRestartingError) else ENGINE_DEAD
         for request_id, stream in self._streams.items():
+            if resubmit and self.resubmit_timeout > 0 and not stream.sent and stream.submission:
+                stream.orphan()
+                self._orphans[request_id] = stream
+                continue
+            self.num_failed += 1
             stream.fail(error)
-            self.frontend.failed(request_id, str(error))
+            self.frontend.failed(request_id, str(error), code)
         self._streams.clear()
+        if self._orphans:
+            logger.warning(
+                "%d requests had sent no output: they wait up to %g s for the next engine core",
+                len(self._orphans), self.resubmit_timeout,
+            )  # fmt: skip
+            loop = asyncio.get_running_loop()
+            loop.call_later(self.resubmit_timeout, self._expire_orphans, error)
+
+    def _expire_orphans(self, error: EngineDeadError) -> None:
+        """Fail the requests that have waited for a new core ``resubmit_timeout`` or longer."""
+        now = time.monotonic()
+        late = [rid for rid, s in self._orphans.items()
+                if now - s.orphaned_at >= self.resubmit_timeout - 1e-3]  # fmt: skip
+        for request_id in late:
+            stream = self._orphans.pop(request_id)
+            self.num_failed += 1
+            stream.fail(error)
+            self.frontend.failed(request_id, str(error), ENGINE_RESTARTED)
+
+    async def _resubmit_orphans(self) -> None:
+        """Send the requests a failed core left with nothing sent to the new core, each as a
+        new attempt of itself (its trace keeps the time the failure cost it)."""
+        orphans, self._orphans = self._orphans, {}
+        for request_id, stream in orphans.items():
+            self.frontend.forget(request_id)
+            stream.attempt += 1
+            requests = self._add(request_id, stream)
+            self._streams[request_id] = stream
+            await self._send(requests)
+        if orphans:
+            logger.info("sent %d requests again to engine core %d", len(orphans), self.epoch)
 
     async def abort_all(self, message: str) -> int:
         """End every open request now (a drain past its timeout): each stream gives what it
         has, then raises RequestAbortedError(message); the core frees their KV blocks.
         Returns how many were open."""
-        streams = list(self._streams.items())
+        streams = [*self._streams.items(), *self._orphans.items()]
         for request_id, stream in streams:
-            await self.abort(request_id)
+            await self.abort(request_id, SHUTDOWN)
             stream.fail(RequestAbortedError(message))
         return len(streams)
 
@@ -391,7 +501,11 @@ class AsyncLLM:
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        self._fail_all(EngineDeadError(old.core.dead_reason or "the engine core was replaced"))
+        reason = old.core.dead_reason or "the engine core was replaced"
+        self._fail_all(
+            EngineRestartingError(reason) if self.supervised else EngineDeadError(reason),
+            resubmit=self.supervised,
+        )
         await old.shutdown()
         epoch = old.core.epoch + 1
         core = await asyncio.to_thread(
@@ -406,6 +520,7 @@ class AsyncLLM:
         self.dead_error = None
         self._dead = asyncio.Event()
         self._task = asyncio.create_task(self._output_loop(), name="async-llm-output")
+        await self._resubmit_orphans()
 
     @property
     def epoch(self) -> int:
@@ -413,6 +528,8 @@ class AsyncLLM:
         return self.client.core.epoch
 
     async def shutdown(self) -> None:
+        self._streams.update(self._orphans)
+        self._orphans.clear()
         self._fail_all(EngineDeadError("the engine is shutting down"))
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from engine import faults
 from engine.client import ClientState
+from engine.errors import CLIENT, REQUEST_ERROR
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
@@ -40,6 +41,9 @@ class Enqueued:
     arrival_ns: int
     sent_ns: int
     stream: bool  # the caller takes every delta (False: one response at the end)
+    # 0; n: sent again after n engine cores failed before it had sent its caller any output
+    # (what the earlier cores did of it is lost work).
+    attempt: int = 0
 
 
 @dataclass(slots=True)
@@ -51,6 +55,7 @@ class Finished:
     finish_reason: str
     ns: int
     error: str | None = None
+    code: str | None = None  # what ended it, where not ok (engine.errors.END_CODES)
 
 
 class FrontendObserver(Protocol):
@@ -113,11 +118,13 @@ class Frontend:
         arrival_ns: int,
         stream: bool,
         stream_deltas: bool,
+        attempt: int = 0,
     ) -> list[EngineCoreRequest]:
         """Register a request; returns the core requests to send (one per sequence).
 
-        ``stream_deltas``: the frontend wants a delta after every step (AsyncLLM
-        always does); ``stream``: the caller delivers each one as it comes.
+        ``stream_deltas``: the frontend wants a delta after every step; ``stream``: the caller
+        delivers each one as it comes. ``attempt``: as Enqueued's (a request sent again to a
+        new core, ``forget`` first).
         """
         child_ids = self.output_processor.add_request(
             request_id,
@@ -138,6 +145,7 @@ class Frontend:
                     arrival_ns,
                     time.time_ns(),
                     stream,
+                    attempt,
                 )
             )
         return [
@@ -168,20 +176,31 @@ class Frontend:
             self.record(stats)
         return results, to_abort
 
-    def abort(self, request_id: str) -> list[str]:
-        """Forget a request; returns its core ids (the caller aborts them in the core)."""
+    def abort(self, request_id: str, code: str = CLIENT) -> list[str]:
+        """Forget a request; returns its core ids (the caller aborts them in the core).
+        ``code``: who ended it (engine.errors.END_CODES)."""
+        return self._end(request_id, "aborted", "abort", None, code)
+
+    def failed(self, request_id: str, error: str, code: str) -> list[str]:
+        """The engine failed the request (its core died): forgotten, and counted with the
+        finish reason "error", never as a client's abort."""
+        return self._end(request_id, "error", "error", error, code)
+
+    def forget(self, request_id: str) -> None:
+        """Forget a request silently: it is added again (``add``, the next attempt)."""
+        self.output_processor.abort_request(request_id)
+
+    def _end(
+        self, request_id: str, status: str, reason: str, error: str | None, code: str
+    ) -> list[str]:
         now_ns = time.time_ns()
         stats = IterationStats(now_ns) if self.stat_loggers else None
-        child_ids = self.output_processor.abort_request(request_id, stats)
+        child_ids = self.output_processor.abort_request(request_id, stats, reason)
         if child_ids and self.observer is not None:
-            self.observer.finished(Finished(request_id, "aborted", "abort", now_ns))
+            self.observer.finished(Finished(request_id, status, reason, now_ns, error, code))
         if stats is not None and stats.finished:
             self.record(stats)
         return child_ids
-
-    def failed(self, request_id: str, error: str) -> None:
-        if self.observer is not None:
-            self.observer.finished(Finished(request_id, "error", "error", time.time_ns(), error))
 
     def delivered(self, request_id: str) -> None:
         if self.observer is not None:
@@ -207,4 +226,5 @@ def _finished(result: RequestOutput, ns: int) -> Finished:
     errors = [c.error for c in result.outputs if c.error]
     reasons = [c.finish_reason for c in result.outputs if c.finish_reason]
     status, error = ("error", errors[0]) if errors else ("ok", None)
-    return Finished(result.request_id, status, reasons[0] if reasons else "stop", ns, error)
+    reason = reasons[0] if reasons else "stop"
+    return Finished(result.request_id, status, reason, ns, error, REQUEST_ERROR if errors else None)

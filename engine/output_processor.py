@@ -288,13 +288,16 @@ class OutputProcessor:
                 parent.forget_sequences()
         return finished, to_abort
 
-    def abort_request(self, request_id: str, stats: IterationStats | None = None) -> list[str]:
-        """Forget a request; returns its core ids (the caller aborts them in the core)."""
+    def abort_request(
+        self, request_id: str, stats: IterationStats | None = None, reason: str = "abort"
+    ) -> list[str]:
+        """Forget a request; returns its core ids (the caller aborts them in the core).
+        ``reason``: its finish reason in ``stats`` ("error" where the engine failed it)."""
         parent = self._parents.pop(request_id, None)
         if parent is None:
             return []
         if stats is not None:
-            stats.finished.append(parent.finished_stats("abort", stats.now_ns))
+            stats.finished.append(parent.finished_stats(reason, stats.now_ns))
         ids = [child_request_id(s.index, request_id, parent.params.n) for s in parent.sequences]
         for child_id in ids:
             self._sequences.pop(child_id, None)

@@ -225,7 +225,7 @@ async def _serve_ready(
     # The core is READY: this takes its config and info, and the tokenizer loaded meanwhile.
     engine = AsyncLLM(
         engine_config, stall_timeout=config.stream_stall_timeout, core=core, supervised=True,
-        tokenizer=tokenizer,
+        tokenizer=tokenizer, resubmit_timeout=config.max_queue_wait,
     )  # fmt: skip
     metrics = ServerMetrics(model_name, engine.max_model_len)
     engine.add_stat_logger(metrics)

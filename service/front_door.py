@@ -13,6 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from engine.errors import REQUEST_ERROR
 from engine.request_ids import new_request_id
 from service import http_timing
 from service.config import ServerConfig
@@ -140,7 +141,7 @@ class FrontDoor:
             # A completion request the engine never saw (invalid, unauthorized, too big...).
             tracer.start(ctx.trace_start(ctx.request_id, path, self.serving.model_name, False))
             error = ctx.error or f"HTTP {status}"
-            tracer.rejected(ctx.request_id, time.time_ns(), error, ctx.http)
+            tracer.rejected(ctx.request_id, time.time_ns(), error, ctx.http, REQUEST_ERROR)
 
     async def _handle(
         self,

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.async_llm import AsyncLLM, StreamStalledError
-from engine.errors import EngineDeadError, EngineRestartingError, RequestAbortedError
+from engine.errors import STALLED, EngineDeadError, EngineRestartingError, RequestAbortedError
 from engine.frontend import Finished
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.processor import PreparedPrompt
@@ -213,7 +213,9 @@ class Serving:
         except APIError as e:
             if (tracer := self.tracer) is not None:
                 for rid in prep.request_ids:
-                    tracer.finished(Finished(rid, "error", "error", time.time_ns(), e.message))
+                    tracer.finished(
+                        Finished(rid, "error", "error", time.time_ns(), e.message, e.code)
+                    )
             raise
         if prep.stream:
             prep.ctx.hold_head = prep.head.chat  # its role chunks follow the head at once
@@ -221,6 +223,7 @@ class Serving:
                 self._events(prep),
                 send_timeout=self.stall_timeout,
                 on_end=lambda reason: self._stream_ended(prep, reason),
+                on_stall=lambda: self._abort(prep, STALLED),
             )
         try:
             return await self._complete(prep, request)
@@ -239,6 +242,10 @@ class Serving:
                 message = f"the engine is {lifecycle.state}; retry later"
             self.metrics.reject(reason)
             raise APIError(503, message, code=reason, headers={"Retry-After": "1"})
+
+    async def _abort(self, prep: Prepared, code: str) -> None:
+        for rid in prep.request_ids:
+            await self.engine.abort(rid, code)
 
     def _stream_ended(self, prep: Prepared, reason: str) -> None:
         self.admission.release()

@@ -58,7 +58,9 @@ class EventStream(Response):
     """A response that writes ``events`` as an SSE body (not Starlette's StreamingResponse:
     it needs the send timeout).
 
-    ``on_end(reason)`` is called once with "done", "disconnect" or "stalled".
+    ``on_end(reason)`` is called once with "done", "disconnect" or "stalled"; ``on_stall``
+    is awaited first where the stream stalled, before its events are closed (so the requests
+    end as stalled, not as left by their client).
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class EventStream(Response):
         send_timeout: float,
         headers: dict[str, str] | None = None,
         on_end: Callable[[str], Any] | None = None,
+        on_stall: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.events = events
         self.status_code = 200
@@ -75,6 +78,7 @@ class EventStream(Response):
         self.send_timeout = send_timeout
         self.extra_headers = [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
         self.on_end = on_end
+        self.on_stall = on_stall
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ctx = find_context(scope)
@@ -104,6 +108,8 @@ class EventStream(Response):
                 # The writer must be gone before the events can be closed, even when this
                 # task itself is being cancelled (shutdown).
                 await asyncio.gather(writer, return_exceptions=True)
+                if reason == "stalled" and self.on_stall is not None:
+                    await self.on_stall()
                 await self.events.aclose()  # aborts the request if it had not finished
             finally:
                 if self.on_end is not None:

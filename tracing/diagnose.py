@@ -301,6 +301,11 @@ def _ttft_parts(
         # Waiting for a new engine core (Serving._gate): the restart rows over the window.
         waited = min(run.restarts.within(*window), parts["frontend"])
         parts["engine_restart"], parts["frontend"] = waited, parts["frontend"] - waited
+    if row.resent_ns and (window := span(sent, row.resent_ns)):
+        # Sent again to a new core after its first failed (service/lifecycle.py): its time on
+        # the failed core and the wait for the next one are what the failure cost it.
+        parts["engine_restart"] += window[1] - window[0]
+        sent = window[1]
     if window := span(sent, received):
         ipc = window[1] - window[0]
         # The step in flight, up to its expected time: expected (shares.InFlight).

@@ -52,6 +52,11 @@ class RequestFacts:
     last_emit_start_ns: int | None  # the last frontend.emit span began
     emit_ends_ns: list[int] | None  # each frontend.emit span's end, in order
     emit_step_ids: list[int | None] | None  # the step each frontend.emit span came from
+    emit_starts_ns: list[int] | None  # each frontend.emit span's start: the frontend received it
+    end_code: str | None  # what ended it where it did not finish (migration 8)
+    resent_ns: int | None  # sent again to a new engine core (migration 8)
+    grammar: str | None  # its structured output's kind (migration 4)
+    params: str | None  # its sampling parameters (JSON)
 
 
 @dataclass
@@ -65,6 +70,7 @@ class RunFacts:
     step_prior: list[float] | None = None  # the warm-up's [a, b, c] (tracing.shares)
     lifecycle: list[LifecycleRow] = field(default_factory=list)  # drains, restarts
     stream_interval: int = 1  # tokens a write took (lumen serve --stream-interval)
+    replica: str | None = None  # the replica that recorded the run (runs.replica)
 
 
 def load_step_prior(con: duckdb.DuckDBPyConnection, run_id: str) -> list[float] | None:
@@ -119,6 +125,9 @@ NEW_REQUEST_COLUMNS = [
     "body_bytes",
     "body_read_ns",
     "sample_weight",
+    "end_code",
+    "resent_ns",
+    "grammar",
 ]
 STEP_COLUMNS = [
     "step_id",
@@ -163,13 +172,16 @@ def load_requests(con: duckdb.DuckDBPyConnection, run_id: str) -> list[RequestFa
                 list(end_ns ORDER BY end_ns, step_id) FILTER (WHERE name = 'frontend.emit')
                     AS emit_ends_ns,
                 list(step_id ORDER BY end_ns, step_id) FILTER (WHERE name = 'frontend.emit')
-                    AS emit_step_ids
+                    AS emit_step_ids,
+                list(start_ns ORDER BY end_ns, step_id) FILTER (WHERE name = 'frontend.emit')
+                    AS emit_starts_ns
             FROM spans WHERE run_id = $run GROUP BY ALL
         )
         SELECT r.request_id, r.status, r.arrival_ns, r.prompt_tokens, r.output_tokens,
-            r.ttft_ns, r.e2e_ns, r.num_preemptions, {_select(have, NEW_REQUEST_COLUMNS, "r")},
+            r.ttft_ns, r.e2e_ns, r.num_preemptions, r.params,
+            {_select(have, NEW_REQUEST_COLUMNS, "r")},
             sp.enqueue_end_ns, sp.receive_end_ns, sp.first_emit_end_ns, sp.last_emit_start_ns,
-            sp.last_emit_end_ns, sp.emit_ends_ns, sp.emit_step_ids
+            sp.last_emit_end_ns, sp.emit_ends_ns, sp.emit_step_ids, sp.emit_starts_ns
         FROM requests r LEFT JOIN request_spans sp ON sp.request_id = r.request_id
             AND (r.trace_id IS NULL OR sp.trace_id = r.trace_id)
         WHERE r.run_id = $run ORDER BY r.arrival_ns, r.request_id
@@ -322,6 +334,15 @@ def load_lifecycle(con: duckdb.DuckDBPyConnection, run_id: str) -> list[Lifecycl
     return [LifecycleRow(**r) for r in _records(cur)]
 
 
+def load_replica(con: duckdb.DuckDBPyConnection, run_id: str) -> str | None:
+    """The replica that recorded the run (a fleet's view names every store's runs), where its
+    db keeps one."""
+    if "replica" not in _columns(con, "runs"):
+        return None
+    row = con.execute("SELECT replica FROM runs WHERE run_id = ?", [run_id]).fetchone()
+    return str(row[0]) if row and row[0] else None
+
+
 def load_run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunFacts:
     steps = _step_rows(con, run_id)
     preempted = (
@@ -329,16 +350,38 @@ def load_run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunFacts:
         if "preempted_request_ids" in _columns(con, "steps")
         else Memberships(np.zeros(0, np.int64), [], np.zeros(0, np.int64))
     )
+    requests = load_requests(con, run_id)
     return RunFacts(
-        requests=load_requests(con, run_id),
+        requests=requests,
         steps=[_step_facts(s) for s in steps],
         step_times=_step_times(steps),
-        members=_memberships(con, run_id, "request_ids"),
+        members=_after_resend(_memberships(con, run_id, "request_ids"), requests, steps),
         preempted=preempted,
         pauses=load_pauses(con, run_id),
         step_prior=load_step_prior(con, run_id),
         lifecycle=load_lifecycle(con, run_id),
         stream_interval=load_stream_interval(con, run_id),
+        replica=load_replica(con, run_id),
+    )
+
+
+def _after_resend(
+    members: Memberships, requests: list[RequestFacts], steps: list[dict[str, Any]]
+) -> Memberships:
+    """Without the steps a request took part in on a core that failed before it was sent
+    again (they began before its resent_ns): lost work, inside its wait for the new core."""
+    resent = {r.request_id: r.resent_ns for r in requests if r.resent_ns}
+    if not resent:
+        return members
+    started = {s["step_id"]: s["schedule_start_ns"] for s in steps}
+    keep = np.array([
+        started.get(int(step), 0) >= resent.get(rid, 0)
+        for step, rid in zip(members.step_id, members.request_id)
+    ], dtype=bool)  # fmt: skip
+    return Memberships(
+        members.step_id[keep],
+        [rid for rid, k in zip(members.request_id, keep) if k],
+        members.tokens[keep],
     )
 
 

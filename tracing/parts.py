@@ -74,8 +74,10 @@ PARTS: tuple[Part, ...] = (
         "waiting for the engine core to restart after a crash or a hang",
         "find why the core failed (the server log; the `lifecycle` table's cause); "
         "--max-queue-wait bounds how long a request waits for the new core",
-        "handler to sent, while the engine core was restarting: the `lifecycle` table's "
-        "restart rows (found dead or hung to the new core ready)",
+        "handler to sent, while the engine core was restarting (the `lifecycle` table's restart "
+        "rows: found dead or hung to the new core ready); and for a request its failed core "
+        "left before it had sent any output, its first send to its second (`resent_ns`): its "
+        "time on the failed core and the wait for the new one",
         "frontend.enqueue",
     ),
     Part(

@@ -160,9 +160,12 @@ class Tracer:
         """The caller has the whole response: the request's trace is complete."""
         self._put(Closed(request_id, ns, http))
 
-    def rejected(self, request_id: str, ns: int, error: str, http: HttpFacts | None = None) -> None:
+    def rejected(
+        self, request_id: str, ns: int, error: str, http: HttpFacts | None = None,
+        code: str | None = None,
+    ) -> None:  # fmt: skip
         """A request refused before the engine saw it (``start`` must come first)."""
-        self._put(Finished(request_id, "error", "error", ns, error))
+        self._put(Finished(request_id, "error", "error", ns, error, code))
         self._put(Closed(request_id, ns, http))
 
     def pause(self, event: Pause) -> None:
@@ -306,8 +309,12 @@ class Tracer:
 
     def _on_enqueued(self, e: Enqueued) -> None:
         req = self._request(e.request_id, e.arrival_ns)
+        if e.attempt:  # sent again to a new core: sent_ns stays the first send
+            req.resubmitted(e.sent_ns)
+        else:
+            req.sent_ns = e.sent_ns
         req.child_ids, req.prompt_token_ids, req.params = e.child_ids, e.prompt_token_ids, e.params
-        req.priority, req.sent_ns, req.stream = e.priority, e.sent_ns, e.stream
+        req.priority, req.stream = e.priority, e.stream
         for seq, child_id in enumerate(e.child_ids):
             self._by_child[child_id] = (req, seq)
 
@@ -397,7 +404,7 @@ class Tracer:
     def _on_finished(self, e: Finished) -> None:
         if (req := self._requests.get(e.request_id)) is not None and req.status is None:
             req.status, req.finish_reason, req.finished_ns = e.status, e.finish_reason, e.ns
-            req.error = e.error or req.error
+            req.error, req.end_code = e.error or req.error, e.code
 
     def _on_pause(self, e: Pause) -> None:
         if self._keep_rows:

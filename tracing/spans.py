@@ -116,7 +116,20 @@ class RequestTrace:
     status: str | None = None  # ok | aborted | error
     finish_reason: str | None = None
     error: str | None = None
+    end_code: str | None = None  # what ended it, where it did not finish (Finished.code)
     finished_ns: int = 0
+    resent_ns: int = 0  # sent again to a new core (Enqueued.attempt > 0): the last such send
+
+    def resubmitted(self, sent_ns: int) -> None:
+        """Sent again to a new core, having sent its caller nothing: what the failed core did
+        of it is lost work, and the new core's outputs tell its story from here."""
+        self.resent_ns = sent_ns
+        self.received_ns, self.first_steps, self.visits = {}, {}, []
+        self.first_step_id = self.last_step_id = None
+        self.emit_steps, self.emit_received, self.emit_delivered = [], [], []
+        self.first_token_ns = self.last_token_ns = self.kv_freed_ns = self.output_tokens = 0
+        self.grammar_ready_ns = self.grammar_compile_ns = self.grammar_mask_ns = 0
+        self.grammar_cached = False
 
     def delivered(self, ns: int) -> None:
         if self.stream:
@@ -403,6 +416,8 @@ def build_request_row(
         req.body_bytes if req.body_read_ns else None,
         req.body_read_ns or None,
         None,  # sample_weight: only a store rebuilt from a sampled window has one
+        req.end_code,
+        req.resent_ns or None,
     )
 
 

@@ -114,6 +114,11 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
     ),
     (6, "the server's drains and engine restarts; each run's replica", _m006_lifecycle),
     (7, "sampled imports' request weights; GenAI usage names of today", _m007_sampled),
+    (
+        8,
+        "what ended a request, and its second send after an engine failure",
+        lambda c: _add_columns(c, 8),
+    ),
 ]
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

@@ -69,6 +69,12 @@ REQUEST_COLUMNS = {
     # Migration 7: how many requests of its run this row stands for, in a store rebuilt from a
     # sampled window of a fleet's traces (replay import); NULL: every request was kept.
     "sample_weight": "DOUBLE",
+    # Migration 8: what ended it where it did not finish (engine.errors.END_CODES, or the API
+    # error code of a request refused: queue_full, queue_timeout, engine_restarting, ...), and
+    # when it was sent again to a new engine core, having sent its client nothing when its core
+    # failed (sent_ns stays the first send: the time between is what the failure cost it).
+    "end_code": "VARCHAR",
+    "resent_ns": "BIGINT",
 }
 SPAN_COLUMNS = {
     "run_id": "VARCHAR",
@@ -182,7 +188,7 @@ TABLES = {
 }
 
 
-SCHEMA_VERSION = 7  # the last migration (tracing/store.py MIGRATIONS)
+SCHEMA_VERSION = 8  # the last migration (tracing/store.py MIGRATIONS)
 
 
 def _from(columns: dict[str, str], first: str, last: str) -> list[str]:
@@ -211,6 +217,7 @@ ADDED_IN = {
     },
     6: {"runs": _from(RUN_COLUMNS, "replica", "replica")},
     7: {"requests": _from(REQUEST_COLUMNS, "sample_weight", "sample_weight")},
+    8: {"requests": _from(REQUEST_COLUMNS, "end_code", "resent_ns")},
 }
 
 

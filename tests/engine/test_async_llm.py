@@ -14,7 +14,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.async_llm import AsyncLLM, StreamStalledError, _Stream
 from engine.config import EngineConfig
-from engine.errors import EngineDeadError
+from engine.errors import EngineDeadError, EngineRestartingError
 from engine.outputs import CompletionOutput, RequestOutput
 from tests.helpers.procs import wait_no_children
 
@@ -87,13 +87,15 @@ def test_leaving_a_stream_aborts_the_request(tiny_model_path: Path) -> None:
     async def main() -> None:
         llm = AsyncLLM(_config(tiny_model_path))
         try:
-            params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+            # Long enough to be still running at the cancel on the fastest CPU (500 tokens of the
+            # tiny model took under 0.3 s on a Zen 5).
+            params = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
             gen = llm.generate(PROMPTS[0], params)
             await gen.__anext__()
             await gen.__anext__()
             await gen.aclose()  # what a disconnecting HTTP client does
             task = asyncio.create_task(_drain(llm, PROMPTS[1], params))
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.1)
             task.cancel()  # a cancelled handler
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -273,3 +275,57 @@ def test_dead_engine_fails_every_open_stream_within_1s(tiny_model_path: Path) ->
 
     asyncio.run(main())
     assert wait_no_children() == []
+
+
+def test_a_request_that_sent_nothing_waits_for_the_next_core(tiny_model_path: Path) -> None:
+    """A supervised engine whose core dies: the stream that has sent output fails at once
+    (EngineRestartingError), while a queued stream that has sent nothing and a non-streamed
+    request (its output is one whole response) are sent again to the next core and finish
+    whole; a request that waits longer than ``resubmit_timeout`` for that core fails."""
+
+    async def main() -> None:
+        config = EngineConfig(model=str(tiny_model_path), num_kv_blocks=128, max_num_seqs=2)
+        llm = AsyncLLM(config, supervised=True, resubmit_timeout=30)
+        long = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
+        short = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        try:
+            running = llm.generate(PROMPTS[0], long)
+            await running.__anext__()  # it has sent output
+            whole = asyncio.create_task(_whole(llm, PROMPTS[1], long))  # the second slot
+            queued = asyncio.create_task(_drain(llm, PROMPTS[2], short))  # waits for a slot
+            await asyncio.sleep(0.2)
+            os.kill(llm.client.core.proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineRestartingError):
+                async for _ in running:
+                    pass
+            await asyncio.wait_for(llm.wait_dead(), 10)
+            assert not queued.done() and not whole.done()
+            await llm.restart()
+            _, tokens, finish = await asyncio.wait_for(queued, 30)
+            assert (len(tokens), finish) == (24, "length")
+            assert await asyncio.wait_for(whole, 60) == 1500
+            assert llm.num_failed == 1
+        finally:
+            await llm.shutdown()
+
+    async def expire() -> None:
+        llm = AsyncLLM(_config(tiny_model_path), supervised=True, resubmit_timeout=0.5)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=1500, ignore_eos=True)
+            waiting = asyncio.create_task(_whole(llm, PROMPTS[3], params))
+            await asyncio.sleep(0.2)
+            os.kill(llm.client.core.proc.pid, signal.SIGKILL)
+            with pytest.raises(EngineRestartingError):  # no new core within 0.5 s
+                await asyncio.wait_for(waiting, 10)
+        finally:
+            await llm.shutdown()
+
+    asyncio.run(main())
+    asyncio.run(expire())
+
+
+async def _whole(llm: AsyncLLM, prompt, params: SamplingParams) -> int:
+    """A non-streamed request's tokens: its one output."""
+    outs = [out async for out in llm.generate(prompt, params, stream=False)]
+    assert len(outs) == 1 and outs[0].finished
+    return len(outs[0].outputs[0].token_ids)

@@ -120,7 +120,10 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
         "2",
     ]
     args += ["--served-model-name", "tight"]
-    with LumenServer(tiny_model_path, *args, "--num-kv-blocks", "512", log_path=log) as s:
+    # 2 ms more a step: a long stream outlasts the 2 s stall timeout on the fastest CPU (a Zen 5
+    # generated all 8 x 1,800 tokens before the stall was noticed).
+    slow = {"LUMEN_DEBUG_DELAY": "schedule=0.002"}
+    with LumenServer(tiny_model_path, *args, "--num-kv-blocks", "512", log_path=log, env=slow) as s:
         yield s
 
 

@@ -164,14 +164,31 @@ def test_a_crashed_or_hung_core_is_restarted_until_a_crash_loop(
 def _crash_hang_and_crash_loop(server: LumenServer) -> None:
     family = set(_family(server))  # every process the server ever had: none may outlive it
 
-    # kill -9 of the core under 16 streams
+    # kill -9 of the core under 16 streams, and 2 whole (non-streamed) responses in flight
     streams = Streams(server, [LONG] * 16)
     wait_until(streams.started, 30)
+    whole: list[httpx.Response] = []
+    posters = [
+        threading.Thread(target=lambda: whole.append(server.http.post(
+            server.url("/v1/completions"), timeout=60,
+            json={"prompt": "hi", "max_tokens": 300, "ignore_eos": True},
+        )))
+        for _ in range(2)
+    ]  # fmt: skip
+    for t in posters:
+        t.start()
+    wait_until(lambda: metric(server.metrics(), "lumen:num_requests_running") == 18, 10)
     killed = time.monotonic()
     os.kill(server.core_pid(), signal.SIGKILL)
     streams.join(10)
     failed_within = max(streams.ended) - killed
     assert {e for _, _, _, e in streams.summary()} == {"engine_restarted"}, streams.summary()
+    # The whole responses had sent nothing: they were sent again to the new core and served.
+    for t in posters:
+        t.join(60)
+    assert [r.status_code for r in whole] == [200, 200], [r.text for r in whole]
+    assert [r.json()["usage"]["completion_tokens"] for r in whole] == [300, 300]
+    resent = [r.headers["x-request-id"] for r in whole]
     # Requests sent during the restart wait for the new core (--max-queue-wait) or get a 503.
     during: list[httpx.Response] = []
     senders = [
@@ -193,13 +210,15 @@ def _crash_hang_and_crash_loop(server: LumenServer) -> None:
     )
     assert failed_within < 1.0 + 1.5  # DESIGN: 1 s, with a loaded-machine margin
     assert len(statuses) == 3 and set(statuses) <= {200, 503}
-    waited = [r.json()["id"] for r in during if r.status_code == 200]
     ok = server.http.post(server.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 4})
     assert ok.status_code == 200, ok.text
     wait_until(lambda: server_idle(server), 10)  # KV, running and admission back to zero
     m = server.metrics()
     assert metric(m, "lumen:engine_restarts_total") == 1
     assert metric(m, "lumen:engine_state", state="ready") == 1
+    # The server failed the streams: errors, not its clients' aborts.
+    assert metric(m, "lumen:request_success_total", finished_reason="error") == 16
+    assert metric(m, "lumen:request_success_total", finished_reason="abort") == 0
 
     # A hung core (SIGSTOP): /health turns 503 within the bound, then it is restarted.
     family |= set(_family(server))
@@ -230,13 +249,23 @@ def _crash_hang_and_crash_loop(server: LumenServer) -> None:
     assert rows[0][2:] == (1, 16) and "died" in rows[0][1]
     assert rows[1][1].startswith("hung") and rows[1][2] == 2
     assert [e for (e,) in epochs] == [0, 1]  # the steps of each core (the third ran none)
-    # A request that waited for the new core is told so, and the run's report names it.
-    if waited:
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out):
-            assert main(["trace", "why", waited[0], "--db", str(server.trace_db)]) == 0
-        print(out.getvalue())
-        assert "waiting for the engine core to restart" in out.getvalue()
+    with open_db(server.trace_db) as con:
+        rows = con.execute(
+            "SELECT status, end_code, resent_ns > sent_ns FROM requests WHERE request_id IN "
+            "(?, ?)", resent,
+        ).fetchall()  # fmt: skip
+        ended = con.execute(
+            "SELECT DISTINCT end_code FROM requests WHERE status = 'error'"
+        ).fetchall()
+    assert rows == [("ok", None, True)] * 2, rows
+    assert ended == [("engine_restarted",)], ended
+    # A request that waited for the new core is told so (one sent again to it surely did), and
+    # the run's report names it.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["trace", "why", resent[0], "--db", str(server.trace_db)]) == 0
+    print(out.getvalue())
+    assert "waiting for the engine core to restart" in out.getvalue()
     report = " ".join(render_text(str(server.trace_db)).split())  # unwrapped
     causes = report[report.index("Causes") : report.index("Drains and engine restarts")]
     assert "waiting for the engine core to restart" in causes, report  # named as a cause

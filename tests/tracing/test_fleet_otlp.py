@@ -321,7 +321,8 @@ def test_weighing_counts_requests_not_their_prompts_and_not_those_in_flight() ->
     parents = {("r", f"{rid}-0-0"): rid, ("r", f"{rid}-0-1"): rid}  # one step's request_of
     said = weigh_sampled(rows, {("r", "slow")}, parents)
     assert said == {"r": (2, 3)}  # the two kept, and the multi-prompt one not kept
-    weights = {r[1]: r[-1] for r in rows["requests"]}
+    weight = list(TABLES["requests"]).index("sample_weight")
+    weights = {r[1]: r[weight] for r in rows["requests"]}
     assert weights == {"cmpl-aaaaaaaaaaaaaaaa": 2.0, "slow": 1.0}
 
 

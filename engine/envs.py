@@ -34,6 +34,14 @@ LUMEN_DEBUG_DELAY = EnvVar(
     "token masks, when it has any); they prove the regression gate and the diagnosis catch a "
     "slower path; an unknown site is an error",
 )
+LUMEN_DEBUG_GC = EnvVar(
+    "LUMEN_DEBUG_GC",
+    "",
+    "testing only (engine/faults.py): PROCESS=SECONDS[,PROCESS=SECONDS] (api, core): once its "
+    "heap is settled, the process keeps an object graph whose collection takes a share of "
+    "SECONDS and, on SIGUSR2, collects it until SECONDS have passed: a garbage-collection pause "
+    "on demand (lumen bench diagnose provokes them)",
+)
 LUMEN_CPU_MATMUL = EnvVar(
     "LUMEN_CPU_MATMUL",
     "auto",
@@ -126,7 +134,7 @@ LUMEN_GC = EnvVar(
 )
 
 ALL = (
-    LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_CPU_MATMUL,
+    LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_DEBUG_GC, LUMEN_CPU_MATMUL,
     LUMEN_CPU_ATTENTION, LUMEN_CPU_GREEDY_HEAD, LUMEN_CPU_THREADS, LUMEN_CPU_INT8,
     LUMEN_CPU_INT4, LUMEN_CPU_INT4_LAYER, LUMEN_CPU_F32_LAYER, LUMEN_CPU_DECODE_LAYER,
     LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR, LUMEN_TOKENIZER_DIR, LUMEN_GC,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
@@ -88,6 +89,7 @@ class _Parent:
     stream: bool = False  # deltas after every step, instead of one final output
     # Timings for metrics (clock rule of engine/messages.py); 0 = not yet.
     arrival_ns: int = 0
+    sent_ns: int = 0  # handed to the engine (its core requests built)
     queued_ns: int = 0
     scheduled_ns: int = 0
     first_token_ns: int = 0
@@ -111,10 +113,12 @@ class _Parent:
         """The request's instants so far (ns), as RequestOutput.metrics of its final output."""
         return {
             "arrival_ns": self.arrival_ns,
+            "sent_ns": self.sent_ns,
             "queued_ns": self.queued_ns,  # the core dequeued it
             "scheduled_ns": self.scheduled_ns,  # its first step began
             "first_token_ns": self.first_token_ns,
             "last_token_ns": self.last_token_ns,
+            "num_generation_tokens": self.num_generation_tokens,
         }
 
     def due(self, interval: int) -> bool:
@@ -217,6 +221,7 @@ class OutputProcessor:
             num_unfinished=params.n,
             stream=stream,
             arrival_ns=arrival_ns,
+            sent_ns=time.time_ns(),
         )
         self._parents[request_id] = parent
         for i, child_id in enumerate(child_ids):

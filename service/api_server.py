@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from engine import __version__
+from engine import __version__, faults
 from engine.async_llm import AsyncLLM
 from engine.background import in_background
 from engine.config import EngineConfig
@@ -258,10 +258,12 @@ async def _serve_ready(
         stall_timeout=config.stream_stall_timeout,
         tracer=tracer,
         reasoning_parser=config.reasoning_parser,
+        per_request_metrics=config.enable_per_request_metrics,
     )
     http_timing.install()
     monitor = asyncio.create_task(watch_api_process(metrics, tracer), name="api-monitor")
     settle_heap()  # the engine is up and the app built: what lives now lives for good
+    faults.arm_gc_pause("api")
     door.app = FrontDoor(build_app(serving), serving, config)
     lifecycle.start()
     logger.info(

@@ -73,6 +73,7 @@ def _add_bench_verbs(bench: argparse.ArgumentParser) -> None:
         throughput,
         tracing_overhead,
     )
+    from bench import diagnose as bench_diagnose
     from bench import serve as bench_serve  # `serve` above is the server's parser
 
     throughput.add_parser(bench_verbs)
@@ -87,6 +88,7 @@ def _add_bench_verbs(bench: argparse.ArgumentParser) -> None:
     precision.add_parser(bench_verbs)
     one_stream.add_parser(bench_verbs)
     structured.add_parser(bench_verbs)
+    bench_diagnose.add_parser(bench_verbs)
 
 
 def _model_path(args: argparse.Namespace) -> int:

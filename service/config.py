@@ -75,6 +75,14 @@ class ServerConfig:
         default=2.0,
         metadata={"help": "seconds /health answers 503 before a crash loop's exit (code 1)"},
     )
+    enable_per_request_metrics: bool = field(
+        default=False,
+        metadata={
+            "help": "every response carries the server's timing as a top-level `metrics` "
+            "object (a stream: in its last chunk), as vLLM's flag: TTFT and the parts it is "
+            "made of; a request can ask for it alone with `include_metrics`"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -24,7 +24,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
-    # A Lumen extension: the server's timing (Server-Timing's figures) in the last chunk.
+    # The server's timing (service/request_metrics.py) in the last chunk; include_timing is
+    # its older name.
+    include_metrics: bool = False
     include_timing: bool = False
 
 
@@ -49,6 +51,8 @@ class _SamplingBody(_Body):
     frequency_penalty: float = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # The server's timing as a top-level `metrics` object (vLLM's, per request).
+    include_metrics: bool = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM's extra sampling fields
@@ -153,8 +157,10 @@ class _SamplingBody(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     @property
-    def include_timing(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_timing
+    def wants_metrics(self) -> bool:
+        """The request asks for the server's timing (service/request_metrics.py)."""
+        o = self.stream_options
+        return self.include_metrics or (o is not None and (o.include_metrics or o.include_timing))
 
 
 class ChatCompletionRequest(_SamplingBody):

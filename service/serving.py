@@ -9,6 +9,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jinja2
 import msgspec
@@ -29,6 +30,7 @@ from service.errors import APIError, error_body
 from service.lifecycle import Lifecycle
 from service.metrics import ServerMetrics
 from service.protocol import ChatCompletionRequest, CompletionRequest
+from service.request_metrics import request_metrics, server_timing_header
 from service.responses import Choice, ReplyStream, ResponseHead
 from service.streaming import DONE, ClientGone, EventStream, sse, until_disconnect
 from tracing.recorder import Tracer
@@ -49,7 +51,7 @@ class Prepared:
     stream: bool
     priority: int
     ctx: RequestContext  # arrival, first byte, and what the HTTP layer measures of it
-    include_timing: bool = False
+    include_metrics: bool = False  # the response carries `metrics` (service/request_metrics)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,8 +77,10 @@ class Serving:
         stall_timeout: float,
         tracer: Tracer | None = None,
         reasoning_parser: str | None = None,
+        per_request_metrics: bool = False,
     ) -> None:
         self.engine = engine
+        self.per_request_metrics = per_request_metrics
         self.lifecycle = lifecycle
         self.reasoning_parser = reasoning_parser
         self.tracer = tracer
@@ -169,7 +173,7 @@ class Serving:
         )
         prep = Prepared(
             checked, params, head, body.stream, body.priority, ctx,
-            include_timing=body.stream and body.include_timing,
+            include_metrics=self.per_request_metrics or body.wants_metrics,
         )  # fmt: skip
         ctx.stream = prep.stream
         if (tracer := self.tracer) is not None:
@@ -257,7 +261,7 @@ class Serving:
     async def _complete(self, prep: Prepared, request: Request) -> Response:
         head, n = prep.head, prep.params.n
         choices: defaultdict[int, Choice] = defaultdict(Choice)
-        timings: list[dict[str, float]] = []
+        timings: list[tuple[str, dict[str, float]]] = []
 
         async def collect() -> None:
             async with contextlib.aclosing(self._generate(prep)) as outputs:
@@ -267,7 +271,7 @@ class Serving:
                             raise APIError(400, c.error)
                         choices[p * n + c.index].add(c)
                     if out.finished:
-                        timings.append(out.metrics)
+                        timings.append((prep.request_ids[p], out.metrics))
 
         try:
             await until_disconnect(request, collect())
@@ -283,21 +287,23 @@ class Serving:
         except StreamStalledError as e:
             raise APIError(503, str(e), code="stalled") from None
         has_logprobs = prep.params.logprobs is not None
+        num_tokens = sum(len(c.token_ids) for c in choices.values())
         body = head.body(
             [head.final_choice(i, choices[i], has_logprobs) for i in sorted(choices)],
             prep.num_prompt_tokens,
-            sum(len(c.token_ids) for c in choices.values()),
+            num_tokens,
         )
-        timing = server_timing(timings, prep.ctx.http_start_ns, time.time_ns())
-        header = ", ".join(f"{k};dur={v:.1f}" for k, v in timing.items())
+        figures = _metrics(prep, timings, num_tokens)
+        if prep.include_metrics:
+            body["metrics"] = figures
         return Response(_encode(body), media_type="application/json",
-                        headers={"Server-Timing": header})  # fmt: skip
+                        headers={"Server-Timing": server_timing_header(figures)})  # fmt: skip
 
     async def _events(self, prep: Prepared) -> AsyncGenerator[bytes, None]:
         head, n = prep.head, prep.params.n
         num_completion_tokens = 0
         offsets: defaultdict[int, int] = defaultdict(int)
-        timings: list[dict[str, float]] = []
+        timings: list[tuple[str, dict[str, float]]] = []
         facts = prep.ctx.http
         streams: dict[int, ReplyStream] = {}  # per choice, where tools or reasoning are in play
         done: set[int] = set()  # choices that finished
@@ -358,7 +364,7 @@ class Serving:
                             batch.append(sse(_encode(chunk)))
                         offsets[index] += len(c.text)
                     if out.finished:
-                        timings.append(out.metrics)
+                        timings.append((prep.request_ids[p], out.metrics))
                         if single:
                             tail = batch
                             continue
@@ -366,12 +372,12 @@ class Serving:
                         yield batch[0] if len(batch) == 1 else b"".join(batch)
                     if not facts.first_delivered_ns and any(c.token_ids for c in out.outputs):
                         facts.first_delivered_ns = time.time_ns()  # the transport took it
-            if head.include_usage or prep.include_timing:
+            if head.include_usage or prep.include_metrics:
                 last = head.usage_chunk(prep.num_prompt_tokens, num_completion_tokens)
                 if not head.include_usage:
                     del last["usage"]
-                if prep.include_timing:
-                    last["timing"] = server_timing(timings, prep.ctx.http_start_ns, time.time_ns())
+                if prep.include_metrics:
+                    last["metrics"] = _metrics(prep, timings, num_completion_tokens)
                 tail.append(sse(_encode(last)))
             tail.append(DONE)
             yield b"".join(tail)
@@ -477,22 +483,15 @@ def _dead(e: EngineDeadError) -> tuple[str, str]:
     return f"the engine died: {e}", "engine_dead"
 
 
-def server_timing(timings: list[dict[str, float]], start_ns: int, now_ns: int) -> dict[str, float]:
-    """Milliseconds the server spent on a response: queue (in the core's waiting queue),
-    prefill (first step -> first token), decode (first -> last token) and total (first byte
-    read -> response complete), for the slowest of its prompts and samples."""
-    out = {"queue": 0.0, "prefill": 0.0, "decode": 0.0}
-    for t in timings:
-        queued, scheduled = t.get("queued_ns", 0), t.get("scheduled_ns", 0)
-        first, last = t.get("first_token_ns", 0), t.get("last_token_ns", 0)
-        if queued and scheduled:
-            out["queue"] = max(out["queue"], (scheduled - queued) / 1e6)
-        if scheduled and first:
-            out["prefill"] = max(out["prefill"], (first - scheduled) / 1e6)
-        if first and last:
-            out["decode"] = max(out["decode"], (last - first) / 1e6)
-    out["total"] = (now_ns - start_ns) / 1e6
-    return {k: round(v, 1) for k, v in out.items()}
+def _metrics(
+    prep: Prepared, timings: list[tuple[str, dict[str, float]]], num_tokens: int
+) -> dict[str, Any]:
+    ctx = prep.ctx
+    return request_metrics(
+        timings, http_start_ns=ctx.http_start_ns, handler_ns=ctx.handler_ns,
+        first_delivered_ns=ctx.http.first_delivered_ns if prep.stream else 0,
+        num_tokens=num_tokens, now_ns=time.time_ns(),
+    )  # fmt: skip
 
 
 def _as_prompts(prompts: list[str | list[int]]) -> list[str | dict[str, list[int]]]:

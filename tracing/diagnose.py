@@ -21,7 +21,6 @@ registered in ``tracing.parts``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -29,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tracing import diagnose_load as load
-from tracing import render, shares, step_members, verdict, why
+from tracing import failures, render, settings, shares, step_members, verdict, why
 from tracing.diagnose_load import RequestFacts
 from tracing.diagnosis import (
     DECODE_PARTS,
@@ -39,6 +38,7 @@ from tracing.diagnosis import (
     TAIL_PERCENTILE,
     TTFT_PARTS,
     Finding,
+    LifecycleRow,
     PartStat,
     RequestDiagnosis,
     RunDiagnosis,
@@ -47,6 +47,7 @@ from tracing.diagnosis import (
     summarize,
 )
 from tracing.emit_columns import closes_write
+from tracing.gaps import GapCutter, Write
 from tracing.pauses import Intervals, Pauses, pauses_of
 from tracing.shares import StepShare
 from tracing.store import DbPath, latest_run, open_db
@@ -70,6 +71,8 @@ class _Run:
     wait_reasons: dict[str, str] = field(default_factory=dict)
     in_flight: shares.InFlight | None = None
     restarts: Intervals = field(default_factory=lambda: Intervals([]))  # the engine's
+    gaps: GapCutter | None = None
+    lifecycle: list[LifecycleRow] = field(default_factory=list)
 
 
 def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
@@ -96,23 +99,28 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
     placed = shares.place(facts.members, facts.step_times, win)
     pauses = pauses_of(facts.pauses)
     parts = shares.step_shares(facts.members, placed, facts.step_times, win, weights, pauses[1].gc)
+    preempted = step_members.preemptions(
+        facts.preempted, facts.members, placed, facts.step_times, win
+    )
     ctx = _Run(
         step_parts=parts,
         pauses=pauses,
         restarts=Intervals([(p.start_ns, p.start_ns + p.duration_ns) for p in facts.pauses
                             if p.process == "server" and p.kind == "restart"]),
         in_flight=shares.InFlight(facts.step_times, weights),
-        preemptions=step_members.preemptions(
-            facts.preempted, facts.members, placed, facts.step_times, win
-        ),
+        preemptions=preempted,
         neighbours=step_members.neighbours(facts.members, placed),
         wait_reasons=step_members.wait_reasons(
             [r.received_ns for r in facts.requests],
             [r.first_scheduled_ns for r in facts.requests],
             win, parts, facts.steps,
         ),
+        gaps=GapCutter(facts.step_times, facts.members, placed, weights, pauses, preempted,
+                       facts.stream_interval),
+        lifecycle=facts.lifecycle,
     )  # fmt: skip
-    requests = [_decompose(row, w, ctx) for row, w in zip(facts.requests, windows)]
+    requests = [_decompose(i, row, w, ctx) for i, (row, w) in
+                enumerate(zip(facts.requests, windows))]  # fmt: skip
     statuses = [r.status for r in requests]
     run = RunDiagnosis(
         run_id=run_id,
@@ -128,6 +136,7 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
         step_prior=facts.step_prior,
         lifecycle=facts.lifecycle,
         stream_interval=facts.stream_interval,
+        replica=facts.replica,
     )
     verdict.judge(run)
     return run
@@ -198,7 +207,7 @@ def _window(row: RequestFacts) -> Window:
     return Window(start, first_token, ttft_end, max(end, ttft_end))
 
 
-def _decompose(row: RequestFacts, window: Window, run: _Run) -> RequestDiagnosis:
+def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> RequestDiagnosis:
     rid = row.request_id
     start, first_token, ttft_end, end = window
     stream = row.stream is not False
@@ -231,7 +240,14 @@ def _decompose(row: RequestFacts, window: Window, run: _Run) -> RequestDiagnosis
     req.ttft = _ttft_parts(row, run, start, ttft_end, steps_t, steps_d)
     if first_token is not None and end > ttft_end:
         req.decode = _decode_parts(row, run, ttft_end, end, steps_d)
-    req.gaps_ns, req.gap_step_ids = _write_gaps(row.emit_ends_ns or [], row.emit_step_ids or [])
+    writes = _writes(row)
+    req.gaps_ns = [int(b.end_ns - a.end_ns) for a, b in itertools.pairwise(writes)]
+    req.gap_step_ids = [w.last_step for w in writes[1:]]
+    if run.gaps is not None and stream:
+        req.long_gaps = run.gaps.cut(index, rid, writes, row.send_wait_ns or 0)
+    req.failure = failures.classify(req.status, row.end_code, row.error, end, run.lifecycle)
+    req.resent_ns = row.resent_ns
+    req.settings = settings.settings_of(row.params, row.grammar)
     for phase in ("ttft", "decode"):
         if found := run.neighbours.get((rid, phase)):
             req.neighbour_steps[phase] = found
@@ -242,16 +258,22 @@ def _decompose(row: RequestFacts, window: Window, run: _Run) -> RequestDiagnosis
     return req
 
 
-def _write_gaps(
-    ends: Sequence[int | None], step_ids: Sequence[int | None]
-) -> tuple[list[int], list[int | None]]:
-    """The gaps between a stream's writes (emit_columns.closes_write), each with the step
-    that ended it: the emits one write delivered make one gap, as the client saw them."""
-    emits = [(end, step) for end, step in itertools.zip_longest(ends, step_ids[: len(ends)])
+def _writes(row: RequestFacts) -> list[Write]:
+    """The writes its client saw (emit_columns.closes_write: the emits one write delivered
+    share its end), each with its first and last emit's step and receipt."""
+    ends = row.emit_ends_ns or []
+    steps, starts = row.emit_step_ids or [], row.emit_starts_ns or []
+    emits = [(end, step, start) for end, step, start in
+             itertools.zip_longest(ends, steps[: len(ends)], starts[: len(ends)])
              if end is not None]  # fmt: skip
-    writes = [e for e, last in zip(emits, closes_write([end for end, _ in emits])) if last]
-    gaps = [int(b[0] - a[0]) for a, b in itertools.pairwise(writes)]
-    return gaps, [step_id for _, step_id in writes[1:]]
+    out, first = [], 0
+    for i, last in enumerate(closes_write([end for end, _, _ in emits])):
+        if last:
+            end, step, start = emits[i]
+            _, step0, start0 = emits[first]
+            out.append(Write(int(end), step0, step, start0, start))
+            first = i + 1
+    return out
 
 
 def _delivered_ttft(row: RequestFacts, start: int, stream: bool) -> int | None:

@@ -5,12 +5,16 @@ records `tracing.diagnose` fills in and `tracing.verdict`, `tracing.why`, `traci
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from tracing.parts import phase_labels
 from tracing.shares import MIN_CAUSE_NS as MIN_CAUSE_NS  # beside the step math that uses it
+
+if TYPE_CHECKING:
+    from tracing.failures import Failure
+    from tracing.gaps import Gap
 
 # What a request's time is made of, per phase: key -> its label in the phase's table (keys of
 # RequestDiagnosis.ttft and .decode), from the registry in tracing.parts.
@@ -70,6 +74,10 @@ class RequestDiagnosis:
     parse_span: tuple[int, int] | None = None
     frontend_span: tuple[int, int] | None = None
     weight: float = 1.0  # the requests of its run it stands for (a sampled import)
+    long_gaps: list[Gap] = field(default_factory=list)  # tracing.gaps: cut into parts
+    failure: Failure | None = None  # what ended it, where it did not finish
+    resent_ns: int | None = None  # sent again to a new core after its first failed
+    settings: tuple[str, ...] = ()  # what of its sampling is not plain greedy (grammar, ...)
     # Set by explain_request: the run's median per part (phase -> part -> ns; decode per token).
     run_medians: dict[str, dict[str, float]] = field(default_factory=dict)
     dominant: Dominant | None = None  # set once the run is judged
@@ -169,6 +177,7 @@ class RunDiagnosis:
     step_prior: list[float] | None = None  # the warm-up's price of a step (tracing.shares)
     lifecycle: list[LifecycleRow] = field(default_factory=list)  # the server's drains, restarts
     stream_interval: int = 1  # tokens a write took (--stream-interval): ITL is between writes
+    replica: str | None = None  # the replica that recorded it (a fleet's store names it)
 
 
 def percentiles(values: list[float], weights: list[float] | None = None) -> dict[str, float]:

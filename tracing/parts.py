@@ -197,6 +197,14 @@ PARTS: tuple[Part, ...] = (
         "it sat out",
     ),
     Part(
+        "core_stall", None, "the core stalled (no step ran, or a step ran far past its time)",
+        "the core stalling",
+        "the core process stopped, was starved of CPU or was stuck in a long call: look at the "
+        "host (other processes, the CPU quota, swapping) and the server log",
+        "in a long token gap (tracing/gaps.py): the part of its steps' forward past 3x their "
+        "expected time (and 20 ms over it), and time no step ran while it waited",
+    ),
+    Part(
         "preempted", None, "waiting after a preemption (recompute)",
         "waiting after a preemption (recompute)",
         "more KV blocks (--num-kv-blocks or --kv-cache-memory-bytes) or a lower "

@@ -16,7 +16,9 @@ from tracing.verdict import headline
 from tracing.words import WHAT, ms
 
 SECTIONS = {
+    "failures": "Failures",
     "causes": "Causes",
+    "gaps": "Token gaps",
     "paid": "Every request paid",
     "steps": "Steps",
     "cancellations": "Cancellations",
@@ -70,7 +72,11 @@ def sampling(run: RunDiagnosis) -> str | None:
 def render_run(run: RunDiagnosis) -> str:
     counts = f"{run.num_ok} ok, {run.num_aborted} aborted, {run.num_error} error"
     busy = sum(not s.idle for s in run.steps)
-    lines = [f"run {run.run_id}: {len(run.requests)} requests ({counts}), {busy} engine steps", ""]
+    replica = f" on replica {run.replica}" if run.replica else ""
+    lines = [
+        f"run {run.run_id}{replica}: {len(run.requests)} requests ({counts}), {busy} engine steps",
+        "",
+    ]
     if sampled := sampling(run):
         lines[-1:-1] = [_fill(sampled)]
     lines += [*percentile_table(run.summary), "", _fill(headline(run))]
@@ -100,7 +106,8 @@ def slowest_requests(run: RunDiagnosis, limit: int = SLOWEST) -> list[str]:
 
 def _largest(run: RunDiagnosis, limit: int = 3) -> str:
     """The named findings with the most time, across sections, so the biggest reads first."""
-    who = {"cause": "the slow tail", "paid": "every request", "step": "steps"}
+    who = {"cause": "the slow tail", "paid": "every request", "step": "steps",
+           "failure": "failed requests", "gap": "token gaps"}  # fmt: skip
     named = sorted((f for f in run.findings if f.kind in who and f.ms > 0), key=lambda f: -f.ms)[
         :limit
     ]

@@ -345,9 +345,30 @@ def step_shares(
     """(request id, phase) -> its StepShare, by the formulas of the module docstring."""
     if not len(placed.step):
         return {}
-    s, r, ttft = placed.step, placed.request, placed.ttft
+    r, ttft = placed.request, placed.ttft
     lo = np.where(ttft, windows.start[r], windows.ttft_end[r])
     hi = np.where(ttft, windows.ttft_end[r], windows.end[r])
+    per_member, total = member_shares(members.tokens, placed.step, ttft, lo, hi, steps, weights,
+                                      core_gc)  # fmt: skip
+    s = placed.step
+    return _by_request_phase(
+        per_member, total, steps.schedule_start_ns[s], out_end(steps)[s], placed, steps, windows
+    )
+
+
+def member_shares(
+    tokens: IntArray,
+    s: IntArray,
+    ttft: npt.NDArray[np.bool_],
+    lo: IntArray,
+    hi: IntArray,
+    steps: StepTimes,
+    weights: StepWeights,
+    core_gc: Intervals,
+) -> tuple[dict[str, FloatArray], IntArray]:
+    """Per membership (its tokens, its step's index ``s``, whether its row is in its request's
+    TTFT phase), its parts of the step inside its window [lo, hi] (the module docstring's
+    formulas), and the clipped schedule, execute and output time they share out."""
     s0, s1 = steps.schedule_start_ns[s], steps.schedule_end_ns[s]
     e0, e1, o1 = steps.execute_start_ns[s], steps.execute_end_ns[s], out_end(steps)[s]
 
@@ -365,7 +386,6 @@ def step_shares(
     cost = weights.a + weights.b * prefill + weights.c * rows + weights.d * steps.decode_tokens[s]
     cost = np.maximum(cost, 1e-9)
     per_row = weights.a / np.maximum(rows, 1) + weights.c
-    tokens = members.tokens
     # The sampler and logprobs run at the end of execute: each row's share of them is its
     # share of the step's execute; the forward is the rest.
     full = np.maximum(e1 - e0, 1)
@@ -394,7 +414,8 @@ def step_shares(
         "sampling": sampling,
         "logprobs": logprobs,
     }
-    return _by_request_phase(per_member, sched + exe + outp, s0, o1, placed, steps, windows)
+    total: IntArray = sched + exe + outp
+    return per_member, total
 
 
 def _by_request_phase(

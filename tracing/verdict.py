@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tracing import verdict_steps
+from tracing import settings, verdict_requests, verdict_steps
 from tracing.diagnosis import (
     DECODE_PARTS,
     MIN_CAUSE_NS,
@@ -37,6 +37,8 @@ from tracing.diagnosis import (
     RunDiagnosis,
     StepFacts,
 )
+from tracing.failures import SERVER_KINDS, count_words
+from tracing.gaps import GAP_FACTOR
 from tracing.judge import (
     JUDGED_APART,
     call_part,
@@ -51,7 +53,8 @@ from tracing.words import QUEUE_LIMITS, WHAT, count, ms, tokens_of
 __all__ = ["JUDGED_APART", "describe", "headline", "judge", "neighbour_names", "passes"]
 
 PHASE_PARTS = {"ttft": TTFT_PARTS, "decode": DECODE_PARTS}
-NAMED = ("cause", "paid", "step")  # the kinds of finding that name what made requests slow
+# The kinds of finding that name what made requests slow, or failed them.
+NAMED = ("cause", "paid", "step", "failure", "gap")
 
 
 def phase_requests(run: RunDiagnosis, phase: str) -> list[RequestDiagnosis]:
@@ -102,7 +105,11 @@ def judge(run: RunDiagnosis) -> None:
         tail_reqs = [r for r, t in zip(reqs, tail) if t]
         findings += _part_findings(run, phase, reqs, tail_reqs, scale)
     findings.sort(key=lambda f: (f.kind != "cause", -f.ms))  # the largest cause first
+    if not any(f.part == "unattributed" for f in findings):
+        findings += verdict_requests.remainder_findings(run)
+    findings = verdict_requests.failure_findings(run) + findings  # failures first
     findings += _slow_readers(run)
+    findings += verdict_requests.gap_findings(run)
     findings += verdict_steps.step_findings(run, findings)
     findings += verdict_steps.cancellations(run)
     findings += lifecycle_findings(run)
@@ -212,13 +219,24 @@ def describe(
         return _lag_work(run, action)
     if part in ("logprobs", "sampling"):
         said = verdict_steps.sampler_words(verdict_steps.busy_steps(run), part)
-        return (f" ({said})" if said else ""), action
+        paid = _settings_paid(run, reqs) if part == "sampling" else ""
+        return (f" ({'; '.join(x for x in (paid, said) if x)})" if paid or said else ""), action
     if part == "neighbour_prefill":
         names = neighbour_names(reqs, phase)
         return (f", mostly {names}" if names else ""), action
     if step is not None:
         return _busy(run, step), action
     return "", action
+
+
+def _settings_paid(run: RunDiagnosis, reqs: list[RequestDiagnosis]) -> str:
+    """'for rows with a grammar (json_schema) in 24 requests': the settings of the requests
+    that shared these requests' steps where the sampler ran (their own included)."""
+    sampled = {s.step_id for s in run.steps if s.sample_ns}
+    steps = {i for r in reqs for i in r.step_ids if i in sampled}
+    sharing = [r.settings for r in run.requests if steps.intersection(r.step_ids)]
+    words = settings.named(sharing)
+    return f"for rows with {words}" if words else ""
 
 
 def lifecycle_findings(run: RunDiagnosis) -> list[Finding]:
@@ -337,13 +355,15 @@ def _expected(run: RunDiagnosis, findings: list[Finding]) -> list[Finding]:
     if (decode := run.parts.get("decode", {}).get("decode")) and decode.median_ns > 0:
         said.append(f"decode took {ms(decode.median_ns)} per output token at the median")
     out = []
-    if not any(f.kind in NAMED for f in findings):
+    failed = any(r.failure is not None and r.failure.kind in SERVER_KINDS for r in run.requests)
+    if not failed and not any(f.kind in NAMED for f in findings):
         out.append(
             Finding(
                 "info",
-                "Nothing stands out: no part of any request's time, no cost every request "
-                f"pays and no step passes {ms(MIN_CAUSE_NS)} and {MIN_CAUSE_SHARE:.0%} of the "
-                "phase, up to the client's kernel (a response that fits in the socket buffers, "
+                "Nothing stands out: no request failed; no part of any request's time, no token "
+                f"gap, no cost every request pays and no step passes {ms(MIN_CAUSE_NS)} and "
+                f"{MIN_CAUSE_SHARE:.0%} of the phase (a gap: {GAP_FACTOR:g}x its request's "
+                "median), up to the client's kernel (a response that fits in the socket buffers, "
                 "about 80 KiB and the client's receive buffer, is accepted whole whether or not "
                 "the client reads it).",
             )
@@ -365,9 +385,11 @@ def headline(run: RunDiagnosis) -> str:
     ):
         if s.get(key):
             said.append(f"{label} p50 {ms(s[key]['p50'] * 1e9)}, p99 {ms(s[key]['p99'] * 1e9)}")
+    failed = [r.failure for r in run.requests if r.failure is not None]
+    first = count_words(failed, len(run.requests)) + " " if failed else ""
     if not said:
-        return "No request got a token."
+        return first + "No request got a token."
     n = run.stream_interval
     held = (f" The server sent tokens {n} at a time (--stream-interval {n}): ITL is the gap "
             "between writes.") if n > 1 and s.get("itl_s") else ""  # fmt: skip
-    return "; ".join(said) + "." + held
+    return first + "; ".join(said) + "." + held

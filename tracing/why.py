@@ -6,15 +6,24 @@ from __future__ import annotations
 import numpy as np
 
 from tracing import verdict_steps
-from tracing.diagnosis import MIN_CAUSE_NS, RequestDiagnosis, RunDiagnosis
+from tracing.diagnosis import RequestDiagnosis, RunDiagnosis
+from tracing.gaps import Gap
 from tracing.judge import request_calls, slow_delivery_ns
 from tracing.verdict import describe, neighbour_names
 from tracing.words import WHAT, count, ms, tokens_of
+
+GAP_PART_NS = 1_000_000  # a gap's parts listed from this size
 
 
 def explain(req: RequestDiagnosis, run: RunDiagnosis) -> list[str]:
     """Sentences on one request: its TTFT against the run's, who cost it time, its worst gaps."""
     out = [_opening(req, run)]
+    if req.resent_ns:
+        out.append(
+            "It had sent no output when its engine core failed: it was sent again to the new "
+            f"core, and lost {ms(req.ttft.get('engine_restart', 0))} to the failure (its time on "
+            "the failed core and the wait for the new one)."
+        )
     out += _beyond_median(req, run, "ttft")
     if req.ttft.get("own_prefill"):
         out.append(
@@ -46,10 +55,17 @@ def _delivery(req: RequestDiagnosis) -> list[str]:
 
 
 def _opening(req: RequestDiagnosis, run: RunDiagnosis) -> str:
-    """Its TTFT against the run's percentiles (the numbers `replay report` prints)."""
+    """Its replica, what ended it where it did not finish, and its TTFT against the run's
+    percentiles (the numbers `replay report` prints)."""
+    where = f" on replica {run.replica}" if run.replica else ""
+    failed = ""
+    if req.failure is not None:
+        sent = (
+            f"after {count(req.output_tokens, 'token')}" if req.output_tokens else "before a token"
+        )
+        failed = f" It {req.failure.words}, {ms(req.e2e_ns)} after it arrived, {sent}."
     if req.ttft_ns is None:
-        how = " (cancelled)" if req.status == "aborted" else ""
-        return f"{req.request_id} ({req.status}) ended after {ms(req.e2e_ns)}{how}, before a token."
+        return f"{req.request_id}{where} ({req.status}) ended after {ms(req.e2e_ns)}." + failed
 
     def against(value: int, key: str) -> str:
         pct = run.summary.get(key)
@@ -59,10 +75,10 @@ def _opening(req: RequestDiagnosis, run: RunDiagnosis) -> str:
             else ms(value)
         )
 
-    said = f"{req.request_id} ({req.status}): TTFT {against(req.ttft_ns, 'ttft_s')}"
+    said = f"{req.request_id}{where} ({req.status}): TTFT {against(req.ttft_ns, 'ttft_s')}"
     if req.delivered_ttft_ns is not None:
         said += f", delivered TTFT {against(req.delivered_ttft_ns, 'delivered_ttft_s')}"
-    return said + "."
+    return said + "." + failed
 
 
 def _beyond_median(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list[str]:
@@ -88,7 +104,7 @@ def _beyond_median(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list
             shared.append((value, f"{when} it spent {ms(value)} in {what}{said}", action))
     out = [f"{text}: {action}." if action else f"{text}." for _, text, action in
            sorted(beyond, reverse=True)[:3] + sorted(shared, reverse=True)[:2]]  # fmt: skip
-    if phase == "ttft" and not beyond:
+    if phase == "ttft" and not beyond and req.failure is None:
         out.insert(
             0,
             "Its time to first token was no worse than the run's median request's; what it "
@@ -100,25 +116,29 @@ def _beyond_median(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list
 
 
 def _worst_gaps(req: RequestDiagnosis, run: RunDiagnosis, limit: int = 3) -> list[str]:
-    """Its longest token gaps (at least twice the median gap and MIN_CAUSE_NS over it), each
-    with the step that ended it."""
+    """Its longest token gaps (tracing.gaps: over GAP_FACTOR x its median gap and
+    MIN_CAUSE_NS), each with the parts it is made of, largest first."""
     if not req.gaps_ns:
         return []
     median = float(np.median(req.gaps_ns))
-    worst = sorted(zip(req.gaps_ns, req.gap_step_ids), key=lambda g: -g[0])
-    long = [(g, s) for g, s in worst if g >= 2 * median and g - median >= MIN_CAUSE_NS][:limit]
-    if not long:
-        return [f"Its token gaps were even: median {ms(median)}, the longest {ms(worst[0][0])}."]
-    by_id = {s.step_id: s for s in run.steps}
-    said = []
-    for gap, step_id in long:
-        s = by_id.get(step_id) if step_id is not None else None
-        if s is None:
-            said.append(ms(gap))
-            continue
-        carried = f", carrying {verdict_steps.prefill_of(run, s)}" if s.prefill_tokens else ""
-        said.append(
-            f"{ms(gap)} ending with step {s.step_id} (execute {ms(s.execute_ns)}, "
-            f"{count(s.rows or s.running, 'request')}{carried})"
-        )
-    return [f"Its worst token gaps (median {ms(median)}): " + "; ".join(said) + "."]
+    if not req.long_gaps:
+        worst = max(req.gaps_ns)
+        return [f"Its token gaps were even: median {ms(median)}, the longest {ms(worst)}."]
+    said = [_gap_words(gap, run) for gap in req.long_gaps[:limit]]
+    more = len(req.long_gaps) - limit
+    tail = f" ({count(more, 'more long gap')})" if more > 0 else ""
+    return [f"Its longest token gaps (median {ms(median)}): " + "; ".join(said) + tail + "."]
+
+
+def _gap_words(gap: Gap, run: RunDiagnosis) -> str:
+    """'2,845.0 ms: delivery to the client 2,840.1 ms, emit 3.2 ms (its write's first token
+    from step 1234, execute 1.1 ms)'."""
+    parts = sorted(((v, k) for k, v in gap.parts.items() if v >= GAP_PART_NS), reverse=True)
+    listed = ", ".join(f"{WHAT[k][0]} {ms(v)}" for v, k in parts[:3]) or "no part over 1 ms"
+    step = next((s for s in run.steps if s.step_id == gap.step_id), None)
+    if step is None:
+        return f"{ms(gap.ns)}: {listed}"
+    carried = f", carrying {verdict_steps.prefill_of(run, step)}" if step.prefill_tokens else ""
+    rows = count(step.rows or step.running, "request")
+    return (f"{ms(gap.ns)}: {listed} (its first token from step {step.step_id}, execute "
+            f"{ms(step.execute_ns)}, {rows}{carried})")  # fmt: skip

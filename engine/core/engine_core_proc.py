@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import zmq
 
+from engine import faults
 from engine.background import name_os_thread
 from engine.config import EngineConfig
 from engine.gc_pauses import settle_heap
@@ -234,6 +235,7 @@ def run_engine_core(
         )  # fmt: skip
         core.scheduler.number_steps_from(epoch << STEP_EPOCH_BITS)
         settle_heap()  # the model is loaded and warm: what lives now lives for good
+        faults.arm_gc_pause("core")
     except Exception as e:
         # Nothing started, so nothing to drain: a SIGTERM from here on (the frontend's close
         # after the error below) ends this process, not passed on as the server's SIGUSR1,

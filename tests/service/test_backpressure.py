@@ -119,7 +119,7 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
         "--stream-stall-timeout",
         "2",
     ]
-    args += ["--served-model-name", "tight"]
+    args += ["--served-model-name", "tight", "--enable-per-request-metrics"]
     # 2 ms more a step: a long stream outlasts the 2 s stall timeout on the fastest CPU (a Zen 5
     # generated all 8 x 1,800 tokens before the stall was noticed).
     slow = {"LUMEN_DEBUG_DELAY": "schedule=0.002"}
@@ -167,3 +167,10 @@ def test_a_stalled_stream_is_aborted_after_the_timeout(tight_server: LumenServer
         wait_until(lambda: server_idle(tight_server), timeout=10)
     after = tight_server.metrics()
     assert _delta(before, after, "lumen:request_success_total", finished_reason="abort") == 1
+
+
+def test_the_server_flag_gives_every_response_its_metrics(tight_server: LumenServer) -> None:
+    """--enable-per-request-metrics (vLLM's flag): a response carries `metrics` unasked."""
+    r = httpx.post(tight_server.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 3})
+    m = r.json()["metrics"]
+    assert m["time_to_first_token_ms"] > 0 and m["ttft_parts_ms"]["prefill"] > 0

@@ -310,30 +310,52 @@ def test_models_health_and_metrics(tiny_server: LumenServer, tiny_model_path: Pa
 
 
 def _server_timing(header: str) -> dict[str, float]:
-    parts = (p.strip().split(";dur=") for p in header.split(","))
-    return {name: float(dur) for name, dur in parts}
+    parts = (p.strip().split(";")[:2] for p in header.split(","))
+    return {name: float(dur.removeprefix("dur=")) for name, dur in parts}
+
+
+TTFT_PARTS = {"receive", "frontend", "step_in_flight", "queue", "prefill", "delivery"}
 
 
 def test_server_timing_for_the_caller(tiny_server: LumenServer) -> None:
-    """A non-streamed response carries Server-Timing; a stream that asks gets the same figures
-    in its last chunk. Both fit inside what the client itself measured."""
+    """A non-streamed response carries Server-Timing and, asked, vLLM's `metrics` object: TTFT
+    and its measured parts, which sum to it, for the prompt whose first token came first (named,
+    of several); a stream gets the same object in its last chunk (include_metrics, or
+    include_timing, the older name). Both fit inside what the client itself measured."""
     body = {"prompt": ["one", "two"], "max_tokens": 12, "ignore_eos": True, "n": 2}
     started = time.monotonic()
-    r = httpx.post(tiny_server.url("/v1/completions"), json=body, headers=tiny_server.headers())
+    r = httpx.post(tiny_server.url("/v1/completions"), json={**body, "include_metrics": True},
+                   headers=tiny_server.headers())  # fmt: skip
     client_ms = (time.monotonic() - started) * 1000
     timing = _server_timing(r.headers["server-timing"])
-    assert set(timing) == {"queue", "prefill", "decode", "total"}
+    assert set(timing) == {"ttft", *TTFT_PARTS, "decode", "total"}
     assert 0 < timing["decode"] < timing["total"] <= client_ms
-    assert timing["prefill"] > 0 and timing["queue"] >= 0
-    print(f"\nclient {client_ms:.1f} ms, server {timing}")
+    m = r.json()["metrics"]
+    print(f"\nclient {client_ms:.1f} ms, server {timing}, metrics {m}")
+    assert m["request_id"].startswith(r.json()["id"] + "-") and m["request_id"] in r.headers[
+        "server-timing"]  # fmt: skip
+    assert m["time_to_first_token_ms"] == timing["ttft"] > 0
+    assert abs(sum(m["ttft_parts_ms"].values()) - m["time_to_first_token_ms"]) < 0.01
+    assert m["ttft_parts_ms"]["delivery"] == 0  # a whole response: its first token is no write
+    assert m["queue_time_ms"] == m["ttft_parts_ms"]["queue"]
+    assert m["generation_time_ms"] > 0 and m["mean_itl_ms"] > 0 and m["tokens_per_second"] > 0
+    plain = httpx.post(tiny_server.url("/v1/completions"), json=body, headers=tiny_server.headers())
+    assert "metrics" not in plain.json()  # only where asked (or --enable-per-request-metrics)
 
-    stream = {**body, "stream": True, "stream_options": {"include_timing": True}}
-    chunks = [json.loads(e) for e in _sse_events(tiny_server, "/v1/completions", stream)[:-1]]
-    last = chunks[-1]
-    assert last["choices"] == [] and "usage" not in last
-    assert set(last["timing"]) == {"queue", "prefill", "decode", "total"}
-    assert last["timing"]["decode"] > 0
-    assert all("timing" not in c for c in chunks[:-1])
+    for options in ({"include_metrics": True}, {"include_timing": True}):
+        one = {"prompt": "one", "max_tokens": 12, "ignore_eos": True, "stream": True,
+               "stream_options": options}  # fmt: skip
+        started = time.monotonic()
+        events = _sse_events(tiny_server, "/v1/completions", one)
+        chunks = [json.loads(e) for e in events[:-1]]
+        last = chunks[-1]
+        assert last["choices"] == [] and "usage" not in last
+        m = last["metrics"]
+        assert set(m["ttft_parts_ms"]) == TTFT_PARTS and "request_id" not in m
+        assert abs(sum(m["ttft_parts_ms"].values()) - m["time_to_first_token_ms"]) < 0.01
+        assert m["ttft_parts_ms"]["delivery"] > 0  # a stream's first chunk is a write
+        assert m["time_to_first_token_ms"] <= (time.monotonic() - started) * 1000
+        assert all("metrics" not in c for c in chunks[:-1])
 
 
 def _raw_stream(server: LumenServer, version: str) -> tuple[bytes, bytes]:

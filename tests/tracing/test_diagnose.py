@@ -305,7 +305,8 @@ def test_explain_one_request(tmp_path: Path) -> None:
     print("\n".join(sentences))
     assert req.neighbours == {"long-1": 2047, "d0": 32, "d2": 32, "d3": 32}
     assert "long-1 with 2,047 prefill tokens in step 6" in text
-    assert "worst token gaps" in text and "carrying a 2,047-token prefill chunk of long-1" in text
+    assert "longest token gaps" in text and "carrying a 2,047-token prefill chunk of long-1" in text
+    assert "other requests' prefill in the steps it shared 596.0 ms" in text  # the gap, cut
     with pytest.raises(ValueError, match="not in"):
         explain_request(path, "nope")
 

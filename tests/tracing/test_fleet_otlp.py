@@ -48,7 +48,9 @@ def _provoke(server: LumenServer) -> dict[str, str]:
     ids: dict[str, str] = {}
 
     def decoder() -> None:
-        ids["victim"] = _post(server, {"prompt": "Go", "max_tokens": 60, "ignore_eos": True})
+        # Long enough to be seen running on the fastest CPU (60 tokens were over before the
+        # first poll on a Zen 5); their blocks make the long prompt below wait for KV blocks.
+        ids["victim"] = _post(server, {"prompt": "Go", "max_tokens": 300, "ignore_eos": True})
 
     threads = [threading.Thread(target=decoder) for _ in range(2)]
     for t in threads:

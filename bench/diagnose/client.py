@@ -1,0 +1,249 @@
+"""The generated scenarios' client: each request on a raw HTTP/1.1 socket of its own, in a thread
+of its own, timed as the client sees it (its first content chunk, the gaps between chunks, its
+end), reading as told: straight through, pausing after some chunks, or hanging up.
+
+A raw socket, not an HTTP library: a reader that pauses must hold the server back exactly as a
+slow client would (a small receive buffer, nothing read meanwhile), and the client must tell
+how much of the response the buffers held when it resumed (what it can read at once), so the
+time the server's writes waited is the client's own measurement: the pause, less the time the
+server took to fill those buffers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_CONTENT = re.compile(rb'"(?:content|text)":"(?:[^"\\]|\\.)')  # a chunk that carries text
+RECV_BUFFER = 4096  # a pausing reader's receive buffer (the kernel doubles it)
+
+
+@dataclass
+class Ask:
+    """One request of a scenario: what to send, when, and how to read the answer."""
+
+    index: int  # its place in the scenario (the same request in the control has the same)
+    body: dict[str, Any]
+    at_s: float  # sent this long after the run's start
+    path: str = "/v1/completions"
+    pause_after: int | None = None  # chunks read before the reader pauses
+    pause_s: float = 0.0
+    cancel_after: int | None = None  # chunks read before the client hangs up
+    extra: bool = False  # the primitive's own request (no counterpart in the control)
+
+
+@dataclass
+class Seen:
+    """What the client saw of one request (instants in seconds after the run's start)."""
+
+    index: int
+    request_id: str = ""
+    status: str = "ok"  # ok | failed | cancelled
+    code: str | None = None  # the error code, where it failed
+    sent_s: float = 0.0
+    first_s: float | None = None  # the first chunk with text
+    end_s: float = 0.0
+    chunks: list[float] = field(default_factory=list)  # each chunk with text
+    num_tokens: int = 0
+    paused_at_s: float | None = None
+    burst_bytes: int = 0  # what the buffers held when the paused reader resumed
+    burst_had_end: bool = False  # ... the whole rest of the response: the server never waited
+    bytes_before_pause: int = 0
+    num_bytes: int = 0  # the response's, as read
+    extra: bool = False
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_s is None else self.first_s - self.sent_s
+
+    @property
+    def e2e_s(self) -> float:
+        return self.end_s - self.sent_s
+
+    def gaps(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunks, self.chunks[1:])]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "index": self.index, "request_id": self.request_id, "status": self.status,
+            "code": self.code, "ttft_s": self.ttft_s, "e2e_s": self.e2e_s,
+            "num_chunks": len(self.chunks), "max_gap_s": max(self.gaps(), default=None),
+            "extra": self.extra,
+        }  # fmt: skip
+
+
+def send_all(port: int, asks: list[Ask], t0: float) -> list[Seen]:
+    """Every ask in a thread of its own, each sent at its offset from ``t0`` (monotonic)."""
+    seen = [Seen(a.index, extra=a.extra) for a in asks]
+    threads = [
+        threading.Thread(target=_one, args=(port, a, s, t0), daemon=True)
+        for a, s in zip(asks, seen)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return seen
+
+
+def _one(port: int, ask: Ask, seen: Seen, t0: float) -> None:
+    delay = t0 + ask.at_s - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+    seen.sent_s = time.monotonic() - t0
+    try:
+        _exchange(port, ask, seen, t0)
+    except OSError as e:
+        seen.status, seen.code = "failed", f"{type(e).__name__}: {e}"
+    seen.end_s = seen.end_s or time.monotonic() - t0
+
+
+def _exchange(port: int, ask: Ask, seen: Seen, t0: float) -> None:
+    payload = json.dumps(ask.body).encode()
+    stream = bool(ask.body.get("stream"))
+    with socket.socket() as sock:
+        if ask.pause_after is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER)
+        sock.connect(("127.0.0.1", port))
+        head = (
+            f"POST {ask.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n"
+        )
+        sock.sendall(head.encode() + payload)
+        reader = _Reader(sock)
+        status, headers = reader.head()
+        seen.request_id = headers.get("x-request-id", "")
+        if status != 200 or not stream:
+            body = reader.body(headers)
+            seen.end_s = time.monotonic() - t0
+            if status != 200:
+                seen.status, seen.code = "failed", _error_code(body) or f"HTTP {status}"
+            else:
+                seen.num_tokens = json.loads(body).get("usage", {}).get("completion_tokens", 0)
+                seen.first_s = seen.end_s
+            return
+        _read_stream(reader, ask, seen, t0)
+
+
+def _read_stream(reader: _Reader, ask: Ask, seen: Seen, t0: float) -> None:
+    for event in reader.events():
+        now = time.monotonic() - t0
+        if event.startswith(b"data: [DONE]"):
+            break
+        if b'"error"' in event[:20]:
+            seen.status, seen.code = "failed", _error_code(event[6:]) or "error"
+            break
+        if not _CONTENT.search(event):
+            continue
+        seen.chunks.append(now)
+        seen.num_tokens += 1
+        if seen.first_s is None:
+            seen.first_s = now
+        n = len(seen.chunks)
+        if ask.cancel_after is not None and n >= ask.cancel_after:
+            seen.status = "cancelled"
+            break
+        if ask.pause_after is not None and n == ask.pause_after:
+            seen.paused_at_s, seen.bytes_before_pause = now, reader.num_bytes
+            time.sleep(ask.pause_s)
+            seen.burst_bytes = reader.drain_ready()
+            seen.burst_had_end = reader.holds_end()
+    seen.end_s = time.monotonic() - t0
+    seen.num_bytes = reader.num_bytes
+
+
+def _error_code(body: bytes) -> str | None:
+    try:
+        error = json.loads(body).get("error", {})
+    except (ValueError, AttributeError):
+        return None
+    return str(error.get("code") or error.get("type") or "error")
+
+
+class _Reader:
+    """HTTP/1.1 response reading on a blocking socket: the head, a whole body, or a chunked
+    body's SSE events as they come."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
+        self.num_bytes = 0  # read so far
+
+    def _fill(self) -> bool:
+        data = self.sock.recv(65536)
+        self.num_bytes += len(data)
+        self.buf += data
+        return bool(data)
+
+    def head(self) -> tuple[int, dict[str, str]]:
+        while b"\r\n\r\n" not in self.buf:
+            if not self._fill():
+                raise ConnectionError("closed before the response head")
+        head, self.buf = self.buf.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return int(lines[0].split()[1]), headers
+
+    def body(self, headers: dict[str, str]) -> bytes:
+        if "content-length" in headers:
+            n = int(headers["content-length"])
+            while len(self.buf) < n and self._fill():
+                pass
+            return self.buf[:n]
+        return b"".join(self._chunks())
+
+    def _chunks(self):
+        while True:
+            while b"\r\n" not in self.buf:
+                if not self._fill():
+                    return
+            size_line, rest = self.buf.split(b"\r\n", 1)
+            size = int(size_line.split(b";")[0] or b"0", 16)
+            if size == 0:
+                return
+            while len(rest) < size + 2:
+                self.buf = rest
+                if not self._fill():
+                    return
+                rest = self.buf
+            self.buf = rest[size + 2 :]  # before the yield: a paused reader reads on meanwhile
+            yield rest[:size]
+
+    def events(self):
+        pending = b""
+        for chunk in self._chunks():
+            pending += chunk
+            while b"\n\n" in pending:
+                event, pending = pending.split(b"\n\n", 1)
+                yield event
+
+    def holds_end(self) -> bool:
+        """The unread bytes end the chunked body (its last, empty chunk)."""
+        return self.buf.endswith(b"0\r\n\r\n")
+
+    def drain_ready(self) -> int:
+        """Read what the buffers hold now, without waiting: the bytes a paused reader finds
+        waiting when it resumes."""
+        self.sock.setblocking(False)
+        got = 0
+        try:
+            while True:
+                data = self.sock.recv(65536)
+                if not data:
+                    break
+                got += len(data)
+                self.buf += data
+        except BlockingIOError:
+            pass
+        finally:
+            self.sock.setblocking(True)
+        self.num_bytes += got
+        return got

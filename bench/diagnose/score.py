@@ -1,0 +1,303 @@
+"""Labels from the client, predictions from the diagnosis, and the confusion matrix between them.
+
+Labels (never from the diagnosis). A request's effect is what the primitive did to it, as the
+client measured it against the same request in the control: its TTFT and end-to-end time
+(each passes at 20 ms and 10% of the control's), and its longest gap between chunks (passes at
+20 ms, 4x its own median gap, and 20 ms over the control's longest). A paused reader's effect
+is the time the server's writes waited on it: its pause, less the time the server took to fill
+the buffers it found full when it resumed (at the control's byte rate). A request is positive
+at 1.5x the bar or more, negative under 0.67x, and left out in between (gray: within the
+measurements' noise of the bar). A request the primitive failed or cancelled is positive. A
+run is positive for its primitive's cause when a request is, negative when every request is,
+and negative for every other cause; a control is negative for all.
+
+Predictions. What `replay report` names (its causes, what every request paid, its steps, its
+failures and cancellations) and what each request's `lumen trace why` names, as causes
+(CAUSE_OF): read from the findings' parts and words, so the diagnosis of an older tree is
+scored the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.diagnose.client import Seen
+from bench.diagnose.scenarios import CAUSES, Run
+
+BAR_S = 0.020
+SHARE = 0.10
+GAP_FACTOR = 4.0
+POSITIVE, NEGATIVE = 1.5, 0.67  # of the bar: surely past it, surely under it
+Z90 = 1.6449  # a two-sided 90% interval
+
+# A finding's part (or the failure it names) -> the cause it names; parts not here name a cause
+# outside the primitives' (reported as "other"), expected compute names none.
+PART_CAUSE = {
+    "neighbour_prefill": "prefill", "preempted": "kv_blocks", "chunk_wait": "token_budget",
+    "parse": "api_cpu", "http": "api_cpu", "frontend": "api_cpu", "loop_lag": "api_cpu",
+    "grammar_mask": "grammar", "grammar_compile": "grammar", "logprobs": "logprobs",
+    "delivery": "slow_reader", "gc": "gc", "crash": "crash", "hang": "hang",
+    "client": "cancel", "core_stall": "hang",
+}  # fmt: skip
+EXPECTED = {"own_prefill", "decode", "step_in_flight"}
+GRAMMAR_PAID = "for rows with a grammar"  # how a verdict on the sampler singles a grammar out
+
+
+@dataclass
+class Named:
+    """What a diagnosis named: for the run, and for each request (by id)."""
+
+    run: set[str]
+    requests: dict[str, set[str]]
+    text: str = ""
+
+
+def verdict_of(db: Path) -> Named:
+    """The diagnosis of the db's run, as causes (the report's, and each request's)."""
+    from tracing.diagnose import diagnose_run, render_run
+    from tracing.judge import request_calls, slow_delivery_ns
+
+    run = diagnose_run(db)
+    restart_cause = _restart_cause(run)
+    named: set[str] = set()
+    for f in run.findings:
+        named |= _finding_causes(f, run, restart_cause)
+    per: dict[str, set[str]] = {}
+    for req in run.requests:
+        mine: set[str] = set()
+        for phase in ("ttft", "decode"):
+            for call in request_calls(req, run, phase):
+                mine |= _part_causes(call.part, req.wait_reason, restart_cause, "")
+        if slow_delivery_ns(req) is not None:
+            mine.add("slow_reader")
+        for gap in getattr(req, "long_gaps", None) or []:
+            if gap.named is not None:
+                mine |= _part_causes(gap.named, req.wait_reason, restart_cause, "")
+        failure = getattr(req, "failure", None)
+        if failure is not None:
+            mine |= _part_causes(failure.kind, None, restart_cause, "")
+        elif req.status == "aborted":
+            mine.add("cancel")
+        elif req.status == "error" and restart_cause:
+            mine.add(restart_cause)
+        per[req.request_id] = mine
+    return Named(named, per, render_run(run))
+
+
+def _restart_cause(run: Any) -> str | None:
+    """crash or hang: what the run's engine restarts say (the lifecycle table)."""
+    kinds = [r for r in getattr(run, "lifecycle", []) if r.kind in ("restart", "crash_loop")]
+    if not kinds:
+        return None
+    return "hang" if any(r.cause.startswith("hung") for r in kinds) else "crash"
+
+
+def _finding_causes(f: Any, run: Any, restart: str | None) -> set[str]:
+    if f.section == "cancellations":
+        return {"cancel"} if "cancelled" in f.text else _part_causes(f.part, None, restart, f.text)
+    if f.section == "lifecycle":
+        return (
+            {restart or "crash"}
+            if f.text.startswith(("The engine core failed", "Crash"))
+            else set()
+        )
+    if f.kind not in ("cause", "paid", "step", "failure", "gap"):
+        return set()
+    if f.part is None:
+        if "took at least" in f.text:
+            return {"core_stall"} if "core" in f.text and "stall" in f.text else {"slow_step"}
+        return {"cold"} if f.text.startswith("Cold start") else {"other"}
+    return _part_causes(f.part, _queue_reason(f.text), restart, f.text)
+
+
+def _queue_reason(text: str) -> str | None:
+    for key, reason in (
+        ("max_num_seqs", "max_num_seqs"), ("KV blocks", "kv_blocks"),
+        ("preemption", "preemption"), ("token_budget", "token_budget"),
+    ):  # fmt: skip
+        if key in text:
+            return reason
+    return None
+
+
+def _part_causes(part: str | None, reason: str | None, restart: str | None, text: str) -> set[str]:
+    if part is None or part in EXPECTED:
+        return set()
+    if part == "queue":
+        by_reason = {"max_num_seqs": "max_num_seqs", "kv_blocks": "kv_blocks",
+                     "preemption": "kv_blocks", "token_budget": "token_budget"}  # fmt: skip
+        return {by_reason.get(reason or "", "queue")}
+    if part == "sampling":  # a grammar is named as one where the words single it out
+        return {"grammar"} if GRAMMAR_PAID in text else {"penalties"}
+    if part == "engine_restart":
+        return {restart or "crash"}
+    return {PART_CAUSE.get(part, part)}
+
+
+# -- labels ------------------------------------------------------------------------------------
+
+
+def effect(control: Seen, primitive: Seen) -> float:
+    """The primitive's effect on a request, in bars (1.0: exactly at the bar)."""
+    ratios = [0.0]
+    if control.ttft_s is not None and primitive.ttft_s is not None:
+        ratios.append((primitive.ttft_s - control.ttft_s) / max(BAR_S, SHARE * control.ttft_s))
+    if primitive.status == "ok" and control.status == "ok":
+        ratios.append((primitive.e2e_s - control.e2e_s) / max(BAR_S, SHARE * control.e2e_s))
+    gaps = primitive.gaps()
+    if len(gaps) >= 2:
+        longest, median = max(gaps), float(np.median(gaps))
+        before = max(control.gaps(), default=0.0)
+        ratios.append(min(longest / BAR_S, longest / (GAP_FACTOR * median) if median else 9.0,
+                          (longest - before) / BAR_S))  # fmt: skip
+    return max(ratios)
+
+
+def reader_effect(control: Seen, primitive: Seen, pause_s: float) -> float:
+    """A paused reader's effect: the time the server's writes waited on it, in bars (of 20 ms
+    and 4x the control's median gap). The server filled the buffers the reader found full at
+    the control's byte rate, then waited; where the rest of the response fit in them, it
+    never waited."""
+    if primitive.paused_at_s is None or primitive.burst_had_end or control.first_s is None:
+        return 0.0
+    rate = control.num_bytes / max(control.end_s - control.first_s, 1e-3)  # bytes a second
+    waited = pause_s - primitive.burst_bytes / max(rate, 1.0)
+    gaps = control.gaps()
+    bar = max(BAR_S, GAP_FACTOR * float(np.median(gaps))) if gaps else BAR_S
+    return waited / bar
+
+
+def grade(ratio: float) -> str:
+    return "pos" if ratio >= POSITIVE else "neg" if ratio < NEGATIVE else "gray"
+
+
+def labels(run: Run, control: list[Seen], primitive: list[Seen]) -> tuple[str, dict[str, str]]:
+    """The run's label for its cause, and each of its requests' (by request id)."""
+    by_index = {s.index: s for s in control}
+    per: dict[str, str] = {}
+    asks = {a.index: a for a in run.asks}
+    for s in primitive:
+        c = by_index.get(s.index)
+        if s.extra or c is None or not s.request_id:
+            continue
+        if s.status == "cancelled" or (s.status == "failed" and c.status == "ok"):
+            per[s.request_id] = "pos"
+        elif asks[s.index].pause_after is not None:
+            per[s.request_id] = grade(reader_effect(c, s, asks[s.index].pause_s))
+        else:
+            per[s.request_id] = grade(effect(c, s))
+    grades = set(per.values())
+    overall = "pos" if "pos" in grades else "neg" if grades <= {"neg"} else "gray"
+    return overall, per
+
+
+# -- the matrix ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    tp: int = 0
+    fp: int = 0
+    fn: int = 0
+    tn: int = 0
+    gray: int = 0
+    misses: list[str] = field(default_factory=list)  # "FN seed=..": a miss, to replay
+
+    def add(self, label: str, named: bool, where: str) -> None:
+        if label == "gray":
+            self.gray += 1
+        elif label == "pos":
+            self.tp += named
+            self.fn += not named
+            if not named:
+                self.misses.append(f"FN {where}")
+        else:
+            self.fp += named
+            self.tn += not named
+            if named:
+                self.misses.append(f"FP {where}")
+
+    def precision(self) -> tuple[float, float, float]:
+        return wilson(self.tp, self.tp + self.fp)
+
+    def recall(self) -> tuple[float, float, float]:
+        return wilson(self.tp, self.tp + self.fn)
+
+
+def wilson(k: int, n: int) -> tuple[float, float, float]:
+    """The share k/n and its 90% Wilson interval (nan without trials)."""
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    p = k / n
+    denom = 1 + Z90**2 / n
+    mid = (p + Z90**2 / (2 * n)) / denom
+    half = Z90 * math.sqrt(p * (1 - p) / n + Z90**2 / (4 * n * n)) / denom
+    return p, max(0.0, mid - half), min(1.0, mid + half)
+
+
+@dataclass
+class Matrix:
+    """Per cause, over runs and over requests; and the controls' false alarms."""
+
+    runs: dict[str, Cell] = field(default_factory=lambda: defaultdict(Cell))
+    requests: dict[str, Cell] = field(default_factory=lambda: defaultdict(Cell))
+    num_controls: int = 0
+    alarms: list[str] = field(default_factory=list)  # a control where something was named
+    others: Counter[str] = field(default_factory=Counter)  # names outside the primitives'
+
+    def add_run(self, cause: str | None, label: str, named: Named, where: str,
+                request_labels: dict[str, str]) -> None:  # fmt: skip
+        for c in CAUSES:
+            self.runs[c].add(label if c == cause else "neg", c in named.run, where)
+        self.others.update(n for n in named.run if n not in CAUSES)
+        for rid, mine in named.requests.items():
+            own = request_labels.get(rid)
+            for c in CAUSES:
+                lab = (own or "gray") if c == cause else "neg"
+                if own is None and c == cause:
+                    continue  # the primitive's own request, or one not in the control
+                self.requests[c].add(lab, c in mine, f"{where} {rid}")
+        if cause is None:
+            self.num_controls += 1
+            if named.run:
+                self.alarms.append(f"{where}: {', '.join(sorted(named.run))}")
+
+    def to_json(self) -> dict[str, Any]:
+        def cells(table: dict[str, Cell]) -> dict[str, Any]:
+            return {c: {"tp": x.tp, "fp": x.fp, "fn": x.fn, "tn": x.tn, "gray": x.gray,
+                        "precision": x.precision(), "recall": x.recall(), "misses": x.misses}
+                    for c, x in table.items()}  # fmt: skip
+
+        return {"runs": cells(self.runs), "requests": cells(self.requests),
+                "controls": self.num_controls, "false_alarms": self.alarms,
+                "other_names": dict(self.others)}  # fmt: skip
+
+    def render(self) -> str:
+        lines = []
+        for title, table in (("per run", self.runs), ("per request", self.requests)):
+            lines += ["", f"Causes {title}: precision and recall (90% interval), counts",
+                      f"  {'cause':<14}{'precision':>22}{'recall':>22}{'tp':>6}{'fp':>5}"
+                      f"{'fn':>5}{'tn':>6}{'gray':>6}"]  # fmt: skip
+            for c in CAUSES:
+                x = table[c]
+                lines.append(f"  {c:<14}{_pct(x.precision()):>22}{_pct(x.recall()):>22}"
+                             f"{x.tp:>6}{x.fp:>5}{x.fn:>5}{x.tn:>6}{x.gray:>6}")  # fmt: skip
+        rate = wilson(len(self.alarms), self.num_controls)
+        lines += ["", f"Healthy controls: {len(self.alarms)} of {self.num_controls} named "
+                      f"something ({_pct(rate)})"]  # fmt: skip
+        lines += [f"  {a}" for a in self.alarms[:20]]
+        if self.others:
+            lines.append("Named outside the primitives' causes: "
+                         + ", ".join(f"{k} {v}" for k, v in self.others.most_common()))  # fmt: skip
+        return "\n".join(lines)
+
+
+def _pct(x: tuple[float, float, float]) -> str:
+    p, lo, hi = x
+    return "-" if math.isnan(p) else f"{p:.2f} ({lo:.2f}-{hi:.2f})"

@@ -61,13 +61,19 @@ def arm_gc_pause(process: str) -> None:
     if not seconds:
         return
     want = min(seconds, _GC_SLICE_S)
-    n, took = 10_000, 0.0
-    while took < want * 0.8 and n < 20_000_000:
+
+    def collect_with(n: int) -> float:
         _graph[:] = [[None] for _ in range(n)]
         start = time.perf_counter()
         gc.collect()
-        took = time.perf_counter() - start
-        n = int(n * min(max(want / max(took, 1e-6), 1.2), 8.0))
+        return time.perf_counter() - start
+
+    n, took = 10_000, collect_with(10_000)
+    for _ in range(12):  # the collection's time is near linear in the graph: a few steps
+        if abs(took - want) <= 0.15 * want:
+            break
+        n = max(1_000, min(int(n * min(want / max(took, 1e-6), 4.0)), 20_000_000))
+        took = collect_with(n)
     repeats = max(1, round(seconds / max(took, 1e-6)))
 
     def pause(signum: int, frame: object) -> None:

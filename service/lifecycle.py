@@ -224,6 +224,12 @@ class Lifecycle:
             self._restarts.append(now)
             try:
                 await self.engine.restart()
+            except asyncio.CancelledError:  # the server stops meanwhile: the failure stays a row
+                failed = self.engine.num_failed - failed_before
+                stopped = f"{cause}; the server stopped before a new core was ready"
+                self._record("restart", stopped, died_ns, epoch=self.engine.epoch,
+                             num_failed=failed)  # fmt: skip
+                raise
             except Exception as e:  # it did not start: the next turn counts another restart
                 logger.error("the new engine core did not start: %s", e)
                 self._record("restart", f"{cause}; the new core failed: {e}", died_ns)

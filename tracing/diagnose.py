@@ -88,6 +88,8 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
         start=np.array([w.start for w in windows], dtype=np.int64),
         ttft_end=np.array([w.ttft_end for w in windows], dtype=np.int64),
         end=np.array([w.end for w in windows], dtype=np.int64),
+        need=np.array([max((r.prompt_tokens or 0) - (r.cached_tokens or 0), 1)
+                       if r.prompt_tokens else 0 for r in facts.requests], dtype=np.int64),
     )  # fmt: skip
     busy = [s for s in facts.steps if not s.idle]
     weights = shares.step_weights(
@@ -239,7 +241,7 @@ def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> Requ
     steps_d = run.step_parts.get((rid, "decode"))
     req.ttft = _ttft_parts(row, run, start, ttft_end, steps_t, steps_d)
     if first_token is not None and end > ttft_end:
-        req.decode = _decode_parts(row, run, ttft_end, end, steps_d)
+        req.decode = _decode_parts(row, run, ttft_end, end, steps_d, req.ttft["delivery"])
     writes = _writes(row)
     req.gaps_ns = [int(b.end_ns - a.end_ns) for a, b in itertools.pairwise(writes)]
     req.gap_step_ids = [w.last_step for w in writes[1:]]
@@ -329,7 +331,8 @@ def _ttft_parts(
         parts["engine_restart"] += window[1] - window[0]
         sent = window[1]
     if window := span(sent, received):
-        ipc = window[1] - window[0]
+        # A core GC pause holds new requests as a step does: named as GC.
+        ipc = core.carve(parts, *window)
         # The step in flight, up to its expected time: expected (shares.InFlight).
         waited = min(run.in_flight(*window), ipc) if run.in_flight else 0
         parts["step_in_flight"], parts["ipc"] = waited, ipc - waited
@@ -346,6 +349,13 @@ def _ttft_parts(
         gap_gc = min(max(gap, 0), max(core.within(*window) - round(steps.gc), 0))
         parts["gc"] += gap_gc
         parts["chunk_wait"] = gap - gap_gc
+        if (k := len(steps.step_ids)) > 1:
+            # A prefill split into k chunks paid k steps' fixed cost, and k times the rows
+            # sharing them, where one step would do: the other k - 1 are the split's.
+            own, rows = round(steps.own_row * (k - 1) / k), round(steps.decode * (k - 1) / k)
+            parts["own_prefill"] -= own
+            parts["decode"] -= rows
+            parts["chunk_wait"] += own + rows
     if window := span(last_out, hi):
         tail = window[1] - window[0]
         # The writes its socket waited on (emit_columns.closes_write), not the emits.
@@ -370,7 +380,7 @@ _STEP_KEYS_DECODE = (
 
 
 def _decode_parts(
-    row: RequestFacts, run: _Run, lo: int, hi: int, steps: StepShare | None
+    row: RequestFacts, run: _Run, lo: int, hi: int, steps: StepShare | None, ttft_delivery: int
 ) -> dict[str, int]:
     parts = dict.fromkeys(DECODE_PARTS, 0)
     api, core = run.pauses
@@ -396,6 +406,11 @@ def _decode_parts(
         parts["gc"] += gap_gc
         parts["between_steps"] = gap - parts["preempted"] - gap_gc
     parts["emit"] = api.carve(parts, tail_start, reached)
-    parts["delivery"] = api.carve(parts, reached, hi)
+    # The last output's write: its wait on the client's socket is what send_wait_ns has left
+    # after the first write's share (a failed request's last write is the error, not a wait).
+    tail = api.carve(parts, reached, hi)
+    left = (row.send_wait_ns or 0) - ttft_delivery
+    parts["delivery"] = min(tail, max(left, 0))
+    parts["emit"] += tail - parts["delivery"]
     parts["unattributed"] = (hi - lo) - sum(parts.values())
     return parts

@@ -29,6 +29,7 @@ class RequestFacts:
     error: str | None
     arrival_ns: int
     prompt_tokens: int | None
+    cached_tokens: int | None
     output_tokens: int | None
     ttft_ns: int | None
     e2e_ns: int | None
@@ -178,7 +179,8 @@ def load_requests(con: duckdb.DuckDBPyConnection, run_id: str) -> list[RequestFa
                     AS emit_starts_ns
             FROM spans WHERE run_id = $run GROUP BY ALL
         )
-        SELECT r.request_id, r.status, r.error, r.arrival_ns, r.prompt_tokens, r.output_tokens,
+        SELECT r.request_id, r.status, r.error, r.arrival_ns, r.prompt_tokens, r.cached_tokens,
+            r.output_tokens,
             r.ttft_ns, r.e2e_ns, r.num_preemptions, r.params,
             {_select(have, NEW_REQUEST_COLUMNS, "r")},
             sp.enqueue_end_ns, sp.receive_end_ns, sp.first_emit_end_ns, sp.last_emit_start_ns,

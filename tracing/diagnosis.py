@@ -145,7 +145,9 @@ class StepFacts:
 
     @property
     def forward_ns(self) -> int:
-        return max(self.execute_ns - self.sample_ns - self.logprobs_ns, 0)
+        """The model's forward: execute less the sampler, logprobs and the core's GC pauses
+        in the step (where in the step they fell is not recorded: the forward is most of it)."""
+        return max(self.execute_ns - self.sample_ns - self.logprobs_ns - self.gc_pause_ns, 0)
 
 
 @dataclass

@@ -86,14 +86,14 @@ def _nearest(
 
 def _engine(row: LifecycleRow | None, error: str | None) -> Failure:
     if row is None:
-        return Failure("crash", f"failed with its engine core ({error or 'it died'})")
+        return Failure("crash", f"failed with the engine core ({error or 'it died'})")
     if row.kind == "crash_loop":
-        return Failure("crash_loop", f"failed with its engine core, which failed once too often "
+        return Failure("crash_loop", f"failed with the engine core, which failed once too often "
                                      f"({row.cause}): the server gave up", row)  # fmt: skip
     kind = "hang" if row.cause.startswith("hung") else "crash"
     what = "hang" if kind == "hang" else "crash"
     took = ms(row.end_ns - row.start_ns)
-    return Failure(kind, f"failed with its engine core's {what} ({row.cause}; a new core was "
+    return Failure(kind, f"failed with the engine core's {what} ({row.cause}; a new core was "
                          f"ready {took} later)", row)  # fmt: skip
 
 

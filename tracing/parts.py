@@ -141,10 +141,12 @@ PARTS: tuple[Part, ...] = (
         "worker.execute",
     ),
     Part(
-        "chunk_wait", "waiting between its prefill chunks", None,
-        "waiting between its prefill chunks",
+        "chunk_wait", "its prefill split into chunks (the wait between, each step's fixed cost)",
+        None, "its prefill split into chunks",
         "a larger --max-num-batched-tokens prefills a long prompt in fewer steps",
-        "between its prefill chunks, in steps it sat out",
+        "between its prefill chunks, in steps it sat out; and of its own prefill steps, the "
+        "fixed cost (its row's share) and the batch's other rows of all but one: what the "
+        "split cost beyond its tokens",
     ),
     Part(
         "schedule", _SCHEDULER, _SCHEDULER, _SCHEDULER,

@@ -107,7 +107,7 @@ def slowest_requests(run: RunDiagnosis, limit: int = SLOWEST) -> list[str]:
 def _largest(run: RunDiagnosis, limit: int = 3) -> str:
     """The named findings with the most time, across sections, so the biggest reads first."""
     who = {"cause": "the slow tail", "paid": "every request", "step": "steps",
-           "failure": "failed requests", "gap": "token gaps"}  # fmt: skip
+           "gap": "token gaps"}  # fmt: skip
     named = sorted((f for f in run.findings if f.kind in who and f.ms > 0), key=lambda f: -f.ms)[
         :limit
     ]

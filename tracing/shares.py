@@ -26,6 +26,9 @@ A step's cost, and one row's share of it (d prices decode tokens; only the fallb
     cost(step)  = max(a + b * prefill tokens + c * rows + d * decode tokens, 1e-9)
     per_row     = a / max(rows, 1) + c
     own         = net * min((b * its tokens + per_row) / cost, 1)          (TTFT phase only)
+    own_row     = min(net * per_row / cost, own)    (of own: its row's share of the fixed cost;
+                  a prefill in k chunks counts (k - 1) / k of it, and of the batch's other
+                  rows in its steps, as the split's: chunk_wait)
     neighbours  = min(net * min((b * other prefill tokens
                                  + per_row * other prefill rows) / cost, 1), net - own)
     decode      = net - own - neighbours     (the batch's decode rows; its own decode)
@@ -116,13 +119,15 @@ class Memberships:
 @dataclass(frozen=True)
 class Windows:
     """Per request (in request order): its TTFT phase [start, ttft_end], its decode phase
-    [ttft_end, end], and its first token (-1: it got none)."""
+    [ttft_end, end], its first token (-1: it got none), and the prompt tokens the core had to
+    compute before it (its prompt less its prefix-cache hits; 0: not recorded)."""
 
     request_id: list[str]
     first_token: IntArray
     start: IntArray
     ttft_end: IntArray
     end: IntArray
+    need: IntArray | None = None
 
 
 @dataclass
@@ -130,6 +135,7 @@ class StepShare:
     """A request's share of its steps in one phase (ns; see the module docstring)."""
 
     own_prefill: float
+    own_row: float  # of own_prefill: its row's share of each step's fixed cost
     neighbour_prefill: float
     decode: float
     schedule: float
@@ -278,6 +284,8 @@ def outlier(execute_ns: npt.ArrayLike, expected_ns: npt.ArrayLike) -> npt.NDArra
 class InFlight:
     """How long a request sent to the core waited for the step in flight: all of it, unless
     that step was itself an outlier for its shape; then up to what it was expected to take.
+    The step in flight is the last to begin before the core took the request: one that began
+    a moment after the send holds it too (the core had read its input just before).
 
     The core takes new requests between steps, so a request sent while a step runs waits for
     it: expected, in every step-based server, whatever the step's length (a long step is named
@@ -303,10 +311,14 @@ class InFlight:
         self.expected_end = np.where(busy & outlier(executed, expected), capped, self.end)
 
     def __call__(self, sent: int, received: int) -> int:
-        i = int(np.searchsorted(self.start, sent, side="right")) - 1
+        """The wait inside [sent, received] for the last step that began before the core took
+        the request (it began just after the send, too: the core had read its input already),
+        up to that step's expected end."""
+        i = int(np.searchsorted(self.start, received, side="left")) - 1
         if i < 0 or self.end[i] <= sent:
             return 0
-        return max(0, min(received, int(self.end[i]), int(self.expected_end[i])) - sent)
+        lo = max(sent, int(self.start[i]))
+        return max(0, min(received, int(self.end[i]), int(self.expected_end[i])) - lo)
 
 
 def place(members: Memberships, steps: StepTimes, windows: Windows) -> MemberPhases:
@@ -318,6 +330,19 @@ def place(members: Memberships, steps: StepTimes, windows: Windows) -> MemberPha
     step = np.array([step_of[int(s)] for s in members.step_id], dtype=np.int64)
     ft = windows.first_token[req]
     ttft = (ft < 0) | (steps.output_ns[step] <= ft)
+    if windows.need is not None and len(req):
+        # A row is in its TTFT phase while it computes its prompt: up to the step whose tokens
+        # complete it, which makes its first token, however late the frontend takes that
+        # token (later steps are its decode, even before the token reached the frontend).
+        order = np.lexsort((step, req))
+        r, tokens = req[order], members.tokens[order]
+        cum = np.cumsum(tokens)
+        first = np.r_[0, np.flatnonzero(np.diff(r)) + 1]
+        before = cum - tokens - np.repeat(cum[first] - tokens[first], np.diff(np.r_[first, len(r)]))
+        need = windows.need[r]
+        prefill = np.empty(len(req), dtype=bool)
+        prefill[order] = before < need
+        ttft = np.where(windows.need[req] > 0, prefill, ttft)
     return MemberPhases(req, step, ttft)
 
 
@@ -396,6 +421,7 @@ def member_shares(
     )
     net = net_all - sampling - logprobs
     own = np.where(ttft, net * np.minimum((weights.b * tokens + per_row) / cost, 1), 0.0)
+    own_row = np.where(ttft, np.minimum(net * per_row / cost, own), 0.0)
     # A row is a prefill row in its TTFT phase, or with more than one token (a recompute after
     # a preemption): the scheduler's own split of prefill and decode tokens.
     prefill_row = ttft | (tokens > 1)
@@ -405,6 +431,7 @@ def member_shares(
     nb = np.minimum(net * np.minimum(nb_cost / cost, 1), net - own)
     per_member = {
         "own_prefill": own,
+        "own_row": own_row,
         "neighbour_prefill": nb,
         "decode": net - own - nb,
         "schedule": np.maximum(sched - gs - gram, 0),

@@ -26,8 +26,6 @@ from tracing.shares import (
 )
 from tracing.words import WHAT, count, ms, tokens_of
 
-# Slow-for-shape steps are named only when more than this share of the requests met them.
-MIN_OUTLIER_SHARE = 0.10
 STALL_FACTOR = 2.0  # a mixed step this many times the median decode-only step stalls decodes
 COLD_NOISE = 3.0  # a cold first step exceeds its reference by this many robust deviations
 MIN_STEP_CPU_NS = 2_000_000  # scheduler / output CPU per step worth naming (with the share)
@@ -173,17 +171,21 @@ def _cold_and_outliers(
     if late:
         worst = max(late, key=lambda s: s.forward_ns - expected_ns(coef, s))
         want = expected_ns(coef, worst)
-        slow = {s.step_id for s in late}
-        met = sum(bool(slow.intersection(r.step_ids)) for r in run.requests)
+        excess = {s.step_id: s.forward_ns - expected_ns(coef, s) for s in late}
+        paid = [(sum(excess.get(i, 0.0) for i in r.step_ids), r) for r in run.requests]
+        met = sum(p > 0 for p, _ in paid)
         text = (
             f"{count(len(late), 'step')} took at least {OUTLIER_FACTOR:g}x the time expected "
             f"for their shape (worst: step {worst.step_id}, {ms(worst.forward_ns)} against "
-            f"{ms(want)}), met by {count(met, 'request')}: a pause (GC), CPU contention or a "
-            "kernel compiled for a new shape; see the pauses table."
+            f"{ms(want)}; GC inside them aside), met by {count(met, 'request')}: the core "
+            "stalled in them (CPU contention from other processes, a stopped process) or a "
+            "kernel compiled for a new shape."
         )
-        finding = _step(text, (worst.forward_ns - want) / 1e6)
-        if met <= MIN_OUTLIER_SHARE * len(run.requests):
-            finding.kind = "info"  # a lone hiccup: reported, within the run's noise
+        finding = _step(text, (worst.forward_ns - want) / 1e6, "core_stall")
+        # Named only where it cost a request more than the rule's bars against its life;
+        # otherwise listed, within the run's noise.
+        if not any(passes(p, r.ttft_phase_ns + r.decode_phase_ns) for p, r in paid):
+            finding.kind = "info"
         out.append(finding)
     return out
 

@@ -1,12 +1,13 @@
 """lumen bench diagnose: the diagnosis scored like a classifier, on generated scenarios.
 
-Each group is a model and a seeded base load; it runs its control (the base load alone) and a
-few primitives (the same load with one provocation: bench.diagnose.scenarios), each through a
-fresh `lumen serve` with a trace db of its own. The client's measurements label each run and
-request (bench.diagnose.score); `replay report` and `lumen trace why` of the run predict; the
-result is a confusion matrix per cause, per run and per request, with 90% intervals, and the
-healthy controls' false alarms. Every miss is printed with its group (seed, model, causes), so
-``--group`` replays it exactly and ``--out`` keeps its trace db.
+Each group is a model and a seeded base load; it runs its control (the base load alone) twice,
+their spread being the run's noise, and a few primitives (the same load with one provocation:
+bench.diagnose.scenarios), each through a fresh `lumen serve` with a trace db of its own. The
+client's measurements label each run and request (bench.diagnose.score); `replay report` and
+`lumen trace why` of the run predict; the result is a confusion matrix per cause, per run and
+per request, with 90% intervals, and the healthy controls' false alarms. Every miss is printed
+with its group (seed, model, causes), so ``--group`` replays it exactly and ``--out`` keeps its
+trace db.
 """
 
 from __future__ import annotations
@@ -140,29 +141,33 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_group(group: Group, model: Path, out: Path, matrix: Any, where: str, record: Any,
                labels: Any, verdict_of: Any) -> dict[str, Any]:  # fmt: skip
-    """The control, then each primitive: recorded, labelled against the control, judged."""
+    """The control twice (its spread is the run's noise), then each primitive: recorded,
+    labelled against the controls, judged."""
     folder = out / f"{group.seed}-{group.model}"
     folder.mkdir(parents=True, exist_ok=True)
-    control = record(model, group.control, folder / "control.db")
     said: dict[str, Any] = {**group.describe(), "runs": []}
-    if control.error:
-        print(f"  control: {control.error}\n{control.log}")
-        return said
-    named = verdict_of(control.db)
-    matrix.add_run(None, "neg", named, f"{where} run=control", {})
-    # Moments were drawn against the planned length of the load: the control measured it.
-    took = max((s.end_s for s in control.seen), default=group.duration_s)
+    controls = []
+    for name in ("control", "control-2"):
+        got = record(model, group.control, folder / f"{name}.db")
+        if got.error:
+            print(f"  {name}: {got.error}\n{got.log}")
+            return said
+        named = verdict_of(got.db)
+        matrix.add_run(None, "neg", named, f"{where} run={name}", {})
+        said["runs"].append(_said(name, "neg", named, got.seen))
+        _print(name, "-", named)
+        controls.append(got.seen)
+    # Moments were drawn against the planned length of the load: the controls measured it.
+    took = max((s.end_s for s in controls[0]), default=group.duration_s)
     for run_ in group.primitives:
         rescale(run_, took / group.duration_s)
-    said["runs"].append(_said("control", "neg", named, []))
-    _print("control", "-", named)
     for i, run_ in enumerate(group.primitives):
         name = f"{i}-{run_.cause}"
         got = record(model, run_, folder / f"{name}.db")
         if got.error and not got.seen:
             print(f"  {name}: {got.error}\n{got.log}")
             continue
-        label, per = labels(run_, control.seen, got.seen)
+        label, per = labels(run_, controls, got.seen)
         named = verdict_of(got.db)
         matrix.add_run(run_.cause, label, named, f"{where} run={name}", per)
         said["runs"].append(_said(name, label, named, got.seen, run_, per))

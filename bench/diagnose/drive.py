@@ -54,6 +54,8 @@ def record(model: Path, run: Run, db: Path, timeout_s: float = 120.0) -> Recorde
         seen = send_all(server.port, run.asks, t0)
         actor.join(timeout_s)
         _settle(server)
+        if run.actions:  # a restarted core: the run ends once it is ready (and recorded so)
+            _ready(server)
     finally:
         code = server.stop(timeout=30, drain=10)
     text = log.read_text(errors="replace")
@@ -102,3 +104,13 @@ def _settle(server: LumenServer, timeout: float = 30.0) -> None:
             if metric(m, "lumen:num_requests_admitted") == 0:
                 return
         time.sleep(0.05)
+
+
+def _ready(server: LumenServer, timeout: float = 60.0) -> None:
+    """Until /health answers 200 (a new engine core, after a crash or a hang, is warm)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            if server.http.get(server.url("/health"), timeout=2).status_code == 200:
+                return
+        time.sleep(0.1)

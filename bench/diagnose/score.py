@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from bench.diagnose.scenarios import CAUSES, Run
 
 BAR_S = 0.020
 SHARE = 0.10
+FULL_BUFFERS = 64 * 1024  # read at once on resuming: the server's send buffer (about 80 KiB)
+# and the reader's were full, and the server's writes waited
 GAP_FACTOR = 4.0
 POSITIVE, NEGATIVE = 1.5, 0.67  # of the bar: surely past it, surely under it
 Z90 = 1.6449  # a two-sided 90% interval
@@ -62,6 +65,7 @@ def verdict_of(db: Path) -> Named:
     """The diagnosis of the db's run, as causes (the report's, and each request's)."""
     from tracing.diagnose import diagnose_run, render_run
     from tracing.judge import request_calls, slow_delivery_ns
+    from tracing.why import explain
 
     run = diagnose_run(db)
     restart_cause = _restart_cause(run)
@@ -73,7 +77,9 @@ def verdict_of(db: Path) -> Named:
         mine: set[str] = set()
         for phase in ("ttft", "decode"):
             for call in request_calls(req, run, phase):
-                mine |= _part_causes(call.part, req.wait_reason, restart_cause, "")
+                # The sampler's words name what its rows paid for: `lumen trace why`'s.
+                words = " ".join(explain(req, run)) if call.part == "sampling" else ""
+                mine |= _part_causes(call.part, req.wait_reason, restart_cause, words)
         if slow_delivery_ns(req) is not None:
             mine.add("slow_reader")
         for gap in getattr(req, "long_gaps", None) or []:
@@ -143,32 +149,46 @@ def _part_causes(part: str | None, reason: str | None, restart: str | None, text
 # -- labels ------------------------------------------------------------------------------------
 
 
-def effect(control: Seen, primitive: Seen) -> float:
-    """The primitive's effect on a request, in bars (1.0: exactly at the bar)."""
+def effect(controls: Sequence[Seen], primitive: Seen) -> float:
+    """The primitive's effect on a request, in bars (1.0: exactly at the bar): its TTFT, its
+    end to end time, its longest gap, each against the controls' mean, over the larger of the
+    bar and twice the two controls' spread (the run's noise)."""
     ratios = [0.0]
-    if control.ttft_s is not None and primitive.ttft_s is not None:
-        ratios.append((primitive.ttft_s - control.ttft_s) / max(BAR_S, SHARE * control.ttft_s))
-    if primitive.status == "ok" and control.status == "ok":
-        ratios.append((primitive.e2e_s - control.e2e_s) / max(BAR_S, SHARE * control.e2e_s))
+
+    def against(value: float | None, base: Sequence[float | None], floor: float) -> None:
+        got = [b for b in base if b is not None]
+        if value is None or len(got) < len(base):
+            return
+        mean = float(np.mean(got))
+        noise = max(got) - min(got)
+        ratios.append((value - mean) / max(floor, SHARE * mean, 2 * noise))
+
+    against(primitive.ttft_s, [c.ttft_s for c in controls], BAR_S)
+    if primitive.status == "ok" and all(c.status == "ok" for c in controls):
+        against(primitive.e2e_s, [c.e2e_s for c in controls], BAR_S)
     gaps = primitive.gaps()
     if len(gaps) >= 2:
         longest, median = max(gaps), float(np.median(gaps))
-        before = max(control.gaps(), default=0.0)
+        before = [max(c.gaps(), default=0.0) for c in controls]
+        spread = max(before) - min(before)
+        over = (longest - float(np.mean(before))) / max(BAR_S, 2 * spread)
         ratios.append(min(longest / BAR_S, longest / (GAP_FACTOR * median) if median else 9.0,
-                          (longest - before) / BAR_S))  # fmt: skip
+                          over))  # fmt: skip
     return max(ratios)
 
 
-def reader_effect(control: Seen, primitive: Seen, pause_s: float) -> float:
+def reader_effect(controls: Sequence[Seen], primitive: Seen, pause_s: float) -> float:
     """A paused reader's effect: the time the server's writes waited on it, in bars (of 20 ms
-    and 4x the control's median gap). The server filled the buffers the reader found full at
-    the control's byte rate, then waited; where the rest of the response fit in them, it
-    never waited."""
-    if primitive.paused_at_s is None or primitive.burst_had_end or control.first_s is None:
+    and 4x the controls' median gap). Where the buffers were not full when it resumed (what it
+    read at once was under FULL_BUFFERS), the server never waited; else it waited the pause
+    less the time it took to fill them, at the rate the reader read before its pause."""
+    if primitive.paused_at_s is None or primitive.burst_bytes < FULL_BUFFERS:
         return 0.0
-    rate = control.num_bytes / max(control.end_s - control.first_s, 1e-3)  # bytes a second
+    if primitive.first_s is None or primitive.paused_at_s <= primitive.first_s:
+        return 0.0
+    rate = primitive.bytes_before_pause / (primitive.paused_at_s - primitive.first_s)
     waited = pause_s - primitive.burst_bytes / max(rate, 1.0)
-    gaps = control.gaps()
+    gaps = [g for c in controls for g in c.gaps()]
     bar = max(BAR_S, GAP_FACTOR * float(np.median(gaps))) if gaps else BAR_S
     return waited / bar
 
@@ -177,21 +197,24 @@ def grade(ratio: float) -> str:
     return "pos" if ratio >= POSITIVE else "neg" if ratio < NEGATIVE else "gray"
 
 
-def labels(run: Run, control: list[Seen], primitive: list[Seen]) -> tuple[str, dict[str, str]]:
-    """The run's label for its cause, and each of its requests' (by request id)."""
-    by_index = {s.index: s for s in control}
+def labels(
+    run: Run, controls: Sequence[list[Seen]], primitive: list[Seen]
+) -> tuple[str, dict[str, str]]:
+    """The run's label for its cause, and each of its requests' (by request id), against the
+    group's controls."""
+    by_index = [{s.index: s for s in control} for control in controls]
     per: dict[str, str] = {}
     asks = {a.index: a for a in run.asks}
     for s in primitive:
-        c = by_index.get(s.index)
-        if s.extra or c is None or not s.request_id:
+        base = [b[s.index] for b in by_index if s.index in b]
+        if s.extra or len(base) < len(by_index) or not s.request_id:
             continue
-        if s.status == "cancelled" or (s.status == "failed" and c.status == "ok"):
+        if s.status == "cancelled" or (s.status == "failed" and base[0].status == "ok"):
             per[s.request_id] = "pos"
         elif asks[s.index].pause_after is not None:
-            per[s.request_id] = grade(reader_effect(c, s, asks[s.index].pause_s))
+            per[s.request_id] = grade(reader_effect(base, s, asks[s.index].pause_s))
         else:
-            per[s.request_id] = grade(effect(c, s))
+            per[s.request_id] = grade(effect(base, s))
     grades = set(per.values())
     overall = "pos" if "pos" in grades else "neg" if grades <= {"neg"} else "gray"
     return overall, per

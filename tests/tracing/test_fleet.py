@@ -63,8 +63,13 @@ def test_why_on_the_fleet_is_why_on_its_own_store(fleet: Path) -> None:
         together = _out(lumen, ["trace", "why", rid, "--db", str(fleet)])
         assert together == alone and rid in alone
     print(together)
-    report = _out(replay, ["report", str(fleet / "replica-a.db"), str(fleet / "replica-b.db")])
-    assert report.startswith("run ")
+    # A fleet's report covers every run, names each replica, and lists the runs it used.
+    for dbs in ([str(fleet / "replica-a.db"), str(fleet / "replica-b.db")], [str(fleet)]):
+        report = _out(replay, ["report", *dbs])
+        assert report.startswith("2 runs in 2 replicas' stores")
+        for name in ("replica-a", "replica-b"):
+            assert f"=== replica {name}, run " in report and f"on replica {name}:" in report
+    assert f"{rid} on replica replica-b (" in together  # why names the request's replica
 
 
 def test_bad_fleets_are_one_line_errors(fleet: Path, tmp_path: Path, capsys) -> None:

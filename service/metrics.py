@@ -161,6 +161,12 @@ class ServerMetrics:
             "the client's socket (a slow reader shows here).",
             BOUNDARY_BUCKETS,
         )
+        self.delivery_wait = histogram(
+            "lumen:delivery_wait_seconds",
+            "Per request: the time all its writes waited for the client's socket to take them "
+            "(a reader that pauses mid-stream shows here, not only in the last token's lag).",
+            BOUNDARY_BUCKETS,
+        )
         self.loop_lag = histogram(
             "lumen:event_loop_lag_seconds",
             "API process: how late the event loop woke a timer (sampled every 10 ms).",
@@ -186,11 +192,22 @@ class ServerMetrics:
         self.grammar_rows = counter(
             "lumen:grammar_rows", "Structured outputs: rows sampled under a grammar (tokens)."
         )
+        # The sampler beside the masks: what a step's rows that are not plain greedy (a grammar,
+        # penalties, temperature, top-k/p) cost every row of it, and logprobs.
+        self.sampler = histogram(
+            "lumen:sampler_seconds", "The sampler on the full logits (grammar masks applied, "
+            "penalties, temperature, top-k/p), per step that ran it.", GRAMMAR_BUCKETS,
+        )  # fmt: skip
+        self.logprobs = histogram(
+            "lumen:logprobs_seconds", "Computing logprobs, per step whose rows asked.",
+            GRAMMAR_BUCKETS,
+        )
         self._mirrored: dict[str, float] = {}  # counter name -> the total already counted
 
-    def observe_delivery(self, seconds: float) -> None:
+    def observe_delivery(self, lag_s: float, waited_s: float) -> None:
         """Called from the trace writer thread."""
-        self.delivery_lag.observe(seconds)
+        self.delivery_lag.observe(lag_s)
+        self.delivery_wait.observe(waited_s)
 
     def observe_boundary(self, name: str, seconds: Sequence[float]) -> None:
         """Durations of one boundary (a request's emits come together). Called from the trace
@@ -228,6 +245,10 @@ class ServerMetrics:
             if step.num_grammar_rows:
                 self.grammar_mask.observe(step.grammar_mask_ns / 1e9)
                 self.grammar_rows.inc(step.num_grammar_rows)
+            if step.sample_ns:
+                self.sampler.observe(step.sample_ns / 1e9)
+            if step.logprobs_ns:
+                self.logprobs.observe(step.logprobs_ns / 1e9)
         for seconds, cached in stats.grammar_compiles:
             self.grammar_compile["true" if cached else "false"].observe(seconds)
         if stats.num_prompt_tokens:

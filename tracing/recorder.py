@@ -63,7 +63,9 @@ FLUSH_CPU_SHARE = 0.005
 MAX_FLUSH_STRETCH = 10
 QUIET_POLLS = 4
 BoundaryObserver = Callable[[str, Sequence[float]], None]  # a boundary's durations (s)
-DeliveryObserver = Callable[[float], None]
+# A request's delivery: its last token's lag to the client's socket, and the time all its writes
+# waited on that socket (a reader that paused mid-stream shows in the second), in seconds.
+DeliveryObserver = Callable[[float, float], None]
 
 
 @dataclass
@@ -455,7 +457,10 @@ class Tracer:
             for name, seconds in by_name.items():
                 self.observe_boundary(name, seconds)
         if self.observe_delivery is not None and req.last_token_ns:
-            self.observe_delivery(max(0, req.last_delivered_ns - req.last_token_ns) / 1e9)
+            waited = req.http.send_wait_ns if req.http is not None else 0
+            self.observe_delivery(
+                max(0, req.last_delivered_ns - req.last_token_ns) / 1e9, waited / 1e9
+            )
         if export is not None:
             export.export([*spans, *step_spans(req, self.run_id)])
         if self.genai is not None:

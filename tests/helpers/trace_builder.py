@@ -38,6 +38,11 @@ class Req:
     status: str | None = None
     end: int = 0
     kv_freed: int | None = None
+    pause_at: int | None = None  # the write (1-based) a reader pausing mid-stream holds up
+    pause_ns: int = 0  # ... for this long
+    grammar: str | None = None  # its structured output's kind
+    params: dict[str, Any] | None = None  # its sampling parameters (requests.params)
+    end_code: str | None = None
 
     @property
     def handler(self) -> int:
@@ -54,6 +59,7 @@ class Trace:
         self.steps: list[tuple[Any, ...]] = []
         self.pauses: list[tuple[Any, ...]] = []
         self.step_prior: list[float] | None = None  # the warm-up's [a, b, c] ns, if any
+        self.lifecycle_rows: list[tuple[Any, ...]] = []
         self.engine_config: dict[str, Any] | None = None  # the server's options, if any
 
     def request(
@@ -67,10 +73,11 @@ class Trace:
     def step(
         self, rows: dict[str, int], exec_ms: float, *, at_ms: float = 0.0,
         schedule_ms: float = 0.2, output_ms: float = 0.2, wait_reason: str = "", waiting: int = 0,
-        preempted: tuple[str, ...] = (), logprobs_ms: float = 0.0,
+        preempted: tuple[str, ...] = (), logprobs_ms: float = 0.0, sample_ms: float = 0.0,
+        gc_ms: float = 0.0,
     ) -> None:  # fmt: skip
         """A step of ``exec_ms`` (of which ``logprobs_ms`` computed top-20 logprobs for every
-        row)."""
+        row, ``sample_ms`` ran the sampler on the full logits and ``gc_ms`` the core's GC)."""
         arrived = max(self.reqs[rid].received for rid in rows)
         start = max(self.now, arrived, T0 + int(at_ms * MS)) + MS // 10
         execute = start + int(schedule_ms * MS)
@@ -94,10 +101,13 @@ class Trace:
             num_preemptions=0, kv_blocks_used=sum(math.ceil(r.computed / BLOCK) for r in live),
             kv_blocks_total=NUM_BLOCKS, request_ids=list(rows), num_scheduled=list(rows.values()),
             preempted_request_ids=list(preempted), update_end_ns=executed + MS // 10,
-            wait_reason=wait_reason, idle=False, gc_pause_ns=0,
+            wait_reason=wait_reason, idle=False, gc_pause_ns=int(gc_ms * MS),
+            sample_ns=int(sample_ms * MS),
             logprobs_ns=int(logprobs_ms * MS), logprobs_rows=len(rows) if logprobs_ms else 0,
             max_logprobs=20 if logprobs_ms else 0,
         ))  # fmt: skip
+        if gc_ms:  # the core's GC in the step, as its pause rows record it
+            self.pause("core", "gc", (execute - T0) / MS, gc_ms)
         self.now = out
         for r in live:
             if len(r.emits) >= r.output:
@@ -112,6 +122,8 @@ class Trace:
             return  # held: the write that sends it is a later step's
         last = r.emits[r.written - 1][2] if r.written else 0
         delivered = max(received, last) + MS // 5 + r.reader_ns
+        if r.pause_at is not None and n == r.pause_at:
+            delivered += r.pause_ns  # its reader paused: the write waited on its socket
         r.emits[r.written :] = [(step, got, delivered) for step, got, _ in r.emits[r.written :]]
         r.written = n
 
@@ -122,6 +134,18 @@ class Trace:
     def abort(self, rid: str, at_ms: float) -> None:
         self._finish(self.reqs[rid], "aborted", T0 + int(at_ms * MS))
         self.reqs[rid].kv_freed = self.reqs[rid].end + MS // 2
+
+    def fail(self, rid: str, at_ms: float, code: str) -> None:
+        """It ended with an error: ``code`` says what ended it (requests.end_code)."""
+        self._finish(self.reqs[rid], "error", T0 + int(at_ms * MS))
+        self.reqs[rid].end_code = code
+
+    def lifecycle(self, kind: str, cause: str, at_ms: float, took_ms: float, **counts: int) -> None:
+        """A drain, engine restart or crash loop of the server (the lifecycle table)."""
+        self.lifecycle_rows.append(row(
+            "lifecycle", run_id=RUN, kind=kind, cause=cause, start_ns=T0 + int(at_ms * MS),
+            end_ns=T0 + int((at_ms + took_ms) * MS), epoch=1, **counts,
+        ))  # fmt: skip
 
     def idle(self, at_ms: float, kv_used: int = 0) -> None:
         """The KV state once aborts emptied the engine."""
@@ -153,9 +177,10 @@ class Trace:
                 received_ns=r.received, first_scheduled_ns=r.steps[0][1] if r.steps else None,
                 first_delivered_ns=first, last_delivered_ns=r.emits[-1][2] if r.emits else None,
                 delivered_ttft_ns=first - r.http_start if first else None,
-                send_wait_ns=r.reader_ns * len({d for _, _, d in r.emits}),
+                send_wait_ns=r.reader_ns * len({d for _, _, d in r.emits}) + r.pause_ns,
                 bytes_sent=6 * len(r.emits),
-                kv_freed_ns=r.kv_freed,
+                kv_freed_ns=r.kv_freed, grammar=r.grammar, end_code=r.end_code,
+                params=json.dumps(r.params) if r.params is not None else None,
             ))  # fmt: skip
         return rows
 
@@ -188,7 +213,8 @@ class Trace:
         runs = [row("runs", run_id=RUN, started_ns=T0, step_prior=self.step_prior,
                     engine_config=config)]  # fmt: skip
         store.add_all({"runs": runs, "requests": self.request_rows(), "steps": self.steps,
-                       "span_rows": self.span_rows(), "pauses": self.pauses})  # fmt: skip
+                       "span_rows": self.span_rows(), "pauses": self.pauses,
+                       "lifecycle": self.lifecycle_rows})  # fmt: skip
         assert store.flush()
         store.close()
         return path

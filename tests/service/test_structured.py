@@ -264,6 +264,8 @@ def test_grammar_compile_and_masks_are_traced(tiny_server: LumenServer) -> None:
     assert grown(f"lumen:grammar_compile_seconds_count{{{labels.format('false', model)}}}") >= 1
     assert grown(f"lumen:grammar_compile_seconds_count{{{labels.format('true', model)}}}") >= 1
     assert grown(f'lumen:grammar_mask_seconds_count{{model_name="{model}"}}') >= 2
+    # The sampler applied the masks: its time is beside the masks'.
+    assert grown(f'lumen:sampler_seconds_count{{model_name="{model}"}}') >= 2
     ids = [first.id, second.id]
 
     def rows():

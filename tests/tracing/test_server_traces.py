@@ -244,6 +244,7 @@ def test_otlp_over_grpc_with_request_detail(tmp_path: Path, tiny_model_path: Pat
             for boundary in BOUNDARIES:
                 assert metric(m, "lumen:boundary_latency_seconds_count", boundary=boundary) > 0
             assert metric(m, "lumen:delivery_lag_seconds_count") == 3
+            assert metric(m, "lumen:delivery_wait_seconds_count") == 3
     # request detail: the root span only, one per request.
     assert {s.name for s in receiver.spans} == {"llm_request"}
     assert len({s.attributes["gen_ai.request.id"] for s in receiver.spans}) == 3

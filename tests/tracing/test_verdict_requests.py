@@ -1,0 +1,117 @@
+"""What single requests met, named: failures counted first and said in words, long token gaps
+cut into parts, the sampler's settings, a step slow for its shape that cost no one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.helpers.trace_builder import MS, Trace, serve_alone
+from tracing.diagnose import diagnose_run, explain_request, render_run
+
+
+def _streams(tr: Trace, n: int, output: int, **kw: object) -> list[str]:
+    ids = [f"s{i}" for i in range(n)]
+    for rid in ids:
+        tr.request(rid, 0.0, prompt=16, output=output, **kw)  # type: ignore[arg-type]
+    tr.step({rid: 16 for rid in ids}, 8.0)
+    while any(tr.reqs[rid].status is None for rid in ids):
+        tr.step({rid: 1 for rid in ids if tr.reqs[rid].status is None}, 2.0)
+    return ids
+
+
+def test_a_reader_that_pauses_mid_stream_is_named_by_its_gap(tmp_path: Path) -> None:
+    """Four streams; one reader stops reading for 600 ms after its 20th write: the run names a
+    token gap made of delivery, and its why cuts that gap into parts (it used to say nothing
+    stands out, the gap unexplained)."""
+    tr = Trace()
+    _streams(tr, 3, 60)
+    tr.request("paused", 0.0, prompt=16, output=60, pause_at=20, pause_ns=600 * MS)
+    serve_alone(tr, "paused", 1.0, decode_ms=2.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    gaps = [f for f in run.findings if f.kind == "gap"]
+    assert [f.part for f in gaps] == ["delivery"] and gaps[0].request_ids == ["paused"], text
+    assert "Nothing stands out" not in text
+    req, sentences = explain_request(tmp_path / "t.db", "paused")
+    assert req.long_gaps and req.long_gaps[0].named == "delivery"
+    assert sum(req.long_gaps[0].parts.values()) == req.long_gaps[0].ns  # the parts sum to it
+    assert "delivery to the client 6" in " ".join(sentences)  # its ~600 ms, as its largest part
+
+
+def test_a_crash_is_counted_first_and_said_in_each_failed_requests_why(tmp_path: Path) -> None:
+    tr = Trace()
+    ids = _streams(tr, 2, 4)
+    tr.request("crashed", 20.0, prompt=16, output=100)
+    tr.step({"crashed": 16}, 5.0, at_ms=21.0)
+    tr.step({"crashed": 1}, 5.0)
+    tr.lifecycle("restart", "engine core process died (exit code -9)", 40.0, 1500.0, num_failed=1)
+    tr.fail("crashed", 41.0, "engine_restarted")
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = " ".join(render_run(run).split())
+    print(text)
+    assert "1 of 3 requests did not finish: 1 failed with the engine core's crash" in text
+    assert text.index("did not finish") < text.index("TTFT p50")  # the headline counts it first
+    assert [f.part for f in run.findings if f.kind == "failure"] == ["crash"]
+    assert "Nothing stands out" not in text
+    _, sentences = explain_request(tmp_path / "t.db", "crashed")
+    why = " ".join(sentences)
+    assert "failed with the engine core's crash (engine core process died" in why, why
+    assert "Nothing stands out" not in why
+    assert all(r.failure is None for r in run.requests if r.request_id in ids)
+
+
+def test_the_sampler_names_the_settings_its_rows_paid_for(tmp_path: Path) -> None:
+    """Four streams, all under a grammar: the sampler's time is named with the grammar, not a
+    list of what might take the full logits."""
+    tr = Trace()
+    schema = {"temperature": 0}
+    for i in range(4):
+        tr.request(f"g{i}", 0.0, prompt=16, output=30, grammar="json_schema", params=schema)
+    tr.step({f"g{i}": 16 for i in range(4)}, 8.0, sample_ms=6.0)
+    while any(r.status is None for r in tr.reqs.values()):
+        tr.step({r.rid: 1 for r in tr.reqs.values() if r.status is None}, 9.0, sample_ms=6.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = " ".join(render_run(run).split())
+    print(text)
+    named = [f for f in run.findings if f.part == "sampling" and f.kind in ("cause", "paid")]
+    assert named and "for rows with a grammar (json_schema) in 4 requests" in named[0].text
+
+
+def _one_second_requests(tr: Trace, slow: int | None, gc: int | None) -> None:
+    """Six requests one after another, each 100 tokens of 10 ms steps; request ``slow`` has a
+    35 ms step (3.5x its shape, 25 ms over: 2% of its life, its gap under 4x the median), and
+    request ``gc`` a 50 ms step of which 40 ms were the core's GC."""
+    for i in range(6):
+        rid = f"r{i}"
+        tr.request(rid, i * 1200.0, output=100)
+        tr.step({rid: 32}, 10.0, at_ms=i * 1200.0 + 2)
+        while tr.reqs[rid].status is None:
+            mid = len(tr.reqs[rid].emits) == 50
+            ms = 35.0 if i == slow and mid else 50.0 if i == gc and mid else 10.0
+            tr.step({rid: 1}, ms, gc_ms=40.0 if i == gc and mid else 0.0)
+
+
+def test_a_slow_step_that_cost_no_one_is_listed_not_named(tmp_path: Path) -> None:
+    """The slow step is listed under the steps, and the run is quiet."""
+    tr = Trace()
+    _one_second_requests(tr, slow=4, gc=None)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    slow = [f for f in run.findings if "took at least" in f.text]
+    assert len(slow) == 1 and slow[0].kind == "info" and slow[0].section == "steps", text
+    assert "Nothing stands out" in text
+
+
+def test_gc_inside_a_step_is_gc_not_a_slow_step(tmp_path: Path) -> None:
+    """The GC's step is no outlier (GC is named apart): only the 35 ms step is listed as slow,
+    and the GC's 50 ms token gap (5x the median, 20 ms over) is named as GC."""
+    tr = Trace()
+    _one_second_requests(tr, slow=4, gc=2)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    slow = [f for f in run.findings if "took at least" in f.text]
+    assert len(slow) == 1 and slow[0].text.startswith("1 step took") and slow[0].kind == "info"
+    assert [(f.part, f.request_ids) for f in run.findings if f.kind == "gap"] == [("gc", ["r2"])]

@@ -389,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # One line per HTTP call otherwise: a replay through a server polls its /health while it
+    # starts and restarts (300 lines of 503s in one run).
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except ValueError as e:

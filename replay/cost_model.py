@@ -4,7 +4,11 @@ Seconds per step = base
     + prefill tokens x a + decode tokens x b + rows x c
     + context tokens the decode rows read x d (each decode row attends to its whole context)
     + (query, key) pairs of the prefill rows x e (a chunk of n tokens after s cached ones
-      attends to n s + n (n + 1) / 2 pairs).
+      attends to n s + n (n + 1) / 2 pairs)
+    + decode rows x the longest decode context x f (decode attention runs over the rows' slots
+      of the decode mirror, each as wide as the longest: engine/worker/decode_cache.py)
+    + context tokens copied into that mirror x g (a row's whole context, the first step it
+      decodes: a long prompt's first decode step costs its neighbours that copy).
 
 It is fitted to the measured steps of a trace db, from schedule to output, so the scheduler's
 and the output path's time is in it: least squares (so the predicted time of a run's steps
@@ -32,12 +36,15 @@ from engine.worker.messages import SchedulerOutput
 from tracing.store import open_db
 
 TERMS = ("base_s", "prefill_token_s", "decode_token_s", "request_s", "context_token_s",
-         "prefill_pair_s")  # fmt: skip
+         "prefill_pair_s", "padded_context_s", "fill_token_s")  # fmt: skip
 # What each term is priced per, for people.
 UNITS = {"base_s": ("ms", 1e3, "per step"), "prefill_token_s": ("us", 1e6, "per prefill token"),
          "decode_token_s": ("us", 1e6, "per decode token"), "request_s": ("us", 1e6, "per row"),
          "context_token_s": ("ns", 1e9, "per context token a decode row reads"),
-         "prefill_pair_s": ("ns", 1e9, "per prefill (query, key) pair")}  # fmt: skip
+         "prefill_pair_s": ("ns", 1e9, "per prefill (query, key) pair"),
+         "padded_context_s": ("ns", 1e9, "per decode row per token of the longest context"),
+         "fill_token_s": ("ns", 1e9, "per context token copied in at a row's first decode"),
+         }  # fmt: skip
 MIN_STEPS = 8
 NUM_RATIOS = 100  # quantiles of measured / predicted kept for the virtual run's noise
 
@@ -50,6 +57,8 @@ class StepCostModel:
     request_s: float
     context_token_s: float = 0.0
     prefill_pair_s: float = 0.0
+    padded_context_s: float = 0.0
+    fill_token_s: float = 0.0
     num_steps: int = 0  # how many measured steps it was fitted on
     # r2, err_p50/p90/p99 (|predicted - measured| / measured), covers: the range it saw.
     fit: dict[str, Any] = field(default_factory=dict)
@@ -149,17 +158,37 @@ class StepCostModel:
             raise ValueError(f"{path} is not a step-cost model ({e})") from None
 
 
-def scheduled_features(out: SchedulerOutput) -> np.ndarray:
+class Features:
+    """A run's steps as TERMS' features, one step at a time: it keeps which requests decode
+    (a row's first decode step copies its context into the decode mirror)."""
+
+    def __init__(self) -> None:
+        self.decoding: set[str] = set()
+
+    def of(self, rows: list[tuple[str, int, int]], prefill: int, decode: int) -> np.ndarray:
+        """``rows``: (request id, tokens scheduled, tokens computed before) per row."""
+        context = pairs = widest = fill = 0
+        for rid, n, start in rows:
+            if n == 1:
+                context += start + 1
+                widest = max(widest, start + 1)
+                if rid not in self.decoding:
+                    self.decoding.add(rid)
+                    fill += start
+            else:
+                pairs += n * start + n * (n + 1) // 2
+                self.decoding.discard(rid)  # a (re)computed prompt: its next decode copies in
+        return np.array([1.0, prefill, decode, len(rows), context, pairs, decode * widest, fill])
+
+    def forget(self, rid: str) -> None:
+        self.decoding.discard(rid)
+
+
+def scheduled_features(out: SchedulerOutput, features: Features | None = None) -> np.ndarray:
     """The features of one scheduled step (the virtual core's), in TERMS order."""
-    context = pairs = 0
-    for ids, start in zip(out.token_ids, out.num_computed_tokens):
-        n = len(ids)
-        if n == 1:
-            context += start + 1
-        else:
-            pairs += n * start + n * (n + 1) // 2
-    return np.array([1.0, out.num_prefill_tokens, out.num_decode_tokens, len(out.req_ids),
-                     context, pairs])  # fmt: skip
+    computed = out.num_computed_tokens
+    rows = [(rid, len(ids), start) for rid, ids, start in zip(out.req_ids, out.token_ids, computed)]
+    return (features or Features()).of(rows, out.num_prefill_tokens, out.num_decode_tokens)
 
 
 def step_features(db: str | Path, run_id: str | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -180,18 +209,18 @@ def step_features(db: str | Path, run_id: str | None = None) -> tuple[np.ndarray
         ).fetchall()
     x, y = np.zeros((len(steps), len(TERMS))), np.zeros(len(steps))
     computed: dict[tuple[str, str], int] = {}
+    features: dict[str, Features] = {}
     for i, (run, seconds_ns, prefill, decode, rids, nums, preempted) in enumerate(steps):
+        f = features.setdefault(run, Features())
         for rid in preempted or ():
             computed.pop((run, rid), None)
-        context = pairs = 0
+            f.forget(rid)
+        rows = []
         for rid, n in zip(rids or (), nums or ()):
             start = computed.get((run, rid), 0)
             computed[(run, rid)] = start + n
-            if n == 1:
-                context += start + 1
-            else:
-                pairs += n * start + n * (n + 1) // 2
-        x[i] = (1.0, prefill, decode, len(rids or ()), context, pairs)
+            rows.append((rid, n, start))
+        x[i] = f.of(rows, prefill, decode)
         y[i] = seconds_ns / 1e9
     return x, y
 

@@ -12,7 +12,7 @@ import numpy as np
 from engine.config import EngineConfig
 from engine.core.virtual import VirtualCore
 from engine.messages import EngineCoreRequest
-from replay.cost_model import StepCostModel, scheduled_features
+from replay.cost_model import Features, StepCostModel, scheduled_features
 from replay.report import percentiles
 from replay.workload import ReplayRequest
 
@@ -77,6 +77,7 @@ def run_virtual(
     token_times: dict[str, list[float]] = {rid: [] for rid in arrival}
     clock, i = 0.0, 0
     result = VirtualResult(len(work), 0, 0, 0.0)
+    decoding = Features()
     while i < len(work) or core.has_requests():
         while i < len(work) and work[i].offset_s / speed <= clock:
             r = work[i]
@@ -102,7 +103,9 @@ def run_virtual(
                 continue
             raise ValueError("the virtual engine cannot schedule anything: is the KV pool "
                              "smaller than one request?")  # fmt: skip
-        features = scheduled_features(out)
+        for rid in out.preempted_req_ids:
+            decoding.forget(rid)
+        features = scheduled_features(out, decoding)
         seconds = float(coef @ features)
         clock += seconds * noise() if noise is not None else seconds
         _widen(result.seen, features)

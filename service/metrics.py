@@ -199,7 +199,8 @@ class ServerMetrics:
             "penalties, temperature, top-k/p), per step that ran it.", GRAMMAR_BUCKETS,
         )  # fmt: skip
         self.logprobs = histogram(
-            "lumen:logprobs_seconds", "Computing logprobs, per step whose rows asked.",
+            "lumen:logprobs_seconds",
+            "Computing logprobs, per step whose rows asked.",
             GRAMMAR_BUCKETS,
         )
         self._mirrored: dict[str, float] = {}  # counter name -> the total already counted

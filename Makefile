@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 
-.PHONY: install serve test lint model test-models regress clean
+.PHONY: install serve test test-e2e lint model test-models regress clean
 
 install: $(STAMP)
 
@@ -46,9 +46,14 @@ lint: install
 test: test-models lint
 	export LUMEN_TEST_BUILD_DIR=$$(mktemp -d); \
 	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder \
-		-m "not serial" --durations=20; a=$$?; \
-	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -m serial --durations=20; b=$$?; \
+		-m "not serial and not e2e" --durations=20; a=$$?; \
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -m "serial and not e2e" --durations=20; b=$$?; \
 	rm -rf "$$LUMEN_TEST_BUILD_DIR"; test $$a = 0 && test $$b = 0
+
+# The end-to-end checks too long for make test (generated scenarios scored on every model we
+# ship: lumen bench diagnose's sample), alone; CI runs them after make test.
+test-e2e: test-models
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/pytest -m e2e --durations=10
 
 # The latency regression gate CI runs after the tests (regress/README.md).
 regress: model

@@ -3,10 +3,9 @@ of its own, timed as the client sees it (its first content chunk, the gaps betwe
 end), reading as told: straight through, pausing after some chunks, or hanging up.
 
 A raw socket, not an HTTP library: a reader that pauses must hold the server back exactly as a
-slow client would (a small receive buffer, nothing read meanwhile), and the client must tell
-how much of the response the buffers held when it resumed (what it can read at once), so the
-time the server's writes waited is the client's own measurement: the pause, less the time the
-server took to fill those buffers.
+slow client would (a small receive buffer, nothing read meanwhile), and the client counts the
+bytes it had read when it paused, so the time the server's writes waited is its own
+measurement (bench.diagnose.score.reader_effect).
 """
 
 from __future__ import annotations
@@ -51,8 +50,6 @@ class Seen:
     chunks: list[float] = field(default_factory=list)  # each chunk with text
     num_tokens: int = 0
     paused_at_s: float | None = None
-    burst_bytes: int = 0  # what the buffers held when the paused reader resumed
-    burst_had_end: bool = False  # ... the whole rest of the response: the server never waited
     bytes_before_pause: int = 0
     num_bytes: int = 0  # the response's, as read
     extra: bool = False
@@ -151,8 +148,6 @@ def _read_stream(reader: _Reader, ask: Ask, seen: Seen, t0: float) -> None:
         if ask.pause_after is not None and n == ask.pause_after:
             seen.paused_at_s, seen.bytes_before_pause = now, reader.num_bytes
             time.sleep(ask.pause_s)
-            seen.burst_bytes = reader.drain_ready()
-            seen.burst_had_end = reader.holds_end()
     seen.end_s = time.monotonic() - t0
     seen.num_bytes = reader.num_bytes
 
@@ -224,26 +219,3 @@ class _Reader:
             while b"\n\n" in pending:
                 event, pending = pending.split(b"\n\n", 1)
                 yield event
-
-    def holds_end(self) -> bool:
-        """The unread bytes end the chunked body (its last, empty chunk)."""
-        return self.buf.endswith(b"0\r\n\r\n")
-
-    def drain_ready(self) -> int:
-        """Read what the buffers hold now, without waiting: the bytes a paused reader finds
-        waiting when it resumes."""
-        self.sock.setblocking(False)
-        got = 0
-        try:
-            while True:
-                data = self.sock.recv(65536)
-                if not data:
-                    break
-                got += len(data)
-                self.buf += data
-        except BlockingIOError:
-            pass
-        finally:
-            self.sock.setblocking(True)
-        self.num_bytes += got
-        return got

@@ -33,8 +33,9 @@ from bench.diagnose.scenarios import CAUSES, Run
 
 BAR_S = 0.020
 SHARE = 0.10
-FULL_BUFFERS = 64 * 1024  # read at once on resuming: the server's send buffer (about 80 KiB)
-# and the reader's were full, and the server's writes waited
+# The server's send buffer (service/http_timing.py: about 80 KiB) and a pausing reader's receive
+# buffer (the client asks 4 KiB; the kernel doubles it).
+BUFFERS = 80 * 1024 + 2 * 4096
 GAP_FACTOR = 4.0
 POSITIVE, NEGATIVE = 1.5, 0.67  # of the bar: surely past it, surely under it
 Z90 = 1.6449  # a two-sided 90% interval
@@ -179,15 +180,18 @@ def effect(controls: Sequence[Seen], primitive: Seen) -> float:
 
 def reader_effect(controls: Sequence[Seen], primitive: Seen, pause_s: float) -> float:
     """A paused reader's effect: the time the server's writes waited on it, in bars (of 20 ms
-    and 4x the controls' median gap). Where the buffers were not full when it resumed (what it
-    read at once was under FULL_BUFFERS), the server never waited; else it waited the pause
-    less the time it took to fill them, at the rate the reader read before its pause."""
-    if primitive.paused_at_s is None or primitive.burst_bytes < FULL_BUFFERS:
+    and 4x the controls' median gap). When it paused, the rest of its response (the controls'
+    bytes less what it had read) either fit in the buffers between the server and it (the
+    server's send buffer and its receive buffer: BUFFERS), and the server never waited, or
+    the server filled them at the controls' byte rate, then waited out the rest of the pause."""
+    spans = [(c.num_bytes, c.end_s - c.first_s) for c in controls if c.first_s is not None]
+    if primitive.paused_at_s is None or not spans:
         return 0.0
-    if primitive.first_s is None or primitive.paused_at_s <= primitive.first_s:
+    left = float(np.mean([n for n, _ in spans])) - primitive.bytes_before_pause
+    if left <= BUFFERS:
         return 0.0
-    rate = primitive.bytes_before_pause / (primitive.paused_at_s - primitive.first_s)
-    waited = pause_s - primitive.burst_bytes / max(rate, 1.0)
+    rate = float(np.mean([n / max(t, 1e-3) for n, t in spans]))  # bytes a second
+    waited = pause_s - BUFFERS / max(rate, 1.0)
     gaps = [g for c in controls for g in c.gaps()]
     bar = max(BAR_S, GAP_FACTOR * float(np.median(gaps))) if gaps else BAR_S
     return waited / bar

@@ -5,10 +5,12 @@ records `tracing.diagnose` fills in and `tracing.verdict`, `tracing.why`, `traci
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from tracing.failures import LifecycleRow as LifecycleRow  # the lifecycle table's rows
+from tracing.parts import EXPECTED_PARTS as EXPECTED_PARTS  # reported, never named a cause
 from tracing.parts import phase_labels
 from tracing.shares import MIN_CAUSE_NS as MIN_CAUSE_NS  # beside the step math that uses it
 
@@ -20,8 +22,6 @@ if TYPE_CHECKING:
 # RequestDiagnosis.ttft and .decode), from the registry in tracing.parts.
 TTFT_PARTS = phase_labels("ttft")
 DECODE_PARTS = phase_labels("decode")
-# Parts that are the model doing the request's own work: reported, never named as a cause.
-EXPECTED_PARTS = {"own_prefill", "decode", "step_in_flight"}
 
 # The verdict's rule (tracing.verdict): a part is named only when the time is large in absolute
 # terms AND relative to the phase: at least MIN_CAUSE_NS and at least MIN_CAUSE_SHARE of the
@@ -101,18 +101,6 @@ class Finding:
     part: str | None = None
     request_ids: list[str] = field(default_factory=list)
     section: str = "causes"  # causes | paid | steps | cancellations | lifecycle
-
-
-class LifecycleRow(NamedTuple):
-    """A row of the lifecycle table: a drain, an engine restart or a crash loop."""
-
-    kind: str  # drain | restart | crash_loop
-    cause: str
-    start_ns: int
-    end_ns: int
-    epoch: int
-    num_finished: int
-    num_failed: int
 
 
 @dataclass

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-from tracing.diagnosis import LifecycleRow
 from tracing.words import ms
 
 KINDS = ("crash", "hang", "crash_loop", "drain", "stalled", "refused", "invalid", "client",
@@ -23,6 +23,18 @@ KINDS = ("crash", "hang", "crash_loop", "drain", "stalled", "refused", "invalid"
 SERVER_KINDS = frozenset(KINDS) - {"client"}  # failures of the server's making
 REFUSALS = ("queue_full", "queue_timeout", "engine_restarting", "shutting_down")
 NEAR_NS = 2_000_000_000  # a failure this close to a lifecycle row's span belongs to it
+
+
+class LifecycleRow(NamedTuple):
+    """A row of the lifecycle table: a drain, an engine restart or a crash loop."""
+
+    kind: str  # drain | restart | crash_loop
+    cause: str
+    start_ns: int
+    end_ns: int
+    epoch: int
+    num_finished: int
+    num_failed: int
 
 
 @dataclass(frozen=True)

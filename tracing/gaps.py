@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tracing.diagnosis import DECODE_PARTS, EXPECTED_PARTS
+from tracing.parts import EXPECTED_PARTS, phase_labels
 from tracing.pauses import Intervals, Pauses
 from tracing.shares import (
     MIN_CAUSE_NS,
@@ -46,6 +46,7 @@ from tracing.shares import (
 
 GAP_FACTOR = 4.0  # a gap is long at this many times its request's median gap (and MIN_CAUSE_NS)
 MAX_GAPS = 20  # long gaps cut per request, longest first
+DECODE_PARTS = phase_labels("decode")  # a gap's parts are the decode phase's
 _STEP_PARTS = ("decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask",
                "sampling", "logprobs")  # fmt: skip
 

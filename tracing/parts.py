@@ -238,6 +238,8 @@ PARTS: tuple[Part, ...] = (
 )  # fmt: skip
 
 BY_KEY: dict[str, Part] = {p.key: p for p in PARTS}
+# Parts that are the model doing the request's own work: reported, never named as a cause.
+EXPECTED_PARTS = frozenset({"own_prefill", "decode", "step_in_flight"})
 assert len(BY_KEY) == len(PARTS), "a part key is registered twice"
 
 

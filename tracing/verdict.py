@@ -12,9 +12,19 @@ In the decode phase the values are per output token, and the absolute bar applie
 the median request's number of decode tokens (what a typical request pays over its decode).
 Parts in EXPECTED_PARTS (the model doing the request's own work) are reported as expected
 compute, never as a cause. Delivery is judged per request (a slow reader is one client): named
-when a request's delivery passes both bars against its own time. Steps, pauses and cancellations
-have their own checks (``tracing.verdict_steps``). A run where nothing passes (no cause, no cost
-every request pays, no step) gets "Nothing stands out" with its expected compute.
+when a request's delivery passes both bars against its own time.
+
+Down to each gap: a token gap is explained part by part (``tracing.gaps``, whose parts sum to
+it) when it is at least MIN_CAUSE_NS and GAP_FACTOR (4) times its request's median gap; its
+largest part is named, or its remainder (``unattributed``) where that is the largest. A request's
+life likewise: what no record explains of it is named when it passes both bars against its life
+(a failed request's remainder is its failure, named apart). Failures come first: what ended each
+request that did not finish (``tracing.failures``), counted in the headline. Steps, pauses and
+cancellations have their own checks (``tracing.verdict_steps``); a step slow for its shape is
+named only where it cost a request both bars against its life, else listed.
+
+"Nothing stands out" is said only when no request failed (of the server's making), and no part,
+no gap, no remainder and no step passes the rule; it comes with the run's expected compute.
 """
 
 from __future__ import annotations

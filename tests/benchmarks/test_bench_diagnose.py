@@ -19,7 +19,7 @@ from bench.diagnose.client import Seen
 from bench.diagnose.scenarios import CAUSES, make_group
 from bench.diagnose.score import Matrix, Named, effect, grade, reader_effect, wilson
 from service.cli import main as lumen
-from tests.helpers.trace_builder import Trace
+from tests.helpers.trace_builder import long_prefill_run
 
 
 def _seen(index: int, ttft: float, e2e: float, gaps: list[float], **kw: object) -> Seen:
@@ -90,16 +90,7 @@ def test_the_scorer_reads_a_built_trace_as_the_diagnosis_says_it(tmp_path: Path)
     """verdict_of: the report's findings and each request's why, as causes."""
     from bench.diagnose.score import verdict_of
 
-    tr = Trace()
-    for i in range(4):
-        tr.request(f"d{i}", 0.0, output=40)
-    tr.step({f"d{i}": 32 for i in range(4)}, 8.0)
-    for _ in range(10):
-        tr.step({f"d{i}": 1 for i in range(4)}, 5.0)
-    tr.request("long", 60.0, prompt=2000, output=2)
-    tr.step({**{f"d{i}": 1 for i in range(4)}, "long": 2000}, 600.0)
-    while any(r.status is None for r in tr.reqs.values()):
-        tr.step({r.rid: 1 for r in tr.reqs.values() if r.status is None and r.computed}, 5.0)
+    tr = long_prefill_run()
     named = verdict_of(tr.write(tmp_path / "t.db"))
     assert "prefill" in named.run and "prefill" in named.requests["d0"]
 

@@ -242,3 +242,20 @@ def serial_run(n: int = 12, **req_kw: Any) -> Trace:
         tr.request(f"r{i}", i * 100.0, **req_kw)
         serve_alone(tr, f"r{i}", i * 100.0 + 2)
     return tr
+
+
+def long_prefill_run() -> Trace:
+    """Four decoders, and a 2,047-token prompt whose one-step prefill (600 ms) stalls them."""
+    tr = Trace()
+    for i in range(4):
+        tr.request(f"d{i}", 0.0, output=30)
+    tr.request("long-1", 30.0, prompt=2047, output=4)
+    tr.step({f"d{i}": 32 for i in range(4)}, 10.0)
+    for _ in range(5):
+        tr.step({f"d{i}": 1 for i in range(4)}, 5.0)
+    tr.step({**{f"d{i}": 1 for i in range(4)}, "long-1": 2047}, 600.0)
+    while tr.reqs["long-1"].status is None:
+        tr.step({r: 1 for r in tr.reqs if tr.reqs[r].status is None}, 5.0)
+    while tr.reqs["d0"].status is None:
+        tr.step({f"d{i}": 1 for i in range(4)}, 5.0)
+    return tr

@@ -8,7 +8,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from tests.helpers.trace_builder import MS, T0, Trace, serial_run, serve_alone
+from tests.helpers.trace_builder import MS, T0, Trace, long_prefill_run, serial_run, serve_alone
 from tracing.diagnose import RunDiagnosis, diagnose_run, explain_request, render_run
 from tracing.store import MIGRATIONS, TABLES
 
@@ -85,24 +85,8 @@ def test_slow_scheduler(tmp_path: Path) -> None:
     assert all(f.part == "schedule" for f in run.findings if f.kind in ("cause", "paid", "step"))
 
 
-def _long_prefill() -> Trace:
-    tr = Trace()
-    for i in range(4):
-        tr.request(f"d{i}", 0.0, output=30)
-    tr.request("long-1", 30.0, prompt=2047, output=4)
-    tr.step({f"d{i}": 32 for i in range(4)}, 10.0)
-    for _ in range(5):
-        tr.step({f"d{i}": 1 for i in range(4)}, 5.0)
-    tr.step({**{f"d{i}": 1 for i in range(4)}, "long-1": 2047}, 600.0)
-    while tr.reqs["long-1"].status is None:
-        tr.step({r: 1 for r in tr.reqs if tr.reqs[r].status is None}, 5.0)
-    while tr.reqs["d0"].status is None:
-        tr.step({f"d{i}": 1 for i in range(4)}, 5.0)
-    return tr
-
-
 def test_long_prefill_stalls_decodes_and_the_neighbour_is_named(tmp_path: Path) -> None:
-    run = diagnose_run(_long_prefill().write(tmp_path / "t.db"))
+    run = diagnose_run(long_prefill_run().write(tmp_path / "t.db"))
     text = render_run(run)
     print(text)
     [stall] = [f for f in run.findings if f.kind == "step"]
@@ -120,7 +104,7 @@ def test_long_prefill_stalls_decodes_and_the_neighbour_is_named(tmp_path: Path) 
 @pytest.mark.parametrize("core_id", ["long-1-0", "0_long-1"], ids=["child", "old-sample"])
 def test_a_sample_is_counted_as_its_request(tmp_path: Path, core_id: str) -> None:
     """The core runs sample 0 of an n > 1 request as "ID-0" (before: "0_ID")."""
-    path = _long_prefill().write(tmp_path / "t.db")
+    path = long_prefill_run().write(tmp_path / "t.db")
     con = duckdb.connect(str(path))
     con.execute("UPDATE steps SET request_ids = list_transform(request_ids, "
                 "lambda x: CASE WHEN x = 'long-1' THEN ? ELSE x END)", [core_id])  # fmt: skip
@@ -299,7 +283,7 @@ def test_an_old_db_still_reports(tmp_path: Path) -> None:
 
 
 def test_explain_one_request(tmp_path: Path) -> None:
-    path = _long_prefill().write(tmp_path / "t.db")
+    path = long_prefill_run().write(tmp_path / "t.db")
     req, sentences = explain_request(path, "d1")
     text = " ".join(sentences)
     print("\n".join(sentences))
@@ -314,7 +298,7 @@ def test_explain_one_request(tmp_path: Path) -> None:
 def test_lumen_trace_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from service.cli import main
 
-    tr = _long_prefill()
+    tr = long_prefill_run()
     tr.request("cmpl-7-0", 1500.0)
     tr.request("cmpl-7-1", 1500.0)
     tr.step({"cmpl-7-0": 32, "cmpl-7-1": 32}, 10.0, at_ms=1500.5)

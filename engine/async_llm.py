@@ -9,7 +9,6 @@ import os
 import time
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
@@ -27,7 +26,8 @@ from engine.frontend import Frontend, FrontendObserver
 from engine.messages import EngineCoreRequest, EngineInfo, EngineStats, UtilityMethod
 from engine.model_files import resolve_config
 from engine.mp_client import STARTUP_TIMEOUT_S, AsyncMPClient, CoreProcess
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.output_stream import OutputStream, Submission
+from engine.outputs import RequestOutput
 from engine.processor import InputProcessor, PreparedPrompt, PromptType, start_loading_tokenizer
 from engine.request_ids import new_request_id
 from engine.sampling_params import SamplingParams
@@ -41,116 +41,6 @@ logger = logging.getLogger(__name__)
 
 class StreamStalledError(RuntimeError):
     """The caller stopped reading a stream for longer than the stall timeout."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Submission:
-    """What ``Frontend.add`` took for a request: enough to send it again to a new core."""
-
-    prompt: PreparedPrompt
-    priority: int
-    arrival_ns: int
-    stream: bool
-
-
-class _Stream:
-    """Holds at most one pending output per request: new deltas merge into it.
-
-    The output loop never waits on a reader, so a caller that stops reading
-    slows no one; its memory is bounded by its own text.
-
-    ``direct``: the reader's own delivery of an output, offered each output while the reader
-    waits with nothing pending (``generate_prepared``). ``sent``: the caller has taken output
-    (a stream's delta, directly or from ``get``); until then the request can be sent again to
-    another core, and ``attempt`` counts how often it was.
-    """
-
-    __slots__ = (
-        "attempt", "direct", "error", "orphaned_at", "pending", "pending_since", "ready", "sent",
-        "submission", "waiting",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        direct: Callable[[RequestOutput], bool] | None = None,
-        submission: _Submission | None = None,
-    ) -> None:
-        self.pending: RequestOutput | None = None
-        self.error: BaseException | None = None
-        self.ready = asyncio.Event()
-        # Since when an output has waited for the reader (0: nothing waits).
-        self.pending_since = 0.0
-        self.waiting = False  # the reader waits in get()
-        self.direct = direct
-        self.submission = submission
-        self.sent = False
-        self.attempt = 0
-        self.orphaned_at = 0.0  # monotonic: its core failed and it waits for the next one
-
-    def put(self, out: RequestOutput) -> None:
-        if self.pending is None:
-            self.pending_since = time.monotonic()
-            self.pending = out
-        else:
-            self.pending = _merge(self.pending, out)
-        self.ready.set()
-
-    def fail(self, error: BaseException) -> None:
-        self.error = error
-        self.ready.set()
-
-    def deliver_directly(self, out: RequestOutput) -> bool:
-        """Whether ``direct`` delivered ``out``: only while the reader waits with nothing
-        pending (so nothing it has not written yet comes before), and never the last output
-        (the reader's loop ends on that one)."""
-        if (
-            self.waiting
-            and self.pending is None
-            and self.direct is not None
-            and not out.finished
-            and self.direct(out)
-        ):
-            self.sent = True
-            return True
-        return False
-
-    def orphan(self) -> None:
-        """Its core failed before it sent anything: what the core gave it is dropped, and it
-        waits for the next core."""
-        self.pending, self.pending_since = None, 0.0
-        self.ready.clear()
-        self.orphaned_at = time.monotonic()
-
-    async def get(self) -> RequestOutput:
-        self.waiting = True
-        try:
-            await self.ready.wait()
-        finally:
-            self.waiting = False
-        out, self.pending = self.pending, None
-        if out is None:
-            assert self.error is not None
-            raise self.error
-        if self.error is None:
-            self.ready.clear()
-        return out
-
-
-def _merge(old: RequestOutput, new: RequestOutput) -> RequestOutput:
-    by_index: dict[int, CompletionOutput] = {c.index: c for c in old.outputs}
-    for c in new.outputs:
-        prev = by_index.get(c.index)
-        if prev is None:
-            by_index[c.index] = c
-            continue
-        prev.text += c.text
-        prev.token_ids = prev.token_ids + c.token_ids
-        if prev.logprobs is not None and c.logprobs is not None:
-            prev.logprobs = prev.logprobs + c.logprobs
-        prev.cumulative_logprob = c.cumulative_logprob
-        prev.finish_reason, prev.stop_reason = c.finish_reason, c.stop_reason
-    new.outputs = [by_index[i] for i in sorted(by_index)]
-    return new
 
 
 class AsyncLLM:
@@ -207,10 +97,10 @@ class AsyncLLM:
         self.dead_error: EngineDeadError | None = None
         self.num_failed = 0  # requests failed with a dead engine, ever (a supervisor counts)
         self._dead = asyncio.Event()  # set when the output loop fails for good
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, OutputStream] = {}
         # Requests a failed core left before they sent anything, waiting for the next core, for
         # at most resubmit_timeout seconds; 0: they fail with it.
-        self._orphans: dict[str, _Stream] = {}
+        self._orphans: dict[str, OutputStream] = {}
         self.resubmit_timeout = resubmit_timeout if supervised else 0.0
         self._wake = asyncio.Event()
         self.client.on_output = self._wake.set
@@ -319,8 +209,8 @@ class AsyncLLM:
         self._check_alive()
         request_id = request_id or new_request_id()
         frontend = self.frontend
-        stream_state = _Stream(
-            direct if stream else None, _Submission(prompt, priority, arrival_ns, stream)
+        stream_state = OutputStream(
+            direct if stream else None, Submission(prompt, priority, arrival_ns, stream)
         )
         requests = self._add(request_id, stream_state)  # raises if the id is in use
         self._streams[request_id] = stream_state
@@ -340,7 +230,7 @@ class AsyncLLM:
             if close_trace:
                 frontend.closed(request_id)
 
-    def _add(self, request_id: str, stream: _Stream) -> list[EngineCoreRequest]:
+    def _add(self, request_id: str, stream: OutputStream) -> list[EngineCoreRequest]:
         """Register the request with the frontend (again, for a new core: ``stream.attempt``);
         returns its core requests. A streamed request gets a delta after every step; any other,
         its whole output once."""

@@ -23,13 +23,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
 from engine.background import name_os_thread
 from engine.frontend import Enqueued, Finished
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineInfo, FinishReason
 from tracing.config import TracingConfig, replica_id, store_path
 from tracing.emit_columns import with_emit_lists
+from tracing.engine_rows import run_row, step_row
 from tracing.events import Closed, Delivered, HttpFacts, Lifecycle, Outputs, Pause, Start
 from tracing.ids import parse_traceparent
 from tracing.otlp_records import WINDOW_NS, engine_spans, request_record_spans
@@ -122,7 +121,7 @@ class Tracer:
         self._otlp_rows = self.otlp if store_detail else None
         self._keep_rows = self.store is not None or self._otlp_rows is not None
         self._slow_ns = int(config.otlp_keep_slower_than * 1e9)
-        self._run_row = _run_row(self.run_id, info, engine_config, config, self.replica)
+        self._run_row = run_row(self.run_id, info, engine_config, config, self.replica)
         # The engine trace (WINDOW_NS) the run record was last sent into: the run's first.
         self._window = self._run_row[1] // WINDOW_NS
         self._add({"runs": [self._run_row]})
@@ -352,7 +351,7 @@ class Tracer:
         if step is None:
             return
         if self._keep_rows:
-            rows: dict[str, list[tuple[Any, ...]]] = {"steps": [_step_row(self.run_id, step)]}
+            rows: dict[str, list[tuple[Any, ...]]] = {"steps": [step_row(self.run_id, step)]}
             if step.gc_pauses:
                 rows["pauses"] = [
                     (self.run_id, "core", "gc", start, duration, f"gen{gen}")
@@ -472,30 +471,3 @@ def flush_wait(interval: float, cpu: float) -> float:
     least ``interval``, and long enough that flushing takes FLUSH_CPU_SHARE of a core, but
     never more than MAX_FLUSH_STRETCH intervals."""
     return min(max(interval, cpu / FLUSH_CPU_SHARE), MAX_FLUSH_STRETCH * interval)
-
-
-def _step_row(run_id: str, s: Any) -> tuple[Any, ...]:
-    return (
-        run_id, s.step_id, s.schedule_start_ns, s.schedule_end_ns, s.execute_start_ns,
-        s.execute_end_ns, s.output_ns, s.num_running, s.num_waiting, s.num_scheduled_tokens,
-        s.num_prefill_tokens, s.num_decode_tokens, s.num_preemptions, s.num_kv_blocks_used,
-        s.num_kv_blocks_total, s.num_prefix_query_tokens, s.num_prefix_hit_tokens,
-        list(s.req_ids), list(s.num_scheduled), list(s.preempted_req_ids),
-        s.update_end_ns or None, s.wait_reason or None, *(s.num_blocks_freed or (0, 0, 0)),
-        s.idle, s.gc_pause_ns, s.grammar_mask_ns or None, s.num_grammar_rows or None,
-        s.sample_ns, s.logprobs_ns, s.num_logprobs_rows, s.max_logprobs,
-    )  # fmt: skip
-
-
-def _run_row(
-    run_id: str, info: EngineInfo, engine_config: Any, config: TracingConfig, replica: str
-) -> tuple[Any, ...]:
-    try:
-        cfg = msgspec.json.encode(engine_config).decode() if engine_config is not None else None
-    except TypeError:
-        cfg = None
-    return (
-        run_id, time.time_ns(), info.model, info.version, info.max_model_len, info.num_kv_blocks,
-        info.block_size, cfg, config.trace_prompts, "steps", list(info.step_prior) or None,
-        replica,
-    )  # fmt: skip

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.async_llm import AsyncLLM, StreamStalledError, _Stream
+from engine.async_llm import AsyncLLM, StreamStalledError
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, EngineRestartingError
+from engine.output_stream import OutputStream
 from engine.outputs import CompletionOutput, RequestOutput
 from tests.helpers.procs import wait_no_children
 
@@ -203,7 +204,7 @@ def test_direct_delivery_waits_for_what_the_reader_has_not_taken() -> None:
 
     async def main() -> None:
         offered: list[RequestOutput] = []
-        stream = _Stream(lambda out: offered.append(out) is None and len(offered) > 1)
+        stream = OutputStream(lambda out: offered.append(out) is None and len(offered) > 1)
         reader = asyncio.create_task(stream.get())
         await asyncio.sleep(0)  # the reader waits
         first, second = output("a"), output("b")

@@ -100,7 +100,8 @@ class Finding:
     ms: float = 0.0
     part: str | None = None
     request_ids: list[str] = field(default_factory=list)
-    section: str = "causes"  # causes | paid | steps | cancellations | lifecycle
+    section: str = "causes"  # causes | paid | steps | cancellations | lifecycle | ...
+    label: str | None = None  # what "Largest first" calls it, where not its part's words
 
 
 @dataclass

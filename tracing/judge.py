@@ -25,6 +25,7 @@ from tracing.diagnosis import (
     MIN_CAUSE_NS,
     MIN_CAUSE_SHARE,
     Dominant,
+    PartStat,
     RequestDiagnosis,
     RunDiagnosis,
 )
@@ -93,7 +94,44 @@ def request_calls(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list[
         )  # fmt: skip
         if found is not None:
             calls.append(found)
+    group = [k for k in API_PROCESS if k in stats]
+    if group and not any(c.part in group for c in calls):
+        value = sum(mine.get(k, 0) for k in group)
+        extra = value - sum(stats[k].median_ns for k in group) * n
+        largest = max(group, key=lambda k: mine.get(k, 0))
+        found = call_part(largest, extra, value, run.phase_median_ns[phase] * n, total)
+        if found is not None:
+            calls.append(found)
     return calls
+
+
+# The API process's parts: its one event loop receives and decodes bodies, templates and
+# tokenizes, and emits. A cost spread over them, each part under the bars and their sum over
+# them, is that process's CPU: called as a whole, by its largest part (call_group).
+API_PROCESS = ("http", "parse", "frontend", "loop_lag", "emit")
+
+
+def call_group(
+    stats: dict[str, PartStat], called: set[str], phase_median_ns: float, scale: float,
+    has_reference: bool,
+) -> tuple[Call, list[str]] | None:  # fmt: skip
+    """The API process's parts judged together, where none was called alone: the call (by
+    the largest part) and the parts, largest first."""
+    group = [k for k in API_PROCESS if k in stats]
+    if not group or called.intersection(group):
+        return None
+    extra = sum(stats[k].tail_extra_ns for k in group)
+    median = sum(stats[k].median_ns for k in group)
+    found = call_part(group[0], extra, median, phase_median_ns, phase_median_ns, scale,
+                      has_reference)  # fmt: skip
+    if found is None:
+        return None
+
+    def amount(k: str) -> float:
+        return stats[k].tail_extra_ns if found.beyond else stats[k].median_ns
+
+    order = sorted(group, key=lambda k: -amount(k))
+    return Call(order[0], found.beyond, found.ns), order
 
 
 def priced_neighbours(reqs: list[RequestDiagnosis], phase: str) -> bool:

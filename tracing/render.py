@@ -8,6 +8,7 @@ from tracing.diagnosis import (
     DECODE_PARTS,
     TAIL_PERCENTILE,
     TTFT_PARTS,
+    Finding,
     RequestDiagnosis,
     RunDiagnosis,
 )
@@ -111,11 +112,13 @@ def _largest(run: RunDiagnosis, limit: int = 3) -> str:
     named = sorted((f for f in run.findings if f.kind in who and f.ms > 0), key=lambda f: -f.ms)[
         :limit
     ]
-    return "; ".join(
-        f"{WHAT[f.part][0] if f.part in WHAT else f.text.split(' (')[0].split(':')[0]} "
-        f"({ms(f.ms * 1e6)}, {who[f.kind]})"
-        for f in named
-    )
+
+    def label(f: Finding) -> str:
+        if f.label:
+            return f.label
+        return WHAT[f.part][0] if f.part in WHAT else f.text.split(" (")[0].split(":")[0]
+
+    return "; ".join(f"{label(f)} ({ms(f.ms * 1e6)}, {who[f.kind]})" for f in named)
 
 
 def _part_tables(run: RunDiagnosis) -> list[str]:

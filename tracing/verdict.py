@@ -51,6 +51,7 @@ from tracing.failures import SERVER_KINDS, count_words
 from tracing.gaps import GAP_FACTOR
 from tracing.judge import (
     JUDGED_APART,
+    call_group,
     call_part,
     dominant_part,
     passes,
@@ -113,7 +114,8 @@ def judge(run: RunDiagnosis) -> None:
         run.parts[phase], run.phase_median_ns[phase] = stats, median
         scale = float(np.median([r.output_tokens - 1 for r in reqs])) if phase == "decode" else 1.0
         tail_reqs = [r for r, t in zip(reqs, tail) if t]
-        findings += _part_findings(run, phase, reqs, tail_reqs, scale)
+        found = _part_findings(run, phase, reqs, tail_reqs, scale)
+        findings += found + _api_process(run, phase, reqs, tail_reqs, scale, found)
     findings.sort(key=lambda f: (f.kind != "cause", -f.ms))  # the largest cause first
     if not any(f.part == "unattributed" for f in findings):
         findings += verdict_requests.remainder_findings(run)
@@ -177,6 +179,33 @@ def _part_findings(
                 )
             )
     return out
+
+
+def _api_process(
+    run: RunDiagnosis, phase: str, reqs: list[RequestDiagnosis], tail: list[RequestDiagnosis],
+    scale: float, found: list[Finding],
+) -> list[Finding]:  # fmt: skip
+    """The API process's parts together, where each is under the bars (judge.call_group)."""
+    stats = run.parts[phase]
+    got = call_group(stats, {f.part for f in found if f.part}, run.phase_median_ns[phase],
+                     scale, len(tail) < len(reqs))  # fmt: skip
+    if got is None:
+        return []
+    call, order = got
+    values = {k: stats[k].tail_extra_ns if call.beyond else stats[k].median_ns for k in order}
+    listed = ", ".join(f"{WHAT[k][0]} {_amount(phase, v, scale)}" for k, v in values.items()
+                       if abs(v) * scale >= 50_000)  # fmt: skip
+    who = (f"The slowest {100 - TAIL_PERCENTILE}% of requests spent" if call.beyond
+           else "Every request spent")  # fmt: skip
+    more = "more than the median request " if call.beyond else ""
+    text = (
+        f"{who} {_amount(phase, call.ns, scale)} {more}in the API process, each part under "
+        f"the bars and together over them ({listed}): its one event loop receives and decodes "
+        f"the bodies, templates, tokenizes and emits: {WHAT[order[0]][1]}."
+    )
+    kind, section = ("cause", "causes") if call.beyond else ("paid", "paid")
+    return [Finding(kind, text, ms=call.ns * scale / 1e6, part=order[0], section=section,
+                    label="the API process")]  # fmt: skip
 
 
 def _amount(phase: str, v: float, scale: float) -> str:

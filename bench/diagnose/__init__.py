@@ -64,6 +64,13 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "--out", default=None, metavar="DIR", help="keep every run's trace db and server log here"
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the matrix as JSON")
+    p.add_argument(
+        "--rescore",
+        default=None,
+        metavar="JSON",
+        help="judge again the runs an earlier --json and its --out folder kept, with "
+        "this tree's diagnosis (labels as they were measured)",
+    )
     p.set_defaults(func=run)  # fmt: skip
 
 
@@ -114,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
     from bench.diagnose.score import Matrix, labels, verdict_of
 
     check_json_path(args.json)
+    if args.rescore:
+        return _rescore(args)
     groups = plan(args)
     tmp = Path(tempfile.mkdtemp(prefix="lumen-diagnose-"))
     out = Path(args.out) if args.out else tmp
@@ -211,3 +220,26 @@ def _models(names: list[str], tmp: Path) -> dict[str, Path]:
         else:
             out[name] = resolve_model(MODEL_NAMES[name])
     return out
+
+
+def _rescore(args: argparse.Namespace) -> int:
+    """The matrix of an earlier run's recordings, judged by this tree (its labels kept)."""
+    from bench.diagnose.score import Matrix, verdict_of
+
+    if not args.out:
+        raise ValueError("--rescore needs --out: the folder that run kept its trace dbs in")
+    earlier = json.loads(Path(args.rescore).read_text())
+    matrix = Matrix()
+    for g in earlier["groups"]:
+        causes = [p["cause"] for p in g["primitives"]]
+        where = f"seed={g['seed']} model={g['model']} causes={','.join(causes)}"
+        for r in g["runs"]:
+            db = Path(args.out) / f"{g['seed']}-{g['model']}" / f"{r['run']}.db"
+            if not db.exists():
+                continue
+            cause = None if r["run"].startswith("control") else r["run"].split("-", 1)[1]
+            per = {q["request_id"]: q["label"] for q in r["requests"] if q.get("label")}
+            matrix.add_run(cause, r["label"], verdict_of(db), f"{where} run={r['run']}", per)
+    print(matrix.render())
+    write_json(args.json, {"machine": machine(), "rescored": args.rescore, **matrix.to_json()})
+    return 0

@@ -11,7 +11,7 @@ import pytest
 from replay.report import render_text
 from tests.helpers.trace_builder import MS, T0, Trace, serve_alone
 from tracing.diagnose import diagnose_run
-from tracing.judge import call_part, dominant_part, passes
+from tracing.judge import call_part, dominant_part, passes, request_calls
 
 
 def _lagged_frontends(path: Path) -> Path:
@@ -81,3 +81,22 @@ def test_one_rule_for_a_run_and_a_request() -> None:
     assert large is not None and not large.beyond and large.ns == 31 * MS
     assert call_part("own_prefill", 90 * MS, 90 * MS, 100 * MS, 100 * MS) is None
     assert call_part("delivery", 90 * MS, 90 * MS, 100 * MS, 100 * MS) is None
+
+
+def test_the_api_process_is_called_as_a_whole_when_each_part_is_under_the_bars(
+    tmp_path: Path,
+) -> None:
+    """Every request spends 15 ms in the frontend and 10 ms of event-loop lag: neither passes
+    20 ms alone, their sum does; the run and each request name the API process, by its
+    largest part (the frontend)."""
+    tr = Trace()
+    for i in range(12):
+        tr.request(f"r{i}", i * 200.0, frontend_ms=25.0)
+        tr.pause("api", "loop_lag", (tr.reqs[f"r{i}"].handler - T0) / MS + 5, 10.0)
+        serve_alone(tr, f"r{i}", i * 200.0 + 2)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    named = [f for f in run.findings if f.label == "the API process"]
+    assert len(named) == 1 and named[0].kind == "paid" and named[0].part == "frontend", named
+    assert "event-loop lag in the API process 10.0 ms" in named[0].text
+    calls = request_calls(run.requests[3], run, "ttft")
+    assert [c.part for c in calls] == ["frontend"] and not calls[0].beyond

@@ -50,6 +50,7 @@ from tracing.emit_columns import closes_write
 from tracing.gaps import GapCutter, Write
 from tracing.pauses import Intervals, Pauses, pauses_of
 from tracing.shares import StepShare
+from tracing.step_fit import step_weights
 from tracing.store import DbPath, latest_run, open_db
 
 __all__ = [
@@ -92,11 +93,12 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
                        if r.prompt_tokens else 0 for r in facts.requests], dtype=np.int64),
     )  # fmt: skip
     busy = [s for s in facts.steps if not s.idle]
-    weights = shares.step_weights(
+    weights = step_weights(
         np.array([s.prefill_tokens for s in busy], dtype=np.int64),
         np.array([s.rows for s in busy], dtype=np.int64),
         np.array([s.forward_ns for s in busy], dtype=np.int64),
         facts.step_prior,
+        np.array([s.full_rows for s in busy], dtype=np.int64),
     )
     placed = shares.place(facts.members, facts.step_times, win)
     pauses = pauses_of(facts.pauses)

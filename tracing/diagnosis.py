@@ -12,7 +12,7 @@ import numpy as np
 from tracing.failures import LifecycleRow as LifecycleRow  # the lifecycle table's rows
 from tracing.parts import EXPECTED_PARTS as EXPECTED_PARTS  # reported, never named a cause
 from tracing.parts import phase_labels
-from tracing.shares import MIN_CAUSE_NS as MIN_CAUSE_NS  # beside the step math that uses it
+from tracing.step_fit import MIN_CAUSE_NS as MIN_CAUSE_NS  # beside the step math that uses it
 
 if TYPE_CHECKING:
     from tracing.failures import Failure
@@ -131,6 +131,11 @@ class StepFacts:
     logprobs_ns: int = 0
     logprobs_rows: int = 0
     max_logprobs: int = 0
+
+    @property
+    def full_rows(self) -> int:
+        """Its rows where it took the full logits (the sampler ran), else 0."""
+        return (self.rows or self.running) if self.sample_ns else 0
 
     @property
     def forward_ns(self) -> int:

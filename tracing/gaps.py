@@ -33,16 +33,14 @@ import numpy as np
 from tracing.parts import EXPECTED_PARTS, phase_labels
 from tracing.pauses import Intervals, Pauses
 from tracing.shares import (
-    MIN_CAUSE_NS,
-    OUTLIER_FACTOR,
-    IntArray,
     MemberPhases,
     Memberships,
     StepTimes,
-    StepWeights,
+    full_rows,
     member_shares,
     out_end,
 )
+from tracing.step_fit import MIN_CAUSE_NS, OUTLIER_FACTOR, IntArray, StepWeights
 
 GAP_FACTOR = 4.0  # a gap is long at this many times its request's median gap (and MIN_CAUSE_NS)
 MAX_GAPS = 20  # long gaps cut per request, longest first
@@ -112,6 +110,7 @@ class GapCutter:
         forward = (steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns
                    - steps.logprobs_ns)  # fmt: skip
         expected = weights.a + weights.b * steps.prefill_tokens + weights.c * steps.rows
+        expected = expected + weights.f * full_rows(steps)
         # The forward's share past its expected time, where a step is an outlier for its shape.
         slow = weights.fitted & (forward >= OUTLIER_FACTOR * expected)
         slow &= forward - expected >= MIN_CAUSE_NS

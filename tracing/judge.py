@@ -30,7 +30,7 @@ from tracing.diagnosis import (
     RunDiagnosis,
 )
 from tracing.parts import BY_KEY
-from tracing.shares import MIN_PRICED_PREFILL
+from tracing.step_fit import MIN_PRICED_PREFILL
 
 JUDGED_APART = {"delivery"}  # per request: a slow reader is one client
 

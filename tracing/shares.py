@@ -2,28 +2,15 @@
 that splits a step's time between its rows (numpy over the facts ``tracing.diagnose_load``
 reads).
 
-The fit (fit_step_shape, on the run's busy steps after the first COLD_STEPS)::
+The fit that prices a step (``tracing.step_fit``): a, b, c of execute = a + b * prefill tokens
++ c * rows, and f, the extra of a row on the full-logits path (its docstring states it).
 
-    execute_ns = a + b * prefill tokens + c * rows
-
-least squares, refitted without the steps more than 3 robust deviations from its median residual
-(except steps with MIN_PRICED_PREFILL prefill tokens: they alone price a token); no coefficient
-below 0; b never above c (a prefill token is the same matmul work as a row, batched); where no step
-carried MIN_PRICED_PREFILL prefill tokens or b is within 3 standard errors of 0, b is the prior's
-(as measured, not capped by c) or else 0, and a, c are fitted the same robust way to the rest.
-
-The prior: the warm-up's own fit over a few timed shapes (engine.core.warmup, the runs row's
-step_prior). Where the run cannot price a prefill token (no step carried MIN_PRICED_PREFILL,
-or the price is within noise), b is the prior's and a, c are fitted to what it leaves; with
-fewer than MIN_FIT_STEPS steps, the prior is the fit. The fit's ``source`` says which.
-
-The fallback (step_weights, where the run recorded no prior): with fewer than MIN_FIT_STEPS
-steps to fit (or a fit that is all 0), plain token shares (a = c = 0, b = d = 1); and if no
-step carried MIN_PRICED_PREFILL prefill tokens, rows share alike (a = b = d = 0, c = 1).
-
-A step's cost, and one row's share of it (d prices decode tokens; only the fallback sets it)::
+A step's cost, and one row's share of it (d prices decode tokens; only the fallback sets it;
+full rows are the step's rows where it took the full logits, 0 where it took the greedy head)::
 
     cost(step)  = max(a + b * prefill tokens + c * rows + d * decode tokens, 1e-9)
+    head        = net * min(f * full rows / (cost + f * full rows), 1)       (into sampling:
+                  every row of a step on the full logits waits for their extra)
     per_row     = a / max(rows, 1) + c
     own         = net * min((b * its tokens + per_row) / cost, 1)          (TTFT phase only)
     own_row     = min(net * per_row / cost, own)    (of own: its row's share of the fixed cost;
@@ -60,32 +47,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from tracing.pauses import Intervals
-
-MIN_CAUSE_NS = 20_000_000  # the verdict's absolute bar (tracing.diagnosis describes the rule)
-OUTLIER_FACTOR = 3.0  # a step this many times its shape's expected time is an outlier
-COLD_STEPS = 3  # the first steps, judged against a fit of the others
-MIN_FIT_STEPS = 8  # fewer steps than this: no fit (no cold or outlier verdict, token shares)
-MIN_PRICED_PREFILL = 64  # prefill tokens some step must carry before a token gets its own price
-
-FloatArray = npt.NDArray[np.float64]
-IntArray = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class StepWeights:
-    """The run's price of a step: fixed a, b per prefill token, c per row, d per decode token."""
-
-    a: float
-    b: float
-    c: float
-    d: float
-    fitted: bool = False  # a, b, c are ns from the fit (else the fallback's unitless shares)
+from tracing.step_fit import FloatArray, IntArray, StepWeights, outlier
 
 
 @dataclass(frozen=True)
@@ -160,127 +127,6 @@ class MemberPhases:
     ttft: npt.NDArray[np.bool_]
 
 
-class StepFit(NamedTuple):
-    """[a, b, c] of execute = a + b * prefill tokens + c * rows, and where the prices come from:
-    "run" (its own steps), "prior" (the warm-up's price of a prefill token: the run's prefills
-    are too few or too short to price one) or "prior-all" (every price: too few steps)."""
-
-    coef: FloatArray
-    source: str
-
-
-def fit_step_shape(
-    prefill: npt.ArrayLike,
-    rows: npt.ArrayLike,
-    execute: npt.ArrayLike,
-    prior: list[float] | None = None,
-) -> StepFit | None:
-    """The run's StepFit (the module docstring): with fewer than MIN_FIT_STEPS steps after the
-    first COLD_STEPS, the prior (None without one).
-
-    A step slowed by contention or a pause must not set the price of a token, hence the refit
-    without outliers; but in a run of decodes the few long prefills are the only steps that
-    price a prefill token, and the first fit (which the decodes dominate) misses exactly them:
-    dropped, every long prefill would read as contention."""
-    x = np.column_stack([np.ones(len(np.asarray(prefill))), prefill, rows]).astype(float)
-    x = x[COLD_STEPS:]
-    y = np.asarray(execute, dtype=float)[COLD_STEPS:]
-    if len(y) < MIN_FIT_STEPS:
-        return None if prior is None else StepFit(np.array(prior, dtype=float), "prior-all")
-
-    def unpriced() -> StepFit:
-        """The run cannot price a prefill token (no step can, or its price is within noise):
-        the prior's price, or none."""
-        price = float(prior[1]) if prior is not None else 0.0
-        return StepFit(_robust_fit(x, y, price)[0], "prior" if price > 0 else "run")
-
-    if x[:, 1].max() < MIN_PRICED_PREFILL:
-        return unpriced()
-    coef, kept = _robust_fit(x, y)
-    if not _beyond_noise(x[kept], y[kept], coef, 1):
-        return unpriced()
-    a, b, c = coef
-    return StepFit(np.array([a, min(b, c) if c > 0 else b, c]), "run")
-
-
-def _robust_fit(
-    x: FloatArray, y: FloatArray, price: float | None = None
-) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
-    """The fit, refitted without the steps it misses by more than 3 robust deviations (steps
-    with MIN_PRICED_PREFILL prefill tokens are always kept), and the steps it kept; with
-    ``price``, b is fixed to it and a, c are fitted to what the prefill leaves."""
-    tokens = x[:, 1]
-    if price is not None:
-        y = y - price * tokens
-        x = x.copy()
-        x[:, 1] = 0.0
-    coef = _nonnegative_fit(x, y)
-    # Distance from the median residual: slow steps pull the first fit, so the others' residuals
-    # sit off 0 together.
-    deviation = np.abs((y - x @ coef) - np.median(y - x @ coef))
-    spread = 1.4826 * float(np.median(deviation)) or 1.0
-    kept: npt.NDArray[np.bool_] = (deviation <= 3 * spread) | (tokens >= MIN_PRICED_PREFILL)
-    if kept.sum() >= MIN_FIT_STEPS:
-        coef = _nonnegative_fit(x[kept], y[kept])
-    else:
-        kept = np.ones(len(y), dtype=bool)
-    if price is not None:
-        coef[1] = price
-    return coef, kept
-
-
-def _nonnegative_fit(x: FloatArray, y: FloatArray) -> FloatArray:
-    """Least squares with no negative coefficient: a column whose coefficient comes out
-    negative is dropped and the rest refitted (clipping alone would leave the others fitted
-    against it: rows nearly constant across a run give a = 94 ms and c = -22 ms per row)."""
-    x = x.copy()
-    while True:
-        coef = np.linalg.lstsq(x, y, rcond=None)[0]
-        worst = int(np.argmin(coef))
-        if coef[worst] >= 0 or not x[:, worst].any():
-            return np.clip(coef, 0.0, None)
-        x[:, worst] = 0.0
-
-
-def _beyond_noise(x: FloatArray, y: FloatArray, coef: FloatArray, i: int) -> bool:
-    """Whether coefficient i is at least 3 standard errors above 0, in the model the fit
-    kept: a column _nonnegative_fit dropped (coefficient 0) does not count. Counted, a rows
-    column that only varies on the long-prefill steps (4 rows everywhere else) would share
-    their variance with the prefill price and call a 12 us/token price noise."""
-    used = (coef > 0) | (np.arange(len(coef)) == i)
-    x, coef, i = x[:, used], coef[used], int(np.count_nonzero(used[:i]))
-    dof = len(y) - x.shape[1]
-    if dof < 1 or not x[:, i].any():
-        return False
-    sigma2 = float(np.sum((y - x @ coef) ** 2)) / dof
-    cov = sigma2 * np.linalg.pinv(x.T @ x)
-    return bool(coef[i] > 3 * np.sqrt(max(cov[i, i], 0.0)))
-
-
-def step_weights(
-    prefill: IntArray, rows: IntArray, execute: IntArray, prior: list[float] | None = None
-) -> StepWeights:
-    """The run's StepWeights from its busy steps' shapes and forward times: the fit (with the
-    warm-up's prior where the run cannot price a step), else the fallback (module docstring)."""
-    fit = fit_step_shape(prefill, rows, execute, prior)
-    coef = None if fit is None else fit.coef
-    if coef is not None and coef.sum() > 0:
-        return StepWeights(float(coef[0]), float(coef[1]), float(coef[2]), 0.0, fitted=True)
-    if int(prefill.max(initial=0)) < MIN_PRICED_PREFILL:
-        return StepWeights(0.0, 0.0, 1.0, 0.0)
-    return StepWeights(0.0, 1.0, 0.0, 1.0)
-
-
-def outlier(execute_ns: npt.ArrayLike, expected_ns: npt.ArrayLike) -> npt.NDArray[np.bool_]:
-    """Steps slow for their shape: OUTLIER_FACTOR times their expected execute time, and
-    MIN_CAUSE_NS over it."""
-    execute, expected = np.asarray(execute_ns, float), np.asarray(expected_ns, float)
-    slow: npt.NDArray[np.bool_] = (execute >= OUTLIER_FACTOR * expected) & (
-        execute - expected >= MIN_CAUSE_NS
-    )
-    return slow
-
-
 class InFlight:
     """How long a request sent to the core waited for the step in flight: all of it, unless
     that step was itself an outlier for its shape; then up to what it was expected to take.
@@ -301,6 +147,7 @@ class InFlight:
         executed = np.maximum(steps.execute_end_ns - steps.execute_start_ns - sampler, 0)
         if weights.fitted:
             expected = weights.a + weights.b * steps.prefill_tokens + weights.c * steps.rows
+            expected = expected + weights.f * full_rows(steps)
         else:
             typical = float(np.median(executed[busy])) if busy.any() else 0.0
             expected = np.full(len(executed), typical)
@@ -351,6 +198,12 @@ def _gc_inside(steps: StepTimes, gc: Intervals) -> list[IntArray]:
     bounds = [steps.schedule_start_ns, steps.execute_start_ns, steps.execute_end_ns]
     bounds.append(steps.output_ns)
     return [np.maximum(gc.before(b) - gc.before(a), 0) for a, b in itertools.pairwise(bounds)]
+
+
+def full_rows(steps: StepTimes) -> IntArray:
+    """Each step's rows where it took the full logits (the sampler ran), else 0."""
+    on_full: IntArray = np.where(steps.sample_ns > 0, steps.rows, 0)
+    return on_full
 
 
 def out_end(steps: StepTimes) -> IntArray:
@@ -420,6 +273,10 @@ def member_shares(
         net_all * np.minimum(steps.logprobs_ns[s] / full, 1.0), net_all - sampling
     )
     net = net_all - sampling - logprobs
+    # A step on the full logits: what they cost its forward over the greedy head, every row's.
+    extra = weights.f * full_rows(steps)[s]
+    head = net * np.minimum(extra / (cost + extra), 1.0)
+    sampling, net = sampling + head, net - head
     own = np.where(ttft, net * np.minimum((weights.b * tokens + per_row) / cost, 1), 0.0)
     own_row = np.where(ttft, np.minimum(net * per_row / cost, own), 0.0)
     # A row is a prefill row in its TTFT phase, or with more than one token (a recompute after

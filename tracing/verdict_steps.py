@@ -16,7 +16,7 @@ from tracing.diagnosis import (
 )
 from tracing.judge import passes
 from tracing.pauses import Intervals
-from tracing.shares import (
+from tracing.step_fit import (
     COLD_STEPS,
     MIN_PRICED_PREFILL,
     OUTLIER_FACTOR,
@@ -63,17 +63,19 @@ def step_findings(run: RunDiagnosis, said: list[Finding]) -> list[Finding]:
 
 
 def shape_model(busy: list[StepFacts], prior: list[float] | None = None) -> StepFit | None:
-    """Forward time = a + b * prefill tokens + c * rows (tracing.shares.fit_step_shape)."""
+    """Forward time = a + b * prefill tokens + c * rows + f * full rows
+    (tracing.step_fit.fit_step_shape)."""
     return fit_step_shape(
         np.array([s.prefill_tokens for s in busy]),
         np.array([s.rows or s.running for s in busy]),
         np.array([s.forward_ns for s in busy]),
         prior,
+        np.array([s.full_rows for s in busy]),
     )
 
 
 def expected_ns(coef: np.ndarray, s: StepFacts) -> float:
-    return float(coef @ np.array([1.0, s.prefill_tokens, s.rows or s.running]))
+    return float(coef @ np.array([1.0, s.prefill_tokens, s.rows or s.running, s.full_rows]))
 
 
 def _slow_for_shape(s: StepFacts, coef: np.ndarray) -> bool:

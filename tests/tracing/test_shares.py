@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tracing.shares import COLD_STEPS, fit_step_shape, outlier
+from tracing.step_fit import COLD_STEPS, fit_step_shape, outlier
 
 MS = 1e6
 
@@ -26,6 +26,6 @@ def test_slow_steps_do_not_set_the_price_when_prompts_are_short(prior: list[floa
     fit = fit_step_shape(prefill, rows, execute, prior)
     assert fit is not None
     coef = fit.coef
-    expected = coef @ np.vstack([np.ones(n), prefill, rows])
+    expected = coef @ np.vstack([np.ones(n), prefill, rows, np.zeros(n)])  # no full logits
     assert outlier(execute, expected)[slow].all(), (coef, expected[slow])
     assert not outlier(execute, expected)[~slow].any()

@@ -115,3 +115,29 @@ def test_gc_inside_a_step_is_gc_not_a_slow_step(tmp_path: Path) -> None:
     slow = [f for f in run.findings if "took at least" in f.text]
     assert len(slow) == 1 and slow[0].text.startswith("1 step took") and slow[0].kind == "info"
     assert [(f.part, f.request_ids) for f in run.findings if f.kind == "gap"] == [("gc", ["r2"])]
+
+
+def test_the_full_logits_cost_is_the_samplers_not_the_models(tmp_path: Path) -> None:
+    """Four greedy streams (10 ms steps on the fused greedy head), then four under a grammar
+    (16 ms steps: every row takes the full logits, 1 ms of sampler): the fit prices a row on
+    the full logits, and what it costs their steps is the sampler's, named with the grammar,
+    not the model's decode."""
+    tr = Trace()
+    for i in range(4):
+        tr.request(f"p{i}", 0.0, prompt=16, output=30, params={"temperature": 0})
+        tr.request(f"g{i}", 1000.0, prompt=16, output=30, grammar="json_schema",
+                   params={"temperature": 0})  # fmt: skip
+    for group, at, exec_ms, sample_ms in (("p", 0.0, 10.0, 0.0), ("g", 1000.0, 16.0, 1.0)):
+        ids = [f"{group}{i}" for i in range(4)]
+        tr.step({rid: 16 for rid in ids}, exec_ms, at_ms=at + 1, sample_ms=sample_ms)
+        while any(tr.reqs[rid].status is None for rid in ids):
+            tr.step({rid: 1 for rid in ids if tr.reqs[rid].status is None}, exec_ms,
+                    sample_ms=sample_ms)  # fmt: skip
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = " ".join(render_run(run).split())
+    print(text)
+    named = [f for f in run.findings if f.part == "sampling"]
+    assert named and "for rows with a grammar (json_schema) in 4 requests" in named[0].text, text
+    g = next(r for r in run.requests if r.request_id == "g0")
+    p = next(r for r in run.requests if r.request_id == "p0")
+    assert g.decode["sampling"] > 4 * MS * 25 and p.decode["sampling"] == 0

@@ -1,0 +1,196 @@
+"""The run's price of a step: the fit that says what a step of a given shape should take, and
+the fallback where a run cannot be fitted (numpy; ``tracing.shares`` shares steps by it).
+
+The fit (fit_step_shape, on the run's busy steps after the first COLD_STEPS)::
+
+    execute_ns = a + b * prefill tokens + c * rows + f * full rows
+
+least squares, refitted without the steps more than 3 robust deviations from its median residual
+(except steps with MIN_PRICED_PREFILL prefill tokens: they alone price a token); no coefficient
+below 0; b never above c (a prefill token is the same matmul work as a row, batched); where no step
+carried MIN_PRICED_PREFILL prefill tokens or b is within 3 standard errors of 0, b is the prior's
+(as measured, not capped by c) or else 0, and a, c are fitted the same robust way to the rest.
+
+The prior: the warm-up's own fit over a few timed shapes (engine.core.warmup, the runs row's
+step_prior). Where the run cannot price a prefill token (no step carried MIN_PRICED_PREFILL,
+or the price is within noise), b is the prior's and a, c are fitted to what it leaves; with
+fewer than MIN_FIT_STEPS steps, the prior is the fit. The fit's ``source`` says which.
+
+The fallback (step_weights, where the run recorded no prior): with fewer than MIN_FIT_STEPS
+steps to fit (or a fit that is all 0), plain token shares (a = c = 0, b = d = 1); and if no
+step carried MIN_PRICED_PREFILL prefill tokens, rows share alike (a = b = d = 0, c = 1).
+
+f prices what a row on the full-logits path (a step where some row is not plain greedy: a
+grammar, penalties, temperature, top-k/p, logprobs; every row of it takes the full logits) costs
+the forward over the fused greedy head: fitted only where the run holds steps of both paths, and
+kept only at 3 standard errors above 0 (else 0, and the rest fitted again without it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import numpy.typing as npt
+
+MIN_CAUSE_NS = 20_000_000  # the verdict's absolute bar (tracing.diagnosis describes the rule)
+OUTLIER_FACTOR = 3.0  # a step this many times its shape's expected time is an outlier
+COLD_STEPS = 3  # the first steps, judged against a fit of the others
+MIN_FIT_STEPS = 8  # fewer steps than this: no fit (no cold or outlier verdict, token shares)
+MIN_PRICED_PREFILL = 64  # prefill tokens some step must carry before a token gets its own price
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class StepWeights:
+    """The run's price of a step: fixed a, b per prefill token, c per row, d per decode token,
+    f per row on the full-logits path."""
+
+    a: float
+    b: float
+    c: float
+    d: float
+    fitted: bool = False  # a, b, c are ns from the fit (else the fallback's unitless shares)
+    f: float = 0.0
+
+
+class StepFit(NamedTuple):
+    """[a, b, c, f] of execute = a + b * prefill tokens + c * rows + f * full rows, and where the
+    prices come from:
+    "run" (its own steps), "prior" (the warm-up's price of a prefill token: the run's prefills
+    are too few or too short to price one) or "prior-all" (every price: too few steps)."""
+
+    coef: FloatArray
+    source: str
+
+
+def fit_step_shape(
+    prefill: npt.ArrayLike,
+    rows: npt.ArrayLike,
+    execute: npt.ArrayLike,
+    prior: list[float] | None = None,
+    full: npt.ArrayLike | None = None,
+) -> StepFit | None:
+    """The run's StepFit (the module docstring): with fewer than MIN_FIT_STEPS steps after the
+    first COLD_STEPS, the prior (None without one).
+
+    A step slowed by contention or a pause must not set the price of a token, hence the refit
+    without outliers; but in a run of decodes the few long prefills are the only steps that
+    price a prefill token, and the first fit (which the decodes dominate) misses exactly them:
+    dropped, every long prefill would read as contention."""
+    n = len(np.asarray(prefill))
+    on_full = np.zeros(n) if full is None else np.asarray(full, dtype=float)
+    x = np.column_stack([np.ones(n), prefill, rows, on_full]).astype(float)[COLD_STEPS:]
+    y = np.asarray(execute, dtype=float)[COLD_STEPS:]
+    if len(y) < MIN_FIT_STEPS:
+        return None if prior is None else StepFit(np.array([*prior, 0.0], dtype=float), "prior-all")
+    greedy = (x[:, 3] == 0) & (x[:, 2] > 0)
+    if not (greedy.any() and (x[:, 3] > 0).any()):
+        x[:, 3] = 0.0  # one path only: nothing to price its difference against
+
+    def unpriced() -> StepFit:
+        """The run cannot price a prefill token (no step can, or its price is within noise):
+        the prior's price, or none."""
+        price = float(prior[1]) if prior is not None else 0.0
+        coef, kept = _robust_fit(x, y, price)
+        if coef[3] and not _beyond_noise(x[kept], y[kept], coef, 3):
+            x[:, 3] = 0.0
+            coef = _robust_fit(x, y, price)[0]
+        return StepFit(coef, "prior" if price > 0 else "run")
+
+    if x[:, 1].max() < MIN_PRICED_PREFILL:
+        return unpriced()
+    coef, kept = _robust_fit(x, y)
+    if not _beyond_noise(x[kept], y[kept], coef, 1):
+        return unpriced()
+    if coef[3] and not _beyond_noise(x[kept], y[kept], coef, 3):
+        x[:, 3] = 0.0
+        coef, kept = _robust_fit(x, y)
+    a, b, c, f = coef
+    return StepFit(np.array([a, min(b, c) if c > 0 else b, c, f]), "run")
+
+
+def _robust_fit(
+    x: FloatArray, y: FloatArray, price: float | None = None
+) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
+    """The fit, refitted without the steps it misses by more than 3 robust deviations (steps
+    with MIN_PRICED_PREFILL prefill tokens are always kept), and the steps it kept; with
+    ``price``, b is fixed to it and a, c are fitted to what the prefill leaves."""
+    tokens = x[:, 1]
+    if price is not None:
+        y = y - price * tokens
+        x = x.copy()
+        x[:, 1] = 0.0
+    coef = _nonnegative_fit(x, y)
+    # Distance from the median residual: slow steps pull the first fit, so the others' residuals
+    # sit off 0 together.
+    deviation = np.abs((y - x @ coef) - np.median(y - x @ coef))
+    spread = 1.4826 * float(np.median(deviation)) or 1.0
+    kept: npt.NDArray[np.bool_] = (deviation <= 3 * spread) | (tokens >= MIN_PRICED_PREFILL)
+    if kept.sum() >= MIN_FIT_STEPS:
+        coef = _nonnegative_fit(x[kept], y[kept])
+    else:
+        kept = np.ones(len(y), dtype=bool)
+    if price is not None:
+        coef[1] = price
+    return coef, kept
+
+
+def _nonnegative_fit(x: FloatArray, y: FloatArray) -> FloatArray:
+    """Least squares with no negative coefficient: a column whose coefficient comes out
+    negative is dropped and the rest refitted (clipping alone would leave the others fitted
+    against it: rows nearly constant across a run give a = 94 ms and c = -22 ms per row)."""
+    x = x.copy()
+    while True:
+        coef = np.linalg.lstsq(x, y, rcond=None)[0]
+        worst = int(np.argmin(coef))
+        if coef[worst] >= 0 or not x[:, worst].any():
+            return np.clip(coef, 0.0, None)
+        x[:, worst] = 0.0
+
+
+def _beyond_noise(x: FloatArray, y: FloatArray, coef: FloatArray, i: int) -> bool:
+    """Whether coefficient i is at least 3 standard errors above 0, in the model the fit
+    kept: a column _nonnegative_fit dropped (coefficient 0) does not count. Counted, a rows
+    column that only varies on the long-prefill steps (4 rows everywhere else) would share
+    their variance with the prefill price and call a 12 us/token price noise."""
+    used = (coef > 0) | (np.arange(len(coef)) == i)
+    x, coef, i = x[:, used], coef[used], int(np.count_nonzero(used[:i]))
+    dof = len(y) - x.shape[1]
+    if dof < 1 or not x[:, i].any():
+        return False
+    sigma2 = float(np.sum((y - x @ coef) ** 2)) / dof
+    cov = sigma2 * np.linalg.pinv(x.T @ x)
+    return bool(coef[i] > 3 * np.sqrt(max(cov[i, i], 0.0)))
+
+
+def step_weights(
+    prefill: IntArray,
+    rows: IntArray,
+    execute: IntArray,
+    prior: list[float] | None = None,
+    full: IntArray | None = None,
+) -> StepWeights:
+    """The run's StepWeights from its busy steps' shapes and forward times: the fit (with the
+    warm-up's prior where the run cannot price a step), else the fallback (module docstring)."""
+    fit = fit_step_shape(prefill, rows, execute, prior, full)
+    coef = None if fit is None else fit.coef
+    if coef is not None and coef.sum() > 0:
+        a, b, c, f = (float(v) for v in coef)
+        return StepWeights(a, b, c, 0.0, fitted=True, f=f)
+    if int(prefill.max(initial=0)) < MIN_PRICED_PREFILL:
+        return StepWeights(0.0, 0.0, 1.0, 0.0)
+    return StepWeights(0.0, 1.0, 0.0, 1.0)
+
+
+def outlier(execute_ns: npt.ArrayLike, expected_ns: npt.ArrayLike) -> npt.NDArray[np.bool_]:
+    """Steps slow for their shape: OUTLIER_FACTOR times their expected execute time, and
+    MIN_CAUSE_NS over it."""
+    execute, expected = np.asarray(execute_ns, float), np.asarray(expected_ns, float)
+    slow: npt.NDArray[np.bool_] = (execute >= OUTLIER_FACTOR * expected) & (
+        execute - expected >= MIN_CAUSE_NS
+    )
+    return slow

@@ -142,6 +142,19 @@ def priced_neighbours(reqs: list[RequestDiagnosis], phase: str) -> bool:
     )
 
 
+def gap_calls(req: RequestDiagnosis) -> dict[str, int]:
+    """The parts that named a request's long token gaps (each gap's largest, where that is not
+    expected compute), each with its time in the gaps it named, where that time passes the bars
+    against the request's life: one 20 ms lag in a 400 ms stream is the machine's jitter, as
+    the pauses' rule has it (verdict_steps), and is listed by `lumen trace why`, not named."""
+    got: dict[str, int] = {}
+    for gap in req.long_gaps:
+        if gap.named is not None:
+            got[gap.named] = got.get(gap.named, 0) + gap.parts[gap.named]
+    life = req.ttft_phase_ns + req.decode_phase_ns
+    return {k: v for k, v in got.items() if passes(v, life)}
+
+
 # A slow reader fell behind the token rate by at least this many tokens' worth of time (its
 # own time per output token), besides passing the two bars: a busy machine's write waits of a
 # few ms per chunk are not a slow reader.

@@ -11,7 +11,7 @@ import numpy as np
 from tracing.diagnosis import MIN_CAUSE_NS, Finding, RequestDiagnosis, RunDiagnosis
 from tracing.failures import KINDS, SERVER_KINDS, Failure
 from tracing.gaps import GAP_FACTOR, Gap
-from tracing.judge import passes
+from tracing.judge import gap_calls, passes
 from tracing.words import WHAT, count, ms
 
 LISTED = 4  # requests a sentence names by id
@@ -55,11 +55,13 @@ def failure_findings(run: RunDiagnosis) -> list[Finding]:
 
 def gap_findings(run: RunDiagnosis) -> list[Finding]:
     """The run's long token gaps grouped by the part that was the largest in each: one
-    sentence per part that is not expected compute, the longest gap first."""
+    sentence per part that is not expected compute and cost some request the bars against its
+    life (judge.gap_calls), the longest gap first."""
     by_part: dict[str, list[tuple[RequestDiagnosis, Gap]]] = defaultdict(list)
     for r in run.requests:
+        named = gap_calls(r)
         for gap in r.long_gaps:
-            if gap.named is not None:
+            if gap.named in named:
                 by_part[gap.named].append((r, gap))
     out = []
     for part, found in by_part.items():

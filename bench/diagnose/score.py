@@ -83,9 +83,8 @@ def verdict_of(db: Path) -> Named:
                 mine |= _part_causes(call.part, req.wait_reason, restart_cause, words)
         if slow_delivery_ns(req) is not None:
             mine.add("slow_reader")
-        for gap in getattr(req, "long_gaps", None) or []:
-            if gap.named is not None:
-                mine |= _part_causes(gap.named, req.wait_reason, restart_cause, "")
+        for part in _gap_parts(req):
+            mine |= _part_causes(part, req.wait_reason, restart_cause, "")
         failure = getattr(req, "failure", None)
         if failure is not None:
             mine |= _part_causes(failure.kind, None, restart_cause, "")
@@ -95,6 +94,15 @@ def verdict_of(db: Path) -> Named:
             mine.add(restart_cause)
         per[req.request_id] = mine
     return Named(named, per, render_run(run))
+
+
+def _gap_parts(req: Any) -> list[str]:
+    """The parts that named a request's long gaps (an older tree named every long gap's)."""
+    try:
+        from tracing.judge import gap_calls
+    except ImportError:
+        return [g.named for g in getattr(req, "long_gaps", None) or [] if g.named is not None]
+    return list(gap_calls(req))
 
 
 def _restart_cause(run: Any) -> str | None:

@@ -2,9 +2,9 @@
 known by construction, each one cause the diagnosis must name (CAUSES).
 
 A group is one model and one base load (a few streams of random lengths, arriving together or
-staggered); its control runs the base load alone, and each of its primitives runs the same load
-with one provocation added. Everything random comes from the group's seed, so a group is
-replayed exactly (the same requests, flags and moments) from its seed.
+staggered; on a real model one at a time); its control runs the base load alone, and each of
+its primitives runs the same load with one provocation added. Everything random comes from the
+group's seed, so a group is replayed exactly (the same requests, flags and moments) from its seed.
 """
 
 from __future__ import annotations
@@ -27,20 +27,23 @@ CAUSES = (
 @dataclass(frozen=True)
 class Profile:
     """What a model's scenarios are sized by, on a 2-core CPU: a decode step at a few rows, the
-    prompts a long prefill sends, and whether base prompts may be long (a long prompt's
-    prefill on a real model stalls its neighbours, which a healthy control must not do)."""
+    prompts a long prefill sends, how long base prompts may be, and how far apart the base
+    load's streams arrive at least (``spaced_s``; 0: together or at random). On a real model
+    a base prompt's prefill, or several arriving in one step, stalls the streams decoding
+    beside them: that is the prefill primitive, which a healthy control must not hold."""
 
     name: str
     step_s: float
     long_prompt: tuple[int, int]
     base_prompt: tuple[int, int]
     min_tokens: int
+    spaced_s: float = 0.0
 
 
 PROFILES = {
     "tiny": Profile("tiny", 0.0012, (300, 1900), (8, 300), 64),
-    "smollm2": Profile("smollm2", 0.028, (150, 1200), (8, 40), 12),
-    "gemma3": Profile("gemma3", 0.040, (120, 900), (8, 40), 10),
+    "smollm2": Profile("smollm2", 0.028, (150, 1200), (8, 20), 12, spaced_s=0.12),
+    "gemma3": Profile("gemma3", 0.040, (120, 900), (8, 20), 10, spaced_s=0.16),
 }
 BLOCK = 16  # tokens a KV block holds (lumen serve's default)
 
@@ -98,7 +101,10 @@ def make_group(seed: int, model: str, causes: list[str]) -> Group:
             "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": bool(rng.random() < 0.85),
         }  # fmt: skip
-        at = 0.0 if together else float(rng.uniform(0, 0.3 * duration))
+        if p.spaced_s:  # one at a time, a few steps apart
+            at = i * p.spaced_s + float(rng.uniform(0, 0.5 * p.spaced_s))
+        else:
+            at = 0.0 if together else float(rng.uniform(0, 0.3 * duration))
         base.append(Ask(i, body, at))
     control = Run(None, _copy(base))
     runs = [PRIMITIVES[c](rng, p, _copy(base), duration) for c in causes]

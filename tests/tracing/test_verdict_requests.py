@@ -78,9 +78,7 @@ def test_the_sampler_names_the_settings_its_rows_paid_for(tmp_path: Path) -> Non
     assert named and "for rows with a grammar (json_schema) in 4 requests" in named[0].text
 
 
-def _one_second_requests(
-    tr: Trace, slow: int | None, gc: int | None, gc_ms: float = 140.0
-) -> None:
+def _one_second_requests(tr: Trace, slow: int | None, gc: int | None, gc_ms: float = 140.0) -> None:
     """Six requests one after another, each 100 tokens of 10 ms steps; request ``slow`` has a
     35 ms step (3.5x its shape, 25 ms over: 2% of its life, its gap under 4x the median), and
     request ``gc`` a step of 10 ms plus ``gc_ms`` of the core's GC."""

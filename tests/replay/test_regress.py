@@ -83,8 +83,11 @@ def test_the_measured_layer_names_each_slower_path(
     # sensitivity on the real model is in regress/README.md).
     # Past each site's noise too: a baseline whose 3 runs spread (a GC, a flush) has a wide
     # tolerance (core.output's was 8.7 steps once, with a 0.35 ms step on a Zen 5).
+    # A share is of the check's own median step, which a loaded machine (and the sleeps' knock-on)
+    # can make 3x the baseline's: a 3.0 ms sleep read as 2.39 steps once, under a baseline of
+    # 0.36 with a tolerance of 2.32 (a 2-core machine running the suite's other work).
     worst = max(baseline["measured"][figure]["tolerance"] or 0 for figure in sites.values())
-    delay = f"{max(2 * step_ms, 3.0, 2 * worst * step_ms) / 1e3:.4f}"
+    delay = f"{max(2 * step_ms, 3.0, 3 * (worst + 1) * step_ms) / 1e3:.4f}"
     monkeypatch.setenv("LUMEN_DEBUG_DELAY", ",".join(f"{site}={delay}" for site in sites))
     passed, table = regress.check(folder, model)
     print(table)

@@ -1,182 +1,268 @@
-"""The trace store's tables: every column, its type and what it holds, and the migration
-that added it (tracing/store.py applies them in order)."""
+"""The trace store's tables: every column, its type and what it holds (the reference page
+docs/reference/store.md is built from these rows), and the migration that added it
+(tracing/store.py applies them in order). Times ``*_ns`` are Unix epoch nanoseconds; NULL is
+"not seen" (offline, or the request never got that far)."""
 
 from __future__ import annotations
 
-REQUEST_COLUMNS = {
-    "run_id": "VARCHAR",
-    "request_id": "VARCHAR",
-    "trace_id": "VARCHAR",
-    "root_span_id": "VARCHAR",
-    "client_request_id": "VARCHAR",
-    "endpoint": "VARCHAR",
-    "model": "VARCHAR",
-    "arrival_ns": "BIGINT",
-    "prompt_tokens": "INTEGER",
-    "output_tokens": "INTEGER",
-    "cached_tokens": "INTEGER",
-    "num_preemptions": "INTEGER",
-    "params": "JSON",
-    "stream": "BOOLEAN",
-    "priority": "BIGINT",
-    "finish_reason": "VARCHAR",
-    "status": "VARCHAR",  # ok | aborted | error
-    "error": "VARCHAR",
-    "ttft_ns": "BIGINT",
-    "e2e_ns": "BIGINT",
-    "queue_ns": "BIGINT",
+Row = tuple[str, str, str]  # column, type, what it holds
+
+
+def _types(rows: list[Row]) -> dict[str, str]:
+    return {name: typ for name, typ, _ in rows}
+
+
+REQUEST_ROWS: list[Row] = [
+    ("run_id", "VARCHAR", "the run (one server start) it belongs to"),
+    ("request_id", "VARCHAR", "the id its response carried (cmpl-..., chatcmpl-...)"),
+    ("trace_id", "VARCHAR", "its OpenTelemetry trace id"),
+    ("root_span_id", "VARCHAR", "its root span's id"),
+    ("client_request_id", "VARCHAR", "the caller's X-Request-Id, where it sent one"),
+    (
+        "endpoint",
+        "VARCHAR",
+        "the route it came by (/v1/chat/completions, /v1/completions, offline)",
+    ),
+    ("model", "VARCHAR", "the model name it asked for"),
+    ("arrival_ns", "BIGINT", "the frontend took it (frontend.enqueue's start)"),
+    ("prompt_tokens", "INTEGER", "its prompt's tokens"),
+    ("output_tokens", "INTEGER", "tokens it generated"),
+    ("cached_tokens", "INTEGER", "prompt tokens found in the prefix cache"),
+    ("num_preemptions", "INTEGER", "times the scheduler preempted it"),
+    ("params", "JSON", "its sampling parameters"),
+    ("stream", "BOOLEAN", "whether it streamed"),
+    ("priority", "BIGINT", "its priority (--scheduling-policy priority)"),
+    ("finish_reason", "VARCHAR", "stop, length, abort or error"),
+    ("status", "VARCHAR", "ok, aborted or error"),
+    ("error", "VARCHAR", "the error's message, where it failed"),
+    ("ttft_ns", "BIGINT", "time to its first token, from arrival_ns"),
+    ("e2e_ns", "BIGINT", "its whole time, from arrival_ns"),
+    ("queue_ns", "BIGINT", "its time waiting in the scheduler's queue"),
     # What replay needs, per --trace-prompts (prompt text is never stored).
-    "prompt_block_size": "INTEGER",
-    "prompt_block_hashes": "BIGINT[]",
-    "prompt_token_ids": "INTEGER[]",
+    ("prompt_block_size", "INTEGER", "tokens a prompt block hash covers (--trace-prompts hashes)"),
+    ("prompt_block_hashes", "BIGINT[]", "its prompt's block hashes (--trace-prompts hashes)"),
+    ("prompt_token_ids", "INTEGER[]", "its prompt's token ids (--trace-prompts tokens)"),
     # Migration 2: the whole life of a request, from the first byte the server read to the
-    # last byte its socket accepted (NULL where not seen: offline, or never got that far).
-    "http_start_ns": "BIGINT",  # the server read the request's first byte
-    "handler_ns": "BIGINT",  # body read and validated: the route's handler began
-    "sent_ns": "BIGINT",  # handed to the engine client (frontend.enqueue's end)
-    "received_ns": "BIGINT",  # the core dequeued it (core.receive's end)
-    "first_scheduled_ns": "BIGINT",  # its first step began (core.queue's end)
-    "admission_wait_ns": "BIGINT",  # waiting for an admission slot (part of frontend.enqueue)
-    "first_delivered_ns": "BIGINT",  # the first chunk with output was accepted by the transport
-    "last_delivered_ns": "BIGINT",  # the response's last byte was accepted by the transport
-    "delivered_ttft_ns": "BIGINT",  # first_delivered_ns - (http_start_ns or arrival_ns)
-    "send_wait_ns": "BIGINT",  # summed time the server's writes waited for the client's socket
-    "bytes_sent": "BIGINT",
-    "kv_freed_ns": "BIGINT",  # the core freed its KV blocks (finish, abort or error)
-    # Migration 3: the root span's parent, the first and last step the trace writer saw the
-    # request in (the spans view derives the steps between), and each output step's
-    # frontend.emit, together and small (integers that bit-pack to a few bits each; the spans
-    # view adds them back up):
-    "parent_span_id": "VARCHAR",  # from an incoming traceparent
-    "first_step_id": "BIGINT",
-    "last_step_id": "BIGINT",
-    "emit_step_deltas": "INTEGER[]",  # the emit's step, after the previous (first_step_id)
-    "emit_received_us": "BIGINT[]",  # the frontend received it, us after the previous (arrival)
-    "emit_delivery_us": "INTEGER[]",  # from received to delivered to the caller, us
-    # Migration 4: structured outputs. The grammar's kind (json_schema, json_object, regex,
-    # choice, grammar, tool_call; NULL: none), when it was ready (the core.grammar span runs
-    # from received_ns to it), how long its compile took (0: from the cache) and whether the
-    # cache had it.
-    "grammar": "VARCHAR",
-    "grammar_ready_ns": "BIGINT",
-    "grammar_compile_ns": "BIGINT",
-    "grammar_cached": "BOOLEAN",
-    "grammar_mask_ns": "BIGINT",  # token masks of the steps it took part in (anyone's grammar)
-    # Migration 5: the request body, its size and when it was read whole; from then to
-    # handler_ns the API process decoded and validated its JSON.
-    "body_bytes": "BIGINT",
-    "body_read_ns": "BIGINT",
-    # Migration 7: how many requests of its run this row stands for, in a store rebuilt from a
-    # sampled window of a fleet's traces (replay import); NULL: every request was kept.
-    "sample_weight": "DOUBLE",
-    # Migration 8: what ended it where it did not finish (engine.errors.END_CODES, or the API
-    # error code of a request refused: queue_full, queue_timeout, engine_restarting, ...), and
-    # when it was sent again to a new engine core, having sent its client nothing when its core
-    # failed (sent_ns stays the first send: the time between is what the failure cost it).
-    "end_code": "VARCHAR",
-    "resent_ns": "BIGINT",
-}
-SPAN_COLUMNS = {
-    "run_id": "VARCHAR",
-    "request_id": "VARCHAR",
-    "trace_id": "VARCHAR",
-    "span_id": "VARCHAR",
-    "parent_span_id": "VARCHAR",
-    "name": "VARCHAR",
-    "start_ns": "BIGINT",
-    "end_ns": "BIGINT",
-    "step_id": "BIGINT",
-    "attributes": "JSON",
-}
-STEP_COLUMNS = {
-    "run_id": "VARCHAR",
-    "step_id": "BIGINT",
-    "schedule_start_ns": "BIGINT",
-    "schedule_end_ns": "BIGINT",
-    "execute_start_ns": "BIGINT",
-    "execute_end_ns": "BIGINT",
-    "output_ns": "BIGINT",
-    "num_running": "INTEGER",
-    "num_waiting": "INTEGER",
-    "num_scheduled_tokens": "INTEGER",
-    "num_prefill_tokens": "INTEGER",
-    "num_decode_tokens": "INTEGER",
-    "num_preemptions": "INTEGER",
-    "kv_blocks_used": "INTEGER",
-    "kv_blocks_total": "INTEGER",
-    "prefix_query_tokens": "INTEGER",
-    "prefix_hit_tokens": "INTEGER",
+    # last byte its socket accepted.
+    ("http_start_ns", "BIGINT", "the server read the request's first byte"),
+    ("handler_ns", "BIGINT", "body read and validated: the route's handler began"),
+    ("sent_ns", "BIGINT", "handed to the engine client (frontend.enqueue's end)"),
+    ("received_ns", "BIGINT", "the core dequeued it (core.receive's end)"),
+    ("first_scheduled_ns", "BIGINT", "its first step began (core.queue's end)"),
+    ("admission_wait_ns", "BIGINT", "waiting for an admission slot (part of frontend.enqueue)"),
+    ("first_delivered_ns", "BIGINT", "the first chunk with output was accepted by the transport"),
+    ("last_delivered_ns", "BIGINT", "the response's last byte was accepted by the transport"),
+    ("delivered_ttft_ns", "BIGINT", "first_delivered_ns - (http_start_ns or arrival_ns)"),
+    ("send_wait_ns", "BIGINT", "summed time the server's writes waited for the client's socket"),
+    ("bytes_sent", "BIGINT", "bytes of its response the transport accepted"),
+    ("kv_freed_ns", "BIGINT", "the core freed its KV blocks (finish, abort or error)"),
+    # Migration 3: the first and last step the trace writer saw it in (the spans view derives
+    # the steps between), and each output step's frontend.emit, as small integers.
+    ("parent_span_id", "VARCHAR", "its root span's parent, from an incoming traceparent"),
+    ("first_step_id", "BIGINT", "the first step it took part in"),
+    ("last_step_id", "BIGINT", "the last step it took part in"),
+    (
+        "emit_step_deltas",
+        "INTEGER[]",
+        "each emit's step, after the previous (first: after first_step_id)",
+    ),
+    (
+        "emit_received_us",
+        "BIGINT[]",
+        "the frontend received each emit, us after the previous (first: after arrival_ns)",
+    ),
+    ("emit_delivery_us", "INTEGER[]", "each emit, from received to delivered to the caller, us"),
+    # Migration 4: structured outputs.
+    (
+        "grammar",
+        "VARCHAR",
+        (
+            "its grammar's kind: json_schema, json_object, regex, choice, "
+            "grammar, tool_call (NULL: none)"
+        ),
+    ),
+    (
+        "grammar_ready_ns",
+        "BIGINT",
+        "its grammar was ready (core.grammar runs from received_ns to it)",
+    ),
+    ("grammar_compile_ns", "BIGINT", "its grammar's compile (0: from the cache)"),
+    ("grammar_cached", "BOOLEAN", "whether the grammar cache had it"),
+    ("grammar_mask_ns", "BIGINT", "token masks of the steps it took part in (anyone's grammar)"),
+    # Migration 5: from body_read_ns to handler_ns the API process decoded and validated it.
+    ("body_bytes", "BIGINT", "its request body's size"),
+    ("body_read_ns", "BIGINT", "its body was read whole"),
+    # Migration 7.
+    (
+        "sample_weight",
+        "DOUBLE",
+        (
+            "requests of its run this row stands for, in a store rebuilt "
+            "from a sampled window of a fleet's traces (replay import; "
+            "NULL: all kept)"
+        ),
+    ),
+    # Migration 8.
+    (
+        "end_code",
+        "VARCHAR",
+        (
+            "what ended it where it did not finish "
+            "(engine.errors.END_CODES, or the API error code of a "
+            "refusal: queue_full, queue_timeout, engine_restarting, ...)"
+        ),
+    ),
+    (
+        "resent_ns",
+        "BIGINT",
+        (
+            "sent again to a new engine core, having sent its client "
+            "nothing when its core failed (sent_ns stays the first send)"
+        ),
+    ),
+]
+SPAN_ROWS: list[Row] = [
+    ("run_id", "VARCHAR", "the run"),
+    ("request_id", "VARCHAR", "the request"),
+    ("trace_id", "VARCHAR", "its OpenTelemetry trace id"),
+    ("span_id", "VARCHAR", "the span's id"),
+    ("parent_span_id", "VARCHAR", "its parent span's id"),
+    (
+        "name",
+        "VARCHAR",
+        (
+            "the boundary: frontend.enqueue, core.receive, core.queue, "
+            "core.schedule, worker.execute, core.output, frontend.emit, "
+            "..."
+        ),
+    ),
+    ("start_ns", "BIGINT", "it began"),
+    ("end_ns", "BIGINT", "it ended"),
+    ("step_id", "BIGINT", "the engine step it belongs to (NULL: none)"),
+    ("attributes", "JSON", "its attributes"),
+]
+STEP_ROWS: list[Row] = [
+    ("run_id", "VARCHAR", "the run"),
+    ("step_id", "BIGINT", "the step (numbered from epoch << 40 after an engine restart)"),
+    ("schedule_start_ns", "BIGINT", "the scheduler began"),
+    ("schedule_end_ns", "BIGINT", "the scheduler ended"),
+    ("execute_start_ns", "BIGINT", "the forward began"),
+    ("execute_end_ns", "BIGINT", "the forward and sampler ended"),
+    ("output_ns", "BIGINT", "the step's outputs left the core"),
+    ("num_running", "INTEGER", "requests running"),
+    ("num_waiting", "INTEGER", "requests waiting"),
+    ("num_scheduled_tokens", "INTEGER", "tokens scheduled"),
+    ("num_prefill_tokens", "INTEGER", "of them prompt tokens"),
+    ("num_decode_tokens", "INTEGER", "of them decode tokens"),
+    ("num_preemptions", "INTEGER", "requests preempted this step"),
+    ("kv_blocks_used", "INTEGER", "KV blocks in use"),
+    ("kv_blocks_total", "INTEGER", "KV blocks in all"),
+    ("prefix_query_tokens", "INTEGER", "prompt tokens looked up in the prefix cache"),
+    ("prefix_hit_tokens", "INTEGER", "of them found"),
     # Who took part (core request ids) and how many tokens each was scheduled.
-    "request_ids": "VARCHAR[]",
-    "num_scheduled": "INTEGER[]",
-    "preempted_request_ids": "VARCHAR[]",
+    ("request_ids", "VARCHAR[]", "the core ids of the requests it scheduled"),
+    ("num_scheduled", "INTEGER[]", "tokens each was scheduled"),
+    ("preempted_request_ids", "VARCHAR[]", "the core ids it preempted"),
     # Migration 2.
-    "update_end_ns": "BIGINT",  # outputs built (update_from_output's end); core.output follows
-    "wait_reason": "VARCHAR",  # what held waiting requests back this step (see WAIT_REASONS)
-    "kv_blocks_freed_finish": "INTEGER",  # blocks freed since the previous record, by cause
-    "kv_blocks_freed_abort": "INTEGER",
-    "kv_blocks_freed_preempt": "INTEGER",
-    "idle": "BOOLEAN",  # no batch: a record of the KV state after aborts emptied the engine
-    "gc_pause_ns": "BIGINT",  # the core's garbage-collection pauses in this step
-    # Migration 4: the token masks of the rows sampling under a grammar, computed between
-    # schedule_end_ns and execute_start_ns, and how many rows had one.
-    "grammar_mask_ns": "BIGINT",
-    "grammar_rows": "INTEGER",
+    ("update_end_ns", "BIGINT", "outputs built (update_from_output's end); core.output follows"),
+    (
+        "wait_reason",
+        "VARCHAR",
+        "what held waiting requests back this step (engine.core WAIT_REASONS)",
+    ),
+    (
+        "kv_blocks_freed_finish",
+        "INTEGER",
+        "blocks freed since the previous record by requests that finished",
+    ),
+    ("kv_blocks_freed_abort", "INTEGER", "... by aborts"),
+    ("kv_blocks_freed_preempt", "INTEGER", "... by preemptions"),
+    ("idle", "BOOLEAN", "no batch: a record of the KV state after aborts emptied the engine"),
+    ("gc_pause_ns", "BIGINT", "the core's garbage-collection pauses in this step"),
+    # Migration 4: computed between schedule_end_ns and execute_start_ns.
+    ("grammar_mask_ns", "BIGINT", "the token masks of the rows sampling under a grammar"),
+    ("grammar_rows", "INTEGER", "rows with a grammar"),
     # Migration 5: the sampler's share of execute (the rest is the forward, the greedy head's
-    # LM head included): sampling on the full logits (penalties, grammar masks applied,
-    # temperature, top-k/p), and logprobs, with the rows that asked and the most asked per token.
-    "sample_ns": "BIGINT",
-    "logprobs_ns": "BIGINT",
-    "logprobs_rows": "INTEGER",
-    "max_logprobs": "INTEGER",
-}
-RUN_COLUMNS = {
-    "run_id": "VARCHAR",
-    "started_ns": "BIGINT",
-    "model": "VARCHAR",
-    "version": "VARCHAR",
-    "max_model_len": "INTEGER",
-    "num_kv_blocks": "INTEGER",
-    "block_size": "INTEGER",
-    "engine_config": "JSON",
-    "trace_prompts": "VARCHAR",
-    # Migration 3. "steps": the run's per-step spans live in steps and requests.emit_*, and the
-    # spans view derives them; NULL: every span is a row of span_rows (runs recorded before).
-    "span_layout": "VARCHAR",
-    # Migration 5: the warm-up's price of a step, [a, b, c] ns of execute = a + b * prefill
-    # tokens + c * rows (engine.core.warmup); the diagnosis's prior.
-    "step_prior": "DOUBLE[]",
-    # Migration 6: the replica that recorded the run (its service.instance.id), so that many
-    # stores read as one fleet keep every row's origin.
-    "replica": "VARCHAR",
-}
+    # LM head included).
+    (
+        "sample_ns",
+        "BIGINT",
+        "sampling on the full logits (penalties, grammar masks applied, temperature, top-k/p)",
+    ),
+    ("logprobs_ns", "BIGINT", "logprobs"),
+    ("logprobs_rows", "INTEGER", "rows that asked for logprobs"),
+    ("max_logprobs", "INTEGER", "the most logprobs a row asked per token"),
+]
+RUN_ROWS: list[Row] = [
+    ("run_id", "VARCHAR", "the run: one server (or LLM) start"),
+    ("started_ns", "BIGINT", "it started"),
+    ("model", "VARCHAR", "the model served"),
+    ("version", "VARCHAR", "Lumen's version"),
+    ("max_model_len", "INTEGER", "the context length"),
+    ("num_kv_blocks", "INTEGER", "KV blocks"),
+    ("block_size", "INTEGER", "tokens a KV block holds"),
+    ("engine_config", "JSON", "the engine's configuration"),
+    (
+        "trace_prompts",
+        "VARCHAR",
+        "what was kept of prompts: none, hashes or tokens (--trace-prompts)",
+    ),
+    # Migration 3.
+    (
+        "span_layout",
+        "VARCHAR",
+        (
+            "steps: per-step spans live in steps and requests.emit_*, the "
+            "spans view derives them; NULL: every span is a row of "
+            "span_rows"
+        ),
+    ),
+    # Migration 5.
+    (
+        "step_prior",
+        "DOUBLE[]",
+        (
+            "the warm-up's price of a step, [a, b, c] ns of execute = a + "
+            "b x prefill tokens + c x rows (the diagnosis's prior)"
+        ),
+    ),
+    # Migration 6.
+    ("replica", "VARCHAR", "the replica that recorded it (its service.instance.id)"),
+]
 # Migration 3: the core ids of a request that ran as several ("ID-i": prompts and samples),
 # so that the steps table's request_ids map to requests. A lone core id is the request id.
-CHILD_COLUMNS = {
-    "run_id": "VARCHAR",
-    "core_id": "VARCHAR",
-    "request_id": "VARCHAR",
-    "seq": "INTEGER",
-}
-PAUSE_COLUMNS = {
-    "run_id": "VARCHAR",
-    "process": "VARCHAR",  # api | core
-    "kind": "VARCHAR",  # gc | loop_lag
-    "start_ns": "BIGINT",
-    "duration_ns": "BIGINT",
-    "detail": "VARCHAR",  # gc: the generation collected
-}
-# Migration 6: the server's drains, engine restarts and crash loops (service/lifecycle.py).
-LIFECYCLE_COLUMNS = {
-    "run_id": "VARCHAR",
-    "kind": "VARCHAR",  # drain | restart | crash_loop
-    "cause": "VARCHAR",  # the signal, or why the engine core failed
-    "start_ns": "BIGINT",  # the signal came, or the core was found dead or hung
-    "end_ns": "BIGINT",  # the drain ended, or the new core was warm and ready
-    "epoch": "INTEGER",  # the core serving after it (its steps are numbered from epoch << 40)
-    "num_finished": "INTEGER",  # drain: in flight, finished within --shutdown-timeout
-    "num_failed": "INTEGER",  # drain: aborted at the timeout; restart: failed with the core
-}
+CHILD_ROWS: list[Row] = [
+    ("run_id", "VARCHAR", "the run"),
+    ("core_id", "VARCHAR", "a core id of the request (ID-i)"),
+    ("request_id", "VARCHAR", "the request"),
+    ("seq", "INTEGER", "which of its prompts or samples"),
+]
+PAUSE_ROWS: list[Row] = [
+    ("run_id", "VARCHAR", "the run"),
+    ("process", "VARCHAR", "api or core"),
+    ("kind", "VARCHAR", "gc or loop_lag"),
+    ("start_ns", "BIGINT", "it began"),
+    ("duration_ns", "BIGINT", "how long"),
+    ("detail", "VARCHAR", "gc: the generation collected"),
+]
+# Migration 6 (service/lifecycle.py).
+LIFECYCLE_ROWS: list[Row] = [
+    ("run_id", "VARCHAR", "the run"),
+    ("kind", "VARCHAR", "drain, restart or crash_loop"),
+    ("cause", "VARCHAR", "the signal, or why the engine core failed"),
+    ("start_ns", "BIGINT", "the signal came, or the core was found dead or hung"),
+    ("end_ns", "BIGINT", "the drain ended, or the new core was warm and ready"),
+    ("epoch", "INTEGER", "the core serving after it (its steps are numbered from epoch << 40)"),
+    ("num_finished", "INTEGER", "drain: in flight, finished within --shutdown-timeout"),
+    ("num_failed", "INTEGER", "drain: aborted at the timeout; restart: failed with the core"),
+]
+REQUEST_COLUMNS = _types(REQUEST_ROWS)
+SPAN_COLUMNS = _types(SPAN_ROWS)
+STEP_COLUMNS = _types(STEP_ROWS)
+RUN_COLUMNS = _types(RUN_ROWS)
+CHILD_COLUMNS = _types(CHILD_ROWS)
+PAUSE_COLUMNS = _types(PAUSE_ROWS)
+LIFECYCLE_COLUMNS = _types(LIFECYCLE_ROWS)
 TABLES = {
     "runs": RUN_COLUMNS,
     "requests": REQUEST_COLUMNS,
@@ -185,6 +271,25 @@ TABLES = {
     "pauses": PAUSE_COLUMNS,
     "request_children": CHILD_COLUMNS,
     "lifecycle": LIFECYCLE_COLUMNS,
+}
+# What each table holds, and its rows (the reference page).
+TABLE_DOCS: dict[str, tuple[str, list[Row]]] = {
+    "runs": ("one row a server (or LLM) start", RUN_ROWS),
+    "requests": ("one row a request: its whole life, boundary by boundary", REQUEST_ROWS),
+    "steps": ("one row an engine step", STEP_ROWS),
+    "span_rows": (
+        "spans stored as rows (query the spans view, which adds the per-step spans)",
+        SPAN_ROWS,
+    ),
+    "pauses": (
+        "garbage-collection pauses and event-loop lags of the API process and the core",
+        PAUSE_ROWS,
+    ),
+    "request_children": (
+        "the core ids of a request that ran as several (prompts, samples)",
+        CHILD_ROWS,
+    ),
+    "lifecycle": ("the server's drains, engine restarts and crash loops", LIFECYCLE_ROWS),
 }
 
 

@@ -3,8 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
+# mkdocs-material 9.8 prints a banner about its successor on every build.
+export NO_MKDOCS_2_WARNING := 1
 
-.PHONY: install serve test test-e2e lint model test-models regress clean
+.PHONY: install serve test test-e2e lint docs model test-models regress clean
 
 install: $(STAMP)
 
@@ -13,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned to the CPU build, so pip never resolves a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,docs]'
 	touch $(STAMP)
 
 # The default model (fetched and converted once).
@@ -35,8 +37,17 @@ lint: install
 	$(VENV)/bin/lint-imports
 	# Types (pyproject.toml [tool.mypy]): strict for the core, the wire messages and tracing.
 	$(VENV)/bin/mypy
+	# The documentation site: a broken link, a missing page or a reference that fails to
+	# generate fails the build.
+	d=$$(mktemp -d); $(VENV)/bin/mkdocs build --strict --quiet --site-dir "$$d"; s=$$?; \
+		rm -rf "$$d"; test $$s = 0
 
-# The suite in two passes (README "Tests"): the tests that time nothing on two workers, then
+# The documentation site (mkdocs.yml) into site/, offline; its reference pages are generated
+# from the code (service/reference.py). Browse it with: python -m http.server -d site
+docs: install
+	$(VENV)/bin/mkdocs build --clean
+
+# The suite in two passes (docs/development.md, "Tests"): the tests that time nothing on two workers, then
 # the `serial` ones (wall-clock deadlines, provoked latency) alone, so no neighbour makes them
 # flaky. Both passes run; either failing fails the target. Bytecode is cached even where the
 # environment says not to (PYTHONDONTWRITEBYTECODE): every worker, server and engine core the
@@ -60,4 +71,4 @@ regress: model
 	$(VENV)/bin/replay regress
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis .mypy_cache site

@@ -1,5 +1,5 @@
-"""Verdicts from the steps table: cold and outlier steps (against a fitted cost of their shape),
-long prefill chunks stalling decodes, scheduler and output CPU, batch growth, pauses, and what
+"""Verdicts from the steps table: cold and outlier steps (tracing/slow_steps.py), long prefill
+chunks stalling decodes, scheduler and output CPU, batch growth, pauses, and what
 cancellations left in the KV cache."""
 
 from __future__ import annotations
@@ -15,19 +15,16 @@ from tracing.diagnosis import (
     StepFacts,
 )
 from tracing.judge import passes
-from tracing.pauses import Intervals
+from tracing.slow_steps import PAUSE_WORDS, cold_and_outliers
+from tracing.slow_steps import step_finding as _step
 from tracing.step_fit import (
-    COLD_STEPS,
     MIN_PRICED_PREFILL,
-    OUTLIER_FACTOR,
     StepFit,
     fit_step_shape,
-    outlier,
 )
 from tracing.words import WHAT, count, ms, tokens_of
 
 STALL_FACTOR = 2.0  # a mixed step this many times the median decode-only step stalls decodes
-COLD_NOISE = 3.0  # a cold first step exceeds its reference by this many robust deviations
 MIN_STEP_CPU_NS = 2_000_000  # scheduler / output CPU per step worth naming (with the share)
 
 
@@ -53,7 +50,7 @@ def step_findings(run: RunDiagnosis, said: list[Finding]) -> list[Finding]:
     fit = shape_model(busy, run.step_prior)
     coef = None if fit is None else fit.coef
     stalls, typical = stall_steps(busy, coef)
-    out = _cold_and_outliers(run, busy, coef, {s.step_id for s in stalls})
+    out = cold_and_outliers(run, busy, coef, {s.step_id for s in stalls})
     out += _stalls(run, stalls, typical)
     out += _cpu(run, busy, named)
     out += _growth(busy, coef)
@@ -72,124 +69,6 @@ def shape_model(busy: list[StepFacts], prior: list[float] | None = None) -> Step
         prior,
         np.array([s.full_rows for s in busy]),
     )
-
-
-def expected_ns(coef: np.ndarray, s: StepFacts) -> float:
-    return float(coef @ np.array([1.0, s.prefill_tokens, s.rows or s.running, s.full_rows]))
-
-
-def _slow_for_shape(s: StepFacts, coef: np.ndarray) -> bool:
-    return bool(outlier(s.forward_ns, expected_ns(coef, s)))
-
-
-def _comparable(s: StepFacts, other: StepFacts) -> bool:
-    """Steps of about the same shape: prefill tokens and rows each within a factor of 2."""
-
-    def near(a: int, b: int) -> bool:
-        return a == b or (a > 0 and b > 0 and max(a, b) <= 2 * min(a, b))
-
-    return near(s.prefill_tokens, other.prefill_tokens) and near(
-        s.rows or s.running, other.rows or other.running
-    )
-
-
-def _cold_reference(s: StepFacts, rest: list[StepFacts], coef: np.ndarray) -> tuple[float, float]:
-    """What one of the first steps should have taken, and the noise around it.
-
-    The reference is the fit's expectation; for a prefill step where the fit has no price per
-    prefill token (its prompts were too short to price one), the larger of that and the median
-    of the later steps of about its shape: such a fit expects a decode's time of a prefill. The
-    noise is 1.4826 x the median absolute deviation of the residuals, against the reference, of
-    the later steps of about its shape (of all later steps where fewer than 3 are)."""
-    fitted = expected_ns(coef, s)
-    alike = [o for o in rest if _comparable(s, o)]
-    if len(alike) < 3:
-        alike = rest
-    times = np.array([o.forward_ns for o in alike], dtype=float)
-    if not len(times):
-        return fitted, 0.0
-    expected = np.array([expected_ns(coef, o) for o in alike], dtype=float)
-    want = fitted
-    if s.prefill_tokens and coef[1] == 0 and alike is not rest:
-        want = max(fitted, float(np.median(times)))
-        expected = np.full(len(times), want)
-    residual = times - expected
-    return want, 1.4826 * float(np.median(np.abs(residual - np.median(residual))))
-
-
-def _cold(s: StepFacts, rest: list[StepFacts], coef: np.ndarray) -> bool:
-    """One of the first steps slow for its shape (``outlier``) beyond the noise: by more than
-    COLD_NOISE robust deviations of the steps it is set against."""
-    want, noise = _cold_reference(s, rest, coef)
-    return bool(outlier(s.forward_ns, want)) and s.forward_ns - want > COLD_NOISE * noise
-
-
-def _step(text: str, ms_: float, part: str | None = None, ids: list[str] | None = None) -> Finding:
-    return Finding("step", text, ms=ms_, part=part, request_ids=ids or [], section="steps")
-
-
-def _api_paused_during(run: RunDiagnosis, s: StepFacts) -> int:
-    """How long the API process paused (GC, event-loop lag) during the step, ns: what it took
-    of the CPU the step shared with it."""
-    api = Intervals([(start, start + d) for p, _, start, d in run.pauses if p == "api"])
-    return api.within(s.start_ns, s.end_ns)
-
-
-def _cold_and_outliers(
-    run: RunDiagnosis, busy: list[StepFacts], coef: np.ndarray | None, stalled: set[int]
-) -> list[Finding]:
-    if coef is None:
-        return []
-    out = []
-    rest = busy[COLD_STEPS:]
-    # A first step the API process paused in (GC, event-loop lag) for at least half its excess
-    # shared the CPU with it: contention is as likely as a cold start, so it is judged as any
-    # later step.
-    contended = [
-        s
-        for s in busy[:COLD_STEPS]
-        if 2 * _api_paused_during(run, s) >= s.forward_ns - _cold_reference(s, rest, coef)[0]
-    ]
-    cold = [s for s in busy[:COLD_STEPS] if s not in contended and _cold(s, rest, coef)]
-    if cold:
-        first, want = cold[0], _cold_reference(cold[0], rest, coef)[0]
-        shape = (
-            f"{tokens_of(first.prefill_tokens)} prefill tokens, "
-            f"{count(first.rows or first.running, 'request')}"
-        )
-        took = "; ".join(
-            f"step {s.step_id}: {ms(s.forward_ns)} against {ms(_cold_reference(s, rest, coef)[0])}"
-            for s in cold
-        )
-        text = (
-            f"Cold start: the first step took {ms(first.forward_ns)} against {ms(want)} "
-            f"expected for its shape ({shape})"
-            + (f" ({took})" if len(cold) > 1 else "")
-            + ": send a warm-up request before taking traffic (the first step compiles and "
-            "allocates; lumen serve warms up unless --no-warmup)."
-        )
-        out.append(_step(text, (first.forward_ns - want) / 1e6))
-    late = [s for s in contended + rest if s.step_id not in stalled and _slow_for_shape(s, coef)]
-    if late:
-        worst = max(late, key=lambda s: s.forward_ns - expected_ns(coef, s))
-        want = expected_ns(coef, worst)
-        excess = {s.step_id: s.forward_ns - expected_ns(coef, s) for s in late}
-        paid = [(sum(excess.get(i, 0.0) for i in r.step_ids), r) for r in run.requests]
-        met = sum(p > 0 for p, _ in paid)
-        text = (
-            f"{count(len(late), 'step')} took at least {OUTLIER_FACTOR:g}x the time expected "
-            f"for their shape (worst: step {worst.step_id}, {ms(worst.forward_ns)} against "
-            f"{ms(want)}; GC inside them aside), met by {count(met, 'request')}: the core "
-            "stalled in them (CPU contention from other processes, a stopped process) or a "
-            "kernel compiled for a new shape."
-        )
-        finding = _step(text, (worst.forward_ns - want) / 1e6, "core_stall")
-        # Named only where it cost a request more than the rule's bars against its life;
-        # otherwise listed, within the run's noise.
-        if not any(passes(p, r.ttft_phase_ns + r.decode_phase_ns) for p, r in paid):
-            finding.kind = "info"
-        out.append(finding)
-    return out
 
 
 def stall_steps(
@@ -377,7 +256,6 @@ def _growth(busy: list[StepFacts], coef: np.ndarray | None) -> list[Finding]:
 
 
 WAITING_PARTS = ("http", "frontend", "admission", "loop_lag", "ipc", "step_in_flight", "queue")
-PAUSE_WORDS = {"gc": "garbage collection", "loop_lag": "event-loop lag"}
 
 
 def _pauses(run: RunDiagnosis) -> list[Finding]:

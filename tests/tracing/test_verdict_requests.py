@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.helpers.trace_builder import MS, Trace, serve_alone
+from tests.helpers.trace_builder import MS, T0, Trace, serve_alone
 from tracing.diagnose import diagnose_run, explain_request, render_run
 
 
@@ -156,3 +156,36 @@ def test_the_full_logits_cost_is_the_samplers_not_the_models(tmp_path: Path) -> 
     g = next(r for r in run.requests if r.request_id == "g0")
     p = next(r for r in run.requests if r.request_id == "p0")
     assert g.decode["sampling"] > 4 * MS * 25 and p.decode["sampling"] == 0
+
+
+def _a_slow_step_in_an_api_pause(tr: Trace, pause: bool) -> None:
+    """Six 100-token requests of 10 ms steps, one after another; r2's 50th step takes 160 ms,
+    and (``pause``) the API process paused 150 ms for GC inside it (a loop lag as long)."""
+    for i in range(6):
+        rid = f"r{i}"
+        tr.request(rid, i * 1200.0, output=100)
+        tr.step({rid: 32}, 10.0, at_ms=i * 1200.0 + 2)
+        while tr.reqs[rid].status is None:
+            slow = i == 2 and len(tr.reqs[rid].emits) == 50
+            if slow and pause:
+                at = (tr.now - T0) / MS + 1.0
+                tr.pause("api", "gc", at, 150.0)
+                tr.pause("api", "loop_lag", at, 150.0)
+            tr.step({rid: 1}, 160.0 if slow else 10.0)
+
+
+def test_a_step_slowed_by_the_api_processs_gc_names_the_gc(tmp_path: Path) -> None:
+    """The slow step is the API process's GC (it took the core's CPU), not a core stall; the
+    same step without the pause is the core's."""
+    named = {}
+    for pause in (True, False):
+        tr = Trace()
+        _a_slow_step_in_an_api_pause(tr, pause)
+        run = diagnose_run(tr.write(tmp_path / f"t{pause}.db"))
+        text = render_run(run)
+        print(text)
+        slow = [f for f in run.findings if "took at least" in f.text]
+        assert len(slow) == 1 and slow[0].kind == "step", text
+        named[pause] = slow[0]
+    assert named[True].part == "gc" and "paused in them for garbage collection" in named[True].text
+    assert named[False].part == "core_stall" and "the core stalled" in named[False].text

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from tqdm import tqdm
 
+from engine import chat_templates
 from engine.client import EngineCoreClient, InprocClient
 from engine.config import EngineConfig
 from engine.errors import RequestError
@@ -106,9 +107,12 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several, with the tokenizer's template;
+        """One conversation (a list of messages) or several, with the tokenizer's template or
+        ``chat_template`` (a file, a built-in name or a Jinja string: engine.chat_templates);
         ``chat_template_kwargs`` become the template's variables (Qwen3's enable_thinking)."""
         arrival_ns = time.time_ns()
+        if chat_template is not None:
+            chat_template = chat_templates.resolve(chat_template)
         several = bool(messages) and isinstance(messages[0], list)
         conversations = cast(list[list[dict[str, Any]]], messages if several else [messages])
         tokenized: list[tuple[str | None, list[int]]] = [

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from tokenizers import Tokenizer
 
-from engine import cache_files, envs, structured_outputs
+from engine import cache_files, chat_templates, envs, structured_outputs
 from engine.background import in_background
 from engine.config import ModelConfig
 from engine.messages import EngineCoreRequest, EngineInfo
@@ -154,6 +154,14 @@ _RESERVED_TEMPLATE_NAMES = frozenset({
 })  # fmt: skip
 
 
+def _own_template(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The tokenizer's default chat template (a dict of named ones: its "default")."""
+    template = tokenizer.chat_template
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template if isinstance(template, str) else None
+
+
 def _template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     if kwargs is None:
         return {}
@@ -222,6 +230,8 @@ class InputProcessor:
         sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        # The template chats render with: the tokenizer's, or one given (--chat-template).
+        self.chat_template: str | None = _own_template(tokenizer)
         self.encoder = plain_encoder(tokenizer)
         self.info = info
         self.vocab_size = vocab_size
@@ -262,14 +272,14 @@ class InputProcessor:
     def template_writes_llama3_calls(self) -> bool:
         """Whether the template writes tool calls as Llama 3's do (<|python_tag|>, ipython
         turns): service/tool_llama3.py reads them then."""
-        template = self.tokenizer.chat_template
+        template = self.chat_template
         return isinstance(template, str) and ("<|python_tag|>" in template or "ipython" in template)
 
     @property
     def template_takes_tools(self) -> bool:
         """Whether the chat template renders tools itself (service/tools.py renders them for
         one that does not)."""
-        template = self.tokenizer.chat_template
+        template = self.chat_template
         return isinstance(template, str) and "tools" in template
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -304,11 +314,16 @@ class InputProcessor:
                 raise ValueError("each message must be a dict with a role")
             if not isinstance(m.get("content", ""), str):
                 raise ValueError("message content must be a string (this model takes text only)")
-        if chat_template is None and self.tokenizer.chat_template is None:
-            raise ValueError("the model's tokenizer has no chat template")
+        template = chat_template if chat_template is not None else self.chat_template
+        if template is None:
+            raise ValueError(
+                "the model has no chat template (a base model, or a file that carries none): "
+                f"give one with --chat-template ({chat_templates.HOW}); "
+                "or send a completion request"
+            )
         text = self.tokenizer.apply_chat_template(
             messages,
-            chat_template=chat_template,
+            chat_template=template,
             add_generation_prompt=add_generation_prompt,
             # Transformers takes a list of dicts or functions; a list is invariant.
             tools=cast("list[dict[str, Any] | Callable[..., Any]] | None", tools),

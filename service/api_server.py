@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from engine import __version__, faults
+from engine import __version__, chat_templates, faults
 from engine.async_llm import AsyncLLM
 from engine.background import in_background
 from engine.config import EngineConfig
@@ -227,6 +227,7 @@ async def _serve_ready(
         engine_config, stall_timeout=config.stream_stall_timeout, core=core, supervised=True,
         tokenizer=tokenizer, resubmit_timeout=config.max_queue_wait,
     )  # fmt: skip
+    _chat_template(engine, config)
     metrics = ServerMetrics(model_name, engine.max_model_len)
     engine.add_stat_logger(metrics)
     # Always a tracer, even with no store or collector: it feeds /metrics' boundary histograms.
@@ -259,6 +260,7 @@ async def _serve_ready(
         tracer=tracer,
         reasoning_parser=config.reasoning_parser,
         per_request_metrics=config.enable_per_request_metrics,
+        trust_request_chat_template=config.trust_request_chat_template,
     )
     http_timing.install()
     monitor = asyncio.create_task(watch_api_process(metrics, tracer), name="api-monitor")
@@ -283,3 +285,16 @@ async def _serve_ready(
         await asyncio.to_thread(tracer.shutdown)
     logger.info("stopped (exit code %d)", lifecycle.exit_code)
     return lifecycle.exit_code
+
+
+def _chat_template(engine: AsyncLLM, config: ServerConfig) -> None:
+    """--chat-template over the model's own; a model left with none is said at start (its
+    chat requests get a 400 that names the flag)."""
+    if config.chat_template is not None:
+        engine.processor.chat_template = chat_templates.resolve(config.chat_template)
+        logger.info("chat template: %s", chat_templates.describe(config.chat_template))
+    elif engine.processor.chat_template is None:
+        logger.warning(
+            "the model has no chat template: /v1/chat/completions answers 400 until the server "
+            "is started with --chat-template (%s)", chat_templates.HOW,
+        )  # fmt: skip

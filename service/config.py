@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine import envs
+from engine import chat_templates, envs
 from service import reasoning
 
 
@@ -83,8 +83,25 @@ class ServerConfig:
             "made of; a request can ask for it alone with `include_metrics`"
         },
     )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "the chat template, over the model's own (which a base model or a GGUF "
+            "file may lack): a file, a built-in name (chatml, gemma, llama3, phi3, qwen) or "
+            "a Jinja string, as vLLM's flag (and llama.cpp's names)"
+        },
+    )
+    trust_request_chat_template: bool = field(
+        default=False,
+        metadata={
+            "help": "accept a chat request's own `chat_template` (a built-in name or Jinja; "
+            "never a file), as vLLM's flag; without it such a request gets a 400"
+        },
+    )
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None:  # a bad one fails here, before the core starts
+            chat_templates.resolve(self.chat_template)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("max_concurrent_requests", "max_request_body_bytes"):

@@ -175,6 +175,7 @@ class ChatCompletionRequest(_SamplingBody):
     add_generation_prompt: bool = True
     # Variables of the chat template, as vLLM takes them (Qwen3: {"enable_thinking": false}).
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: taken with --trust-request-chat-template only
 
     def check_supported(self) -> None:
         super().check_supported()

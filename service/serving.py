@@ -16,6 +16,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from engine import chat_templates
 from engine.async_llm import AsyncLLM, StreamStalledError
 from engine.errors import STALLED, EngineDeadError, EngineRestartingError, RequestAbortedError
 from engine.frontend import Finished
@@ -78,8 +79,10 @@ class Serving:
         tracer: Tracer | None = None,
         reasoning_parser: str | None = None,
         per_request_metrics: bool = False,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template
         self.per_request_metrics = per_request_metrics
         self.lifecycle = lifecycle
         self.reasoning_parser = reasoning_parser
@@ -117,6 +120,7 @@ class Serving:
                 messages, add_generation_prompt=body.add_generation_prompt,
                 tools=[{"type": "function", "function": f} for f in plan.functions]
                 if plan is not None and native else None,
+                chat_template=self._request_template(body.chat_template),
                 template_kwargs=body.chat_template_kwargs,
             )  # fmt: skip
             return self._prepare(
@@ -125,6 +129,18 @@ class Serving:
             )  # fmt: skip
         except _INPUT_ERRORS as e:
             raise APIError(400, str(e)) from None
+
+    def _request_template(self, template: str | None) -> str | None:
+        """A request's own chat template (vLLM's field): a built-in name or Jinja, where the
+        server trusts requests' templates."""
+        if template is None:
+            return None
+        if not self.trust_request_chat_template:
+            raise ValueError(
+                "chat_template in a request is accepted only by a server started with "
+                "--trust-request-chat-template (--chat-template sets the server's)"
+            )
+        return chat_templates.resolve(template, files=False)
 
     def prepare_completion(
         self, body: CompletionRequest, ctx: RequestContext, path: str

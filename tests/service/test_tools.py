@@ -77,7 +77,7 @@ def test_a_template_with_tool_syntax_renders_them_itself(tiny_model_path: Path) 
         "{% for c in m.tool_calls or [] %} CALL {{ c.function.name }}"
         "({{ c.function.arguments.city }}){% endfor %}\n{% endfor %}"
     )
-    processor.tokenizer.chat_template = template
+    processor.chat_template = template
     assert processor.template_takes_tools
     messages = render_messages(HISTORY, None, native=True)
     ids = processor.apply_chat_template(messages, tools=TOOLS)
@@ -92,7 +92,7 @@ def test_a_llama3_template_takes_its_own_format(tiny_model_path: Path) -> None:
 
     processor = InputProcessor.for_model(str(tiny_model_path), None)  # type: ignore[arg-type]
     assert not processor.template_writes_llama3_calls
-    processor.tokenizer.chat_template = LLAMA3_TOOL_TEMPLATE
+    processor.chat_template = LLAMA3_TOOL_TEMPLATE
     assert processor.template_takes_tools and processor.template_writes_llama3_calls
     ids = processor.apply_chat_template(render_messages(HISTORY, None, native=True), tools=TOOLS)
     text = processor.tokenizer.decode(ids)

@@ -18,6 +18,7 @@ VLLM_SHARED = frozenset(
     {
         "--api-key",
         "--block-size",
+        "--chat-template",
         "--dtype",
         "--enable-per-request-metrics",
         "--enable-prefix-caching",
@@ -41,6 +42,7 @@ VLLM_SHARED = frozenset(
         "--stream-interval",
         "--tensor-parallel-size",
         "--tokenizer",
+        "--trust-request-chat-template",
     }
 )
 

@@ -1,8 +1,15 @@
 """GGUF files: checked, then dequantized and converted once into the model cache.
 
-A GGUF file is read by transformers' own GGUF loader (the `gguf` package underneath), so a
-setting the file leaves out falls back exactly as transformers falls back, and the engine is
-held to transformers loading the same file; its 4-bit grids are kept beside the weights
+A GGUF file is read by Lumen's own reader (engine/gguf_read.py), once: its config by
+transformers' own GGUF mapping tables and rules, its weights dequantized by the gguf package
+and processed by transformers' own tensor processors (llama's q and k rows un-permuted,
+Gemma's norms less one), into a model built empty on the meta device and saved as
+transformers saves it. The folder is the one transformers' loader made, bit for bit (tested),
+so a setting the file leaves out still falls back as transformers falls back. It used to be
+that loader itself; it read the file's metadata four times (config, tokenizer, weights, the
+4-bit grids) through the gguf package's per-element reader: 33 s of the Gemma 3 270M file's
+conversion without its tokenizer, now 5.5 s (docs/benchmarks.md). The tokenizer is still
+transformers' (its GGUF vocabulary conversion). Its 4-bit grids are kept beside the weights
 (engine/gguf_q4.py) for ``--quantization int4``. The result is a safetensors folder in
 LUMEN_HOME/models named after the file and keyed by its content hash: a second start, or
 the same file under another path, converts nothing. A conversion is written in a temporary
@@ -16,6 +23,7 @@ import os
 import struct
 import tempfile
 from pathlib import Path
+from typing import Any, cast
 
 from engine import envs
 
@@ -42,18 +50,17 @@ def check(path: Path) -> str:
         head = fh.read(4)
     if head != MAGIC:
         raise ValueError(f"{path} is not a GGUF file (it starts with {head!r}, not {MAGIC!r})")
-    from gguf import GGUFReader, quants
+    from gguf import quants
+
+    from engine import gguf_read
 
     try:
-        reader = GGUFReader(path)
-    except (ValueError, IndexError, KeyError, OSError, struct.error) as e:
+        reader = gguf_read.read(path)
+    except gguf_read.Truncated as e:
+        raise ValueError(str(e)) from None
+    except (ValueError, IndexError, KeyError, OSError, struct.error, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is truncated or damaged: {_first_line(e)}") from None
-    size = path.stat().st_size
-    end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
-    if end > size:
-        raise ValueError(f"{path} is truncated: its tensors end at byte {end}, the file at {size}")
-    field = reader.fields.get("general.architecture")
-    arch = field.contents() if field is not None else None
+    arch = reader.get("general.architecture")
     if arch not in ARCHITECTURES:
         known = ", ".join(ARCHITECTURES)
         raise ValueError(f"{path}: unsupported GGUF architecture {arch!r}: Lumen reads {known}")
@@ -86,8 +93,8 @@ def ensure_converted(path: Path, *, log=print) -> Path:
 
 
 def convert(gguf: Path, out: Path) -> None:
-    """Dequantize ``gguf`` to fp32 with transformers and save it, tokenizer included; what
-    transformers' loader refuses is a ValueError in one line."""
+    """Dequantize ``gguf`` to fp32 and save it, tokenizer included; what cannot be read is a
+    ValueError in one line."""
     try:
         _convert(gguf, out)
     except Exception as e:
@@ -95,23 +102,86 @@ def convert(gguf: Path, out: Path) -> None:
 
 
 def _convert(gguf: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    # The weights are dequantized to fp32; drop the GGUF quantizer so they save plainly.
-    model.hf_quantizer = None  # type: ignore[assignment]  # transformers types it narrowly
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    from engine import gguf_q4, gguf_read
+
+    # The tokenizer through transformers, which converts GGUF vocabularies (its own time).
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    gf = gguf_read.read(gguf)
+    config = _config(gf)
+    model = _empty_model(config)
+    model.load_state_dict(_weights(gf, config, model), strict=False, assign=True)
+    model.tie_weights()  # lm_head is the embedding where the file has no output.weight
+    missing = [name for name, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"the file has no tensor for {', '.join(missing[:3])}")
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
     # Its Q4_0, Q4_1 and Q4_K grids, which --quantization int4 keeps (engine/gguf_q4.py).
-    from engine import gguf_q4
+    gguf_q4.write_grids(gguf, out, gf)
 
-    gguf_q4.write_grids(gguf, out)
+
+def _config(gf: Any) -> Any:
+    """The model's config from the file's metadata, as transformers reads a GGUF file's
+    (its own mapping tables and rules, for the families Lumen serves)."""
+    from transformers import CONFIG_MAPPING
+    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    arch = str(gf.get("general.architecture"))
+    renamed = "mistral" if "llama" in arch and "mistral" in (gf.get("general.name") or "") else arch
+    config: dict[str, Any] = {
+        "tie_word_embeddings": all(t.name != "output.weight" for t in gf.tensors)
+    }
+    for name, default in GGUF_CONFIG_DEFAULTS_MAPPING.get(renamed, {}).items():
+        config.setdefault(name, default)
+    mapping = cast("dict[str, dict[str, Any]]", GGUF_CONFIG_MAPPING)
+    for key, field in gf.fields.items():
+        prefix, _, rest = key.replace(arch, renamed).partition(".")
+        value = field.value
+        if isinstance(value, list) and len(value) == 1:
+            value = value[0]  # transformers reads a one-element array as its element
+        if isinstance(value, str) and arch in value:
+            value = value.replace(arch, renamed)
+        target = mapping.get(prefix, {}).get(rest, -1)
+        if target is not None and target != -1:
+            config[target] = value
+    if config["model_type"] == "gemma3":
+        config["model_type"] = "gemma3_text"  # the file holds the text backbone alone
+    if "vocab_size" not in config and gf.get("tokenizer.ggml.tokens") is not None:
+        config["vocab_size"] = len(gf.get("tokenizer.ggml.tokens"))
+    return CONFIG_MAPPING[config["model_type"]].from_dict(config)
+
+
+def _empty_model(config: Any) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _weights(gf: Any, config: Any, model: Any) -> dict[str, Any]:
+    """The file's tensors dequantized to fp32 under their Hugging Face names, processed as
+    transformers processes them (llama's q and k rows un-permuted, Gemma's norms less one)."""
+    import numpy as np
+    import torch
+    from gguf import dequantize
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    arch = str(gf.get("general.architecture"))
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)
+    out = {}
+    for t in gf.tensors:
+        got = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
+                                tensor_key_mapping=names, parsed_parameters={})  # fmt: skip
+        if got.name in names:
+            out[names[got.name]] = torch.from_numpy(np.array(got.weights, dtype=np.float32))
+    return out
 
 
 def _first_line(e: BaseException) -> str:

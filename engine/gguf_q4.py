@@ -44,12 +44,15 @@ _FUSED_PRODUCTS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
 _FUSED_ARCHS = ("phi3",)
 
 
-def read_grids(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def read_grids(path: Path, reader: Any = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Hugging Face weight name -> (scale, minimum), each [out, in / 32] fp32, for every layer
-    product the file holds in Q4_0, Q4_1 or Q4_K."""
-    from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
+    product the file holds in Q4_0, Q4_1 or Q4_K (``reader``: the file as engine.gguf_read
+    read it, where it has been)."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
-    reader = GGUFReader(path)
+    from engine import gguf_read
+
+    reader = reader if reader is not None else gguf_read.read(path)
     arch = str(reader.fields["general.architecture"].contents())
     field = reader.fields.get(f"{arch}.block_count")
     arch_ids = {name: arch_id for arch_id, name in MODEL_ARCH_NAMES.items()}
@@ -80,7 +83,7 @@ def read_grids(path: Path) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     return grids
 
 
-def write_grids(gguf: Path, folder: Path) -> int:
+def write_grids(gguf: Path, folder: Path, reader: Any = None) -> int:
     """The file's grids into ``folder`` (GRIDS_FILE, written whole; empty where it has none);
     how many weights have one. Best effort: where they cannot be read or written (a read-only
     cache, a full disk, a field of an odd type) none are kept, it says so, and int4 fits its
@@ -89,7 +92,7 @@ def write_grids(gguf: Path, folder: Path) -> int:
 
     part = folder / f".{GRIDS_FILE}.{os.getpid()}.part"
     try:
-        grids = read_grids(gguf)
+        grids = read_grids(gguf, reader)
         tensors = {f"{name}.{which}": array for name, pair in grids.items()
                    for which, array in zip(("scale", "minimum"), pair)}  # fmt: skip
         save_file(tensors, str(part))

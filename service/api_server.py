@@ -229,6 +229,10 @@ async def _serve_ready(
     )  # fmt: skip
     _chat_template(engine, config)
     metrics = ServerMetrics(model_name, engine.max_model_len)
+    metrics.describe_cache(
+        engine.info.block_size, engine.info.num_kv_blocks, engine.max_model_len,
+        engine_config.kv_cache_dtype, engine_config.enable_prefix_caching,
+    )  # fmt: skip
     engine.add_stat_logger(metrics)
     # Always a tracer, even with no store or collector: it feeds /metrics' boundary histograms.
     tracer = Tracer(

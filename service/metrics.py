@@ -71,6 +71,17 @@ class ServerMetrics:
         self.num_running = gauge("lumen:num_requests_running", "Requests in the running batch.")
         self.num_waiting = gauge("lumen:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("lumen:kv_cache_usage_perc", "KV cache usage (1 = 100 percent).")
+        # vLLM's cache_config_info (its label names), and what it holds in tokens and requests.
+        self.cache_info = Gauge(
+            "lumen:cache_config_info", "The KV cache's configuration (labels; the value is 1).",
+            ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"], registry=r,
+        )  # fmt: skip
+        self.kv_tokens = gauge("lumen:kv_cache_capacity_tokens", "Tokens the KV cache holds.")
+        self.max_concurrency = gauge(
+            "lumen:kv_cache_max_concurrency",
+            "Requests of max_model_len tokens the KV cache holds at once (vLLM's 'Maximum "
+            "concurrency' at start).",
+        )  # fmt: skip
         self.num_admitted = gauge(
             "lumen:num_requests_admitted", "HTTP requests admitted and not yet finished."
         )
@@ -204,6 +215,16 @@ class ServerMetrics:
             GRAMMAR_BUCKETS,
         )
         self._mirrored: dict[str, float] = {}  # counter name -> the total already counted
+
+    def describe_cache(
+        self, block_size: int, num_blocks: int, max_model_len: int, cache_dtype: str,
+        prefix_caching: bool,
+    ) -> None:  # fmt: skip
+        """The KV cache's size, once the engine is ready."""
+        labels = (str(block_size), str(num_blocks), cache_dtype, str(prefix_caching))
+        self.cache_info.labels(*labels).set(1)
+        self.kv_tokens.set(num_blocks * block_size)
+        self.max_concurrency.set(num_blocks * block_size / max(max_model_len, 1))
 
     def observe_delivery(self, lag_s: float, waited_s: float) -> None:
         """Called from the trace writer thread."""

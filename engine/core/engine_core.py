@@ -120,6 +120,12 @@ class EngineCore:
             max_model_len,
             self.warmup_s,
         )
+        # As vLLM says it: what the KV cache holds, in tokens and in requests of the context.
+        tokens = num_blocks * config.block_size
+        logger.info(
+            "KV cache size: %s tokens; maximum concurrency for %s tokens per request: %.2fx",
+            f"{tokens:,}", f"{max_model_len:,}", tokens / max(max_model_len, 1),
+        )  # fmt: skip
 
     def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queue a request; one the core cannot take comes back as an ERROR output."""

@@ -307,6 +307,15 @@ def test_models_health_and_metrics(tiny_server: LumenServer, tiny_model_path: Pa
     for gauge in ("lumen:num_requests_running", "lumen:kv_cache_usage_perc"):
         assert metric(after, gauge) == 0.0, gauge
     assert API_KEY not in httpx.get(tiny_server.url("/metrics")).text
+    # The KV cache's size as vLLM describes it (256 blocks of 16 tokens, a 2,048-token context).
+    assert metric(after, "lumen:kv_cache_capacity_tokens") == 256 * 16
+    assert metric(after, "lumen:kv_cache_max_concurrency") == 2.0
+    info = [k for k in after if k.startswith("lumen:cache_config_info{")]
+    assert len(info) == 1 and 'num_gpu_blocks="256"' in info[0] and 'block_size="16"' in info[0]
+    assert (
+        "maximum concurrency for 2,048 tokens per request: 2.00x"
+        in tiny_server.log_path.read_text()
+    )
 
 
 def _server_timing(header: str) -> dict[str, float]:

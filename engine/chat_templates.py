@@ -94,3 +94,16 @@ def _is_file(value: str) -> bool:
         return "\n" not in value and Path(value).expanduser().is_file()
     except (OSError, ValueError):
         return False
+
+
+def for_request(template: str | None, trusted: bool) -> str | None:
+    """A request's own chat template (vLLM's field): a built-in name or Jinja, never a file,
+    where the server trusts requests' templates (--trust-request-chat-template)."""
+    if template is None:
+        return None
+    if not trusted:
+        raise ValueError(
+            "chat_template in a request is accepted only by a server started with "
+            "--trust-request-chat-template (--chat-template sets the server's)"
+        )
+    return resolve(template, files=False)

@@ -105,13 +105,7 @@ class Serving:
             body.check_supported()
             plan = tools.plan_from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
             if plan is not None:
-                if body.n > 1:
-                    raise ValueError("tools with n > 1 are not supported: send n requests")
-                if body.structured_outputs_params() is not None:
-                    raise ValueError(
-                        "response_format (or structured_outputs) and tools cannot be combined "
-                        "unless tool_choice is none"
-                    )
+                tools.check_alone(body.n, body.structured_outputs_params() is not None)
             native = self.engine.processor.template_takes_tools
             if plan is not None and native and self.engine.processor.template_writes_llama3_calls:
                 plan.fmt = "llama3_json"
@@ -120,7 +114,9 @@ class Serving:
                 messages, add_generation_prompt=body.add_generation_prompt,
                 tools=[{"type": "function", "function": f} for f in plan.functions]
                 if plan is not None and native else None,
-                chat_template=self._request_template(body.chat_template),
+                chat_template=chat_templates.for_request(
+                    body.chat_template, self.trust_request_chat_template
+                ),
                 template_kwargs=body.chat_template_kwargs,
             )  # fmt: skip
             return self._prepare(
@@ -129,18 +125,6 @@ class Serving:
             )  # fmt: skip
         except _INPUT_ERRORS as e:
             raise APIError(400, str(e)) from None
-
-    def _request_template(self, template: str | None) -> str | None:
-        """A request's own chat template (vLLM's field): a built-in name or Jinja, where the
-        server trusts requests' templates."""
-        if template is None:
-            return None
-        if not self.trust_request_chat_template:
-            raise ValueError(
-                "chat_template in a request is accepted only by a server started with "
-                "--trust-request-chat-template (--chat-template sets the server's)"
-            )
-        return chat_templates.resolve(template, files=False)
 
     def prepare_completion(
         self, body: CompletionRequest, ctx: RequestContext, path: str

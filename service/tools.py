@@ -129,6 +129,17 @@ def _hoist_defs(i: int, params: dict[str, Any]) -> tuple[dict[str, Any], dict[st
     return rewrite(params), {f"f{i}.{k}": rewrite(v) for k, v in own.items()}
 
 
+def check_alone(n: int, structured: bool) -> None:
+    """What tools cannot be combined with: several samples, or a structured output."""
+    if n > 1:
+        raise ValueError("tools with n > 1 are not supported: send n requests")
+    if structured:
+        raise ValueError(
+            "response_format (or structured_outputs) and tools cannot be combined "
+            "unless tool_choice is none"
+        )
+
+
 def plan_from_request(
     tools: list[dict[str, Any]] | None, tool_choice: str | dict[str, Any] | None, parallel: bool
 ) -> ToolPlan | None:

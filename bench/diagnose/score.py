@@ -50,7 +50,9 @@ PART_CAUSE = {
     "client": "cancel", "core_stall": "hang",
 }  # fmt: skip
 EXPECTED = {"own_prefill", "decode", "step_in_flight"}
-GRAMMAR_PAID = "for rows with a grammar"  # how a verdict on the sampler singles a grammar out
+# How a verdict on the sampler names the setting its rows paid for (tracing/settings.py, the
+# most common first): a grammar, logprobs; else penalties and temperature.
+SAMPLER_PAID = (("for rows with a grammar", "grammar"), ("for rows with logprobs", "logprobs"))
 
 
 @dataclass
@@ -148,8 +150,8 @@ def _part_causes(part: str | None, reason: str | None, restart: str | None, text
         by_reason = {"max_num_seqs": "max_num_seqs", "kv_blocks": "kv_blocks",
                      "preemption": "kv_blocks", "token_budget": "token_budget"}  # fmt: skip
         return {by_reason.get(reason or "", "queue")}
-    if part == "sampling":  # a grammar is named as one where the words single it out
-        return {"grammar"} if GRAMMAR_PAID in text else {"penalties"}
+    if part == "sampling":  # the setting the words say its rows paid for
+        return {next((c for words, c in SAMPLER_PAID if words in text), "penalties")}
     if part == "engine_restart":
         return {restart or "crash"}
     return {PART_CAUSE.get(part, part)}

@@ -128,7 +128,8 @@ def _config(gf: Any) -> Any:
     from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
 
     arch = str(gf.get("general.architecture"))
-    renamed = "mistral" if "llama" in arch and "mistral" in (gf.get("general.name") or "") else arch
+    # transformers tests "mistral" in the list of the file's names: a name exactly "mistral".
+    renamed = "mistral" if "llama" in arch and gf.get("general.name") == "mistral" else arch
     config: dict[str, Any] = {
         "tie_word_embeddings": all(t.name != "output.weight" for t in gf.tensors)
     }

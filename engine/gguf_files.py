@@ -133,7 +133,8 @@ def _config(gf: Any) -> Any:
     config: dict[str, Any] = {
         "tie_word_embeddings": all(t.name != "output.weight" for t in gf.tensors)
     }
-    for name, default in GGUF_CONFIG_DEFAULTS_MAPPING.get(renamed, {}).items():
+    defaults = GGUF_CONFIG_DEFAULTS_MAPPING
+    for name, default in defaults.get(renamed, defaults.get(arch) or {}).items():
         config.setdefault(name, default)
     mapping = cast("dict[str, dict[str, Any]]", GGUF_CONFIG_MAPPING)
     for key, field in gf.fields.items():

@@ -74,11 +74,11 @@ def step_finding(
     return Finding("step", text, ms=ms_, part=part, request_ids=ids or [], section="steps")
 
 
-def _api_paused_during(run: RunDiagnosis, s: StepFacts) -> int:
-    """How long the API process paused (GC, event-loop lag) during the step, ns: what it took
-    of the CPU the step shared with it."""
-    api = Intervals([(start, start + d) for p, _, start, d in run.pauses if p == "api"])
-    return api.within(s.start_ns, s.end_ns)
+def _api_pauses(run: RunDiagnosis, kind: str | None = None) -> Intervals:
+    """When the API process paused (``kind``: gc or loop_lag; None: either): what it took of
+    the CPU the core's steps shared with it."""
+    return Intervals([(a, a + d) for p, k, a, d in run.pauses
+                      if p == "api" and kind in (None, k)])  # fmt: skip
 
 
 def cold_and_outliers(
@@ -88,13 +88,14 @@ def cold_and_outliers(
         return []
     out = []
     rest = busy[COLD_STEPS:]
+    api = _api_pauses(run)
     # A first step the API process paused in (GC, event-loop lag) for at least half its excess
     # shared the CPU with it: contention is as likely as a cold start, so it is judged as any
     # later step.
     contended = [
         s
         for s in busy[:COLD_STEPS]
-        if 2 * _api_paused_during(run, s) >= s.forward_ns - _cold_reference(s, rest, coef)[0]
+        if 2 * api.within(s.start_ns, s.end_ns) >= s.forward_ns - _cold_reference(s, rest, coef)[0]
     ]
     cold = [s for s in busy[:COLD_STEPS] if s not in contended and _cold(s, rest, coef)]
     if cold:
@@ -120,21 +121,23 @@ def cold_and_outliers(
     # pause (a GC pause is CPU work; two processes on two cores with a client beside them):
     # the pause is its cause, not the core.
     excess = {s.step_id: s.forward_ns - expected_ns(coef, s) for s in late}
-    by_api = [s for s in late if 2 * _api_paused_during(run, s) >= excess[s.step_id]]
+    by_api = [s for s in late if 2 * api.within(s.start_ns, s.end_ns) >= excess[s.step_id]]
     own = [s for s in late if s not in by_api]
     if own:
-        out.append(_slow_steps(run, own, excess, coef, None))
+        out.append(_slow_steps(run, own, excess, coef, None, 0))
     if by_api:
-        out.append(_slow_steps(run, by_api, excess, coef, _api_pause_kind(run, by_api)))
+        paused = sum(api.within(s.start_ns, s.end_ns) for s in by_api)
+        kind = _api_pause_kind(run, by_api)
+        out.append(_slow_steps(run, by_api, excess, coef, kind, paused))
     return out
 
 
 def _slow_steps(
     run: RunDiagnosis, late: list[StepFacts], excess: dict[int, float], coef: np.ndarray,
-    api_pause: str | None,
+    api_pause: str | None, paused: int,
 ) -> Finding:  # fmt: skip
     """Steps slow for their shape: the core stalled in them, or (``api_pause``) the API
-    process's pause of that kind took their CPU."""
+    process's pause of that kind, ``paused`` ns in them, took their CPU."""
     worst = max(late, key=lambda s: excess[s.step_id])
     want = expected_ns(coef, worst)
     mine = {s.step_id for s in late}
@@ -151,7 +154,6 @@ def _slow_steps(
             "process) or a kernel compiled for a new shape."
         )
     else:
-        paused = sum(_api_paused_during(run, s) for s in late)
         text = head + (
             f"the API process paused in them for {PAUSE_WORDS[api_pause]} ({ms(paused)}), "
             "taking the CPU the core needed (few cores for the API process, the core and "
@@ -168,8 +170,8 @@ def _slow_steps(
 def _api_pause_kind(run: RunDiagnosis, steps: list[StepFacts]) -> str:
     """gc or loop_lag: the API process's pause that overlapped these steps. A GC pause is also
     a loop lag of its length (the loop waits it out): GC where it overlapped half as much."""
-    overlap = dict.fromkeys(PAUSE_WORDS, 0)
+    overlap = {}
     for kind in PAUSE_WORDS:
-        spans = Intervals([(a, a + d) for p, k, a, d in run.pauses if p == "api" and k == kind])
+        spans = _api_pauses(run, kind)
         overlap[kind] = sum(spans.within(s.start_ns, s.end_ns) for s in steps)
     return "gc" if 2 * overlap["gc"] >= overlap["loop_lag"] else "loop_lag"

@@ -9,7 +9,8 @@ that connection ended. ``FrontDoor`` takes the stamp by the connection's peer
 address (``scope["client"]``). Bytes can sit in the kernel a long while before
 a busy event loop reads them, so on Linux the stamp goes back to the last time
 the kernel received data on the socket before that read (``tcpi_last_data_recv``
-of TCP_INFO, in ms): the request was there at least that early. Event-loop lag
+of TCP_INFO, counted in kernel ticks and less one tick, so the stamp never
+precedes the bytes themselves): the request was there at least that early. Event-loop lag
 (service/monitor.py) shows why it waited.
 Pipelined requests (a second one read while the first is answered) fall back
 to the app's own instant.
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
+import math
 import socket
 import struct
 import time
@@ -132,10 +134,26 @@ def install() -> bool:
 
 
 _TCP_INFO_LAST_DATA_RECV = 52  # offset of tcpi_last_data_recv (ms) in Linux's struct tcp_info
+_CLOCK_MONOTONIC_COARSE = 6  # Linux's clock id; it ticks with the kernel's jiffies
+
+
+def _kernel_tick_ms() -> int:
+    """The kernel's tick (1000 / HZ ms), the unit tcpi_last_data_recv counts in: its reading
+    is whole ticks since the last receive, so the bytes came at least one tick less ago.
+    10 ms (HZ=100, the coarsest) where the tick cannot be read."""
+    try:
+        return max(1, math.ceil(time.clock_getres(_CLOCK_MONOTONIC_COARSE) * 1000))
+    except (AttributeError, OSError):
+        return 10
+
+
+_TICK_MS = _kernel_tick_ms()
 
 
 def _waited_in_kernel_ns(sock: socket.socket | None) -> int:
-    """How long ago the kernel last received data on ``sock`` (0 where it cannot tell)."""
+    """How long ago, at least, the kernel last received data on ``sock`` (0 where it cannot
+    tell): the reading less one kernel tick, since it counts whole ticks (a read 0.2 ms after
+    the bytes, across a tick, reads 4 ms at HZ=250)."""
     if sock is None or not hasattr(socket, "TCP_INFO"):
         return 0
     try:
@@ -143,7 +161,9 @@ def _waited_in_kernel_ns(sock: socket.socket | None) -> int:
         (ms,) = struct.unpack_from("I", info, _TCP_INFO_LAST_DATA_RECV)
     except (OSError, struct.error):
         return 0
-    return ms * 1_000_000 if ms < 60_000 else 0  # a minute or more: not this request's bytes
+    if ms >= 60_000:  # a minute or more: not this request's bytes
+        return 0
+    return max(0, ms - _TICK_MS) * 1_000_000
 
 
 def request_started(client: Any) -> int:

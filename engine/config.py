@@ -306,6 +306,13 @@ class EngineConfig:
     enable_prefix_caching: bool = field(
         default=True, metadata={"help": "reuse KV blocks of shared prompt prefixes"}
     )
+    disable_hybrid_kv_cache_manager: bool = field(
+        default=False,
+        metadata={
+            "help": "keep every layer's KV for the whole context, sliding-window layers too "
+            "(by default their blocks behind the window are freed: engine/kv_layout.py)"
+        },
+    )
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "token budget of one engine step"}
     )

@@ -217,6 +217,10 @@ class EngineInfo(msgspec.Struct, array_like=True):
     # The warm-up's price of a step, [a, b, c] ns of execute = a + b * prefill tokens + c *
     # rows ([]: no warm-up); the diagnosis's prior (tracing.shares).
     step_prior: list[float] = msgspec.field(default_factory=list)
+    # The KV groups (engine/kv_layout.py): each one's sliding window (0: it keeps every block),
+    # and the layers in each ([] and 0: not told, one group of every layer).
+    kv_windows: list[int] = msgspec.field(default_factory=list)
+    kv_group_size: int = 0
 
 
 class ReadyMessage(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -232,6 +232,7 @@ async def _serve_ready(
     metrics.describe_cache(
         engine.info.block_size, engine.info.num_kv_blocks, engine.max_model_len,
         engine_config.kv_cache_dtype, engine_config.enable_prefix_caching,
+        engine.info.kv_windows, engine.info.kv_group_size,
     )  # fmt: skip
     engine.add_stat_logger(metrics)
     # Always a tracer, even with no store or collector: it feeds /metrics' boundary histograms.

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.kv_layout import kv_capacity
 from engine.messages import EngineStats
 from engine.stats import IterationStats
 from tracing.spans import BOUNDARIES
@@ -76,7 +77,16 @@ class ServerMetrics:
             "lumen:cache_config_info", "The KV cache's configuration (labels; the value is 1).",
             ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"], registry=r,
         )  # fmt: skip
-        self.kv_tokens = gauge("lumen:kv_cache_capacity_tokens", "Tokens the KV cache holds.")
+        self.kv_tokens = gauge(
+            "lumen:kv_cache_capacity_tokens",
+            "Tokens of every layer the KV cache holds (its blocks shared out over the KV groups).",
+        )  # fmt: skip
+        self.kv_blocks_per_request = Gauge(
+            "lumen:kv_cache_blocks_per_request",
+            "KV blocks one request of max_model_len tokens holds at most, per layer kind: full "
+            "(every token kept) or sliding_window_<W> (the window's blocks only).",
+            ["layer_kind", "num_layers"], registry=r,
+        )  # fmt: skip
         self.max_concurrency = gauge(
             "lumen:kv_cache_max_concurrency",
             "Requests of max_model_len tokens the KV cache holds at once (vLLM's 'Maximum "
@@ -218,13 +228,17 @@ class ServerMetrics:
 
     def describe_cache(
         self, block_size: int, num_blocks: int, max_model_len: int, cache_dtype: str,
-        prefix_caching: bool,
+        prefix_caching: bool, kv_windows: list[int], kv_group_size: int,
     ) -> None:  # fmt: skip
         """The KV cache's size, once the engine is ready."""
         labels = (str(block_size), str(num_blocks), cache_dtype, str(prefix_caching))
         self.cache_info.labels(*labels).set(1)
-        self.kv_tokens.set(num_blocks * block_size)
-        self.max_concurrency.set(num_blocks * block_size / max(max_model_len, 1))
+        capacity = kv_capacity(kv_windows or [0], kv_group_size, num_blocks, block_size,
+                               max_model_len)  # fmt: skip
+        self.kv_tokens.set(capacity.tokens)
+        self.max_concurrency.set(capacity.max_concurrency)
+        for kind, layers, _, blocks in capacity.kinds:
+            self.kv_blocks_per_request.labels(kind, str(layers)).set(blocks)
 
     def observe_delivery(self, lag_s: float, waited_s: float) -> None:
         """Called from the trace writer thread."""

@@ -19,6 +19,7 @@ VLLM_SHARED = frozenset(
         "--api-key",
         "--block-size",
         "--chat-template",
+        "--disable-hybrid-kv-cache-manager",
         "--dtype",
         "--enable-per-request-metrics",
         "--enable-prefix-caching",

@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from engine.kv_layout import kv_capacity
 from engine.messages import EngineInfo
 from tracing.config import TracingConfig
 
@@ -37,5 +38,15 @@ def run_row(
     return (
         run_id, time.time_ns(), info.model, info.version, info.max_model_len, info.num_kv_blocks,
         info.block_size, cfg, config.trace_prompts, "steps", list(info.step_prior) or None,
-        replica,
+        replica, list(info.kv_windows) or None, info.kv_group_size or None,
+        _max_concurrency(info),
     )  # fmt: skip
+
+
+def _max_concurrency(info: EngineInfo) -> float | None:
+    if not info.kv_group_size:
+        return None
+    return kv_capacity(
+        info.kv_windows, info.kv_group_size, info.num_kv_blocks, info.block_size,
+        info.max_model_len,
+    ).max_concurrency  # fmt: skip

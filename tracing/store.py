@@ -119,6 +119,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
         "what ended a request, and its second send after an engine failure",
         lambda c: _add_columns(c, 8),
     ),
+    (9, "the KV cache's groups and windows, and what it held", lambda c: _add_columns(c, 9)),
 ]
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

@@ -228,6 +228,18 @@ RUN_ROWS: list[Row] = [
     ),
     # Migration 6.
     ("replica", "VARCHAR", "the replica that recorded it (its service.instance.id)"),
+    # Migration 9.
+    (
+        "kv_windows",
+        "INTEGER[]",
+        "per KV group, its sliding window in tokens (0: it keeps every block); NULL: not told",
+    ),
+    ("kv_group_size", "INTEGER", "layers per KV group: the layers a block holds"),
+    (
+        "kv_max_concurrency",
+        "DOUBLE",
+        "requests of max_model_len tokens the KV cache held at once (windows' freeing counted)",
+    ),
 ]
 # Migration 3: the core ids of a request that ran as several ("ID-i": prompts and samples),
 # so that the steps table's request_ids map to requests. A lone core id is the request id.
@@ -293,7 +305,7 @@ TABLE_DOCS: dict[str, tuple[str, list[Row]]] = {
 }
 
 
-SCHEMA_VERSION = 8  # the last migration (tracing/store.py MIGRATIONS)
+SCHEMA_VERSION = 9  # the last migration (tracing/store.py MIGRATIONS)
 
 
 def _from(columns: dict[str, str], first: str, last: str) -> list[str]:
@@ -323,6 +335,7 @@ ADDED_IN = {
     6: {"runs": _from(RUN_COLUMNS, "replica", "replica")},
     7: {"requests": _from(REQUEST_COLUMNS, "sample_weight", "sample_weight")},
     8: {"requests": _from(REQUEST_COLUMNS, "end_code", "resent_ns")},
+    9: {"runs": _from(RUN_COLUMNS, "kv_windows", "kv_max_concurrency")},
 }
 
 

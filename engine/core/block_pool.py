@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Any
+
+# What a cached block holds: (parent hash, token ids), and its KV group where not the first.
+BlockKey = tuple[Any, ...]
 
 
 class KVCacheBlock:
@@ -16,7 +20,7 @@ class KVCacheBlock:
         # Set while the block holds a full, cached block of tokens. ``key`` is
         # (parent hash, token ids): a hash hit is only trusted when it matches.
         self.block_hash: int | None = None
-        self.key: tuple[int, tuple[int, ...]] | None = None
+        self.key: BlockKey | None = None
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
@@ -81,13 +85,13 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def lookup(self, block_hash: int, key: tuple[int, tuple[int, ...]]) -> KVCacheBlock | None:
+    def lookup(self, block_hash: int, key: BlockKey) -> KVCacheBlock | None:
         block = self._cached.get(block_hash)
         if block is None or block.key != key:
             return None
         return block
 
-    def cache(self, block: KVCacheBlock, block_hash: int, key: tuple[int, tuple[int, ...]]) -> None:
+    def cache(self, block: KVCacheBlock, block_hash: int, key: BlockKey) -> None:
         """Index a full block. A block already cached, or a duplicate of one, is left as is."""
         if block.block_hash is not None or block_hash in self._cached:
             return

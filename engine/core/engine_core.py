@@ -16,6 +16,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.warmup import warm_up
 from engine.executor import Executor, make_executor
 from engine.gc_pauses import GcPauses
+from engine.kv_layout import KVLayout, kv_capacity
 from engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -55,6 +56,7 @@ class EngineCore:
                 f"{model_config.max_position_embeddings}"
             )
         kv_dtype = config.resolve_kv_cache_dtype(dtype)
+        layout = KVLayout.of(model_config, not config.disable_hybrid_kv_cache_manager)
         self.grammars = GrammarManager(  # the frontend resolved a --tokenizer to its folder
             config.tokenizer or model_path, model_config.vocab_size, model_config.eos_token_ids
         )
@@ -69,7 +71,9 @@ class EngineCore:
             config, model_config, device, dtype, max_model_len, owns_process=owns_process
         )
         try:
-            num_blocks, max_model_len = _size_kv_cache(config, executor, device, max_model_len)
+            num_blocks, max_model_len = _size_kv_cache(
+                config, executor, device, max_model_len, layout
+            )
             executor.init_kv_cache(num_blocks)
         except BaseException:
             executor.shutdown()  # no worker outlives a failed start
@@ -91,7 +95,7 @@ class EngineCore:
         self.sleeping = False
         self.max_model_len = max_model_len
         self.vocab_size = model_config.vocab_size
-        self.scheduler = Scheduler.from_config(config, num_blocks, max_model_len)
+        self.scheduler = Scheduler.from_config(config, num_blocks, max_model_len, layout.windows)
         self.scheduler.grammars = self.grammars
         self.scheduler.fault = faults.hook("schedule")
         self.output_fault = faults.hook("output")
@@ -106,6 +110,8 @@ class EngineCore:
             version=__version__,
             max_logprobs=config.max_logprobs,
             step_prior=step_prior,
+            kv_windows=list(layout.windows),
+            kv_group_size=layout.group_size,
         )
         logger.info(
             "engine ready: %s on %s (%s%s), %d KV blocks of %d tokens, max_model_len %d, "
@@ -121,11 +127,19 @@ class EngineCore:
             self.warmup_s,
         )
         # As vLLM says it: what the KV cache holds, in tokens and in requests of the context.
-        tokens = num_blocks * config.block_size
+        capacity = kv_capacity(
+            layout.windows, layout.group_size, num_blocks, config.block_size, max_model_len
+        )
         logger.info(
             "KV cache size: %s tokens; maximum concurrency for %s tokens per request: %.2fx",
-            f"{tokens:,}", f"{max_model_len:,}", tokens / max(max_model_len, 1),
+            f"{capacity.tokens:,}", f"{max_model_len:,}", capacity.max_concurrency,
         )  # fmt: skip
+        for kind, layers, groups, blocks in capacity.kinds:
+            logger.info(
+                "KV cache, %s layers: %d in %d group(s), %d blocks of %d tokens a sequence of "
+                "%s tokens at most", kind, layers, groups, blocks, config.block_size,
+                f"{max_model_len:,}",
+            )  # fmt: skip
 
     def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:
         """Queue a request; one the core cannot take comes back as an ERROR output."""
@@ -223,8 +237,8 @@ class EngineCore:
             num_prefill_tokens=sched.num_prefill_tokens,
             num_decode_tokens=sched.num_decode_tokens,
             num_preemptions=sched.num_preemptions,
-            num_kv_blocks_used=kv.pool.num_used_blocks,
-            num_kv_blocks_total=kv.num_blocks,
+            num_kv_blocks_used=kv.num_used_blocks,
+            num_kv_blocks_total=kv.num_usable_blocks,
             num_prefix_query_tokens=sched.num_prefix_query_tokens,
             num_prefix_hit_tokens=sched.num_prefix_hit_tokens,
             req_ids=sched.req_ids,
@@ -290,8 +304,8 @@ class EngineCore:
             num_prefill_tokens=0,
             num_decode_tokens=0,
             num_preemptions=0,
-            num_kv_blocks_used=kv.pool.num_used_blocks,
-            num_kv_blocks_total=kv.num_blocks,
+            num_kv_blocks_used=kv.num_used_blocks,
+            num_kv_blocks_total=kv.num_usable_blocks,
             num_prefix_query_tokens=0,
             num_prefix_hit_tokens=0,
             update_end_ns=now,
@@ -333,8 +347,8 @@ class EngineCore:
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=sched.num_waiting,
-            num_kv_blocks_used=kv.pool.num_used_blocks,
-            num_kv_blocks_total=kv.num_blocks,
+            num_kv_blocks_used=kv.num_used_blocks,
+            num_kv_blocks_total=kv.num_usable_blocks,
             num_kv_blocks_cached=kv.pool.num_cached_blocks,
             num_preemptions=sched.num_preemptions_total,
             sleeping=self.sleeping,
@@ -369,24 +383,30 @@ class EngineCore:
 
 
 def _size_kv_cache(
-    config: EngineConfig, executor: Executor, device: torch.device, max_model_len: int
-) -> tuple[int, int]:
+    config: EngineConfig, executor: Executor, device: torch.device, max_model_len: int,
+    layout: KVLayout,
+) -> tuple[int, int]:  # fmt: skip
     """The number of KV blocks, and max_model_len lowered to what they hold if not set."""
+    bs = config.block_size
+    spare = 1 if layout.hybrid else 0  # the null block (kv_cache_manager)
     num_blocks = config.num_kv_blocks
     if num_blocks is None:
         num_blocks = config.resolve_kv_cache_bytes(device) // executor.block_bytes()
         if config.kv_cache_memory_bytes is None:
             # A default budget need not exceed what max_num_seqs full sequences can use.
-            most = -(-config.max_num_seqs * max_model_len // config.block_size)
+            most = config.max_num_seqs * layout.blocks_per_sequence(max_model_len, bs) + spare
             num_blocks = min(num_blocks, most)
-    capacity = num_blocks * config.block_size
-    if capacity < max_model_len:
-        if config.max_model_len is not None or num_blocks < 1:
+    if layout.blocks_per_sequence(max_model_len, bs) > num_blocks - spare:
+        # The longest context one sequence can hold: its blocks grow with its full groups'.
+        fits = max(0, (num_blocks - spare) // layout.num_groups * bs)
+        while layout.blocks_per_sequence(fits + bs, bs) <= num_blocks - spare:
+            fits += bs
+        if config.max_model_len is not None or fits < 1:
             raise ValueError(
-                f"the KV cache holds {capacity} tokens ({num_blocks} blocks), fewer than "
-                f"max_model_len {max_model_len}: raise kv_cache_memory_bytes or lower "
-                "max_model_len"
+                f"the KV cache holds {fits} tokens of one sequence ({num_blocks} blocks), "
+                f"fewer than max_model_len {max_model_len}: raise kv_cache_memory_bytes or "
+                "lower max_model_len"
             )
-        logger.warning("max_model_len lowered to %d, what the KV cache holds", capacity)
-        max_model_len = capacity
+        logger.warning("max_model_len lowered to %d, what the KV cache holds", fits)
+        max_model_len = fits
     return num_blocks, max_model_len

@@ -10,18 +10,26 @@ A request's tokens fill its blocks in order; block i holds tokens
 Only full blocks are hashed. Each hash chains over the parent's hash, so equal
 hashes mean equal prefixes (checked against the stored (parent, token ids)
 before a hit is used).
+
+A model with sliding-window layers has several KV groups (engine/kv_layout.py):
+the request then holds one such table per group, and a sliding group's table
+starts with the null block where its blocks fell behind the window::
+
+    group 0 (full)        |  7  |  2  |  9  |  4  |   every block kept
+    group 1 (window 20)   | nul | nul |  3  |  5  |   position 41: keys (21, 41]
+
+A group's blocks are cached under their own key (the group in the hash), so a
+prefix hit needs every group's blocks: a full group's from the start, a
+sliding group's for the window before the hit's end.
 """
 
 from __future__ import annotations
 
 import hashlib
 
-from engine.core.block_pool import BlockPool, KVCacheBlock
+from engine.core.block_pool import BlockKey, BlockPool, KVCacheBlock
+from engine.kv_layout import cdiv
 from engine.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def root_hash(cache_salt: str | None) -> int:
@@ -32,71 +40,136 @@ def root_hash(cache_salt: str | None) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        windows: tuple[int, ...] = (0,),
+    ) -> None:
+        """``windows``: one per KV group, its sliding window (0: the whole context)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.windows = tuple(windows)
         self.pool = BlockPool(num_blocks)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Block 0 stands for a block behind a window: never written, always masked.
+        self.null_block = self.pool.allocate(1)[0] if any(self.windows) else None
+        # Per request, per group, its blocks in token order.
+        self.req_blocks: dict[str, list[list[KVCacheBlock]]] = {}
         self._num_cached_blocks: dict[str, int] = {}
 
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of the request, in whole blocks, and its token count.
+    @property
+    def num_usable_blocks(self) -> int:
+        """The blocks requests can hold (the pool less its null block)."""
+        return self.pool.num_blocks - (self.null_block is not None)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """The blocks requests hold (the null block not counted)."""
+        return self.pool.num_used_blocks - (self.null_block is not None)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
+        """The longest cached prefix of the request, per group in whole blocks, and its
+        token count (a sliding group's blocks behind the window are the null block).
 
         At least one token is always left to compute, since the model must run
         on the last token to sample the next one.
         """
         if not self.enable_caching:
-            return [], 0
+            return [[] for _ in self.windows], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._hash_blocks(request, max_blocks)
-        hits: list[KVCacheBlock] = []
         tokens, bs = request.all_token_ids, self.block_size
         parent = root_hash(request.cache_salt)
+        found: list[list[KVCacheBlock | None]] = [[] for _ in self.windows]
         for i in range(max_blocks):
             block_hash = request.block_hashes[i]
-            block = self.pool.lookup(block_hash, (parent, tuple(tokens[i * bs : (i + 1) * bs])))
-            if block is None:
-                break
-            hits.append(block)
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            for g, row in enumerate(found):
+                row.append(self.pool.lookup(_group_hash(block_hash, g), _group_key(key, g)))
+            if found[0][-1] is None and not self.windows[0]:
+                break  # a full group's prefix ends here
             parent = block_hash
-        return hits, len(hits) * bs
+        # The longest prefix every group can serve: a full group its whole, a sliding group
+        # the blocks of its window before the prefix's end.
+        num = len(found[0])
+        while num > 0 and not all(self._serves(row, num, w) for row, w in zip(found, self.windows)):
+            num -= 1
+        hits = [self._hit(row, num, w) for row, w in zip(found, self.windows)]
+        return hits, num * bs
+
+    def _serves(self, row: list[KVCacheBlock | None], num: int, window: int) -> bool:
+        first = self._first_needed(num * self.block_size, window)
+        return len(row) >= num and all(b is not None for b in row[first:num])
+
+    def _hit(self, row: list[KVCacheBlock | None], num: int, window: int) -> list[KVCacheBlock]:
+        first = self._first_needed(num * self.block_size, window)
+        null = self.null_block
+        return [null if i < first else row[i] for i in range(num)]  # type: ignore[misc]
+
+    def _first_needed(self, num_computed: int, window: int) -> int:
+        """The first block a group still reads when its next query is at ``num_computed``:
+        that query's keys are (num_computed - window, num_computed]."""
+        if not window:
+            return 0
+        return max(0, num_computed - window + 1) // self.block_size
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        computed_blocks: list[KVCacheBlock] | None = None,
+        computed_blocks: list[list[KVCacheBlock]] | None = None,
     ) -> bool:
         """Give the request blocks for ``num_new_tokens`` more tokens; False if too few are free.
 
         ``computed_blocks`` are prefix-cache hits (from ``get_computed_blocks``)
-        for a request that holds no blocks yet. On False nothing has changed.
+        for a request that holds no blocks yet. Blocks that fell behind a sliding
+        group's window are given back first. On False nothing else has changed.
         """
-        computed_blocks = computed_blocks or []
-        blocks = self.req_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        rid = request.request_id
+        groups = self.req_blocks.get(rid)
+        if groups is not None:
+            self._free_behind_windows(request, groups)
+        hits = computed_blocks if computed_blocks and computed_blocks[0] else None
+        num_hit = len(hits[0]) if hits else 0
+        num_computed = request.num_computed_tokens + num_hit * self.block_size
         num_total = num_computed + num_new_tokens
-        num_required = cdiv(num_total, self.block_size) - len(blocks) - len(computed_blocks)
+        want = cdiv(num_total, self.block_size)
+        held = [len(b) for b in groups] if groups is not None else [num_hit] * len(self.windows)
+        num_required = sum(max(0, want - n) for n in held)
         # Hits with no reference sit in the free queue; taking them shrinks it.
-        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        num_free_hits = len({b.block_id for row in hits or () for b in row if b.ref_cnt == 0})
         if num_required > self.pool.num_free_blocks - num_free_hits:
             return False
-        if request.request_id not in self.req_blocks:
-            self.req_blocks[request.request_id] = blocks
-            self._num_cached_blocks[request.request_id] = 0
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
-            blocks.extend(computed_blocks)
-            self._num_cached_blocks[request.request_id] = len(computed_blocks)
-        if num_required > 0:
-            blocks.extend(self.pool.allocate(num_required))
+        if groups is None:
+            groups = self.req_blocks[rid] = [[] for _ in self.windows]
+            self._num_cached_blocks[rid] = 0
+        if hits:
+            for row, hit in zip(groups, hits):
+                self.pool.touch([b for b in hit if b is not self.null_block])
+                row.extend(hit)
+            self._num_cached_blocks[rid] = num_hit
+        for row in groups:
+            if want > len(row):
+                row.extend(self.pool.allocate(want - len(row)))
         if self.enable_caching:
-            self._cache_full_blocks(request, blocks, num_total // self.block_size)
+            self._cache_full_blocks(request, groups, num_total // self.block_size)
         return True
+
+    def _free_behind_windows(self, request: Request, groups: list[list[KVCacheBlock]]) -> None:
+        null = self.null_block
+        for row, window in zip(groups, self.windows):
+            if not window:
+                continue
+            first = min(self._first_needed(request.num_computed_tokens, window), len(row))
+            behind = [b for b in row[:first] if b is not null]
+            if behind:
+                row[:first] = [null] * first  # type: ignore[list-item]
+                self.pool.free(behind[::-1])
 
     def free(self, request: Request) -> int:
         """Release the request's blocks (returns how many it held); tail blocks go first in the
@@ -107,18 +180,32 @@ class KVCacheManager:
         computes those tokens, so a block it alone holds that is not fully
         computed leaves the index here instead of becoming a false hit.
         """
-        blocks = self.req_blocks.pop(request.request_id, None)
+        groups = self.req_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
-        if not blocks:
+        if not groups:
             return 0
-        for block in blocks[request.num_computed_tokens // self.block_size :]:
-            if block.ref_cnt == 1:
-                self.pool.uncache(block)
-        self.pool.free(blocks[::-1])
-        return len(blocks)
+        num = 0
+        for row in groups:
+            blocks = [b for b in row if b is not self.null_block]
+            for block in row[request.num_computed_tokens // self.block_size :]:
+                if block.ref_cnt == 1 and block is not self.null_block:
+                    self.pool.uncache(block)
+            self.pool.free(blocks[::-1])
+            num += len(blocks)
+        return num
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        groups = self.req_blocks.get(request_id)
+        return [b.block_id for b in groups[group]] if groups else []
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """The request's block ids, one table per group."""
+        return [[b.block_id for b in row] for row in self.req_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """The blocks the request holds, the null block not counted."""
+        null = self.null_block
+        return sum(b is not null for row in self.req_blocks.get(request_id, ()) for b in row)
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
@@ -132,7 +219,7 @@ class KVCacheManager:
             hashes.append(parent)
 
     def _cache_full_blocks(
-        self, request: Request, blocks: list[KVCacheBlock], num_full: int
+        self, request: Request, groups: list[list[KVCacheBlock]], num_full: int
     ) -> None:
         start = self._num_cached_blocks[request.request_id]
         if num_full <= start:
@@ -142,5 +229,17 @@ class KVCacheManager:
         for i in range(start, num_full):
             parent = hashes[i - 1] if i else root_hash(request.cache_salt)
             key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
-            self.pool.cache(blocks[i], hashes[i], key)
+            for g, row in enumerate(groups):
+                if row[i] is not self.null_block:
+                    self.pool.cache(row[i], _group_hash(hashes[i], g), _group_key(key, g))
         self._num_cached_blocks[request.request_id] = num_full
+
+
+def _group_hash(block_hash: int, group: int) -> int:
+    """A block's hash in its group's index: the same tokens in another group are another
+    block (other layers' KV)."""
+    return block_hash if group == 0 else hash((block_hash, group))
+
+
+def _group_key(key: BlockKey, group: int) -> BlockKey:
+    return key if group == 0 else (*key, group)

@@ -61,10 +61,14 @@ class Scheduler:
         self.grammar_errors: list[tuple[Request, str]] = []
 
     @classmethod
-    def from_config(cls, config: EngineConfig, num_blocks: int, max_model_len: int) -> Scheduler:
-        """The scheduler of a core (real or virtual) with ``num_blocks`` KV blocks."""
+    def from_config(
+        cls, config: EngineConfig, num_blocks: int, max_model_len: int,
+        kv_windows: tuple[int, ...] = (0,),
+    ) -> Scheduler:  # fmt: skip
+        """The scheduler of a core (real or virtual) with ``num_blocks`` KV blocks, in KV
+        groups of ``kv_windows`` (engine/kv_layout.py)."""
         return cls(
-            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_windows),
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len,
@@ -280,7 +284,10 @@ class Scheduler:
             out.req_ids.append(req_id)
             out.token_ids.append(request.all_token_ids[start : start + num_new])
             out.num_computed_tokens.append(start)
-            out.block_tables.append(self.kv_cache.block_ids(req_id))
+            tables = self.kv_cache.block_tables(req_id)
+            out.block_tables.append(tables[0])
+            if len(tables) > 1:
+                out.group_block_tables.append(tables[1:])
             out.sample.append(start + num_new == request.num_tokens)
             if start < request.num_prompt_tokens or num_new > 1:
                 out.num_prefill_tokens += num_new

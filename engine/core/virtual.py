@@ -9,8 +9,11 @@ the step (a step-cost model) and keeps the clock.
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
+from pathlib import Path
+
+from engine.config import EngineConfig, ModelConfig
 from engine.core.scheduler import Scheduler
+from engine.kv_layout import KVLayout
 from engine.messages import EngineCoreOutput, EngineCoreRequest
 from engine.request import Request
 from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
@@ -18,14 +21,24 @@ from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
 
 class VirtualCore:
     """``config`` must name its ``num_kv_blocks`` and ``max_model_len``: there is no memory to
-    size a KV cache from, and no model to take a context length from."""
+    size a KV cache from, and no model to take a context length from. Where ``config.model``
+    is a model folder here, its KV groups are the real core's (engine/kv_layout.py: blocks
+    behind a sliding window freed); else every layer is in one group."""
 
     def __init__(self, config: EngineConfig, *, token: int = 0) -> None:
         if config.num_kv_blocks is None or config.max_model_len is None:
             raise ValueError("a virtual core needs num_kv_blocks and max_model_len")
         self.config = config
         self.max_model_len = config.max_model_len
-        self.scheduler = Scheduler.from_config(config, config.num_kv_blocks, config.max_model_len)
+        windows: tuple[int, ...] = (0,)
+        if config.model and (Path(config.model) / "config.json").is_file():
+            layout = KVLayout.of(
+                ModelConfig.from_path(config.model), not config.disable_hybrid_kv_cache_manager
+            )
+            windows = layout.windows
+        self.scheduler = Scheduler.from_config(
+            config, config.num_kv_blocks, config.max_model_len, windows
+        )
         self.token = token
 
     def add_request(self, request: EngineCoreRequest) -> None:

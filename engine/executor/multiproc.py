@@ -18,6 +18,7 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.executor.base import WorkerDeadError
+from engine.kv_layout import KVLayout
 from engine.worker.layers import check_tensor_parallel
 from engine.worker.messages import (
     Done,
@@ -98,6 +99,7 @@ class MultiprocExecutor:
                 os.getpid(),
                 config.resolve_kv_cache_dtype(dtype),
                 config.quantization,
+                KVLayout.of(model_config, not config.disable_hybrid_kv_cache_manager),
             )
             proc = ctx.Process(
                 target=_run_worker, args=(args, child_end), name=f"lumen-tp{rank}", daemon=False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig, ModelConfig
+from engine.kv_layout import KVLayout
 from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 from engine.worker.profiler import Profiler
@@ -23,6 +24,7 @@ class UniProcExecutor:
         self.runner = ModelRunner(
             model_config, device, dtype, max_model_len, config.block_size, config.seed,
             kv_dtype=config.resolve_kv_cache_dtype(dtype), quantization=config.quantization,
+            kv_layout=KVLayout.of(model_config, not config.disable_hybrid_kv_cache_manager),
         )  # fmt: skip
         self.runner.owns_process = owns_process
         self.runner.load_model()

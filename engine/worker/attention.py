@@ -68,19 +68,30 @@ class AttentionMetadata:
     # The sliding-window layers' view of the step (windowed): the same rows and slots, masks
     # that hide keys older than the window. None when no row reaches past the window.
     local: AttentionMetadata | None = None
+    # Per layer, the metadata of its KV group (engine/kv_layout.py), where the model's layers
+    # are in several groups: each group has its own slots and block tables.
+    by_layer: list[AttentionMetadata] | None = None
 
 
 def windowed(
-    meta: AttentionMetadata, window: int, decode_lens: torch.Tensor, dtype: torch.dtype
-) -> AttentionMetadata:
+    meta: AttentionMetadata, window: int, decode_lens: torch.Tensor, dtype: torch.dtype,
+    masks: dict[tuple[int, ...], torch.Tensor] | None = None, block_size: int = 0,
+) -> AttentionMetadata:  # fmt: skip
     """``meta`` for a layer whose query at position p reads only the keys at (p - window, p]
-    (``decode_lens``: each decode row's context, its new token included)."""
+    (``decode_lens``: each decode row's context, its new token included). ``masks``: the
+    step's prefill masks by (context, rows, window), shared by the KV groups of a step. With
+    ``block_size``, a chunk over cached context reads its blocks from the first its window
+    reaches (not from position 0: at 8K context and a 512 window, a sixth of them)."""
+    masks = {} if masks is None else masks
     local = AttentionMetadata(
         slot_mapping=meta.slot_mapping,
         num_decodes=meta.num_decodes,
         decode_block_tables=meta.decode_block_tables,
         decode_mask=None,
-        prefills=[_windowed_chunk(p, window, dtype, decode_lens.device) for p in meta.prefills],
+        prefills=[
+            _windowed_chunk(p, window, dtype, decode_lens.device, masks, block_size)
+            for p in meta.prefills
+        ],
     )
     if meta.decode_plan is not None:
         local.decode_plan = meta.decode_plan.windowed()
@@ -93,17 +104,26 @@ def windowed(
 
 
 def _windowed_chunk(
-    p: PrefillChunk, window: int, dtype: torch.dtype, device: torch.device
-) -> PrefillChunk:
+    p: PrefillChunk, window: int, dtype: torch.dtype, device: torch.device,
+    masks: dict[tuple[int, ...], torch.Tensor], block_size: int,
+) -> PrefillChunk:  # fmt: skip
     end = p.num_computed + p.end - p.start  # the chunk's context, itself included
     if end <= window:
         return p  # no key of it is older than the window
-    q_pos = torch.arange(p.num_computed, end, device=device).unsqueeze(1)
-    keys = torch.arange(end, device=device).unsqueeze(0)  # the cached context, then the chunk
-    visible = (keys <= q_pos) & (keys > q_pos - window)
-    return PrefillChunk(
-        p.start, p.end, p.num_computed, p.block_table, additive_mask(visible, dtype)
-    )
+    # With cached context, keys from the block of the first one the window reaches.
+    first = 0
+    if p.block_table is not None and block_size:
+        first = max(0, p.num_computed - window + 1) // block_size
+    key = (p.num_computed, p.end - p.start, window, first * block_size)
+    mask = masks.get(key)
+    if mask is None:
+        q_pos = torch.arange(p.num_computed, end, device=device).unsqueeze(1)
+        # The keys read: the cached context (from its first block read), then the chunk.
+        keys = torch.arange(first * block_size, end, device=device).unsqueeze(0)
+        visible = (keys <= q_pos) & (keys > q_pos - window)
+        mask = masks[key] = additive_mask(visible, dtype)
+    table = p.block_table[first:] if p.block_table is not None else None
+    return PrefillChunk(p.start, p.end, p.num_computed, table, mask)
 
 
 def paged_attention(

@@ -309,6 +309,7 @@ class NativeLayers:
         rows = h.shape[0]
         plan = meta.decode_plan
         if (meta.num_decodes != rows or meta.prefills or meta.local is not None
+                or meta.by_layer is not None
                 or not isinstance(plan, DecodePlan) or not plan.native
                 or plan.cache.native is None or plan.cache.window or h.dtype != torch.float32
                 or tables[0].shape[-1] != self.layers[0].head_dim

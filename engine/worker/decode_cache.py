@@ -14,6 +14,12 @@ each: a context that outgrows the width adds a chunk, and nothing is copied. (On
 positions to 1,024, a 4-second decode step on a VM whose first write to fresh memory costs
 1.2 ms a MB.) More slots still copy every chunk.
 
+A sliding-window group's cache (engine/kv_layout.py) is a ring: a slot holds the
+last ``ring`` positions (the window, rounded up to chunks), position p at
+``p % ring``, so its memory is the window's, however long the context. Attention
+over a ring reads it as it lies: a key's place in the ring does not matter, its
+mask does (RoPE is in the cached keys).
+
 The paged cache stays the source of truth (prefix caching, preemption); a
 slot is only a copy of its blocks. A request's slot is dropped when it
 finishes or is preempted. The mirror is bounded by ``max_bytes``; a step that
@@ -50,7 +56,8 @@ class DecodePlan:
     width: int  # positions [0, width) take part
     mask: torch.Tensor | None  # [used, 1, 1, width] 0 / -inf (torch's path only)
     moves: list[Move]  # (from slot, to slot, tokens) copied first
-    fills: list[tuple[int, int, torch.Tensor]]  # (slot, tokens, block ids) copied in next
+    # (slot, tokens, block ids, first position they hold) copied in next
+    fills: list[tuple[int, int, torch.Tensor, int]]
     in_order: bool  # decode row i is slot i (so used == rows): q and the output stay as they are
     # A sliding window's mask (the cache's window set), for the local layers: they run
     # torch's path, the native kernel having no window.
@@ -60,6 +67,8 @@ class DecodePlan:
     window_first_chunk: int = 0  # the first chunk a local layer's window reaches
 
     def windowed(self) -> DecodePlan:
+        if self.cache.ring:  # a ring's own mask is its window's
+            return self
         assert self.window_mask is not None  # the cache has a window
         return replace(self, mask=self.window_mask, native=False,
                        first_chunk=self.window_first_chunk)  # fmt: skip
@@ -69,13 +78,18 @@ class DecodePlan:
     ) -> tuple[Chunks, Chunks]:
         """The layer's mirror (K and V in chunks), its moves and fills done (``k_cache``,
         ``v_cache``: the layer's paged cache they fill from)."""
-        kb, vb = self.cache.k[layer], self.cache.v[layer]
+        cache = self.cache
+        at = cache.index_of[layer]
+        kb, vb = cache.k[at], cache.v[at]
+        ring = cache.ring
         for src, dst, n in self.moves:
+            n = min(n, ring) if ring else n
             kb.write(dst, 0, kb.read(src, n))
             vb.write(dst, 0, vb.read(src, n))
-        for slot, n, blocks in self.fills:
-            kb.write(slot, 0, _blocks(k_cache, blocks)[:n].transpose(0, 1))
-            vb.write(slot, 0, _blocks(v_cache, blocks)[:n].transpose(0, 1))
+        for slot, n, blocks, first in self.fills:
+            for buf, paged in ((kb, k_cache), (vb, v_cache)):
+                values = _blocks(paged, blocks)[first % cache.block_size :][: n - first]
+                cache.put(buf, slot, first, values.transpose(0, 1))
         return kb, vb
 
     def attention(
@@ -92,8 +106,9 @@ class DecodePlan:
         kb, vb = self.mirror(layer, k_cache, v_cache)
         if self.cache.native is not None and self.native:  # it writes the rows' K and V
             return self.cache.native(q, k, v, kb, vb, self.slot_idx, self.positions, scale)
-        kb.set_rows(self.slot_idx, self.positions, k.to(kb.dtype))
-        vb.set_rows(self.slot_idx, self.positions, v.to(vb.dtype))
+        at = self.positions % self.cache.ring if self.cache.ring else self.positions
+        kb.set_rows(self.slot_idx, at, k.to(kb.dtype))
+        vb.set_rows(self.slot_idx, at, v.to(vb.dtype))
         assert self.mask is not None
         if self.in_order:
             qs = q
@@ -143,16 +158,25 @@ class DecodeCache:
         native: NativeDecodeAttention | None = None,
         window: int = 0,
         chunk: int = CHUNK,
+        layers: list[int] | None = None,
+        ring: bool = False,
     ) -> None:
-        """``chunk``: positions a chunk of the mirror holds (the native kernel's, if set)."""
+        """``chunk``: positions a chunk of the mirror holds (the native kernel's, if set).
+        ``layers``: the model's layers this cache holds (default: ``range(num_layers)``).
+        ``ring``: every layer here has the sliding ``window``, and a slot keeps only that."""
+        layers = list(range(num_layers)) if layers is None else layers
+        num_layers = len(layers)
+        self.index_of = {layer: i for i, layer in enumerate(layers)}
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.block_size = block_size
         self.dtype = dtype  # the model's: queries and masks
         self.kv_dtype = kv_dtype or dtype  # the mirror's, the paged cache's
-        self.native = native  # the compiled CPU kernel, else torch's path
         self.window = window  # the local layers' sliding window (0: none)
+        if ring:  # torch's path, its mask the window's
+            native = None
+        self.native = native  # the compiled CPU kernel, else torch's path
         if native is not None and window:
             logger.info("native decode attention has no sliding window: the local layers "
                         "run torch's path")  # fmt: skip
@@ -160,6 +184,8 @@ class DecodeCache:
         self.max_bytes = max_bytes
         # Chunks of CHUNK positions; the native kernel's own (tests build it smaller).
         self.chunk = native.chunk if native is not None else chunk
+        # A ring's positions per slot (0: not a ring): the window, in whole chunks.
+        self.ring = -(-window // self.chunk) * self.chunk if ring and window else 0
         self.k: list[Chunks] = []
         self.v: list[Chunks] = []
         self.num_slots = 0
@@ -194,9 +220,14 @@ class DecodeCache:
         """Slots for this step's decode rows, or None (use the gather path) when over budget."""
         slots, moves = self._assign(req_ids, starts)
         used = max(slots) + 1
-        # Attention reads positions [0, span) only; the mirror grows a chunk at a time.
+        # Attention reads positions [0, span) only; the mirror grows a chunk at a time (a
+        # ring: up to its width).
         span = max(starts) + 1
-        if not self._fit(used, -(-span // self.chunk) * self.chunk):
+        width = -(-span // self.chunk) * self.chunk
+        if self.ring:
+            width = min(width, self.ring)
+            span = min(span, self.ring)
+        if not self._fit(used, width):
             for req_id in req_ids:  # these rows' slots fall behind this step
                 slot = self.slot_of.get(req_id)
                 if slot is not None:
@@ -212,13 +243,18 @@ class DecodeCache:
                 self.length[old] = 0  # left behind: free
             self.slot_of[req_id] = slot
             if self.length[slot] != start:
-                ids = torch.tensor(table[: -(-start // bs)], dtype=torch.long, device=self.device)
-                fills.append((slot, start, ids))
+                # A ring needs only the window's keys before this one; other slots, all.
+                first = max(0, start - self.window + 1) if self.ring else 0
+                blocks = table[first // bs : -(-start // bs)]
+                ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
+                fills.append((slot, start, ids, first))
             self.length[slot] = start + 1
         dev = self.device
         mask = window_mask = None
         window_first = 0
-        if self.native is None or self.window:
+        if self.ring:
+            mask = self._ring_mask(used, span)
+        elif self.native is None or self.window:
             # A slot no row uses this step shows its first position: finite, never NaN.
             lens = torch.tensor([max(n, 1) for n in self.length[:used]], device=dev).unsqueeze(1)
             keys = torch.arange(span, device=dev).unsqueeze(0)
@@ -244,6 +280,30 @@ class DecodeCache:
             window_mask=window_mask,
             window_first_chunk=window_first,
         )
+
+    def _ring_mask(self, used: int, width: int) -> torch.Tensor:
+        """Slots [0, used) of a ring over places [0, width): place r holds position
+        cur - (cur - r) % ring, seen where that is in the window and not before 0."""
+        dev = self.device
+        cur = torch.tensor([max(n, 1) - 1 for n in self.length[:used]], device=dev).unsqueeze(1)
+        back = (cur - torch.arange(width, device=dev).unsqueeze(0)) % self.ring
+        visible = back < torch.clamp(cur + 1, max=self.window)
+        return additive_mask(visible, self.dtype).view(used, 1, 1, width)
+
+    def put(self, buf: Chunks, slot: int, first: int, values: torch.Tensor) -> None:
+        """Positions [first, first + n) of ``slot`` = values [KVH, n, D]: in place, or in a
+        ring at their places (in two pieces where they wrap)."""
+        if not self.ring:
+            buf.write(slot, first, values)
+            return
+        n, ring = values.shape[1], self.ring
+        values = values[:, max(0, n - ring) :]  # more than a ring holds: the last ring of them
+        first += max(0, n - ring)
+        at = first % ring
+        head = min(values.shape[1], ring - at)
+        buf.write(slot, at, values[:, :head])
+        if head < values.shape[1]:
+            buf.write(slot, 0, values[:, head:])
 
     def _assign(self, req_ids: list[str], starts: list[int]) -> tuple[list[int], list[Move]]:
         """A slot per row, packed into [0, rows) where possible, so attention reads no

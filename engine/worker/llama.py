@@ -155,8 +155,11 @@ class LlamaForCausalLM(nn.Module):
         # The local layers' RoPE (Gemma 3) and sliding window, where the model has them.
         local = rotary.local.lookup(positions, h.dtype) if rotary.local is not None else tables
         local_meta = meta.local or meta
+        by_layer = meta.by_layer
         for layer, kv_cache in zip(self.decoder_layers, kv_caches):
-            if layer.local:
+            if by_layer is not None:  # its KV group's blocks (and window)
+                h = layer(h, local if layer.local else tables, kv_cache, by_layer[layer.index])
+            elif layer.local:
                 h = layer(h, local, kv_cache, local_meta)
             else:
                 h = layer(h, tables, kv_cache, meta)

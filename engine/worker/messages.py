@@ -16,6 +16,7 @@ import msgspec
 import torch
 
 from engine.config import ModelConfig
+from engine.kv_layout import KVLayout
 from engine.messages import Logprobs
 from engine.sampling_params import SamplingParams
 
@@ -35,7 +36,9 @@ class SchedulerOutput:
     """One step's batch, one row per scheduled request (columnar lists, same order).
 
     Row i computes ``token_ids[i]`` at positions starting at
-    ``num_computed_tokens[i]``, writing KV into ``block_tables[i]``. When
+    ``num_computed_tokens[i]``, writing KV into ``block_tables[i]`` (the first KV group's;
+    a model of several groups, engine/kv_layout.py, has the others' in
+    ``group_block_tables[i]``: none given, every group uses the first's). When
     ``sample[i]`` the row's last token is the sequence's last known token, so
     the worker samples the next one.
     """
@@ -58,6 +61,7 @@ class SchedulerOutput:
     # What kept requests waiting after this step's admissions ("" when none waits), one of
     # WAIT_REASONS in engine/messages.py.
     wait_reason: str = ""
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)
     # Structured outputs: the rows sampling under a grammar this step, and their token masks
     # (one row of ceil(vocab / 32) int32 words each, bit t = token t allowed), as bytes.
     grammar_req_ids: list[str] = field(default_factory=list)
@@ -155,3 +159,4 @@ class WorkerArgs:
     parent_pid: int
     kv_dtype: torch.dtype | None = None  # None: the model's dtype
     quantization: str | None = None
+    kv_layout: KVLayout | None = None  # None: every layer in one group

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from engine.config import GiB, ModelConfig
+from engine.kv_layout import KVLayout
 from engine.worker import cpu_threads, heap
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask, windowed
 from engine.worker.cpu_kernels import CpuKernels
@@ -33,8 +34,11 @@ class ModelRunner:
         shard: Shard | None = None,
         kv_dtype: torch.dtype | None = None,
         quantization: str | None = None,
+        kv_layout: KVLayout | None = None,
     ) -> None:
         self.cfg = model_config
+        # Which layers share KV blocks (engine/kv_layout.py): the core's own layout.
+        self.layout = kv_layout or KVLayout.single(model_config.num_layers)
         self.shard = shard or Shard()
         # Every rank runs the forward (for the collectives); only rank 0 samples.
         self.is_driver = self.shard.rank == 0
@@ -45,7 +49,7 @@ class ModelRunner:
         self.block_size = block_size
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.decode_cache: DecodeCache | None = None
+        self.decode_caches: list[DecodeCache] = []  # one per KV group (CPU only)
         self.rotary = Rotary(model_config, max_model_len, device)
         self.sampler = Sampler(device, seed)
         self.rows: dict[str, SamplingRow] = {}
@@ -70,31 +74,43 @@ class ModelRunner:
         self.model = model.eval()
 
     def block_bytes(self) -> int:
-        """Bytes of one block on this rank, which holds only its share of the KV heads."""
-        return self.block_size * self.cfg.kv_bytes_per_token(self.kv_dtype) // self.shard.size
+        """Bytes of one block on this rank: ``block_size`` tokens of one KV group's layers,
+        of this rank's share of the KV heads."""
+        per_layer = self.cfg.kv_bytes_per_token(self.kv_dtype) // self.cfg.num_layers
+        return self.block_size * per_layer * self.layout.group_size // self.shard.size
 
     def init_kv_cache(self, num_blocks: int) -> None:
         num_kv_heads = self.cfg.num_kv_heads // self.shard.size
         shape = (num_blocks, self.block_size, num_kv_heads, self.cfg.head_dim)
         if self.device.type == "cpu":
             _check_fits_in_memory(num_blocks * self.block_bytes() * self.shard.size)
-        # Zeroed: padded reads are masked, but a masked NaN would still poison P @ V.
-        self.kv_caches = [
+        # Zeroed: padded reads are masked, but a masked NaN would still poison P @ V. One
+        # pair per place in a KV group: layer l uses its group's blocks of pair layer_slot[l].
+        pairs = [
             (_zeros(shape, self.kv_dtype, self.device), _zeros(shape, self.kv_dtype, self.device))
-            for _ in range(self.cfg.num_layers)
+            for _ in range(self.layout.group_size)
         ]
+        self.kv_caches = [pairs[j] for j in self.layout.layer_slot]
 
         if self.device.type == "cpu":
             # On CPU, gathering blocks for decode costs as much as attention
             # itself; a contiguous mirror of decoding requests, up to the paged
-            # cache's own size, avoids it (on CUDA the gather is cheap).
+            # cache's own size, avoids it (on CUDA the gather is cheap). A group with a
+            # window mirrors only its window (a ring).
             group = self.cfg.num_heads // self.cfg.num_kv_heads
             choice = self.kernels.choose_attention(group, self.cfg.head_dim, self.kv_dtype)
-            self.decode_cache = DecodeCache(
-                self.cfg.num_layers, num_kv_heads, self.cfg.head_dim, self.block_size,
-                self.dtype, self.device, max_bytes=num_blocks * self.block_bytes(),
-                kv_dtype=self.kv_dtype, native=choice.kernel, window=self.cfg.sliding_window,
-            )  # fmt: skip
+            layout = self.layout
+            budget = num_blocks * self.block_bytes()  # each group's, at most the pool's size
+            self.decode_caches = [
+                DecodeCache(
+                    self.cfg.num_layers, num_kv_heads, self.cfg.head_dim, self.block_size,
+                    self.dtype, self.device, max_bytes=budget, kv_dtype=self.kv_dtype,
+                    native=choice.kernel, window=window or self.cfg.sliding_window,
+                    layers=[i for i, gi in enumerate(layout.layer_group) if gi == g],
+                    ring=bool(window),
+                )
+                for g, window in enumerate(layout.windows)
+            ]  # fmt: skip
 
         if self.device.type == "cpu":
             if self.owns_process:  # before the threads' timing, which steps the model
@@ -127,14 +143,14 @@ class ModelRunner:
 
     def release_kv_cache(self) -> None:
         self.kv_caches = []
-        self.decode_cache = None
+        self.decode_caches = []
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in sched.finished_req_ids:
             self.rows.pop(req_id, None)
-        if self.decode_cache is not None:
-            self.decode_cache.drop(sched.finished_req_ids + sched.preempted_req_ids)
+        for cache in self.decode_caches:
+            cache.drop(sched.finished_req_ids + sched.preempted_req_ids)
         if self.is_driver:
             for new in sched.new_requests:
                 self._add_request(new)
@@ -193,75 +209,41 @@ class ModelRunner:
             key=lambda i: not (len(sched.token_ids[i]) == 1 and sched.num_computed_tokens[i] > 0),
         )
         token_ids: list[int] = []
-        # Decode rows in plain ints (numpy costs microseconds per call, per row); prefill rows
-        # as arrays after them.
-        decode_slots: list[int] = []
         positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
         logits_indices: list[int] = []
         sample_req_ids: list[str] = []
-        decode_tables: list[list[int]] = []
+        decode_rows: list[int] = []  # scheduled row of each decode row
         decode_starts: list[int] = []
         decode_req_ids: list[str] = []
-        prefills: list[PrefillChunk] = []
-        bs = self.block_size
+        prefill_rows: list[tuple[int, int, int, int]] = []  # (row, first flat row, tokens, start)
         for i in order:
-            ids, start, table = (
-                sched.token_ids[i],
-                sched.num_computed_tokens[i],
-                sched.block_tables[i],
-            )
+            ids, start = sched.token_ids[i], sched.num_computed_tokens[i]
             n = len(ids)
             row0 = len(token_ids)
             token_ids.extend(ids)
             if n == 1 and start > 0:
-                decode_slots.append(table[start // bs] * bs + start % bs)
-                decode_tables.append(table)
+                decode_rows.append(i)
                 decode_starts.append(start)
                 decode_req_ids.append(sched.req_ids[i])
                 if sched.sample[i] and self.is_driver:
                     logits_indices.append(row0)
                     sample_req_ids.append(sched.req_ids[i])
                 continue
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            slots.append(np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs)
-            if start == 0:
-                prefills.append(PrefillChunk(row0, row0 + n, 0, None, None))
-            else:
-                prefills.append(self._chunk_with_context(row0, n, start, table))
+            positions.append(np.arange(start, start + n))
+            prefill_rows.append((i, row0, n, start))
             if sched.sample[i] and self.is_driver:
                 logits_indices.append(row0 + n - 1)
                 sample_req_ids.append(sched.req_ids[i])
         dev = self.device
         positions.insert(0, np.array(decode_starts, dtype=np.int64))
-        slots.insert(0, np.array(decode_slots, dtype=np.int64))
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            num_decodes=len(decode_tables),
-            decode_block_tables=None,
-            decode_mask=None,
-            prefills=prefills,
-        )
-        if decode_tables and self.decode_cache is not None:
-            meta.decode_plan = self.decode_cache.plan(decode_req_ids, decode_starts, decode_tables)
-        if decode_tables and meta.decode_plan is None:
-            max_blocks = max(len(t) for t in decode_tables)
-            tables = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
-            for j, t in enumerate(decode_tables):
-                tables[j, : len(t)] = t
-            lens = torch.tensor(decode_starts, device=dev) + 1
-            meta.decode_block_tables = torch.from_numpy(tables).to(dev)
-            visible = torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
-            meta.decode_mask = additive_mask(visible, self.dtype).view(len(decode_tables), 1, 1, -1)
-        window = self.cfg.sliding_window
-        # A row's context, itself included: past the window, the local layers mask.
-        if window and (
-            max(decode_starts, default=-1) + 1 > window
-            or any(p.num_computed + p.end - p.start > window for p in prefills)
-        ):
-            lens = torch.tensor(decode_starts, dtype=torch.long, device=dev) + 1
-            meta.local = windowed(meta, window, lens, self.dtype)
+        # (Its masks: the groups' prefill masks are the same for the same chunk, built once a
+        # step: a 2,048-token chunk over an 8K context is a 64 MB mask.)
+        rows = _Rows(decode_rows, decode_starts, decode_req_ids, prefill_rows)
+        layout = self.layout
+        metas = [self._group_meta(sched, g, rows) for g in range(layout.num_groups)]
+        meta = metas[0]
+        if len(metas) > 1:  # each layer reads its own group's blocks
+            meta.by_layer = [metas[g] for g in layout.layer_group]
         return _StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
@@ -270,14 +252,100 @@ class ModelRunner:
             sample_req_ids=sample_req_ids,
         )
 
-    def _chunk_with_context(self, row0: int, n: int, start: int, table: list[int]) -> PrefillChunk:
+    def _group_meta(self, sched: SchedulerOutput, group: int, rows: _Rows) -> AttentionMetadata:
+        """The step's attention metadata for the layers of one KV group: its slots, its
+        block tables, and (a group with a window) masks that hide keys behind it."""
+        if group and sched.group_block_tables:
+            tables = [t[group - 1] for t in sched.group_block_tables]
+        else:  # the first group's, or a step (the warm-up's) that gives every group one table
+            tables = sched.block_tables
+        bs, dev = self.block_size, self.device
+        decode_tables = [tables[i] for i in rows.decode]
+        # Decode rows in plain ints (numpy costs microseconds per call, per row); prefill rows
+        # as arrays after them.
+        slots: list[np.ndarray] = [
+            np.array(
+                [t[p // bs] * bs + p % bs for t, p in zip(decode_tables, rows.decode_starts)],
+                dtype=np.int64,
+            )
+        ]
+        prefills: list[PrefillChunk] = []
+        for i, row0, n, start in rows.prefill:
+            pos = np.arange(start, start + n)
+            slots.append(np.asarray(tables[i], dtype=np.int64)[pos // bs] * bs + pos % bs)
+            if start == 0:
+                prefills.append(PrefillChunk(row0, row0 + n, 0, None, None))
+            else:
+                prefills.append(self._chunk_with_context(row0, n, start, tables[i], rows.masks))
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            num_decodes=len(decode_tables),
+            decode_block_tables=None,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        starts = rows.decode_starts
+        if decode_tables and self.decode_caches:
+            cache = self.decode_caches[group]
+            meta.decode_plan = cache.plan(rows.decode_req_ids, starts, decode_tables)
+        if decode_tables and meta.decode_plan is None:
+            max_blocks = max(len(t) for t in decode_tables)
+            padded = np.zeros((len(decode_tables), max_blocks), dtype=np.int64)
+            for j, t in enumerate(decode_tables):
+                padded[j, : len(t)] = t
+            lens = torch.tensor(starts, device=dev) + 1
+            meta.decode_block_tables = torch.from_numpy(padded).to(dev)
+            visible = torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
+            meta.decode_mask = additive_mask(visible, self.dtype).view(len(decode_tables), 1, 1, -1)
+        # A group of sliding layers masks its own; one group of both kinds (no hybrid
+        # layout) gives its local layers a windowed view.
+        own = self.layout.windows[group]
+        window = own or self.cfg.sliding_window
+        # A row's context, itself included: past the window, the window's layers mask.
+        if window and (
+            max(starts, default=-1) + 1 > window
+            or any(p.num_computed + p.end - p.start > window for p in prefills)
+        ):
+            lens = torch.tensor(starts, dtype=torch.long, device=dev) + 1
+            local = windowed(meta, window, lens, self.dtype, rows.masks, self.block_size)
+            if own:
+                return local
+            meta.local = local
+        return meta
+
+    def _chunk_with_context(
+        self, row0: int, n: int, start: int, table: list[int],
+        masks: dict[tuple[int, ...], torch.Tensor],
+    ) -> PrefillChunk:  # fmt: skip
         ctx = start + n
         num_blocks = -(-ctx // self.block_size)
         dev = self.device
-        q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
-        mask = additive_mask(torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos, self.dtype)
+        mask = masks.get((start, n))
+        if mask is None:
+            q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
+            visible = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos
+            mask = masks[(start, n)] = additive_mask(visible, self.dtype)
         block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=dev)
         return PrefillChunk(row0, row0 + n, start, block_table, mask)
+
+
+class _Rows:
+    """A step's rows by kind, in the flat batch's order (what every KV group shares)."""
+
+    __slots__ = ("decode", "decode_req_ids", "decode_starts", "masks", "prefill")
+
+    def __init__(
+        self,
+        decode: list[int],
+        decode_starts: list[int],
+        decode_req_ids: list[str],
+        prefill: list[tuple[int, int, int, int]],
+    ) -> None:
+        self.decode = decode
+        self.decode_starts = decode_starts
+        self.decode_req_ids = decode_req_ids
+        self.prefill = prefill
+        self.masks: dict[tuple[int, ...], torch.Tensor] = {}
 
 
 class _StepInputs:

@@ -110,6 +110,7 @@ class Worker:
             Shard(args.rank, args.world_size),
             kv_dtype=args.kv_dtype,
             quantization=args.quantization,
+            kv_layout=args.kv_layout,
         )
         self.runner.owns_process = True  # a worker process of the engine's own
         self.runner.load_model()

@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.kv_layout import KVLayout
 from tests.helpers.models import FAMILIES, hf_greedy
 
 MAX_TOKENS = 12
@@ -51,6 +53,10 @@ def _check_setting(
     if shared not in references:
         references[shared] = hf_greedy(model_path, prompts, max_tokens)
     expected = references[shared]
+    if "num_kv_blocks" in options:  # the same bytes: a block spans one KV group's layers
+        layout = KVLayout.of(ModelConfig.from_path(model_path))
+        blocks = options["num_kv_blocks"] * layout.num_groups + (1 if layout.hybrid else 0)
+        options = {**options, "num_kv_blocks": blocks}
     # No warm-up: it changes no token, and a cold engine is the harder case.
     llm = LLM(str(model_path), warmup=False, **options)
     outs = llm.generate(

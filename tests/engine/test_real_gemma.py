@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.config import ModelConfig
+from engine.kv_layout import KVLayout
 from engine.processor import load_tokenizer
 from tests.helpers.encoding import check_plain_encoder
 from tests.helpers.models import hf_greedy
@@ -44,19 +46,37 @@ def test_gemma3_270m_matches_hf(gemma_model_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("LUMEN_CPU_GREEDY_HEAD", "screened" if screened else "fused")
     monkeypatch.setenv("LUMEN_CPU_ATTENTION", "native")
 
-    llm = LLM(str(gemma_model_path), max_model_len=2048, num_kv_blocks=256, warmup=False)
+    # 1,537 blocks of 3 layers: the bytes of 256 blocks of all 18 (and the null block).
+    layout = KVLayout.of(ModelConfig.from_path(gemma_model_path))
+    assert layout.windows == (0, 512, 512, 512, 512, 512) and layout.group_size == 3
+    llm = LLM(str(gemma_model_path), max_model_len=2048, num_kv_blocks=1537, warmup=False)
+    llm.step_log = []
     try:
         tokenizer = llm.get_tokenizer()
         prompts = [tokenizer(text)["input_ids"] for text in GEMMA_PROMPTS]
         assert sum(len(p) > 512 for p in prompts) == 2 and prompts[3][:500] == prompts[4][:500]
         params = SamplingParams(temperature=0, max_tokens=32)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        # The step before the last (which ends all five and frees all): the local layers'
+        # groups hold only their windows.
+        step = [s for s, _ in llm.step_log if s.num_decode_tokens == 5][-2]
+        held = step.num_kv_blocks_used
+        # Again, alone, after its window moved on: a prefix hit over the blocks still cached.
+        hits = llm.get_metrics()["num_prefix_hit_tokens"]
+        (again,) = llm.generate([{"prompt_token_ids": prompts[3]}], params, use_tqdm=False)
+        hits = llm.get_metrics()["num_prefix_hit_tokens"] - hits
     finally:
         llm.shutdown()
+    lengths = [len(p) + 30 for p in prompts]  # that step's context
+    every_block = sum(6 * -(-n // 16) for n in lengths)
+    print(f"blocks held in the step before the last: {held}, {every_block} keeping every layer's")
+    assert held <= sum(layout.blocks_per_sequence(n, 16) for n in lengths) < every_block
+    assert hits == (len(prompts[3]) - 1) // 16 * 16
     expected = hf_greedy(gemma_model_path, prompts, 32)
     for i, (out, ref) in enumerate(zip(outs, expected)):
         print(f"prompt {i} ({len(prompts[i])} tokens): {tokenizer.decode(ref)[:60]!r}")
         assert out.outputs[0].token_ids == ref, f"prompt {i} (len {len(prompts[i])}) differs"
+    assert again.outputs[0].token_ids == expected[3]
 
 
 @pytest.mark.real_model

@@ -49,9 +49,10 @@ def make_scheduler(
     max_model_len: int = 4096,
     policy: str = "fcfs",
     enable_caching: bool = True,
+    kv_windows: tuple[int, ...] = (0,),
 ) -> Scheduler:
     return Scheduler(
-        KVCacheManager(num_blocks, block_size, enable_caching),
+        KVCacheManager(num_blocks, block_size, enable_caching, kv_windows),
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,

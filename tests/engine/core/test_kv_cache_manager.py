@@ -35,7 +35,7 @@ def state(mgr: KVCacheManager) -> tuple[object, ...]:
     return (
         list(pool._free),
         [(b.ref_cnt, b.block_hash, b.key) for b in pool.blocks],
-        {rid: [b.block_id for b in bl] for rid, bl in mgr.req_blocks.items()},
+        {rid: [[b.block_id for b in row] for row in g] for rid, g in mgr.req_blocks.items()},
         dict(mgr._num_cached_blocks),
         dict(pool._cached),
     )
@@ -98,15 +98,15 @@ def test_hit_needs_matching_parent_and_tokens() -> None:
     block = mgr.pool.blocks[0]
     # A colliding hash whose stored tokens differ is not a hit...
     mgr.pool.cache(block, h0, (0, (1, 1, 1, 1)))
-    assert mgr.get_computed_blocks(b) == ([], 0)
+    assert mgr.get_computed_blocks(b) == ([[]], 0)
     # ...nor one whose parent differs...
     mgr.reset_prefix_cache()
     mgr.pool.cache(block, h0, (12345, (5, 6, 7, 8)))
-    assert mgr.get_computed_blocks(b) == ([], 0)
+    assert mgr.get_computed_blocks(b) == ([[]], 0)
     # ...but the matching (parent, tokens) is.
     mgr.reset_prefix_cache()
     mgr.pool.cache(block, h0, (0, (5, 6, 7, 8)))
-    assert mgr.get_computed_blocks(b) == ([block], 4)
+    assert mgr.get_computed_blocks(b) == ([[block]], 4)
 
 
 def test_shared_blocks_are_ref_counted() -> None:
@@ -154,7 +154,7 @@ def test_eviction_takes_tail_blocks_before_head() -> None:
     assert mgr.block_ids(filler.request_id) == ids[3:]
     hits, num_hit = mgr.get_computed_blocks(req(list(range(17))))
     assert num_hit == 12
-    assert [b.block_id for b in hits] == ids[:3]
+    assert [b.block_id for b in hits[0]] == ids[:3]
 
 
 def _a_then_b_freed() -> KVCacheManager:
@@ -204,7 +204,7 @@ def test_allocate_slots_false_changes_nothing() -> None:
     before = state(mgr)
     assert not mgr.allocate_slots(c, c.num_tokens - num_hit, hits)
     assert state(mgr) == before
-    assert all(b.ref_cnt == 0 for b in hits)
+    assert all(b.ref_cnt == 0 for b in hits[0])
 
 
 def test_reset_prefix_cache() -> None:
@@ -217,8 +217,8 @@ def test_reset_prefix_cache() -> None:
     assert mgr.reset_prefix_cache() == 5
     assert mgr.block_ids(b.request_id) == held and mgr.pool.num_free_blocks == 4
     assert all(blk.block_hash is None for blk in mgr.pool.blocks)
-    assert mgr.get_computed_blocks(req(list(range(9)))) == ([], 0)
-    assert mgr.get_computed_blocks(req([50 + i for i in range(13)])) == ([], 0)
+    assert mgr.get_computed_blocks(req(list(range(9)))) == ([[]], 0)
+    assert mgr.get_computed_blocks(req([50 + i for i in range(13)])) == ([[]], 0)
 
 
 def test_cache_salt_isolates() -> None:
@@ -257,31 +257,42 @@ OPS = st.one_of(
 
 
 class Model:
-    """Drives a KVCacheManager and mirrors what the model would write into each block."""
+    """Drives a KVCacheManager and mirrors what the model would write into each block: every
+    group writes each computed token into its own block (``windows``: the groups')."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.mgr = KVCacheManager(num_blocks, block_size)
+    def __init__(self, num_blocks: int, block_size: int, windows: tuple[int, ...] = (0,)) -> None:
+        self.mgr = KVCacheManager(num_blocks, block_size, windows=windows)
         self.bs = block_size
+        self.windows = windows
         self.idle: list[Request] = []  # added or freed (preempted): holds no blocks
         self.held: list[Request] = []
         self.kv: dict[int, list[int | None]] = {}
         self.kv_salt: dict[int, str | None] = {}
+        self.kv_group: dict[int, int] = {}
 
     def compute(self, r: Request, start: int, n: int) -> None:
-        blocks = self.mgr.req_blocks[r.request_id]
-        for pos in range(start, start + n):
-            bid = blocks[pos // self.bs].block_id
-            self.kv.setdefault(bid, [None] * self.bs)[pos % self.bs] = r.all_token_ids[pos]
-            self.kv_salt[bid] = r.cache_salt
+        for g, blocks in enumerate(self.mgr.req_blocks[r.request_id]):
+            for pos in range(start, start + n):
+                bid = blocks[pos // self.bs].block_id
+                assert bid != 0 or self.mgr.null_block is None  # never the null block
+                self.kv.setdefault(bid, [None] * self.bs)[pos % self.bs] = r.all_token_ids[pos]
+                self.kv_salt[bid] = r.cache_salt
+                self.kv_group[bid] = g
         r.num_computed_tokens = start + n
 
     def admit(self, pick: int, chunk: int) -> None:
         r = self.idle[pick % len(self.idle)]
         hits, num_hit = self.mgr.get_computed_blocks(r)
-        assert num_hit == len(hits) * self.bs < r.num_tokens
-        for i, blk in enumerate(hits):  # a hit holds exactly this request's tokens
-            assert self.kv[blk.block_id] == r.all_token_ids[i * self.bs : (i + 1) * self.bs]
-            assert self.kv_salt[blk.block_id] == r.cache_salt
+        assert num_hit == len(hits[0]) * self.bs < r.num_tokens
+        for g, row in enumerate(hits):  # a hit holds exactly this request's tokens
+            assert len(row) == len(hits[0])
+            for i, blk in enumerate(row):
+                if blk is self.mgr.null_block:  # behind the window of the first token to compute
+                    assert (i + 1) * self.bs <= num_hit - self.windows[g] + 1
+                    continue
+                assert self.kv[blk.block_id] == r.all_token_ids[i * self.bs : (i + 1) * self.bs]
+                assert self.kv_salt[blk.block_id] == r.cache_salt
+                assert self.kv_group[blk.block_id] == g
         n = min(chunk, r.num_tokens - num_hit)
         before = state(self.mgr)
         if self.mgr.allocate_slots(r, n, hits):
@@ -299,7 +310,7 @@ class Model:
         before = state(self.mgr)
         if self.mgr.allocate_slots(r, n):
             self.compute(r, r.num_computed_tokens, n)
-        else:
+        elif self.mgr.null_block is None:  # (a window's blocks behind it are freed first)
             assert state(self.mgr) == before
 
     def free(self, pick: int) -> None:
@@ -309,15 +320,24 @@ class Model:
         self.idle.append(r)
 
     def check(self) -> None:
-        mgr, pool = self.mgr, self.mgr.pool
+        mgr, pool, bs = self.mgr, self.mgr.pool, self.bs
+        null = mgr.null_block
         assert set(mgr.req_blocks) == {r.request_id for r in self.held}
         holders: Counter[int] = Counter()
         for r in self.held:
-            ids = mgr.block_ids(r.request_id)
-            assert len(set(ids)) == len(ids)
-            assert len(ids) == -(-r.num_computed_tokens // self.bs)
-            holders.update(ids)
+            for g, ids in enumerate(mgr.block_tables(r.request_id)):
+                real = [i for i in ids if null is None or i != null.block_id]
+                assert len(set(real)) == len(real)
+                assert len(ids) == -(-r.num_computed_tokens // bs)
+                # Freed behind the window: at most what the next query cannot see.
+                first = (
+                    max(0, r.num_computed_tokens - self.windows[g]) // bs if self.windows[g] else 0
+                )
+                assert all(i != 0 or null is None for i in ids[first:])
+                holders.update(real)
         for blk in pool.blocks:
+            if blk is null:
+                continue
             assert blk.ref_cnt == holders[blk.block_id]
             assert (blk.block_id in pool._free) == (blk.ref_cnt == 0)
             if blk.block_hash is not None:
@@ -330,11 +350,19 @@ class Model:
 
 
 @settings(max_examples=200, deadline=None)
-@given(num_blocks=st.integers(1, 12), block_size=st.integers(1, 4), ops=st.lists(OPS, max_size=60))
+@given(
+    num_blocks=st.integers(2, 24),
+    block_size=st.integers(1, 4),
+    windows=st.sampled_from([(0,), (0,), (0, 3), (5,), (0, 6, 6)]),
+    ops=st.lists(OPS, max_size=60),
+)
 def test_random_operations_keep_the_pool_consistent(
-    num_blocks: int, block_size: int, ops: list[tuple[object, ...]]
+    num_blocks: int, block_size: int, windows: tuple[int, ...], ops: list[tuple[object, ...]]
 ) -> None:
-    m = Model(num_blocks, block_size)
+    """Any admissions, growth, frees and resets, with one KV group or several (sliding
+    windows free blocks behind them): blocks are counted right, a hit holds what it claims,
+    and a window's blocks go back once no query can see them."""
+    m = Model(num_blocks, block_size, windows)
     for op in ops:
         kind = op[0]
         if kind == "add":
@@ -358,4 +386,50 @@ def test_random_operations_keep_the_pool_consistent(
     while m.held:
         m.free(0)
     m.check()
-    assert m.mgr.pool.num_free_blocks == num_blocks and m.mgr.req_blocks == {}
+    assert m.mgr.num_used_blocks == 0 and m.mgr.req_blocks == {}
+
+
+# -- KV groups with sliding windows ---------------------------------------------
+
+
+def test_a_window_gives_back_the_blocks_behind_it() -> None:
+    """A full group keeps a block per 4 tokens; a window of 8 keeps at most the 3 blocks its
+    next query can see (its first key's block to its own), the rest back in the pool."""
+    mgr = KVCacheManager(64, BS, windows=(0, 8))
+    r = req(list(range(10)))
+    admit(mgr, r)
+    for _ in range(30):  # decode, a token a step
+        r.all_token_ids.append(1)
+        assert mgr.allocate_slots(r, 1)
+        r.num_computed_tokens += 1
+        full, local = mgr.req_blocks[r.request_id]
+        assert len(full) == len(local) == -(-r.num_computed_tokens // BS)
+        held = [b for b in local if b is not mgr.null_block]
+        assert len(held) <= 3 and held == local[-len(held) :]
+    # 40 computed: the full group's 10 blocks; the next query (40) reads keys (32, 40]: 2.
+    assert mgr.num_used_blocks == 10 + 2 == mgr.num_held_blocks(r.request_id)
+    assert mgr.free(r) == 12 and mgr.num_used_blocks == 0
+
+
+def test_a_prefix_hit_after_the_window_was_freed_and_evicted() -> None:
+    """A prefix is served where the full group has all its blocks and the window group the
+    blocks its window sees at the hit's end: blocks behind the window, evicted since, do not
+    stop the hit, which starts the window's table with the null block."""
+    mgr = KVCacheManager(1 + 22, BS, windows=(0, 8))
+    a = req(list(range(40)))
+    admit(mgr, a)  # one 40-token chunk: 10 blocks in each group
+    a.all_token_ids.append(7)
+    assert mgr.allocate_slots(a, 1)  # the next step frees the window's first 8 blocks
+    a.num_computed_tokens += 1
+    mgr.free(a)
+    filler = req([100 + i for i in range(16)])
+    filler_hits, _ = mgr.get_computed_blocks(filler)
+    assert mgr.allocate_slots(filler, 16, filler_hits)  # 8 blocks: the 8 freed first, evicted
+    mgr.free(filler)
+    b = req([*range(40), 5, 6, 7])
+    hits, num_hit = mgr.get_computed_blocks(b)
+    full, local = hits
+    assert num_hit == 40 and len(full) == len(local) == 10
+    # The query at 40 reads keys (32, 40]: blocks 8 and 9 of the window's group, hit.
+    assert local[:8] == [mgr.null_block] * 8 and mgr.null_block not in local[8:]
+    assert mgr.allocate_slots(b, 3, hits)

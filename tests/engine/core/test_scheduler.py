@@ -296,9 +296,13 @@ def workloads(draw: st.DrawFn) -> Workload:
             max_size=3,
         )
     )
+    # KV groups (a sliding window frees blocks behind it): as many blocks per group as one
+    # group would have, and the null block.
+    windows = draw(st.sampled_from([(0,), (0,), (0, 3), (0, 5, 5), (4,)]))
     cfg = {
         "block_size": bs,
-        "num_blocks": num_blocks,
+        "num_blocks": num_blocks * len(windows) + (1 if any(windows) else 0),
+        "kv_windows": windows,
         "max_num_batched_tokens": draw(st.integers(1, 20)),
         "max_num_seqs": draw(st.integers(1, 5)),
         "policy": draw(st.sampled_from(["fcfs", "priority"])),
@@ -368,8 +372,13 @@ def test_random_workloads_run_to_completion(w: Workload) -> None:
         assert sum(len(t) for t in out.token_ids) == out.num_scheduled_tokens <= budget
         assert len(sched.running) <= max_seqs and len(set(out.req_ids)) == len(out.req_ids)
         assert set(kv.req_blocks) == {r.request_id for r in sched.running}
-        holders = Counter(b.block_id for bl in kv.req_blocks.values() for b in bl)
+        null = kv.null_block
+        holders = Counter(
+            b.block_id for g in kv.req_blocks.values() for row in g for b in row if b is not null
+        )
         for blk in pool.blocks:
+            if blk is null:
+                continue
             assert blk.ref_cnt == holders[blk.block_id]
             assert (blk.block_id in pool._free) == (blk.ref_cnt == 0)
         assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
@@ -393,24 +402,31 @@ def test_random_workloads_run_to_completion(w: Workload) -> None:
             first_hit.setdefault(r.request_id, r.num_computed_tokens)
             assert r.num_cached_tokens == first_hit[r.request_id]
 
-        # Rows: the right tokens, a block table that covers them, and KV the model wrote.
-        for rid, start, toks, table, sample in zip(
-            out.req_ids, out.num_computed_tokens, out.token_ids, out.block_tables, out.sample
-        ):
+        # Rows: the right tokens, a block table per group that covers them, and KV the model
+        # wrote (each group into its own blocks).
+        windows = cfg["kv_windows"]
+        group_tables = out.group_block_tables or [[] for _ in out.req_ids]
+        rows = list(zip(out.req_ids, out.num_computed_tokens, out.token_ids, out.block_tables,
+                        group_tables, out.sample))  # fmt: skip
+        for rid, start, toks, table, others, sample in rows:
             r = sched.requests[rid]
             assert r.status == RequestStatus.RUNNING and start == r.num_computed_tokens
             assert toks and toks == tokens[rid][start : start + len(toks)]
-            assert table == kv.block_ids(rid) and len(table) * bs >= start + len(toks)
+            assert [table, *others] == kv.block_tables(rid) and len(others) == len(windows) - 1
+            assert all(len(t) * bs >= start + len(toks) for t in (table, *others))
             assert sample == (start + len(toks) == len(tokens[rid]))
-            for pos, tok in enumerate(toks, start):
-                slots.setdefault(table[pos // bs], [None] * bs)[pos % bs] = tok
+            for t in (table, *others):
+                for pos, tok in enumerate(toks, start):
+                    assert null is None or t[pos // bs] != null.block_id  # written: not null
+                    slots.setdefault(t[pos // bs], [None] * bs)[pos % bs] = tok
             ever_scheduled.add(rid)
-        for rid, start, toks, table in zip(
-            out.req_ids, out.num_computed_tokens, out.token_ids, out.block_tables
-        ):
+        for rid, start, toks, table, others, _ in rows:
             end = start + len(toks)
-            seen = [slots.get(table[p // bs], [None] * bs)[p % bs] for p in range(end)]
-            assert seen == tokens[rid][:end], f"{rid} attends to KV it does not own"
+            for t, window in zip((table, *others), windows):
+                # What the row's first query reads: all of it, or its window.
+                lo = max(0, start - window + 1) if window else 0
+                seen = [slots.get(t[p // bs], [None] * bs)[p % bs] for p in range(lo, end)]
+                assert seen == tokens[rid][lo:end], f"{rid} attends to KV it does not own"
 
         abort(step_no, mid_step=True)
         picks = {rid: sampled_token(by_id[rid]) for rid, s in zip(out.req_ids, out.sample) if s}
@@ -437,7 +453,7 @@ def test_random_workloads_run_to_completion(w: Workload) -> None:
         raise AssertionError("the workload did not finish in 1000 steps")
 
     assert finished | aborted == {r.request_id for r in reqs} and not finished & aborted
-    assert pool.num_free_blocks == pool.num_blocks and kv.req_blocks == {}
+    assert kv.num_used_blocks == 0 and kv.req_blocks == {}
     assert sched.running == [] and sched.num_waiting == 0
     last = sched.schedule()
     assert last.req_ids == []

@@ -237,7 +237,7 @@ def test_the_mirror_is_freed_as_soon_as_the_engine_runs_out_of_work(
     next request's step: an idle engine holds no decode mirror."""
     core = EngineCore(EngineConfig(num_kv_blocks=64), str(tiny_model_path))
     try:
-        cache = core.executor.runner.decode_cache  # type: ignore[attr-defined]
+        (cache,) = core.executor.runner.decode_caches  # type: ignore[attr-defined]
         assert cache is not None
         core.add_request(make_core_request("a", list(range(10, 40)), max_tokens=8))
         slots = []

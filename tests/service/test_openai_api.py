@@ -312,6 +312,8 @@ def test_models_health_and_metrics(tiny_server: LumenServer, tiny_model_path: Pa
     assert metric(after, "lumen:kv_cache_max_concurrency") == 2.0
     info = [k for k in after if k.startswith("lumen:cache_config_info{")]
     assert len(info) == 1 and 'num_gpu_blocks="256"' in info[0] and 'block_size="16"' in info[0]
+    # Per layer kind: one kind here (no window), every layer's blocks for the whole context.
+    assert metric(after, "lumen:kv_cache_blocks_per_request", layer_kind="full") == 2048 / 16
     assert (
         "maximum concurrency for 2,048 tokens per request: 2.00x"
         in tiny_server.log_path.read_text()

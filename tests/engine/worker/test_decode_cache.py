@@ -117,6 +117,80 @@ def test_mirror_matches_gather(
     assert cache.bytes_for(cache.num_slots, cache.width) <= cache.max_bytes
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    window=st.sampled_from([3, 8, 9, 17]),
+    budget_slot_tokens=st.sampled_from([40, 10_000]),
+)
+def test_a_ring_matches_gather_under_the_window(
+    seed: int, window: int, budget_slot_tokens: int
+) -> None:
+    """A sliding-window group's mirror keeps each slot's last ``ring`` positions (the window
+    in whole chunks), position p at p % ring: requests join with long contexts (several rings
+    over), decode, skip steps, move slots and leave; the block tables give the null block
+    (0, never written) behind each window, as the KV cache manager does. Every step matches
+    the gather path under the window's mask, and a slot never holds more than a ring."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    blocks_total = 200
+    k_cache = torch.zeros(blocks_total, BS, KVH, D)
+    v_cache = torch.zeros(blocks_total, BS, KVH, D)
+    per_token = 2 * KVH * D * 4
+    cache = DecodeCache(
+        1, KVH, D, BS, torch.float32, torch.device("cpu"), budget_slot_tokens * per_token,
+        window=window, chunk=CHUNK, ring=True,
+    )  # fmt: skip
+    assert cache.ring == -(-window // CHUNK) * CHUNK
+    free_blocks = list(range(1, blocks_total))  # block 0: the null block
+    rng.shuffle(free_blocks)
+    live: dict[str, tuple[list[int], int]] = {}
+    next_id = 0
+    wrapped = 0  # steps the mirror served with a row past its ring
+
+    def behind(table: list[int], start: int) -> list[int]:
+        first = max(0, start - window + 1) // BS
+        return [0] * first + table[first:]
+
+    for _ in range(40):
+        while len(live) < 5 and len(free_blocks) > 30 and rng.random() < 0.5:
+            n = rng.randint(1, 60)
+            blocks = [free_blocks.pop() for _ in range(-(-n // BS) + 3)]
+            for pos in range(n):
+                k_cache[blocks[pos // BS], pos % BS] = torch.randn(KVH, D)
+                v_cache[blocks[pos // BS], pos % BS] = torch.randn(KVH, D)
+            live[f"r{next_id}"] = (blocks, n)
+            next_id += 1
+        rows = [r for r in live if rng.random() < 0.8]
+        rng.shuffle(rows)
+        rows = [r for r in rows if live[r][1] < len(live[r][0]) * BS]
+        if rows:
+            starts = [live[r][1] for r in rows]
+            tables = [behind(live[r][0], st_) for r, st_ in zip(rows, starts)]
+            slots = torch.tensor([t[s // BS] * BS + s % BS for t, s in zip(tables, starts)])
+            q, k, v = torch.randn(len(rows), H, D), torch.randn(len(rows), KVH, D), torch.randn(
+                len(rows), KVH, D)  # fmt: skip
+            lens = [s + 1 for s in starts]
+            lens_t = torch.tensor(lens)
+            ref_k, ref_v = k_cache.clone(), v_cache.clone()
+            ref = windowed(reference_meta(slots, tables, lens), window, lens_t, q.dtype)
+            want = paged_attention(q, k, v, ref_k, ref_v, ref, 0.3)
+            meta = reference_meta(slots, tables, lens)
+            meta.decode_plan = cache.plan(rows, starts, tables)
+            got = paged_attention(
+                q, k, v, k_cache, v_cache, windowed(meta, window, lens_t, q.dtype), 0.3
+            )
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-5)
+            assert cache.width <= cache.ring
+            wrapped += meta.decode_plan is not None and max(starts) >= cache.ring
+            for r in rows:
+                live[r] = (live[r][0], live[r][1] + 1)
+        for r in [r for r in live if rng.random() < 0.1 or live[r][1] >= len(live[r][0]) * BS]:
+            free_blocks.extend(live.pop(r)[0])
+            cache.drop([r])
+    assert wrapped or budget_slot_tokens < 10_000  # a mirror with room did serve past a ring
+
+
 def test_stale_slot_is_refilled_after_a_step_without_it() -> None:
     """A request preempted and recomputed gets its slot copied in again, not reused."""
     k_cache = torch.randn(8, BS, KVH, D)

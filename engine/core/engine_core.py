@@ -136,9 +136,8 @@ class EngineCore:
         )  # fmt: skip
         for kind, layers, groups, blocks in capacity.kinds:
             logger.info(
-                "KV cache, %s layers: %d in %d group(s), %d blocks of %d tokens a sequence of "
-                "%s tokens at most", kind, layers, groups, blocks, config.block_size,
-                f"{max_model_len:,}",
+                "KV cache for %s layers (%d, in %d group(s)): a request of %s tokens holds %d "
+                "blocks of them at most", kind, layers, groups, f"{max_model_len:,}", blocks,
             )  # fmt: skip
 
     def add_request(self, request: EngineCoreRequest) -> EngineCoreOutput | None:

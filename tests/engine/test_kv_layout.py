@@ -91,8 +91,11 @@ def test_a_gemma3_core_reports_its_groups_and_frees_its_windows(
         # sequence holds 64 + 2 x 3 blocks.
         assert "KV cache size: 1,024 tokens" in text
         assert "maximum concurrency for 1,024 tokens per request: 2.74x" in text
-        assert "KV cache, sliding_window_32 layers: 2 in 2 group(s), 6 blocks" in text
-        assert "KV cache, full layers: 1 in 1 group(s), 64 blocks" in text
+        assert (
+            "KV cache for sliding_window_32 layers (2, in 2 group(s)): a request of 1,024 "
+            "tokens holds 6 blocks of them at most" in text
+        )
+        assert "KV cache for full layers (1, in 1 group(s)): a request of 1,024" in text
     finally:
         core.shutdown()
 

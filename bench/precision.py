@@ -33,7 +33,7 @@ import torch
 
 from bench.common import check_json_path, machine, print_table, write_json
 from bench.roofline import StepTimer
-from engine.config import check_quantization
+from engine.config import KV_8BIT, check_quantization
 
 PROMPTS = (
     "What is the capital of France?",
@@ -82,7 +82,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kv-cache-dtypes",
         default="",
-        help="KV cache dtypes to compare, each under a float32 model (e.g. bfloat16)",
+        help="KV cache dtypes to compare, each under a float32 model (bfloat16, float16, int8, "
+        "fp8)",
     )
     p.add_argument(
         "--quantizations",
@@ -99,10 +100,11 @@ def run(args: argparse.Namespace) -> int:
 
     dtypes = ["float32", *(d.strip() for d in args.dtypes.split(",") if d.strip())]
     kv_dtypes = [d.strip() for d in args.kv_cache_dtypes.split(",") if d.strip()]
-    for flag, given in (("--dtypes", dtypes), ("--kv-cache-dtypes", kv_dtypes)):
-        bad = [d for d in given if d not in DTYPES]
+    for flag, given, known in (("--dtypes", dtypes, DTYPES),
+                               ("--kv-cache-dtypes", kv_dtypes, (*DTYPES, *KV_8BIT))):  # fmt: skip
+        bad = [d for d in given if d not in known]
         if bad:
-            raise ValueError(f"{flag}: {', '.join(bad)} not one of {', '.join(DTYPES)}")
+            raise ValueError(f"{flag}: {', '.join(bad)} not one of {', '.join(known)}")
     quantizations = [q.strip() for q in args.quantizations.split(",") if q.strip()]
     for q in quantizations:
         check_quantization(q)
@@ -128,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         if label == "float32":
             reference = outputs
         timer = StepTimer(
-            path, torch.device("cpu"), getattr(torch, dtype), getattr(torch, kv_dtype),
+            path, torch.device("cpu"), getattr(torch, dtype),
+            getattr(torch, KV_8BIT.get(kv_dtype, kv_dtype)),
             quantization,
         )  # fmt: skip
         sequences = [p + o for p, o in zip(prompts, reference)]

@@ -110,8 +110,11 @@ def _read_panels(described: cpu_matmul.Panels, rows: int) -> Callable[[], object
 def kv_pass(cfg: ModelConfig, tokens: int, device: torch.device, dtype: torch.dtype) -> float:
     """Seconds to read the K and V of ``tokens`` context tokens once (every layer): the KV's
     share of a decode step's floor, timed as a sum over a tensor of that many bytes."""
-    elems = tokens * cfg.kv_bytes_per_token(dtype) // torch.empty((), dtype=dtype).element_size()
-    kv = torch.ones(elems, device=device, dtype=dtype)
+    # An 8-bit cache's bytes (codes and scales) are summed as fp32 words: the same bytes,
+    # read at the memory's speed (a sum of int8 values widens each one).
+    stored = torch.float32 if dtype.itemsize == 1 else dtype
+    elems = tokens * cfg.kv_bytes_per_token(dtype) // stored.itemsize
+    kv = torch.ones(elems, device=device, dtype=stored)
     with torch.inference_mode():
         return best_time(lambda: kv.sum(), repeat=5, device=device)
 

@@ -192,8 +192,9 @@ class ModelConfig:
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        elem = dtype.itemsize
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+        # An 8-bit cache's row: head_dim codes and a 4-byte scale (engine/worker/kv_quant.py).
+        row = self.head_dim * dtype.itemsize + (4 if dtype.itemsize == 1 else 0)
+        return 2 * self.num_layers * self.num_kv_heads * row
 
 
 def _windows(cfg: dict[str, Any], window: int | None, types: list[str] | None) -> dict[str, Any]:
@@ -239,6 +240,9 @@ def _added_token(path: Path, content: str) -> int | None:
 
 
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtypes by name
+# A KV cache's dtypes beside DTYPES: 8-bit codes with a scale a row (engine/worker/kv_quant.py),
+# by name -> torch's dtype name. fp8 is e4m3, as vLLM's fp8 on CPU.
+KV_8BIT = {"int8": "int8", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 
 # The generation_config.json keys that become defaults of a request (vLLM's list).
 GENERATION_DEFAULTS = (
@@ -274,9 +278,11 @@ class EngineConfig:
     kv_cache_dtype: str = field(
         default="auto",
         metadata={
-            "help": "auto (the model's dtype), float32, bfloat16 or float16: the KV cache's "
-            "dtype. bfloat16 halves the KV's memory and what decode attention reads; "
-            "`lumen bench precision --kv-cache-dtypes bfloat16` measures its accuracy"
+            "help": "auto (the model's dtype), float32, bfloat16, float16, int8 or fp8 (e4m3; "
+            "also fp8_e4m3): the KV cache's dtype. bfloat16 halves the KV's memory and what "
+            "decode attention reads; int8 and fp8 store 8-bit codes with a scale per "
+            "position and head (0.27 of fp32's bytes at head_dim 64). "
+            "`lumen bench precision --kv-cache-dtypes bfloat16,int8,fp8` measures their accuracy"
         },
     )
     quantization: str | None = field(
@@ -391,7 +397,7 @@ class EngineConfig:
             raise ValueError("num_kv_blocks must be at least 1")
         if self.transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be ipc or tcp, not {self.transport!r}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in (*DTYPES, *KV_8BIT):
             self.resolve_kv_cache_dtype(None)  # raises, saying what is accepted
         check_quantization(self.quantization)
         if self.device not in ("auto", "cpu", "cuda"):
@@ -451,15 +457,15 @@ class EngineConfig:
         if self.kv_cache_dtype == "auto":
             assert model_dtype is not None
             return model_dtype
-        if self.kv_cache_dtype not in DTYPES:
+        if self.kv_cache_dtype not in (*DTYPES, *KV_8BIT):
             raise ValueError(
-                f"kv_cache_dtype must be auto or one of {', '.join(DTYPES)}, not "
-                f"{self.kv_cache_dtype!r}" + (" (fp8 KV caches are not supported)"
+                f"kv_cache_dtype must be auto or one of {', '.join((*DTYPES, *KV_8BIT))}, not "
+                f"{self.kv_cache_dtype!r}" + (" (fp8 is e4m3 here; e5m2 is not supported)"
                                               if "fp8" in self.kv_cache_dtype else "")
             )  # fmt: skip
         import torch
 
-        return getattr(torch, self.kv_cache_dtype)
+        return getattr(torch, KV_8BIT.get(self.kv_cache_dtype, self.kv_cache_dtype))
 
     def resolve_kv_cache_bytes(self, device: torch.device) -> int:
         if self.kv_cache_memory_bytes is not None:

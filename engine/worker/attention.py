@@ -18,6 +18,8 @@ from typing import Protocol, cast
 import torch
 import torch.nn.functional as F
 
+from engine.worker.kv_quant import is_packed, pack, unpack
+
 
 class DecodeAttention(Protocol):
     """Attention of a step's decode rows read from elsewhere than the paged cache
@@ -137,13 +139,20 @@ def paged_attention(
     layer: int = 0,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] for the step's tokens. Returns [T, H, D]."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    num_kv_heads, row = k.shape[1], k_cache.shape[-1]
     # Every token's K/V is written before any read, so a request can use
     # blocks another request of the same step fills (a prefix-cache hit).
-    # A KV cache in a narrower dtype (--kv-cache-dtype) stores the rounded values;
-    # what is read back is widened to the queries' dtype.
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    # A KV cache in a narrower dtype (--kv-cache-dtype) stores the rounded values (8-bit: codes
+    # and a scale a row, kv_quant.py); what is read back is widened to the queries' dtype.
+    k_rows, v_rows = pack(k, k_cache.dtype), pack(v, v_cache.dtype)
+    k_cache.view(-1, num_kv_heads, row).index_copy_(0, meta.slot_mapping, k_rows)
+    v_cache.view(-1, num_kv_heads, row).index_copy_(0, meta.slot_mapping, v_rows)
+    if meta.prefills and is_packed(k_cache.dtype):
+        # A prefill chunk attends to its own keys as stored, as every later read does: the
+        # same tokens whether a sequence was prefilled, decoded or recomputed after preemption.
+        k_new, v_new = unpack(k_rows, q.dtype), unpack(v_rows, q.dtype)
+    else:
+        k_new, v_new = k, v
     gqa = q.shape[1] != num_kv_heads
     nd = meta.num_decodes
     if nd and meta.decode_plan is not None:
@@ -152,8 +161,8 @@ def paged_attention(
             return od
     elif nd:
         tables = cast("torch.Tensor", meta.decode_block_tables)  # set when decodes have no plan
-        kd = _gather(k_cache, tables, nd).to(q.dtype)
-        vd = _gather(v_cache, tables, nd).to(q.dtype)
+        kd = unpack(_gather(k_cache, tables, nd), q.dtype)
+        vd = unpack(_gather(v_cache, tables, nd), q.dtype)
         od = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
         ).squeeze(2)
@@ -165,8 +174,8 @@ def paged_attention(
     for p in meta.prefills:
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)
         if p.num_computed == 0:
-            kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            kp = k_new[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            vp = v_new[p.start : p.end].transpose(0, 1).unsqueeze(0)
             causal = p.mask is None  # else a sliding window's mask
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=p.mask, is_causal=causal, scale=scale, enable_gqa=gqa
@@ -174,8 +183,8 @@ def paged_attention(
         else:
             assert p.block_table is not None and p.mask is not None
             ctx = p.mask.shape[1]
-            kp = _gather(k_cache, p.block_table.unsqueeze(0), 1)[:, :, :ctx].to(q.dtype)
-            vp = _gather(v_cache, p.block_table.unsqueeze(0), 1)[:, :, :ctx].to(q.dtype)
+            kp = unpack(_gather(k_cache, p.block_table.unsqueeze(0), 1)[:, :, :ctx], q.dtype)
+            vp = unpack(_gather(v_cache, p.block_table.unsqueeze(0), 1)[:, :, :ctx], q.dtype)
             op = F.scaled_dot_product_attention(
                 qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=gqa
             )

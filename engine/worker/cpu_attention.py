@@ -30,12 +30,13 @@ from pathlib import Path
 import torch
 
 from engine import envs
-from engine.worker import autotune
+from engine.worker import autotune, kv_quant
 
 KERNELS = ("auto", "native", "torch")
 CHUNK = 128  # positions a chunk of the decode mirror holds (Chunks; the kernel's -DCHUNK)
 _ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
-KV_DTYPES = (torch.float32, torch.bfloat16)
+# The storage dtypes it reads: int8 and uint8 (fp8) are 8-bit rows with a scale (kv_quant.py).
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
 # torch's path: (q [slots, heads, D], k, v, width, mask, scale) -> [slots, heads, D]
 TorchPath = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, float], torch.Tensor
@@ -101,7 +102,9 @@ class NativeDecodeAttention:
         lib = ctypes.CDLL(str(library))
         self._fns = {}
         for dtype, name in ((torch.float32, "decode_attention_f32"),
-                            (torch.bfloat16, "decode_attention_bf16")):  # fmt: skip
+                            (torch.bfloat16, "decode_attention_bf16"),
+                            (torch.int8, "decode_attention_i8"),
+                            (torch.uint8, "decode_attention_f8")):  # fmt: skip
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
             self._fns[dtype] = fn
@@ -122,9 +125,10 @@ class NativeDecodeAttention:
         scale: float,
     ) -> torch.Tensor:
         """q: [rows, heads, D]; k, v: [rows, KVH, D], the rows' new K and V, written into
-        the mirror first; kb, vb: the layer's mirror in chunks of this kernel's (fp32 or
-        bf16); slots, positions: [rows] int64. Row r writes its K and V at position
-        positions[r] of slot slots[r], and attends to positions [0, positions[r]] there.
+        the mirror first; kb, vb: the layer's mirror in chunks of this kernel's (fp32, bf16,
+        or 8-bit rows with their scales: int8, uint8 for fp8); slots, positions: [rows]
+        int64. Row r writes its K and V at position positions[r] of slot slots[r], and
+        attends to positions [0, positions[r]] there.
         Returns [rows, heads, D] in q's dtype."""
         assert kb.chunk == self.chunk, (kb.chunk, self.chunk)
         qf = q.to(torch.float32).contiguous()
@@ -194,8 +198,8 @@ def _time_both(
 ) -> dict[str, float]:  # fmt: skip
     layers = 8  # distinct buffers, so the timing reads a cold-ish cache as a step does
     shape = (rows, kvh, context, head_dim)
-    ks = [torch.randn(shape).to(kv_dtype) for _ in range(layers)]
-    vs = [torch.randn(shape).to(kv_dtype) for _ in range(layers)]
+    ks = [kv_quant.pack(torch.randn(shape), kv_dtype) for _ in range(layers)]
+    vs = [kv_quant.pack(torch.randn(shape), kv_dtype) for _ in range(layers)]
     q = torch.randn(rows, kvh * group, head_dim)
     k_new = torch.randn(rows, kvh, head_dim)
     slots = torch.arange(rows)
@@ -210,7 +214,8 @@ def _time_both(
 
     def torch_() -> None:  # as the engine runs it: the mirror's chunks joined first
         for k, v in chunked:
-            torch_path(q, k.joined(rows, 0, context), v.joined(rows, 0, context), context, mask,
+            torch_path(q, kv_quant.unpack(k.joined(rows, 0, context), q.dtype),
+                       kv_quant.unpack(v.joined(rows, 0, context), q.dtype), context, mask,
                        0.125)  # fmt: skip
 
     return autotune.best_of_each({"native": native, "torch": torch_}, rounds=3)

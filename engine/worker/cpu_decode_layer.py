@@ -85,10 +85,17 @@ class _F32(ctypes.Structure):  # decode_layer.c's f32_weight_t
     _fields_ = [("w", _P), ("n", ctypes.c_int64), ("k", ctypes.c_int64), ("sgemm", _P)]
 
 
+# The KV caches a fused step reads: fp32, and bf16 and 8-bit rows (int8; uint8 holds fp8:
+# kv_quant.py), whose new rows the attention kernel writes into the mirror (rounded, or packed)
+# and the layer then copies into the paged cache.
+FUSED_KV = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
+
+
 class _Attn(ctypes.Structure):
     _fields_ = [("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
                 ("head_dim", ctypes.c_int64), ("scale", ctypes.c_float),
-                ("attention", _P)]  # fmt: skip
+                ("attention", _P), ("row_bytes", ctypes.c_int64),
+                ("elem_bytes", ctypes.c_int64)]  # fmt: skip
 
 
 class _Layer(ctypes.Structure):
@@ -277,11 +284,12 @@ class NativeLayers:
         self._attention = 0
         return self._whole_rows
 
-    def _describe(self, attention: int) -> list[_Layer]:
+    def _describe(self, attention: int, row_bytes: int = 0, elem_bytes: int = 4) -> list[_Layer]:
         if self._attention != attention:
             described = []
             for i, lay in enumerate(self.layers):
-                attn = _Attn(lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.scale, attention)
+                attn = _Attn(lay.num_heads, lay.num_kv_heads, lay.head_dim, lay.scale, attention,
+                             row_bytes, elem_bytes)  # fmt: skip
                 norm_in, norm_mlp = self._weights[i]
                 layer = _Layer(norm_in=norm_in.data_ptr(), norm_mlp=norm_mlp.data_ptr(),
                                eps=self._eps, attn=attn)  # fmt: skip
@@ -313,10 +321,13 @@ class NativeLayers:
                 or not isinstance(plan, DecodePlan) or not plan.native
                 or plan.cache.native is None or plan.cache.window or h.dtype != torch.float32
                 or tables[0].shape[-1] != self.layers[0].head_dim
-                or kv_caches[0][0].dtype != torch.float32
+                or kv_caches[0][0].dtype not in FUSED_KV
                 or not kv_caches[0][0].is_contiguous()):  # fmt: skip
             return None
-        described = self._describe(plan.cache.native.address(torch.float32))
+        kv = kv_caches[0][0]
+        row_bytes = kv.shape[-1] * kv.element_size() if kv.dtype != torch.float32 else 0
+        described = self._describe(plan.cache.native.address(kv.dtype), row_bytes,
+                                   kv.element_size())  # fmt: skip
         cos, sin = (t.reshape(rows, -1).contiguous() for t in tables)
         h = h.contiguous()
         threads = torch.get_num_threads()

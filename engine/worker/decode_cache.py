@@ -37,6 +37,7 @@ import torch
 from engine.worker import heap
 from engine.worker.attention import additive_mask
 from engine.worker.cpu_attention import CHUNK, Chunks, NativeDecodeAttention
+from engine.worker.kv_quant import SCALE_BYTES, is_packed, pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,8 @@ class DecodePlan:
         if self.cache.native is not None and self.native:  # it writes the rows' K and V
             return self.cache.native(q, k, v, kb, vb, self.slot_idx, self.positions, scale)
         at = self.positions % self.cache.ring if self.cache.ring else self.positions
-        kb.set_rows(self.slot_idx, at, k.to(kb.dtype))
-        vb.set_rows(self.slot_idx, at, v.to(vb.dtype))
+        kb.set_rows(self.slot_idx, at, pack(k, kb.dtype))
+        vb.set_rows(self.slot_idx, at, pack(v, vb.dtype))
         assert self.mask is not None
         if self.in_order:
             qs = q
@@ -119,6 +120,8 @@ class DecodePlan:
         first, chunk = self.first_chunk, kb.chunk
         k_all = kb.joined(self.used, first, self.width)
         v_all = vb.joined(self.used, first, self.width)
+        if is_packed(k_all.dtype):  # 8-bit rows: their values, for torch's path
+            k_all, v_all = unpack(k_all, q.dtype), unpack(v_all, q.dtype)
         mask = self.mask[..., first * chunk :] if first else self.mask
         out = torch_attention(qs, k_all, v_all, self.width - first * chunk, mask, scale)
         return out if self.in_order else out[self.slot_idx]
@@ -172,7 +175,9 @@ class DecodeCache:
         self.head_dim = head_dim
         self.block_size = block_size
         self.dtype = dtype  # the model's: queries and masks
-        self.kv_dtype = kv_dtype or dtype  # the mirror's, the paged cache's
+        self.kv_dtype = kv_dtype or dtype  # the mirror's, the paged cache's (storage dtype)
+        # Elements of a stored row: head_dim, and an 8-bit cache's scale (kv_quant.py).
+        self.row = head_dim + SCALE_BYTES if is_packed(self.kv_dtype) else head_dim
         self.window = window  # the local layers' sliding window (0: none)
         if ring:  # torch's path, its mask the window's
             native = None
@@ -194,7 +199,7 @@ class DecodeCache:
         self.length: list[int] = []  # valid positions of each slot
 
     def bytes_for(self, slots: int, width: int) -> int:
-        per = self.num_kv_heads * self.head_dim * torch.finfo(self.kv_dtype).bits // 8
+        per = self.num_kv_heads * self.row * self.kv_dtype.itemsize
         return 2 * self.num_layers * slots * width * per
 
     def drop(self, req_ids: list[str]) -> None:
@@ -328,7 +333,7 @@ class DecodeCache:
         return slots, moves
 
     def _part(self, slots: int) -> torch.Tensor:
-        shape = (slots, self.num_kv_heads, self.chunk, self.head_dim)
+        shape = (slots, self.num_kv_heads, self.chunk, self.row)
         if self.native is not None and not self.window:  # it reads only what rows wrote
             return torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         # Zeroed for torch's path: slots outside a row's length are masked, but a masked NaN

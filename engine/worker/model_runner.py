@@ -9,7 +9,7 @@ import torch
 
 from engine.config import GiB, ModelConfig
 from engine.kv_layout import KVLayout
-from engine.worker import cpu_threads, heap
+from engine.worker import cpu_threads, heap, kv_quant
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask, windowed
 from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.decode_cache import DecodeCache
@@ -81,13 +81,16 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         num_kv_heads = self.cfg.num_kv_heads // self.shard.size
-        shape = (num_blocks, self.block_size, num_kv_heads, self.cfg.head_dim)
+        # An 8-bit cache's rows hold their codes and a scale (kv_quant.py).
+        row = kv_quant.row_width(self.cfg.head_dim, self.kv_dtype)
+        stored = kv_quant.storage_dtype(self.kv_dtype)
+        shape = (num_blocks, self.block_size, num_kv_heads, row)
         if self.device.type == "cpu":
             _check_fits_in_memory(num_blocks * self.block_bytes() * self.shard.size)
         # Zeroed: padded reads are masked, but a masked NaN would still poison P @ V. One
         # pair per place in a KV group: layer l uses its group's blocks of pair layer_slot[l].
         pairs = [
-            (_zeros(shape, self.kv_dtype, self.device), _zeros(shape, self.kv_dtype, self.device))
+            (_zeros(shape, stored, self.device), _zeros(shape, stored, self.device))
             for _ in range(self.layout.group_size)
         ]
         self.kv_caches = [pairs[j] for j in self.layout.layer_slot]
@@ -98,13 +101,13 @@ class ModelRunner:
             # cache's own size, avoids it (on CUDA the gather is cheap). A group with a
             # window mirrors only its window (a ring).
             group = self.cfg.num_heads // self.cfg.num_kv_heads
-            choice = self.kernels.choose_attention(group, self.cfg.head_dim, self.kv_dtype)
+            choice = self.kernels.choose_attention(group, self.cfg.head_dim, stored)
             layout = self.layout
             budget = num_blocks * self.block_bytes()  # each group's, at most the pool's size
             self.decode_caches = [
                 DecodeCache(
                     self.cfg.num_layers, num_kv_heads, self.cfg.head_dim, self.block_size,
-                    self.dtype, self.device, max_bytes=budget, kv_dtype=self.kv_dtype,
+                    self.dtype, self.device, max_bytes=budget, kv_dtype=stored,
                     native=choice.kernel, window=window or self.cfg.sliding_window,
                     layers=[i for i, gi in enumerate(layout.layer_group) if gi == g],
                     ring=bool(window),

@@ -172,9 +172,9 @@ def test_precision_bench_refuses_an_unknown_dtype() -> None:
     code, stderr = lumen_bench_refused("precision", "--dtypes", "int4")
     assert code != 0
     assert "int4 not one of float32, bfloat16, float16" in stderr
-    code, stderr = lumen_bench_refused("precision", "--kv-cache-dtypes", "fp8")
+    code, stderr = lumen_bench_refused("precision", "--kv-cache-dtypes", "fp8_e5m2")
     assert code != 0
-    assert "--kv-cache-dtypes: fp8 not one of" in stderr
+    assert "--kv-cache-dtypes: fp8_e5m2 not one of" in stderr
 
 
 def test_one_stream_bench_states_each_system_against_its_floor(

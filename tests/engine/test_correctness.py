@@ -225,20 +225,27 @@ def test_tiny_llama_matches_hf_with_each_greedy_head(
     _check_setting(tiny_model_path, setting, tiny_references)
 
 
-def test_bf16_kv_cache_holds_twice_the_tokens_and_every_decode_path_agrees(
-    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+# --kv-cache-dtype -> the bytes of one KV row at head_dim D (8-bit: codes and a 4-byte scale)
+NARROW_KV = {"bfloat16": lambda d: 2 * d, "int8": lambda d: d + 4, "fp8": lambda d: d + 4}
+
+
+@pytest.mark.parametrize("kv_dtype", list(NARROW_KV))
+def test_a_narrow_kv_cache_holds_more_tokens_and_every_decode_path_agrees(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch, kv_dtype: str
 ) -> None:
-    """--kv-cache-dtype bfloat16 under an fp32 model: the same memory holds twice the blocks,
-    and the three ways decode reads a bf16 KV (the mirror through the native kernel, the
-    mirror through torch, the paged gather when preemption squeezes the mirror out) give the
-    same greedy tokens."""
+    """--kv-cache-dtype bfloat16, int8 or fp8 under an fp32 model: the same memory holds more
+    blocks (fp32's row bytes over its own), and the three ways decode reads its KV (the mirror
+    through the native kernel, the mirror through torch, the paged gather when preemption
+    squeezes the mirror out) give the same greedy tokens."""
     budget = 1 << 20
     fp32 = LLM(str(tiny_model_path), kv_cache_memory_bytes=budget)
     fp32_blocks = fp32.get_stats().num_kv_blocks_total
     fp32.shutdown()
-    bf16 = LLM(str(tiny_model_path), kv_cache_memory_bytes=budget, kv_cache_dtype="bfloat16")
-    assert bf16.get_stats().num_kv_blocks_total == 2 * fp32_blocks
-    bf16.shutdown()
+    head_dim = ModelConfig.from_path(tiny_model_path).head_dim
+    narrow = LLM(str(tiny_model_path), kv_cache_memory_bytes=budget, kv_cache_dtype=kv_dtype)
+    want = fp32_blocks * 4 * head_dim // NARROW_KV[kv_dtype](head_dim)
+    assert abs(narrow.get_stats().num_kv_blocks_total - want) <= 1
+    narrow.shutdown()
 
     prompts = [{"prompt_token_ids": p} for p in _random_prompts(seed=3)]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -249,7 +256,7 @@ def test_bf16_kv_cache_holds_twice_the_tokens_and_every_decode_path_agrees(
         ("squeezed", "native", SETTINGS["preemption"][0]),
     ):
         monkeypatch.setenv("LUMEN_CPU_ATTENTION", kernel)
-        llm = LLM(str(tiny_model_path), kv_cache_dtype="bfloat16", **options)
+        llm = LLM(str(tiny_model_path), kv_cache_dtype=kv_dtype, **options)
         outs = llm.generate(prompts, params, use_tqdm=False)
         runs[name] = [o.outputs[0].token_ids for o in outs]
         if name == "squeezed":
@@ -258,7 +265,7 @@ def test_bf16_kv_cache_holds_twice_the_tokens_and_every_decode_path_agrees(
     assert runs["native"] == runs["torch"] == runs["squeezed"]
 
 
-@pytest.mark.parametrize("value", ["fp8", "int8", "float64"])
+@pytest.mark.parametrize("value", ["fp8_e5m2", "int4", "float64"])
 def test_unknown_kv_cache_dtype_is_a_clear_error(tiny_model_path: Path, value: str) -> None:
     with pytest.raises(ValueError, match="kv_cache_dtype must be auto or one of float32, bfloat16"):
         LLM(str(tiny_model_path), kv_cache_dtype=value)

@@ -13,6 +13,8 @@ static inline float from_bf16(uint16_t x) {
 }
 #define FROM_F32(x) (x)
 #define TO_F32(x) (x)
+
+
 /* Positions ahead whose K (or V) row is prefetched: a row is DIM values, so 16 rows is 4 KiB
    of fp32 ahead at DIM 64. Without it the kernel read the KV at 17 GB/s on 2 threads of a
    Xeon that streams 32: it waits on each row's cache misses in turn (its sums run at 50 GB/s
@@ -30,22 +32,150 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* 8-bit rows (engine/worker/kv_quant.py): DIM codes, then the row's fp32 scale, value =
+   code * scale. int8: code = round(x / scale), scale = max|x| / 127. fp8 (e4m3, stored as
+   bytes): code = e4m3(x / scale), scale = max|x| / 448. Both round to nearest even, as
+   torch's packing does, so a row the kernel writes equals the one torch writes. */
+#define ROW8 (DIM + 4)
+#define SCALE8(row) (*(const float *)((const char *)(row) + DIM))
+#define FROM_I8(x) ((float)(x))
+#define ONE(row) 1.0f
+
+/* e4m3 (bias 7, 3 mantissa bits, no infinities) -> fp32, without branches: a normal code's
+   exponent and mantissa moved into place and re-biased, a subnormal's mantissa * 2^-9. */
+static inline float from_e4m3(uint8_t b) {
+    union { uint32_t u; float f; } v, r;
+    const uint32_t em = b & 0x7fu;
+    v.u = (em << 20) + (120u << 23);
+    r.f = em < 8 ? (float)(b & 7u) * 0.001953125f : v.f;
+    r.u |= (uint32_t)(b & 0x80u) << 24;
+    return r.f;
+}
+
+/* fp32 (|x| <= 448, finite) -> e4m3, rounding to nearest even */
+__attribute__((optimize("no-fast-math")))
+static inline uint8_t to_e4m3(float x) {
+    union { float f; uint32_t u; } v;
+    v.f = x;
+    const uint8_t sign = (uint8_t)((v.u >> 24) & 0x80u);
+    v.u &= 0x7fffffffu;
+    if (v.f < 0.015625f) return sign | (uint8_t)lrintf(v.f * 512.f); /* subnormal: m * 2^-9 */
+    uint32_t u = v.u + 0x7ffffu + ((v.u >> 20) & 1u);
+    return sign | (uint8_t)((u >> 20) - (120u << 3));
+}
+
+/* Row [DIM] of fp32 into an 8-bit row: its codes and its scale. Compiled without
+   -ffast-math's reciprocal (x / scale as x * (1 / scale) rounds some codes the other way),
+   so that it writes the bytes torch's packing writes. */
+#define PACK8(NAME, T, LARGEST, CODE)                                                      \
+__attribute__((optimize("no-fast-math")))                                                  \
+static void NAME(const float *x, T *row) {                                                 \
+    float amax = 0.f;                                                                      \
+    for (int d = 0; d < DIM; d++) amax = fmaxf(amax, fabsf(x[d]));                         \
+    float scale = amax / LARGEST;                                                          \
+    if (scale < 1.17549435e-38f) scale = 1.17549435e-38f;                                 \
+    for (int d = 0; d < DIM; d++) {                                                        \
+        float c = x[d] / scale;                                                            \
+        c = c > LARGEST ? LARGEST : (c < -LARGEST ? -LARGEST : c);                         \
+        row[d] = CODE(c);                                                                  \
+    }                                                                                      \
+    *(float *)((char *)row + DIM) = scale;                                                 \
+}
+#define I8_CODE(c) ((int8_t)lrintf(c))
+PACK8(pack_i8, int8_t, 127.f, I8_CODE)
+PACK8(pack_f8, uint8_t, 448.f, to_e4m3)
+
+/* A float row's store: each value cast. */
+#define STORE_ROW(NAME, T, STORE)                                                          \
+static inline void NAME(const float *x, T *row) {                                          \
+    for (int d = 0; d < DIM; d++) row[d] = STORE(x[d]);                                    \
+}
+STORE_ROW(store_f32, float, TO_F32)
+STORE_ROW(store_bf16, uint16_t, to_bf16)
+
 /* Positions a chunk of the mirror holds (cpu_attention.CHUNK, or a test's -DCHUNK). */
 #ifndef CHUNK
 #define CHUNK 128
 #endif
 _Static_assert((CHUNK & (CHUNK - 1)) == 0, "CHUNK must be a power of two");
 
+/* A row of DIM values as fp32: an fp32 row as it lies, another converted once into BUF (and
+   then read by each of the GROUP query heads; converting in each head's loop instead cost an
+   int8 step at 64 rows about a tenth of its attention). */
+#define KEEP_F32(row, buf) (row)
+#define CONVERTER(NAME, T, LOAD)                                                           \
+static inline const float *NAME(const T *row, float *buf) {                                \
+    _Pragma("omp simd")                                                                    \
+    for (int d = 0; d < DIM; d++) buf[d] = LOAD(row[d]);                                   \
+    return buf;                                                                            \
+}
+CONVERTER(cvt_bf16, uint16_t, from_bf16)
+CONVERTER(cvt_i8, int8_t, FROM_I8)
+CONVERTER(cvt_f8, uint8_t, from_e4m3)
+
+/* The GROUP query heads' dot products with one key row, into dot[GROUP]. Where GROUP is at
+   most 4 and DIM a multiple of the vector width, each head's products add up in one vector,
+   and the (up to) four vectors are summed across their lanes together, halving their lanes
+   at each step: about 15 shuffles and adds for the four sums, where one reduction per head
+   took about 8 each. (At 64 rows x 512 positions of SmolLM2, an int8 KV's attention is bound
+   by its instructions, not its bytes: the reductions were the most of them.) */
+#if defined(__AVX512F__)
+#define VW 16
+#elif defined(__AVX__)
+#define VW 8
+#else
+#define VW 4
+#endif
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int vi __attribute__((vector_size(VW * 4)));
+#if GROUP <= 4 && DIM % VW == 0
+static inline vf load_vf(const float *p) {
+    vf x;
+    __builtin_memcpy(&x, p, sizeof x);
+    return x;
+}
+/* (a, b) -> their adjacent pairs' sums, a's in the first half of the lanes, b's in the second */
+static inline vf pair_sums(vf a, vf b) {
+    vi even, odd;
+    for (int i = 0; i < VW; i++) {
+        even[i] = 2 * i;
+        odd[i] = 2 * i + 1;
+    }
+    return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
+}
+static inline void group_dots(const float *qh, const float *kx, float *dot) {
+    vf acc[4] = {{0}, {0}, {0}, {0}};
+    for (int j = 0; j < DIM; j += VW) {
+        const vf kj = load_vf(kx + j);
+        for (int g = 0; g < GROUP; g++) acc[g] += load_vf(qh + g * DIM + j) * kj;
+    }
+    /* four vectors -> one whose lanes hold each head's partial sums, VW / 4 apiece */
+    vf r = pair_sums(pair_sums(acc[0], acc[1]), pair_sums(acc[2], acc[3]));
+    for (int w = VW / 4; w > 1; w /= 2) r = pair_sums(r, r);
+    for (int g = 0; g < GROUP; g++) dot[g] = r[g];
+}
+#else
+static inline void group_dots(const float *qh, const float *kx, float *dot) {
+    for (int g = 0; g < GROUP; g++) {
+        const float *qg = qh + g * DIM;
+        float a = 0.f;
+        _Pragma("omp simd reduction(+:a)")
+        for (int d = 0; d < DIM; d++) a += qg[d] * kx[d];
+        dot[g] = a;
+    }
+}
+#endif
+
 /* Position t of a walk over chunk table TAB at offset OFF (CHUNKS chunks in the walk): ROW,
    advanced a row each step by the loop, is re-based at each chunk's start, as is AHEAD,
    PREFETCH_ROWS positions on, whose row is then prefetched. */
-#define NEXT_ROW(TAB, OFF, CHUNKS, t, ROW, AHEAD)                                          \
+#define NEXT_ROW(TAB, OFF, CHUNKS, t, ROW, AHEAD, ROWLEN)                                  \
     do {                                                                                   \
         if (((t) & (CHUNK - 1)) == 0) ROW = TAB[(t) / CHUNK] + (OFF);                      \
         const int64_t ahead_ = (t) + PREFETCH_ROWS;                                        \
         if ((ahead_ & (CHUNK - 1)) == 0 && ahead_ < (CHUNKS) * CHUNK)                      \
             AHEAD = TAB[ahead_ / CHUNK] + (OFF);                                           \
-        for (int b_ = 0; b_ < (int)(DIM * sizeof(*(AHEAD))); b_ += 64)                     \
+        for (int b_ = 0; b_ < (int)(ROWLEN * sizeof(*(AHEAD))); b_ += 64)                  \
             PREFETCH((const char *)(AHEAD) + b_);                                          \
     } while (0)
 
@@ -74,7 +204,7 @@ static int64_t segments(int64_t pairs, int64_t max_n, int threads) {
    16 and 64 rows at 128 and 512 positions). A task is a pair's part [lo, hi) of its positions
    (all of them where the pairs are not split); the part holding the last writes the new K and
    V first. */
-#define DECODE_ATTENTION(NAME, T, LOAD, STORE)                                             \
+#define DECODE_ATTENTION(NAME, T, CVT, PUT_ROW, ROWLEN, SCALE_OF)                          \
 int NAME(const float *q, float *out, const float *k_new, const float *v_new,               \
          T *const *k, T *const *v, const int64_t *slots, const int64_t *positions,         \
          int64_t rows, int64_t kvh, int64_t slot_stride, int64_t head_stride, float scale, \
@@ -101,28 +231,23 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new,    
             const int64_t chunks = (n + CHUNK - 1) / CHUNK, last = n - 1;                  \
             const float *qh = q + pair * GROUP * DIM;                                      \
             if (hi == n) {                                                                 \
-                T *kw = k[last / CHUNK] + off + (last % CHUNK) * DIM;                      \
-                T *vw = v[last / CHUNK] + off + (last % CHUNK) * DIM;                      \
-                for (int d = 0; d < DIM; d++) {                                            \
-                    kw[d] = STORE(k_new[pair * DIM + d]);                                  \
-                    vw[d] = STORE(v_new[pair * DIM + d]);                                  \
-                }                                                                          \
+                PUT_ROW(k_new + pair * DIM, k[last / CHUNK] + off + (last % CHUNK) * ROWLEN); \
+                PUT_ROW(v_new + pair * DIM, v[last / CHUNK] + off + (last % CHUNK) * ROWLEN); \
             }                                                                              \
             /* the row PREFETCH_ROWS past lo, where the walk has one */                    \
-            const int64_t ahead = lo + PREFETCH_ROWS, at = (ahead % CHUNK) * DIM;           \
+            const int64_t ahead = lo + PREFETCH_ROWS, at = (ahead % CHUNK) * ROWLEN;        \
             const int fits = ahead < chunks * CHUNK;                                       \
-            float mx[GROUP], sum[GROUP], acc[GROUP * DIM];                                 \
+            float mx[GROUP], sum[GROUP], acc[GROUP * DIM], row_[DIM];                      \
             for (int g = 0; g < GROUP; g++) mx[g] = -3.0e38f;                              \
-            const T *kr = k[lo / CHUNK] + off + (lo % CHUNK) * DIM;                        \
+            const T *kr = k[lo / CHUNK] + off + (lo % CHUNK) * ROWLEN;                     \
             const T *kp = fits ? k[ahead / CHUNK] + off + at : kr;                         \
-            for (int64_t t = lo; t < hi; t++, kr += DIM, kp += DIM) {                      \
-                NEXT_ROW(k, off, chunks, t, kr, kp);                                       \
+            for (int64_t t = lo; t < hi; t++, kr += ROWLEN, kp += ROWLEN) {                \
+                NEXT_ROW(k, off, chunks, t, kr, kp, ROWLEN);                               \
+                const float ks = scale * SCALE_OF(kr), *kx = CVT(kr, row_);                \
+                float dot[GROUP];                                                          \
+                group_dots(qh, kx, dot);                                                   \
                 for (int g = 0; g < GROUP; g++) {                                          \
-                    const float *qg = qh + g * DIM;                                        \
-                    float a = 0.f;                                                         \
-                    _Pragma("omp simd reduction(+:a)")                                     \
-                    for (int d = 0; d < DIM; d++) a += qg[d] * LOAD(kr[d]);                \
-                    a *= scale;                                                            \
+                    const float a = dot[g] * ks;                                           \
                     s[g * len + t - lo] = a;                                               \
                     if (a > mx[g]) mx[g] = a;                                              \
                 }                                                                          \
@@ -138,14 +263,15 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new,    
                 sum[g] = z;                                                                \
                 for (int d = 0; d < DIM; d++) acc[g * DIM + d] = 0.f;                      \
             }                                                                              \
-            const T *vr = v[lo / CHUNK] + off + (lo % CHUNK) * DIM;                        \
+            const T *vr = v[lo / CHUNK] + off + (lo % CHUNK) * ROWLEN;                     \
             const T *vp = fits ? v[ahead / CHUNK] + off + at : vr;                         \
-            for (int64_t t = lo; t < hi; t++, vr += DIM, vp += DIM) {                      \
-                NEXT_ROW(v, off, chunks, t, vr, vp);                                       \
+            for (int64_t t = lo; t < hi; t++, vr += ROWLEN, vp += ROWLEN) {                \
+                NEXT_ROW(v, off, chunks, t, vr, vp, ROWLEN);                               \
+                const float vs = SCALE_OF(vr), *vx = CVT(vr, row_);                        \
                 for (int g = 0; g < GROUP; g++) {                                          \
-                    float p = s[g * len + t - lo], *ag = acc + g * DIM;                    \
+                    float p = s[g * len + t - lo] * vs, *ag = acc + g * DIM;               \
                     _Pragma("omp simd")                                                    \
-                    for (int d = 0; d < DIM; d++) ag[d] += p * LOAD(vr[d]);                \
+                    for (int d = 0; d < DIM; d++) ag[d] += p * vx[d];                      \
                 }                                                                          \
             }                                                                              \
             if (seg == 1) {                                                                \
@@ -194,5 +320,7 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new,    
     return failed;                                                                         \
 }
 
-DECODE_ATTENTION(decode_attention_f32, float, FROM_F32, TO_F32)
-DECODE_ATTENTION(decode_attention_bf16, uint16_t, from_bf16, to_bf16)
+DECODE_ATTENTION(decode_attention_f32, float, KEEP_F32, store_f32, DIM, ONE)
+DECODE_ATTENTION(decode_attention_bf16, uint16_t, cvt_bf16, store_bf16, DIM, ONE)
+DECODE_ATTENTION(decode_attention_i8, int8_t, cvt_i8, pack_i8, ROW8, SCALE8)
+DECODE_ATTENTION(decode_attention_f8, uint8_t, cvt_f8, pack_f8, ROW8, SCALE8)

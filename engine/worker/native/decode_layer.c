@@ -13,9 +13,9 @@
 #include <string.h>
 #include <omp.h>
 
-/* decode_attention_f32 (native/decode_attention.c) */
+/* decode_attention_f32, or _i8 / _f8 over an 8-bit mirror (native/decode_attention.c) */
 typedef int (*attention_fn)(const float *q, float *out, const float *k_new, const float *v_new,
-                            float *const *k, float *const *v, const int64_t *slots,
+                            void *const *k, void *const *v, const int64_t *slots,
                             const int64_t *positions,
                             int64_t rows, int64_t kvh, int64_t slot_stride, int64_t head_stride,
                             float scale, int threads);
@@ -106,13 +106,19 @@ typedef struct {
     int64_t heads, kv_heads, head_dim;
     float scale;
     attention_fn attention;
+    /* 0: an fp32 KV cache. Else the bytes of a bf16 row, or of an 8-bit one (head_dim codes
+       and a 4-byte scale, engine/worker/kv_quant.py): the attention kernel writes each new
+       row into the mirror (rounded, or packed), and that row's bytes are copied into the paged
+       cache after it. */
+    int64_t row_bytes;
+    int64_t elem_bytes;  /* of the mirror's elements, whose strides the step gives */
 } attn_t;
 
 typedef struct {
     const float *cos, *sin;            /* [m, head_dim]: each row's rotary tables */
     const int64_t *slot_mapping;       /* [m]: each row's row of the paged KV cache */
     float *k_cache, *v_cache;          /* the layer's paged cache, [rows, kv_heads, head_dim] */
-    float *const *kb, *const *vb;      /* the layer's decode mirror: its chunk tables */
+    void *const *kb, *const *vb;       /* the layer's decode mirror: its chunk tables */
     const int64_t *slots, *positions;  /* [m]: each row's mirror slot and position */
     int64_t slot_stride, head_stride;
 } step_t;
@@ -167,6 +173,7 @@ int rope_attend(const attn_t *A, const step_t *S, const float *qkv, float *out, 
         for (int64_t a = 0; a < A->kv_heads; a++)
             rotate(row + qs + a * D, cos, sin, D, k + r * kvs + a * D);
         memcpy(v + r * kvs, row + qs + kvs, sizeof(float) * (size_t)kvs);
+        if (A->row_bytes) continue;  /* 8-bit: written after attention packs the rows */
         memcpy(S->k_cache + S->slot_mapping[r] * kvs, k + r * kvs, sizeof(float) * (size_t)kvs);
         memcpy(S->v_cache + S->slot_mapping[r] * kvs, v + r * kvs, sizeof(float) * (size_t)kvs);
     }
@@ -174,6 +181,24 @@ int rope_attend(const attn_t *A, const step_t *S, const float *qkv, float *out, 
                                     A->kv_heads, S->slot_stride, S->head_stride, A->scale,
                                     threads);
     free(q);
+    if (!failed && A->row_bytes) {
+        /* Each new row as the kernel packed it in the mirror (chunks of CHUNK rows, strides
+           in bytes), into the paged cache's row of its slot. */
+        const int64_t rb = A->row_bytes, e = A->elem_bytes;
+        const int64_t head = S->head_stride * e, chunk = head / rb;
+        for (int64_t r = 0; r < m; r++) {
+            const int64_t p = S->positions[r];
+            const int64_t at = S->slots[r] * S->slot_stride * e + (p % chunk) * rb;
+            char *kc = (char *)S->k_cache + S->slot_mapping[r] * A->kv_heads * rb;
+            char *vc = (char *)S->v_cache + S->slot_mapping[r] * A->kv_heads * rb;
+            const char *ks = (const char *)S->kb[p / chunk] + at;
+            const char *vs = (const char *)S->vb[p / chunk] + at;
+            for (int64_t h = 0; h < A->kv_heads; h++) {
+                memcpy(kc + h * rb, ks + h * head, (size_t)rb);
+                memcpy(vc + h * rb, vs + h * head, (size_t)rb);
+            }
+        }
+    }
     return failed ? -1 : 0;
 }
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
-from engine.worker import cpu_attention
+from engine.worker import cpu_attention, kv_quant
 from engine.worker.attention import AttentionMetadata, paged_attention, windowed
 from engine.worker.cpu_attention import Chunks
 from engine.worker.decode_cache import DecodeCache
@@ -40,7 +40,11 @@ def native_kernel() -> cpu_attention.NativeDecodeAttention:
     )
 
 
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "kv_dtype",
+    [torch.float32, torch.bfloat16, torch.int8, torch.uint8],
+    ids=["fp32", "bf16", "int8", "fp8"],  # fp8 rows are stored as uint8 (kv_quant.py)
+)
 @pytest.mark.parametrize("kernel", ["torch", "native"])
 @settings(max_examples=30, deadline=None)
 @given(
@@ -57,9 +61,10 @@ def test_mirror_matches_gather(
     kernel the others run) matches the gather path under the window's mask."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    k_cache = torch.zeros(BLOCKS, BS, KVH, D, dtype=kv_dtype)
-    v_cache = torch.zeros(BLOCKS, BS, KVH, D, dtype=kv_dtype)
-    per_token = 2 * KVH * D * kv_dtype.itemsize
+    row = D + 4 if kv_quant.is_packed(kv_dtype) else D  # 8-bit: codes, then the row's scale
+    k_cache = torch.zeros(BLOCKS, BS, KVH, row, dtype=kv_dtype)
+    v_cache = torch.zeros(BLOCKS, BS, KVH, row, dtype=kv_dtype)
+    per_token = 2 * KVH * row * kv_dtype.itemsize
     cache = DecodeCache(
         1, KVH, D, BS, torch.float32, torch.device("cpu"), budget_slot_tokens * per_token,
         kv_dtype=kv_dtype, native=native_kernel() if kernel == "native" else None,
@@ -75,8 +80,8 @@ def test_mirror_matches_gather(
             n = rng.randint(1, 14)
             blocks = [free_blocks.pop() for _ in range(-(-n // BS) + 1)]
             for pos in range(n):
-                k_cache[blocks[pos // BS], pos % BS] = torch.randn(KVH, D)
-                v_cache[blocks[pos // BS], pos % BS] = torch.randn(KVH, D)
+                k_cache[blocks[pos // BS], pos % BS] = kv_quant.pack(torch.randn(KVH, D), kv_dtype)
+                v_cache[blocks[pos // BS], pos % BS] = kv_quant.pack(torch.randn(KVH, D), kv_dtype)
             live[f"r{next_id}"] = (blocks, n)
             next_id += 1
         rows = [r for r in live if rng.random() < 0.8]
@@ -322,3 +327,20 @@ def test_the_mirror_is_freed_as_soon_as_the_engine_runs_out_of_work(
         assert cache.num_slots == 0 and cache.k == [] and cache.slot_of == {}
     finally:
         core.shutdown()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.uint8], ids=["int8", "fp8"])
+def test_the_kernel_packs_a_new_row_as_torch_does(kv_dtype: torch.dtype) -> None:
+    """The native kernel writes each row's new K and V into an 8-bit mirror itself: the bytes
+    (codes and scale) are kv_quant.pack's, over values from 1e-4 to 1e3, so the mirror and the
+    paged cache (packed by torch) hold the same KV."""
+    kernel = native_kernel()
+    torch.manual_seed(0)
+    rows = 32
+    x = torch.randn(rows, KVH, D) * 10 ** torch.empty(rows, 1, 1).uniform_(-4, 3)
+    parts = [torch.zeros(rows, KVH, CHUNK, D + 4, dtype=kv_dtype) for _ in range(2)]
+    kb, vb = Chunks.of(parts[:1], CHUNK), Chunks.of(parts[1:], CHUNK)
+    q = torch.randn(rows, H, D)
+    kernel(q, x, -x, kb, vb, torch.arange(rows), torch.zeros(rows, dtype=torch.long), 0.1)
+    assert torch.equal(parts[0][:, :, 0], kv_quant.pack(x, kv_dtype))
+    assert torch.equal(parts[1][:, :, 0], kv_quant.pack(-x, kv_dtype))

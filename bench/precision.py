@@ -91,6 +91,12 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         help="weight quantizations to compare, each on a float32 model (int8, int4)",
     )
     p.add_argument("--max-tokens", type=int, default=48, help="greedy output tokens per prompt")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="the prompts' chat template, for a model that has none (a file, a built-in name "
+        "or Jinja, as lumen serve's; e.g. gemma for the packaged Gemma 3 270M)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     p.set_defaults(func=run)
 
@@ -126,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
     reference: list[list[int]] = []
     ref_logits: list[torch.Tensor] = []
     for label, dtype, kv_dtype, quantization in settings:
-        outputs, prompts, gen_s = _generate(path, dtype, kv_dtype, quantization, args.max_tokens)
+        outputs, prompts, gen_s = _generate(
+            path, dtype, kv_dtype, quantization, args.max_tokens, args.chat_template
+        )
         if label == "float32":
             reference = outputs
         timer = StepTimer(
@@ -201,8 +209,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(
-    path: str, dtype: str, kv_dtype: str, quantization: str | None, max_tokens: int
-) -> tuple[list[list[int]], list[list[int]], float]:
+    path: str, dtype: str, kv_dtype: str, quantization: str | None, max_tokens: int,
+    chat_template: str | None = None,
+) -> tuple[list[list[int]], list[list[int]], float]:  # fmt: skip
     from engine import LLM, SamplingParams
 
     llm = LLM(model=path, dtype=dtype, kv_cache_dtype=kv_dtype, quantization=quantization,
@@ -211,7 +220,7 @@ def _generate(
         conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         t0 = time.perf_counter()
-        outs = llm.chat(conversations, params, use_tqdm=False)
+        outs = llm.chat(conversations, params, use_tqdm=False, chat_template=chat_template)
         seconds = time.perf_counter() - t0
     finally:
         llm.shutdown()

@@ -69,13 +69,25 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
 
-        self.num_running = gauge("lumen:num_requests_running", "Requests in the running batch.")
-        self.num_waiting = gauge("lumen:num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("lumen:kv_cache_usage_perc", "KV cache usage (1 = 100 percent).")
+        # The gauges a router reads (llm-d's scheduler, the Gateway API Inference Extension's
+        # endpoint picker) also under vLLM's own names and labels (model_name, engine), set
+        # together with Lumen's.
+        def for_routers(name: str, doc: str) -> Any:
+            lumen = gauge(f"lumen:{name}", doc)
+            vllm = Gauge(f"vllm:{name}", f"{doc} vLLM's name, for routers.",
+                         [*m, "engine"], registry=r).labels(model_name, "0")  # fmt: skip
+            return _Twin(lumen, vllm)
+
+        self.num_running = for_routers("num_requests_running", "Requests in the running batch.")
+        self.num_waiting = for_routers("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = for_routers("kv_cache_usage_perc", "KV cache usage (1 = 100 percent).")
         # vLLM's cache_config_info (its label names), and what it holds in tokens and requests.
-        self.cache_info = Gauge(
-            "lumen:cache_config_info", "The KV cache's configuration (labels; the value is 1).",
-            ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"], registry=r,
+        info = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"]
+        self.cache_info = _Twin(
+            Gauge("lumen:cache_config_info",
+                  "The KV cache's configuration (labels; the value is 1).", info, registry=r),
+            Gauge("vllm:cache_config_info", "The KV cache's configuration (labels; the value "
+                  "is 1). vLLM's name, for routers.", info, registry=r),
         )  # fmt: skip
         self.kv_tokens = gauge(
             "lumen:kv_cache_capacity_tokens",
@@ -85,7 +97,7 @@ class ServerMetrics:
             "lumen:kv_cache_blocks_per_request",
             "KV blocks one request of max_model_len tokens holds at most, per layer kind: full "
             "(every token kept) or sliding_window_<W> (the window's blocks only).",
-            ["layer_kind", "num_layers"], registry=r,
+            [*m, "layer_kind", "num_layers"], registry=r,
         )  # fmt: skip
         self.max_concurrency = gauge(
             "lumen:kv_cache_max_concurrency",
@@ -238,7 +250,7 @@ class ServerMetrics:
         self.kv_tokens.set(capacity.tokens)
         self.max_concurrency.set(capacity.max_concurrency)
         for kind, layers, _, blocks in capacity.kinds:
-            self.kv_blocks_per_request.labels(kind, str(layers)).set(blocks)
+            self.kv_blocks_per_request.labels(self.model_name, kind, str(layers)).set(blocks)
 
     def observe_delivery(self, lag_s: float, waited_s: float) -> None:
         """Called from the trace writer thread."""
@@ -340,3 +352,19 @@ def observe_all(histogram: Any, values: Sequence[float]) -> None:
     histogram._sum.inc(sum(values))
     for i, n in counts.items():
         histogram._buckets[i].inc(n)
+
+
+class _Twin:
+    """Two gauges set together: Lumen's, and the same figure under vLLM's name."""
+
+    __slots__ = ("lumen", "vllm")
+
+    def __init__(self, lumen: Any, vllm: Any) -> None:
+        self.lumen, self.vllm = lumen, vllm
+
+    def set(self, value: float) -> None:
+        self.lumen.set(value)
+        self.vllm.set(value)
+
+    def labels(self, *values: str) -> _Twin:
+        return _Twin(self.lumen.labels(*values), self.vllm.labels(*values))

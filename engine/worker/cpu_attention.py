@@ -34,7 +34,8 @@ from engine.worker import autotune, kv_quant
 
 KERNELS = ("auto", "native", "torch")
 CHUNK = 128  # positions a chunk of the decode mirror holds (Chunks; the kernel's -DCHUNK)
-_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int]
+_ARGTYPES = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 4 + [ctypes.c_float, ctypes.c_int,
+                                                            ctypes.c_int64]  # fmt: skip
 # The storage dtypes it reads: int8 and uint8 (fp8) are 8-bit rows with a scale (kv_quant.py).
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
 # torch's path: (q [slots, heads, D], k, v, width, mask, scale) -> [slots, heads, D]
@@ -123,12 +124,15 @@ class NativeDecodeAttention:
         slots: torch.Tensor,
         positions: torch.Tensor,
         scale: float,
+        ring: int = 0,
     ) -> torch.Tensor:
         """q: [rows, heads, D]; k, v: [rows, KVH, D], the rows' new K and V, written into
         the mirror first; kb, vb: the layer's mirror in chunks of this kernel's (fp32, bf16,
         or 8-bit rows with their scales: int8, uint8 for fp8); slots, positions: [rows]
         int64. Row r writes its K and V at position positions[r] of slot slots[r], and
-        attends to positions [0, positions[r]] there.
+        attends to positions [0, positions[r]] there; with ``ring`` (a sliding window's
+        mirror, as long as the window), position p lies at place p % ring and the row attends
+        to every place it has filled.
         Returns [rows, heads, D] in q's dtype."""
         assert kb.chunk == self.chunk, (kb.chunk, self.chunk)
         qf = q.to(torch.float32).contiguous()
@@ -138,7 +142,7 @@ class NativeDecodeAttention:
         failed = self._fns[kb.dtype](
             qf.data_ptr(), out.data_ptr(), kf.data_ptr(), vf.data_ptr(), kb.table.data_ptr(),
             vb.table.data_ptr(), slots.data_ptr(), positions.data_ptr(), q.shape[0],
-            part.shape[1], part.stride(0), part.stride(1), scale, torch.get_num_threads(),
+            part.shape[1], part.stride(0), part.stride(1), scale, torch.get_num_threads(), ring,
         )  # fmt: skip
         if failed:
             raise MemoryError("decode attention: could not allocate its score buffer")

@@ -106,7 +106,8 @@ class DecodePlan:
         """Attention of the decode rows (q, k, v: [nd, heads, D]) over their slots."""
         kb, vb = self.mirror(layer, k_cache, v_cache)
         if self.cache.native is not None and self.native:  # it writes the rows' K and V
-            return self.cache.native(q, k, v, kb, vb, self.slot_idx, self.positions, scale)
+            return self.cache.native(q, k, v, kb, vb, self.slot_idx, self.positions, scale,
+                                     self.cache.ring)  # fmt: skip
         at = self.positions % self.cache.ring if self.cache.ring else self.positions
         kb.set_rows(self.slot_idx, at, pack(k, kb.dtype))
         vb.set_rows(self.slot_idx, at, pack(v, vb.dtype))
@@ -179,10 +180,12 @@ class DecodeCache:
         # Elements of a stored row: head_dim, and an 8-bit cache's scale (kv_quant.py).
         self.row = head_dim + SCALE_BYTES if is_packed(self.kv_dtype) else head_dim
         self.window = window  # the local layers' sliding window (0: none)
-        if ring:  # torch's path, its mask the window's
-            native = None
+        chunk = native.chunk if native is not None else chunk
+        ring_width = -(-window // chunk) * chunk if ring and window else 0
+        if ring_width and ring_width != window:
+            native = None  # a ring longer than its window masks its oldest places: torch's path
         self.native = native  # the compiled CPU kernel, else torch's path
-        if native is not None and window:
+        if native is not None and window and not ring_width:
             logger.info("native decode attention has no sliding window: the local layers "
                         "run torch's path")  # fmt: skip
         self.device = device
@@ -190,7 +193,7 @@ class DecodeCache:
         # Chunks of CHUNK positions; the native kernel's own (tests build it smaller).
         self.chunk = native.chunk if native is not None else chunk
         # A ring's positions per slot (0: not a ring): the window, in whole chunks.
-        self.ring = -(-window // self.chunk) * self.chunk if ring and window else 0
+        self.ring = ring_width
         self.k: list[Chunks] = []
         self.v: list[Chunks] = []
         self.num_slots = 0
@@ -258,7 +261,7 @@ class DecodeCache:
         mask = window_mask = None
         window_first = 0
         if self.ring:
-            mask = self._ring_mask(used, span)
+            mask = self._ring_mask(used, span) if self.native is None else None
         elif self.native is None or self.window:
             # A slot no row uses this step shows its first position: finite, never NaN.
             lens = torch.tensor([max(n, 1) for n in self.length[:used]], device=dev).unsqueeze(1)

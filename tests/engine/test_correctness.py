@@ -113,8 +113,9 @@ def test_gemma3_local_layers_beside_the_native_decode_kernel(
     family_references: dict[str, dict[int, list[list[int]]]],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The native decode attention has no window: Gemma 3's local layers run torch's path
-    beside it, its global layer the kernel."""
+    """The tiny Gemma 3's window (32) is shorter than a ring of one chunk (128): its local
+    layers run torch's path over their rings, masking the oldest places, beside the kernel
+    on its global layer."""
     monkeypatch.setenv("LUMEN_CPU_ATTENTION", "native")
     _check_setting(tiny_family_path("gemma3"), "default", family_references["gemma3"])
 

@@ -34,8 +34,9 @@ def test_gemma3_270m_matches_hf(gemma_model_path: Path, monkeypatch: pytest.Monk
     """The real Gemma 3 270M (from its GGUF file): 32 greedy tokens of each prompt, batched,
     equal transformers' of each prompt alone. Its kernels are set, not timed (timing them on
     a 262,144-token head took 20 s of this test): oneDNN's products where this torch has
-    them, a native greedy head over the whole vocabulary, and the native decode attention on
-    the global layers beside torch's on the local ones. The prompts are encoded by the
+    them, a native greedy head over the whole vocabulary, and the native decode attention,
+    over the global layers' mirror and the local layers' rings (the window's 512 places,
+    wrapped by the two long prompts). The prompts are encoded by the
     engine's own tokenizer (AutoTokenizer's class, as tests/engine/test_tokenizer_load.py
     holds it): loading Gemma's 33 MB tokenizer.json a second time took 7 s of this test."""
     from engine.worker import cpu_matmul

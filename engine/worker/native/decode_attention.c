@@ -202,16 +202,22 @@ static int64_t segments(int64_t pairs, int64_t max_n, int threads) {
    pointer (and the prefetch's, PREFETCH_ROWS ahead) moved to the next chunk at a chunk's
    start: a loop over the chunks, with a loop over each one's rows, read 20-26% slower (a Xeon,
    16 and 64 rows at 128 and 512 positions). A task is a pair's part [lo, hi) of its positions
-   (all of them where the pairs are not split); the part holding the last writes the new K and
-   V first. */
+   (all of them where the pairs are not split); the part holding the new row's place writes it
+   first.
+
+   ring > 0: the mirror is a sliding window's ring (engine/worker/decode_cache.py) of ring
+   places, as long as the window: position p lies at place p % ring, and row r attends to the
+   min(p + 1, ring) places it has (all of them once the ring has wrapped), its new row written
+   at place p % ring. */
 #define DECODE_ATTENTION(NAME, T, CVT, PUT_ROW, ROWLEN, SCALE_OF)                          \
 int NAME(const float *q, float *out, const float *k_new, const float *v_new,               \
          T *const *k, T *const *v, const int64_t *slots, const int64_t *positions,         \
          int64_t rows, int64_t kvh, int64_t slot_stride, int64_t head_stride, float scale, \
-         int threads) {                                                                    \
+         int threads, int64_t ring) {                                                      \
     int64_t max_n = 0;                                                                     \
     for (int64_t r = 0; r < rows; r++)                                                     \
         if (positions[r] + 1 > max_n) max_n = positions[r] + 1;                            \
+    if (ring && max_n > ring) max_n = ring;                                                \
     const int64_t pairs = rows * kvh, seg = segments(pairs, max_n, threads);               \
     /* a split pair's parts: each one's maximum and sum per query head, then its V sums */ \
     float *parts = seg > 1 ? malloc(sizeof(float) * pairs * seg * GROUP * (DIM + 2)) : 0;  \
@@ -225,12 +231,13 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new,    
         for (int64_t task = 0; task < pairs * seg; task++) {                               \
             if (!s) continue;                                                              \
             const int64_t pair = task / seg, part = task % seg;                            \
-            const int64_t r = pair / kvh, h = pair % kvh, n = positions[r] + 1;            \
+            const int64_t r = pair / kvh, h = pair % kvh, p_ = positions[r];               \
+            const int64_t n = ring && p_ >= ring ? ring : p_ + 1;                          \
             const int64_t lo = part * n / seg, hi = (part + 1) * n / seg, len = hi - lo;   \
             const int64_t off = slots[r] * slot_stride + h * head_stride;                  \
-            const int64_t chunks = (n + CHUNK - 1) / CHUNK, last = n - 1;                  \
+            const int64_t chunks = (n + CHUNK - 1) / CHUNK, last = ring ? p_ % ring : n - 1; \
             const float *qh = q + pair * GROUP * DIM;                                      \
-            if (hi == n) {                                                                 \
+            if (lo <= last && last < hi) {                                                 \
                 PUT_ROW(k_new + pair * DIM, k[last / CHUNK] + off + (last % CHUNK) * ROWLEN); \
                 PUT_ROW(v_new + pair * DIM, v[last / CHUNK] + off + (last % CHUNK) * ROWLEN); \
             }                                                                              \

@@ -18,7 +18,7 @@ typedef int (*attention_fn)(const float *q, float *out, const float *k_new, cons
                             void *const *k, void *const *v, const int64_t *slots,
                             const int64_t *positions,
                             int64_t rows, int64_t kvh, int64_t slot_stride, int64_t head_stride,
-                            float scale, int threads);
+                            float scale, int threads, int64_t ring);
 
 /* y [m, w->n] = x [m, w->k] . w: a native product over a weight it describes */
 typedef struct {
@@ -179,7 +179,7 @@ int rope_attend(const attn_t *A, const step_t *S, const float *qkv, float *out, 
     }
     const int failed = A->attention(q, out, k, v, S->kb, S->vb, S->slots, S->positions, m,
                                     A->kv_heads, S->slot_stride, S->head_stride, A->scale,
-                                    threads);
+                                    threads, 0);
     free(q);
     if (!failed && A->row_bytes) {
         /* Each new row as the kernel packed it in the mirror (chunks of CHUNK rows, strides

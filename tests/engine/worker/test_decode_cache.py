@@ -122,20 +122,23 @@ def test_mirror_matches_gather(
     assert cache.bytes_for(cache.num_slots, cache.width) <= cache.max_bytes
 
 
-@settings(max_examples=40, deadline=None)
+@pytest.mark.parametrize("kernel", ["torch", "native"])
+@settings(max_examples=30, deadline=None)
 @given(
     seed=st.integers(0, 2**32 - 1),
-    window=st.sampled_from([3, 8, 9, 17]),
+    window=st.sampled_from([3, 8, 9, 16, 17]),
     budget_slot_tokens=st.sampled_from([40, 10_000]),
 )
 def test_a_ring_matches_gather_under_the_window(
-    seed: int, window: int, budget_slot_tokens: int
+    kernel: str, seed: int, window: int, budget_slot_tokens: int
 ) -> None:
     """A sliding-window group's mirror keeps each slot's last ``ring`` positions (the window
     in whole chunks), position p at p % ring: requests join with long contexts (several rings
     over), decode, skip steps, move slots and leave; the block tables give the null block
     (0, never written) behind each window, as the KV cache manager does. Every step matches
-    the gather path under the window's mask, and a slot never holds more than a ring."""
+    the gather path under the window's mask, and a slot never holds more than a ring. The
+    native kernel reads a ring as long as its window (8, 16: whole chunks) in place; a longer
+    ring masks its oldest places on torch's path."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     blocks_total = 200
@@ -145,8 +148,10 @@ def test_a_ring_matches_gather_under_the_window(
     cache = DecodeCache(
         1, KVH, D, BS, torch.float32, torch.device("cpu"), budget_slot_tokens * per_token,
         window=window, chunk=CHUNK, ring=True,
+        native=native_kernel() if kernel == "native" else None,
     )  # fmt: skip
     assert cache.ring == -(-window // CHUNK) * CHUNK
+    assert (cache.native is not None) == (kernel == "native" and window % CHUNK == 0)
     free_blocks = list(range(1, blocks_total))  # block 0: the null block
     rng.shuffle(free_blocks)
     live: dict[str, tuple[list[int], int]] = {}

@@ -130,9 +130,10 @@ class EngineCore:
         capacity = kv_capacity(
             layout.windows, layout.group_size, num_blocks, config.block_size, max_model_len
         )
+        logger.info("KV cache size: %s tokens", f"{capacity.tokens:,}")
         logger.info(
-            "KV cache size: %s tokens; maximum concurrency for %s tokens per request: %.2fx",
-            f"{capacity.tokens:,}", f"{max_model_len:,}", capacity.max_concurrency,
+            "Maximum concurrency for %s tokens per request: %.2fx",
+            f"{max_model_len:,}", capacity.max_concurrency,
         )  # fmt: skip
         for kind, layers, groups, blocks in capacity.kinds:
             logger.info(

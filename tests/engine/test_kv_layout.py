@@ -90,7 +90,7 @@ def test_a_gemma3_core_reports_its_groups_and_frees_its_windows(
         # 192 usable blocks over 3 groups: 64 blocks of 16 tokens each; a 1,024-token
         # sequence holds 64 + 2 x 3 blocks.
         assert "KV cache size: 1,024 tokens" in text
-        assert "maximum concurrency for 1,024 tokens per request: 2.74x" in text
+        assert "Maximum concurrency for 1,024 tokens per request: 2.74x" in text
         assert (
             "KV cache for sliding_window_32 layers (2, in 2 group(s)): a request of 1,024 "
             "tokens holds 6 blocks of them at most" in text

@@ -320,7 +320,7 @@ def test_models_health_and_metrics(tiny_server: LumenServer, tiny_model_path: Pa
     # Per layer kind: one kind here (no window), every layer's blocks for the whole context.
     assert metric(after, "lumen:kv_cache_blocks_per_request", layer_kind="full") == 2048 / 16
     assert (
-        "maximum concurrency for 2,048 tokens per request: 2.00x"
+        "Maximum concurrency for 2,048 tokens per request: 2.00x"
         in tiny_server.log_path.read_text()
     )
 

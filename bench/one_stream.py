@@ -49,6 +49,12 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="llama.cpp's model (default: the default model's own GGUF, fetched once)",
     )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="the prompt's chat template, for a model that has none (a file, a built-in name "
+        "or Jinja, as lumen serve's; e.g. gemma for the packaged Gemma 3 270M)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     p.set_defaults(func=run)
 
@@ -90,15 +96,19 @@ def lumen_bytes_per_token(path: str, quantization: str | None, context: int) -> 
     return layers * BYTES_PER_WEIGHT[quantization] + head * head_bytes + kv
 
 
-def run_lumen(path: str, quantization: str | None, max_tokens: int, repeats: int) -> float:
+def run_lumen(
+    path: str, quantization: str | None, max_tokens: int, repeats: int,
+    chat_template: str | None = None,
+) -> float:  # fmt: skip
     from engine import LLM, SamplingParams
 
     llm = LLM(model=path, quantization=quantization, enable_prefix_caching=False)
     try:
         chat = [[{"role": "user", "content": PROMPT}]]
-        llm.chat(chat, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
+        kw = {"use_tqdm": False, "chat_template": chat_template}
+        llm.chat(chat, SamplingParams(temperature=0, max_tokens=8), **kw)  # warm-up
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        return max(max_tokens / _timed(lambda: llm.chat(chat, params, use_tqdm=False))
+        return max(max_tokens / _timed(lambda: llm.chat(chat, params, **kw))
                    for _ in range(repeats))  # fmt: skip
     finally:
         llm.shutdown()
@@ -162,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     context = args.max_tokens // 2 + 24  # the mean context of a run (the prompt is ~24 tokens)
     rows: list[dict[str, Any]] = []
     for q in settings:
-        tok_s = run_lumen(path, q, args.max_tokens, args.repeats)
+        tok_s = run_lumen(path, q, args.max_tokens, args.repeats, args.chat_template)
         rows.append({"system": f"lumen {q or 'fp32'}", "tok_s": tok_s,
                      "bytes_per_token": lumen_bytes_per_token(path, q, context)})  # fmt: skip
     llama_note = _llama_cpp(args, rows)

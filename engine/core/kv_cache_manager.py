@@ -15,8 +15,9 @@ A model with sliding-window layers has several KV groups (engine/kv_layout.py):
 the request then holds one such table per group, and a sliding group's table
 starts with the null block where its blocks fell behind the window::
 
-    group 0 (full)        |  7  |  2  |  9  |  4  |   every block kept
-    group 1 (window 20)   | nul | nul |  3  |  5  |   position 41: keys (21, 41]
+    16 tokens a block, 42 computed: the next query (41) reads keys (21, 41]
+    group 0 (full)        |  7  |  2  |  9  |   every block kept
+    group 1 (window 20)   | nul |  3  |  5  |   block 0 (tokens 0-15) behind the window
 
 A group's blocks are cached under their own key (the group in the hash), so a
 prefix hit needs every group's blocks: a full group's from the start, a

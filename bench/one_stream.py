@@ -105,11 +105,13 @@ def run_lumen(
     llm = LLM(model=path, quantization=quantization, enable_prefix_caching=False)
     try:
         chat = [[{"role": "user", "content": PROMPT}]]
-        kw = {"use_tqdm": False, "chat_template": chat_template}
-        llm.chat(chat, SamplingParams(temperature=0, max_tokens=8), **kw)  # warm-up
+
+        def run(params: SamplingParams) -> object:
+            return llm.chat(chat, params, use_tqdm=False, chat_template=chat_template)
+
+        run(SamplingParams(temperature=0, max_tokens=8))  # warm-up
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        return max(max_tokens / _timed(lambda: llm.chat(chat, params, **kw))
-                   for _ in range(repeats))  # fmt: skip
+        return max(max_tokens / _timed(lambda: run(params)) for _ in range(repeats))
     finally:
         llm.shutdown()
 

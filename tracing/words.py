@@ -16,7 +16,8 @@ QUEUE_LIMITS: dict[str | None, tuple[str, str]] = {
     ),
     "kv_blocks": (
         "KV blocks (none free for its prompt)",
-        "give the KV cache more blocks: --num-kv-blocks or --kv-cache-memory-bytes",
+        "give the KV cache more blocks: --num-kv-blocks or --kv-cache-memory-bytes, or more "
+        "tokens a block: --kv-cache-dtype int8",
     ),
     "token_budget": (
         "token_budget (the step's --max-num-batched-tokens was spent)",
@@ -24,7 +25,8 @@ QUEUE_LIMITS: dict[str | None, tuple[str, str]] = {
     ),
     "preemption": (
         "preemption (preempted requests went first)",
-        "more KV blocks (--num-kv-blocks or --kv-cache-memory-bytes) avoid preemption",
+        "more KV blocks (--num-kv-blocks or --kv-cache-memory-bytes; --kv-cache-dtype int8 "
+        "stores a token in about a quarter of fp32's bytes) avoid preemption",
     ),
     None: (
         "no recorded limit (load above capacity?)",

@@ -16,8 +16,8 @@ QUEUE_LIMITS: dict[str | None, tuple[str, str]] = {
     ),
     "kv_blocks": (
         "KV blocks (none free for its prompt)",
-        "give the KV cache more blocks: --num-kv-blocks or --kv-cache-memory-bytes, or more "
-        "tokens a block: --kv-cache-dtype int8",
+        "give the KV cache more blocks: --num-kv-blocks or --kv-cache-memory-bytes, or "
+        "smaller ones in the same memory: --kv-cache-dtype int8",
     ),
     "token_budget": (
         "token_budget (the step's --max-num-batched-tokens was spent)",

@@ -22,6 +22,10 @@ static inline float from_bf16(uint16_t x) {
    same Xeon that read 8-10% faster again at 16 and 64 rows (fetched into L1, the prefetches
    hold the L1's few miss buffers that the loads need); 8 or 32 rows ahead read slower. */
 #define PREFETCH_ROWS 16
+/* An 8-bit row is 68 bytes at DIM 64, so 16 rows ahead is only 1 KiB: 128 rows (about 8 KiB)
+   read int8's 64 rows x 512 positions 11% faster (17.3 against 19.5 ms, 30 layers, AMD EPYC
+   Zen 5, 2 threads); 32 and 64 rows ahead, 5-6%. */
+#define PREFETCH_ROWS8 128
 #define PREFETCH(p) __builtin_prefetch((p), 0, 2)
 
 /* Round to nearest even, as torch's .to(torch.bfloat16) does. */
@@ -169,10 +173,10 @@ static inline void group_dots(const float *qh, const float *kx, float *dot) {
 /* Position t of a walk over chunk table TAB at offset OFF (CHUNKS chunks in the walk): ROW,
    advanced a row each step by the loop, is re-based at each chunk's start, as is AHEAD,
    PREFETCH_ROWS positions on, whose row is then prefetched. */
-#define NEXT_ROW(TAB, OFF, CHUNKS, t, ROW, AHEAD, ROWLEN)                                  \
+#define NEXT_ROW(TAB, OFF, CHUNKS, t, ROW, AHEAD, ROWLEN, LEAD)                            \
     do {                                                                                   \
         if (((t) & (CHUNK - 1)) == 0) ROW = TAB[(t) / CHUNK] + (OFF);                      \
-        const int64_t ahead_ = (t) + PREFETCH_ROWS;                                        \
+        const int64_t ahead_ = (t) + (LEAD);                                               \
         if ((ahead_ & (CHUNK - 1)) == 0 && ahead_ < (CHUNKS) * CHUNK)                      \
             AHEAD = TAB[ahead_ / CHUNK] + (OFF);                                           \
         for (int b_ = 0; b_ < (int)(ROWLEN * sizeof(*(AHEAD))); b_ += 64)                  \
@@ -209,7 +213,7 @@ static int64_t segments(int64_t pairs, int64_t max_n, int threads) {
    places, as long as the window: position p lies at place p % ring, and row r attends to the
    min(p + 1, ring) places it has (all of them once the ring has wrapped), its new row written
    at place p % ring. */
-#define DECODE_ATTENTION(NAME, T, CVT, PUT_ROW, ROWLEN, SCALE_OF)                          \
+#define DECODE_ATTENTION(NAME, T, CVT, PUT_ROW, ROWLEN, SCALE_OF, LEAD)                    \
 int NAME(const float *q, float *out, const float *k_new, const float *v_new,               \
          T *const *k, T *const *v, const int64_t *slots, const int64_t *positions,         \
          int64_t rows, int64_t kvh, int64_t slot_stride, int64_t head_stride, float scale, \
@@ -242,14 +246,14 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new,    
                 PUT_ROW(v_new + pair * DIM, v[last / CHUNK] + off + (last % CHUNK) * ROWLEN); \
             }                                                                              \
             /* the row PREFETCH_ROWS past lo, where the walk has one */                    \
-            const int64_t ahead = lo + PREFETCH_ROWS, at = (ahead % CHUNK) * ROWLEN;        \
+            const int64_t ahead = lo + (LEAD), at = (ahead % CHUNK) * ROWLEN;               \
             const int fits = ahead < chunks * CHUNK;                                       \
             float mx[GROUP], sum[GROUP], acc[GROUP * DIM], row_[DIM];                      \
             for (int g = 0; g < GROUP; g++) mx[g] = -3.0e38f;                              \
             const T *kr = k[lo / CHUNK] + off + (lo % CHUNK) * ROWLEN;                     \
             const T *kp = fits ? k[ahead / CHUNK] + off + at : kr;                         \
             for (int64_t t = lo; t < hi; t++, kr += ROWLEN, kp += ROWLEN) {                \
-                NEXT_ROW(k, off, chunks, t, kr, kp, ROWLEN);                               \
+                NEXT_ROW(k, off, chunks, t, kr, kp, ROWLEN, LEAD);                         \
                 const float ks = scale * SCALE_OF(kr), *kx = CVT(kr, row_);                \
                 float dot[GROUP];                                                          \
                 group_dots(qh, kx, dot);                                                   \
@@ -273,7 +277,7 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new,    
             const T *vr = v[lo / CHUNK] + off + (lo % CHUNK) * ROWLEN;                     \
             const T *vp = fits ? v[ahead / CHUNK] + off + at : vr;                         \
             for (int64_t t = lo; t < hi; t++, vr += ROWLEN, vp += ROWLEN) {                \
-                NEXT_ROW(v, off, chunks, t, vr, vp, ROWLEN);                               \
+                NEXT_ROW(v, off, chunks, t, vr, vp, ROWLEN, LEAD);                         \
                 const float vs = SCALE_OF(vr), *vx = CVT(vr, row_);                        \
                 for (int g = 0; g < GROUP; g++) {                                          \
                     float p = s[g * len + t - lo] * vs, *ag = acc + g * DIM;               \
@@ -327,7 +331,7 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new,    
     return failed;                                                                         \
 }
 
-DECODE_ATTENTION(decode_attention_f32, float, KEEP_F32, store_f32, DIM, ONE)
-DECODE_ATTENTION(decode_attention_bf16, uint16_t, cvt_bf16, store_bf16, DIM, ONE)
-DECODE_ATTENTION(decode_attention_i8, int8_t, cvt_i8, pack_i8, ROW8, SCALE8)
-DECODE_ATTENTION(decode_attention_f8, uint8_t, cvt_f8, pack_f8, ROW8, SCALE8)
+DECODE_ATTENTION(decode_attention_f32, float, KEEP_F32, store_f32, DIM, ONE, PREFETCH_ROWS)
+DECODE_ATTENTION(decode_attention_bf16, uint16_t, cvt_bf16, store_bf16, DIM, ONE, PREFETCH_ROWS)
+DECODE_ATTENTION(decode_attention_i8, int8_t, cvt_i8, pack_i8, ROW8, SCALE8, PREFETCH_ROWS8)
+DECODE_ATTENTION(decode_attention_f8, uint8_t, cvt_f8, pack_f8, ROW8, SCALE8, PREFETCH_ROWS8)

@@ -38,10 +38,12 @@ def warm_up(
     steps = WARMUP_DECODE_STEPS + 2
     lengths = [min(n, max_model_len - steps - 1) for n in WARMUP_PROMPT_TOKENS]
     needed = [-(-(n + steps) // config.block_size) for n in lengths]
-    if min(lengths) < 1 or sum(needed) > num_blocks:
+    # Block 0 is left alone: a model with sliding windows keeps it as the null block, which is
+    # never written (engine/core/kv_cache_manager.py).
+    if min(lengths) < 1 or 1 + sum(needed) > num_blocks:
         return 0.0, []
     ids = ("lumen-warmup-greedy", "lumen-warmup-sampled")
-    tables = [list(range(needed[0])), list(range(needed[0], sum(needed)))]
+    tables = [list(range(1, 1 + needed[0])), list(range(1 + needed[0], 1 + sum(needed)))]
     prompts = [[1 + (i * 7 + j) % 100 for j in range(n)] for i, n in enumerate(lengths)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=steps + 1),
@@ -75,7 +77,7 @@ def warm_up(
         run([0, 1], [])
     run([0], [])
     executor.execute_model(SchedulerOutput(-1, finished_req_ids=list(ids)))
-    free = range(sum(needed), num_blocks)
+    free = range(1 + sum(needed), num_blocks)
     prior = _prior(executor, config, list(free), max_model_len)
     return time.monotonic() - started, prior
 

@@ -133,12 +133,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _time_step(self) -> None:
-        """One forward of a ``cpu_threads.ROWS``-token chunk into the first blocks (free
-        before any request), sampling every row, as a decode batch does."""
+        """One forward of a ``cpu_threads.ROWS``-token chunk into the first blocks after
+        block 0 (free before any request; block 0 may be the null block, never written),
+        sampling every row, as a decode batch does."""
         assert self.model is not None
-        rows = min(cpu_threads.ROWS, len(self.kv_caches[0][0]) * self.block_size)
+        first = self.block_size if len(self.kv_caches[0][0]) > 1 else 0
+        rows = min(cpu_threads.ROWS, len(self.kv_caches[0][0]) * self.block_size - first)
         chunk = PrefillChunk(0, rows, 0, None, None)
-        meta = AttentionMetadata(torch.arange(rows, device=self.device), 0, None, None, [chunk])
+        slots = torch.arange(first, first + rows, device=self.device)
+        meta = AttentionMetadata(slots, 0, None, None, [chunk])
         ids = torch.arange(1, rows + 1, device=self.device)
         positions = torch.arange(rows, device=self.device)
         hidden = self.model(ids, positions, self.rotary, self.kv_caches, meta, positions, False)

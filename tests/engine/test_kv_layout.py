@@ -82,10 +82,12 @@ def test_a_gemma3_core_reports_its_groups_and_frees_its_windows(
 
     model = tiny_family_path("gemma3")
     with caplog.at_level(logging.INFO, logger="engine.core.engine_core"):
-        core = EngineCore(EngineConfig(num_kv_blocks=193, max_model_len=1024, warmup=False),
-                          str(model))  # fmt: skip
+        core = EngineCore(EngineConfig(num_kv_blocks=193, max_model_len=1024), str(model))
     try:
         assert core.info.kv_windows == [0, 32, 32] and core.info.kv_group_size == 1
+        # The warm-up ran its steps past block 0: the null block is never written.
+        for k_cache, v_cache in core.executor.runner.kv_caches:  # type: ignore[attr-defined]
+            assert not k_cache[0].any() and not v_cache[0].any()
         text = caplog.text
         # 192 usable blocks over 3 groups: 64 blocks of 16 tokens each; a 1,024-token
         # sequence holds 64 + 2 x 3 blocks.

@@ -195,9 +195,10 @@ class KVCacheManager:
             num += len(blocks)
         return num
 
-    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+    def block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids in the first KV group."""
         groups = self.req_blocks.get(request_id)
-        return [b.block_id for b in groups[group]] if groups else []
+        return [b.block_id for b in groups[0]] if groups else []
 
     def block_tables(self, request_id: str) -> list[list[int]]:
         """The request's block ids, one table per group."""

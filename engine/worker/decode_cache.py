@@ -191,7 +191,7 @@ class DecodeCache:
         self.device = device
         self.max_bytes = max_bytes
         # Chunks of CHUNK positions; the native kernel's own (tests build it smaller).
-        self.chunk = native.chunk if native is not None else chunk
+        self.chunk = chunk
         # A ring's positions per slot (0: not a ring): the window, in whole chunks.
         self.ring = ring_width
         self.k: list[Chunks] = []

@@ -45,10 +45,6 @@ def row_width(head_dim: int, kv_dtype: torch.dtype) -> int:
     return head_dim + SCALE_BYTES if is_packed(storage_dtype(kv_dtype)) else head_dim
 
 
-def row_bytes(head_dim: int, kv_dtype: torch.dtype) -> int:
-    return row_width(head_dim, kv_dtype) * storage_dtype(kv_dtype).itemsize
-
-
 def pack(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., D] values -> [..., D + 4] rows of a ``dtype`` cache (a storage dtype; other
     dtypes: the values cast)."""

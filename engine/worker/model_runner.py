@@ -275,6 +275,9 @@ class ModelRunner:
                 dtype=np.int64,
             )
         ]
+        # A group of sliding layers masks its own; one group of both kinds (no hybrid
+        # layout) gives its local layers a windowed view.
+        own = self.layout.windows[group]
         prefills: list[PrefillChunk] = []
         for i, row0, n, start in rows.prefill:
             pos = np.arange(start, start + n)
@@ -282,7 +285,11 @@ class ModelRunner:
             if start == 0:
                 prefills.append(PrefillChunk(row0, row0 + n, 0, None, None))
             else:
-                prefills.append(self._chunk_with_context(row0, n, start, tables[i], rows.masks))
+                # A chunk past its group's own window gets the window's mask below: no
+                # whole-context mask for it (at 8K context, 64 MB a 2,048-token chunk).
+                whole = not own or start + n <= own
+                prefills.append(self._chunk_with_context(
+                    row0, n, start, tables[i], rows.masks if whole else None))  # fmt: skip
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             num_decodes=len(decode_tables),
@@ -303,9 +310,6 @@ class ModelRunner:
             meta.decode_block_tables = torch.from_numpy(padded).to(dev)
             visible = torch.arange(max_blocks * bs, device=dev).unsqueeze(0) < lens.unsqueeze(1)
             meta.decode_mask = additive_mask(visible, self.dtype).view(len(decode_tables), 1, 1, -1)
-        # A group of sliding layers masks its own; one group of both kinds (no hybrid
-        # layout) gives its local layers a windowed view.
-        own = self.layout.windows[group]
         window = own or self.cfg.sliding_window
         # A row's context, itself included: past the window, the window's layers mask.
         if window and (
@@ -321,16 +325,20 @@ class ModelRunner:
 
     def _chunk_with_context(
         self, row0: int, n: int, start: int, table: list[int],
-        masks: dict[tuple[int, ...], torch.Tensor],
+        masks: dict[tuple[int, ...], torch.Tensor] | None,
     ) -> PrefillChunk:  # fmt: skip
+        """A prefill chunk over ``start`` cached tokens, its causal mask from the step's
+        ``masks`` (built once a step); None: no mask (a window's replaces it)."""
         ctx = start + n
         num_blocks = -(-ctx // self.block_size)
         dev = self.device
-        mask = masks.get((start, n))
-        if mask is None:
-            q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
-            visible = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos
-            mask = masks[(start, n)] = additive_mask(visible, self.dtype)
+        mask = None
+        if masks is not None:
+            mask = masks.get((start, n))
+            if mask is None:
+                q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
+                visible = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos
+                mask = masks[(start, n)] = additive_mask(visible, self.dtype)
         block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=dev)
         return PrefillChunk(row0, row0 + n, start, block_table, mask)
 

@@ -11,7 +11,6 @@ static inline float from_bf16(uint16_t x) {
     v.u = (uint32_t)x << 16;
     return v.f;
 }
-#define FROM_F32(x) (x)
 #define TO_F32(x) (x)
 
 

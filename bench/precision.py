@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from bench.common import check_json_path, machine, print_table, write_json
+from bench.common import check_json_path, gguf_file, machine, print_table, write_json
 from bench.roofline import StepTimer
 from engine.config import KV_8BIT, check_quantization
 
@@ -88,7 +88,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--quantizations",
         default="",
-        help="weight quantizations to compare, each on a float32 model (int8, int4)",
+        help="weight quantizations to compare, each on a float32 model (int8, int4, gguf: the "
+        "GGUF file the model comes from, in its own formats)",
     )
     p.add_argument("--max-tokens", type=int, default=48, help="greedy output tokens per prompt")
     p.add_argument(
@@ -125,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     check_json_path(args.json)
     path = str(resolve_model(args.model))
+    # gguf runs the file's own blocks: the model's GGUF file (the same fp32 weights converted)
+    gguf_path = str(resolve_model(str(gguf_file(args.model)))) if "gguf" in quantizations else path
     from transformers import AutoTokenizer
 
     text_ids = list(AutoTokenizer.from_pretrained(path)(TEXT)["input_ids"])
@@ -132,13 +135,14 @@ def run(args: argparse.Namespace) -> int:
     reference: list[list[int]] = []
     ref_logits: list[torch.Tensor] = []
     for label, dtype, kv_dtype, quantization in settings:
+        where = gguf_path if quantization == "gguf" else path
         outputs, prompts, gen_s = _generate(
-            path, dtype, kv_dtype, quantization, args.max_tokens, args.chat_template
+            where, dtype, kv_dtype, quantization, args.max_tokens, args.chat_template
         )
         if label == "float32":
             reference = outputs
         timer = StepTimer(
-            path, torch.device("cpu"), getattr(torch, dtype),
+            where, torch.device("cpu"), getattr(torch, dtype),
             getattr(torch, KV_8BIT.get(kv_dtype, kv_dtype)),
             quantization,
         )  # fmt: skip

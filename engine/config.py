@@ -249,14 +249,16 @@ GENERATION_DEFAULTS = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens",
 )  # fmt: skip
 
-QUANTIZATIONS = ("int8", "int4")  # weight-only: engine.worker.cpu_int8, cpu_int4
+# weight-only: engine.worker.cpu_int8, cpu_int4; gguf: a GGUF file's own blocks (cpu_gguf)
+QUANTIZATIONS = ("int8", "int4", "gguf")
 
 
 def check_quantization(value: str | None) -> None:
     if value is not None and value not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)} or unset, not {value!r}"
-            " (weight-only int8 and int4 are built; checkpoints already quantized, such as AWQ "
+            " (weight-only int8 and int4, and gguf for a GGUF file's own formats, are built; "
+            "checkpoints already quantized, such as AWQ "
             "or GPTQ, are not read)"
         )
 
@@ -293,7 +295,10 @@ class EngineConfig:
             "fp32's weight bytes: faster decode at small batches on CPU, slower at 16 rows and "
             "more. int4: the decoder layers' weights in groups of 32 with a scale and a minimum "
             "each (GGUF's Q4_1 layout, 6 bits a weight), and the LM head in int8: about a fifth "
-            "of fp32's bytes, for one stream. `lumen bench precision --quantizations int8,int4` "
+            "of fp32's bytes, for one stream. gguf (a model served from a .gguf file, on CPU): "
+            "every product and the LM head in the file's own formats, as they are (Q4_0, Q4_1, "
+            "Q5_0, Q8_0, Q4_K, Q5_K, Q6_K), so the weights are the file's and a step reads the "
+            "bytes llama.cpp reads. `lumen bench precision --quantizations int8,int4,gguf` "
             "measures their accuracy"
         },
     )

@@ -88,11 +88,19 @@ LUMEN_CPU_INT4 = EnvVar(
     "if it does not build) or widen (the weight widened, then torch's product)",
 )
 
+LUMEN_CPU_GGUF = EnvVar(
+    "LUMEN_CPU_GGUF",
+    "auto",
+    "CPU kernel of --quantization gguf's products (the GGUF file's own blocks): auto (the "
+    "native kernel up to the row count where it times faster than widening the weight, at "
+    "start), native (every row count) or widen (the weight widened, then torch's product)",
+)
+
 LUMEN_CPU_INT4_LAYER = EnvVar(
     "LUMEN_CPU_INT4_LAYER",
     "auto",
-    "--quantization int4's decode steps on CPU: auto (each decoder layer in one native call, "
-    "its products included, up to 16 rows where the model and the step allow; "
+    "--quantization int4's and gguf's decode steps on CPU: auto (each decoder layer in one "
+    "native call, its products included, up to 16 rows where the model and the step allow; "
     "engine/worker/cpu_decode_layer.py) or off (the products from Python)",
 )
 LUMEN_CPU_F32_LAYER = EnvVar(
@@ -136,8 +144,8 @@ LUMEN_GC = EnvVar(
 ALL = (
     LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_DEBUG_GC, LUMEN_CPU_MATMUL,
     LUMEN_CPU_ATTENTION, LUMEN_CPU_GREEDY_HEAD, LUMEN_CPU_THREADS, LUMEN_CPU_INT8,
-    LUMEN_CPU_INT4, LUMEN_CPU_INT4_LAYER, LUMEN_CPU_F32_LAYER, LUMEN_CPU_DECODE_LAYER,
-    LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR, LUMEN_TOKENIZER_DIR, LUMEN_GC,
+    LUMEN_CPU_INT4, LUMEN_CPU_GGUF, LUMEN_CPU_INT4_LAYER, LUMEN_CPU_F32_LAYER,
+    LUMEN_CPU_DECODE_LAYER, LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR, LUMEN_TOKENIZER_DIR, LUMEN_GC,
 )  # fmt: skip
 
 

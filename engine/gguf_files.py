@@ -78,10 +78,12 @@ def ensure_converted(path: Path, *, log=print) -> Path:
     digest = content_hash(path)
     target = cache_dir(path, digest)
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
-        from engine import gguf_q4  # numpy: not before `lumen serve` has spawned its core
+        from engine import gguf_blocks, gguf_q4  # numpy: not before `lumen serve` has spawned
 
         if not (target / gguf_q4.GRIDS_FILE).is_file():  # converted before grids were kept
             gguf_q4.write_grids(path, target)  # best effort: int4 fits its own where it fails
+        if not (target / gguf_blocks.BLOCKS_FILE).is_file():  # before blocks were kept
+            gguf_blocks.write_blocks(path, target)  # best effort, as the grids
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log(f"lumen: converting {path.name} to safetensors (once, into {target}) ...")
@@ -104,7 +106,7 @@ def convert(gguf: Path, out: Path) -> None:
 def _convert(gguf: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
-    from engine import gguf_q4, gguf_read
+    from engine import gguf_blocks, gguf_q4, gguf_read
 
     # The tokenizer through transformers, which converts GGUF vocabularies (its own time).
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
@@ -117,8 +119,10 @@ def _convert(gguf: Path, out: Path) -> None:
     if missing:
         raise ValueError(f"the file has no tensor for {', '.join(missing[:3])}")
     model.save_pretrained(out)
-    # Its Q4_0, Q4_1 and Q4_K grids, which --quantization int4 keeps (engine/gguf_q4.py).
+    # Its Q4_0, Q4_1 and Q4_K grids, which --quantization int4 keeps (engine/gguf_q4.py), and
+    # its blocks as they are, which --quantization gguf runs on (engine/gguf_blocks.py).
     gguf_q4.write_grids(gguf, out, gf)
+    gguf_blocks.write_blocks(gguf, out, gf)
 
 
 def _config(gf: Any) -> Any:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,22 @@ def read_grids(path: Path, reader: Any = None) -> dict[str, tuple[np.ndarray, np
     """Hugging Face weight name -> (scale, minimum), each [out, in / 32] fp32, for every layer
     product the file holds in Q4_0, Q4_1 or Q4_K (``reader``: the file as engine.gguf_read
     read it, where it has been)."""
+    grids = {}
+    for hf, tensor, heads in products(path, reader):
+        kind = tensor.tensor_type.name
+        if kind not in FORMATS:
+            continue
+        scale, minimum = _grid(kind, np.asarray(tensor.data))
+        if heads:
+            scale, minimum = unpermute(scale, heads), unpermute(minimum, heads)
+        grids[hf] = (np.ascontiguousarray(scale), np.ascontiguousarray(minimum))
+    return grids
+
+
+def products(path: Path, reader: Any = None, head: bool = False) -> Iterator[tuple[str, Any, int]]:
+    """(Hugging Face weight name, the file's tensor, n_head) for each layer product of the file
+    (``head``: the LM head too, the embedding where the file ties them); n_head is the head count
+    whose rows transformers un-permutes (llama's q and k), else 0."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     from engine import gguf_read
@@ -57,7 +74,7 @@ def read_grids(path: Path, reader: Any = None) -> dict[str, tuple[np.ndarray, np
     field = reader.fields.get(f"{arch}.block_count")
     arch_ids = {name: arch_id for arch_id, name in MODEL_ARCH_NAMES.items()}
     if field is None or arch not in arch_ids:
-        return {}
+        return
     num_layers = int(field.contents())
     names = get_tensor_name_map(arch_ids[arch], num_layers)
     to_hf: dict[str, str] = {}
@@ -67,20 +84,19 @@ def read_grids(path: Path, reader: Any = None) -> dict[str, tuple[np.ndarray, np
             gguf_name = names.get_name(hf)
             if gguf_name is not None:
                 to_hf.setdefault(f"{gguf_name}.weight", f"{hf}.weight")
+    if head:
+        tied = all(t.name != "output.weight" for t in reader.tensors)
+        to_hf["token_embd.weight" if tied else "output.weight"] = "lm_head.weight"
     # transformers un-permutes llama's q and k only where the file gives both head counts.
     heads = _field(reader, f"{arch}.attention.head_count")
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv")
-    grids = {}
     for tensor in reader.tensors:
-        name, kind = tensor.name, tensor.tensor_type.name
-        if name not in to_hf or kind not in FORMATS:
+        if (name := to_hf.get(tensor.name)) is None:
             continue
-        scale, minimum = _grid(kind, np.asarray(tensor.data))
-        permuted = heads if ".attn_q." in name else kv_heads if ".attn_k." in name else None
-        if arch == "llama" and heads and kv_heads and permuted:
-            scale, minimum = _unpermute(scale, permuted), _unpermute(minimum, permuted)
-        grids[to_hf[name]] = (np.ascontiguousarray(scale), np.ascontiguousarray(minimum))
-    return grids
+        permuted = (
+            heads if ".attn_q." in tensor.name else kv_heads if ".attn_k." in tensor.name else None
+        )
+        yield name, tensor, permuted if arch == "llama" and heads and kv_heads and permuted else 0
 
 
 def write_grids(gguf: Path, folder: Path, reader: Any = None) -> int:
@@ -146,7 +162,7 @@ def _f16(raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
 
 
-def _unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute(rows: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's q/k row order back to Hugging Face's (as transformers un-permutes them)."""
     dim = rows.shape[0] // n_head // 2
     return rows.reshape(n_head, dim, 2, *rows.shape[1:]).swapaxes(2, 1).reshape(rows.shape)

@@ -41,7 +41,7 @@ MODES = ("cache", "retune")
 # What a failed build raises: the chooser falls back to torch's path (or fails, if forced).
 BUILD_ERRORS = (RuntimeError, OSError, subprocess.SubprocessError)
 CHOOSERS = ("autotune", "cpu_matmul", "cpu_attention", "cpu_greedy_head", "cpu_int8",
-            "cpu_int4", "weight_only", "cpu_threads", "native_build")  # fmt: skip
+            "cpu_int4", "cpu_gguf", "weight_only", "cpu_threads", "native_build")  # fmt: skip
 K = TypeVar("K", bound=Hashable)
 
 

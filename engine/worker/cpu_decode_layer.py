@@ -43,12 +43,12 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from engine import envs
-from engine.worker import autotune, cpu_int4
+from engine.worker import autotune, cpu_gguf, cpu_int4
 from engine.worker.attention import AttentionMetadata
 from engine.worker.decode_cache import DecodePlan
 from engine.worker.rotary import RotaryTables
@@ -141,6 +141,20 @@ def int4_unfit(layers: Sequence[DecoderLayer], plan: cpu_int4.Plan) -> str | Non
     return None
 
 
+def gguf_unfit(layers: Sequence[DecoderLayer], plan: cpu_gguf.Plan) -> str | None:
+    """Why the GGUF blocks' products cannot run inside the layer's one call (None where they
+    can)."""
+    if autotune.forced(envs.LUMEN_CPU_INT4_LAYER, ("auto", "off")) == "off":
+        return "set by LUMEN_CPU_INT4_LAYER"
+    if plan.max_rows < 1:
+        return "the products widen their weights here"
+    for layer in layers:
+        linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        if any(m.bias is not None or m.qg is None for m in linears):
+            return "a bias, or a product the file holds in a format the kernel does not read"
+    return None
+
+
 def panels_unfit(layers: Sequence[DecoderLayer]) -> str | None:
     """Why the panels' products cannot run inside the layer's one call (None where they
     can)."""
@@ -186,7 +200,8 @@ def f32_unfit(layers: Sequence[DecoderLayer]) -> str | None:
         for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             w = m.weight
             if (m.packed is not None or m.panels is not None or m.qweight is not None
-                    or m.q4 is not None or m.bias is not None or w.dtype != torch.float32
+                    or m.q4 is not None or m.qg is not None or m.bias is not None
+                    or w.dtype != torch.float32
                     or w.dim() != 2 or not w.is_contiguous()
                     or w.device.type != "cpu"):  # fmt: skip
                 return "a bias, or a product that is not aten's fp32 (oneDNN's, or quantized)"
@@ -245,6 +260,19 @@ class NativeLayers:
                             lay.down_proj.q4))
             for lay in self.layers
         ]  # fmt: skip
+        self._attention = 0
+        return self._whole_rows
+
+    def use_gguf(self, kernel: cpu_gguf.NativeGGUF, rows: int) -> int:
+        """Run each layer in one call, its products on the GGUF file's own blocks through
+        ``kernel``, for steps of up to ``rows`` rows (at most MAX_WHOLE_ROWS)."""
+        self._whole_rows = min(MAX_WHOLE_ROWS, rows)
+        self._f32 = [
+            tuple(cast("cpu_gguf.GGUFWeight", m.qg).described
+                  for m in (lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj))
+            for lay in self.layers
+        ]  # fmt: skip
+        self._product = kernel.product_address
         self._attention = 0
         return self._whole_rows
 

@@ -18,6 +18,7 @@ from engine.worker import (
     autotune,
     cpu_attention,
     cpu_decode_layer,
+    cpu_gguf,
     cpu_greedy_head,
     cpu_int4,
     cpu_int8,
@@ -38,6 +39,9 @@ class CpuKernels:
     int4: cpu_int4.Plan = cpu_int4.WIDEN_ONLY
     # --quantization int4: the LM head in int8 (int8 [vocab, hidden] and its scales)
     head_q8: tuple[torch.Tensor, torch.Tensor] | None = None
+    # --quantization gguf: the products' plan, and the LM head on the file's blocks (or None)
+    gguf: cpu_gguf.Plan | None = None
+    head_gguf: cpu_gguf.GGUFWeight | None = None
     # decode steps' layers with the work between their products native, where they can run so
     decode_layers: cpu_decode_layer.NativeLayers | None = None
     attention: cpu_attention.Choice | None = None  # None: not chosen yet (set once)
@@ -48,15 +52,15 @@ class CpuKernels:
     ) -> str:
         """The layers' kernel, timed on ``layer_weight`` ([in, out]; None where the layers are
         quantized), and the LM head's, timed on its own ``head_weight`` ([vocab, hidden]; None
-        where it is in int8 under int4): its shape is far from theirs (for a small model the layers'
-        choice was the wrong one for it, 2.9 ms against 2.2 at 64 rows). Packed, the LM head
-        is a copy."""
+        where it is quantized: int8 under int4, the file's blocks under gguf): its shape is far
+        from theirs (for a small model the layers' choice was the wrong one for it, 2.9 ms
+        against 2.2 at 64 rows). Packed, the LM head is a copy."""
         if layer_weight is None:
             layers = cpu_matmul.Choice("quantized", "see the quantized weights' line")
         else:
             edge = cpu_decode_layer.ATEN_EDGE if cpu_decode_layer.f32_one_call(layer_weight) else 0
             layers = cpu_matmul.choose(layer_weight, aten_edge=edge)
-        said = "LM head in int8: see its line"
+        said = "LM head quantized: see its weights' line"
         if head_weight is not None:
             head = cpu_matmul.choose(head_weight.t(), rows=cpu_matmul.HEAD_ROWS, with_panels=False)
             if head.kernel == "onednn":
@@ -89,6 +93,11 @@ class CpuKernels:
         autotune.log("int4 weights", self.int4.why)
         return self.int4
 
+    def plan_gguf(self, w: cpu_gguf.GGUFWeight, dtype: torch.dtype) -> cpu_gguf.Plan:
+        self.gguf = cpu_gguf.plan(w, dtype)
+        autotune.log("gguf weights", self.gguf.why)
+        return self.gguf
+
     def plan_decode_layers(self, layers: Sequence[Any]) -> None:
         """Decode steps' layers with native glue (cpu_decode_layer), where they can; under
         int4 (after plan_int4), each layer in one call up to the plan's rows; in fp32 on
@@ -103,7 +112,14 @@ class CpuKernels:
             autotune.log("decode layers", f"op by op: {why}")
             return
         self.decode_layers = cpu_decode_layer.NativeLayers(layers, library)
-        if layers[0].qkv_proj.q4 is not None:
+        if self.gguf is not None:
+            gguf_why = cpu_decode_layer.gguf_unfit(layers, self.gguf)
+            if gguf_why is None:
+                rows = self.decode_layers.use_gguf(self.gguf.kernel, self.gguf.max_rows)
+                autotune.log("gguf decode layers", f"one native call each, up to {rows} rows")
+            else:
+                autotune.log("gguf decode layers", f"products from Python: {gguf_why}")
+        elif layers[0].qkv_proj.q4 is not None:
             int4_why = cpu_decode_layer.int4_unfit(layers, self.int4)
             if int4_why is None:
                 assert self.int4.kernel is not None  # int4_unfit checked

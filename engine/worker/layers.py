@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.worker import cpu_int4, cpu_int8, cpu_matmul
+from engine.worker import cpu_gguf, cpu_int4, cpu_int8, cpu_matmul
 
 Grid = tuple[torch.Tensor, torch.Tensor]  # int4's (scale, minimum) per group (cpu_int4)
 
@@ -70,6 +70,9 @@ class Linear(nn.Module):
         self.int8 = cpu_int8.WIDEN_ONLY
         self.q4: cpu_int4.Q4Weight | None = None
         self.int4 = cpu_int4.WIDEN_ONLY
+        # Set by use_blocks: a GGUF file's own blocks (--quantization gguf) replace weight.
+        self.qg: cpu_gguf.GGUFWeight | None = None
+        self.gguf: cpu_gguf.Plan | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -81,20 +84,22 @@ class Linear(nn.Module):
             y = self.int8.linear(x, self.qweight, cast("torch.Tensor", self.scale))
         elif self.q4 is not None:
             y = self.int4.linear(x, self.q4)
+        elif self.qg is not None:
+            y = cast("cpu_gguf.Plan", self.gguf).linear(x, self.qg)
         else:
             y = x @ self.weight
         return y if self.bias is None else y + self.bias
 
     def pack(self) -> None:
         """Hand the weight to oneDNN in its blocked layout; the plain copy is freed."""
-        if self.qweight is not None or self.q4 is not None:
+        if self.qweight is not None or self.q4 is not None or self.qg is not None:
             return
         self.packed = cpu_matmul.pack(self.weight.detach().t())
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
     def pack_panels(self) -> None:
         """Hand the weight to Lumen's panels kernel in its layout; the plain copy is freed."""
-        if self.qweight is not None or self.q4 is not None:
+        if self.qweight is not None or self.q4 is not None or self.qg is not None:
             return
         self.panels = cpu_matmul.panels().pack(self.weight.detach())
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
@@ -112,6 +117,15 @@ class Linear(nn.Module):
             self.qweight, self.scale = cpu_int8.quantize(self.weight.detach().t())
         self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
         return kept
+
+    def use_blocks(self, blocks: cpu_gguf.GGUFWeight, plan: cpu_gguf.Plan) -> None:
+        """Run on a GGUF file's own blocks (cpu_gguf), the same weight as the plain copy,
+        which is freed."""
+        if (blocks.out_features, blocks.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"blocks of [{blocks.out_features}, {blocks.in_features}] for a "
+                             f"[{self.out_features}, {self.in_features}] product")  # fmt: skip
+        self.qg, self.gguf = blocks, plan
+        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
 
 
 class RMSNorm(nn.Module):

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from engine import gguf_q4
+from engine import gguf_blocks, gguf_q4
 from engine.config import ModelConfig, check_quantization
-from engine.worker import cpu_int8, cpu_matmul
+from engine.worker import cpu_gguf, cpu_int8, cpu_matmul
 from engine.worker.attention import AttentionMetadata, paged_attention
 from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.layers import Grid, Linear, RMSNorm, Shard, check_tensor_parallel
@@ -172,6 +172,10 @@ class LlamaForCausalLM(nn.Module):
         return self.logits(h) if logits else h
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
+        if self.kernels.head_gguf is not None:
+            return cast("cpu_gguf.Plan", self.kernels.gguf).linear(
+                h.float(), self.kernels.head_gguf
+            )
         if self.kernels.head_q8 is not None:
             return self.kernels.int8.linear(h.float(), *self.kernels.head_q8)
         if self.kernels.packed_head is not None:
@@ -203,7 +207,8 @@ class LlamaForCausalLM(nn.Module):
         first = self.decoder_layers[0].gate_up_proj.weight
         # Quantized (an emptied weight): the layers' products are int8 or int4; an int8 head
         # (under int4) is not timed against the fp32 one.
-        head = None if self.kernels.head_q8 is not None else self.head_weight()
+        quantized_head = self.kernels.head_q8 is not None or self.kernels.head_gguf is not None
+        head = None if quantized_head else self.head_weight()
         kernel = self.kernels.choose_matmul(first if first.numel() else None, head)
         if kernel in ("onednn", "panels"):
             for module in self.modules():
@@ -216,8 +221,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def plan_greedy_head(self) -> None:
         """On CPU, after pack_weights: time the greedy head's paths (cpu_greedy_head) on the
-        rank that samples (an int8 head takes its logits' argmax)."""
-        if self.kernels.head_q8 is not None:
+        rank that samples (an int8 head, or the GGUF file's, takes its logits' argmax)."""
+        if self.kernels.head_q8 is not None or self.kernels.head_gguf is not None:
             return
         self.kernels.plan_greedy_head(self.head_weight(), lambda h: argmax(self.logits(h)))
 
@@ -229,6 +234,9 @@ class LlamaForCausalLM(nn.Module):
         in 4 bits it cost the most accuracy, and llama.cpp's Q4 files keep it in 8 bits too).
         On CPU the kernels are timed here."""
         check_quantization(quantization)
+        if quantization == "gguf":
+            self._use_gguf_blocks()
+            return
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         grids = self._gguf_grids() if quantization == "int4" else {}
         kept = sum(module.quantize(quantization, grids.get(module)) for module in linears)
@@ -258,6 +266,57 @@ class LlamaForCausalLM(nn.Module):
             assert module.qweight is not None  # quantize set it
             fits = plan.kernel is not None and plan.kernel.fits(module.qweight)
             module.int8 = plan if fits else cpu_int8.WIDEN_ONLY
+
+    def _use_gguf_blocks(self) -> None:
+        """--quantization gguf: each product, and the LM head, on the GGUF file's own blocks
+        (engine/gguf_blocks.py, cpu_gguf) where the file holds it in a format the kernel reads;
+        the rest stay in the model's dtype, and the log says how many."""
+        if self.shard.size != 1 or self.embed_tokens.weight.device.type != "cpu":
+            raise ValueError("--quantization gguf runs on CPU, on one rank (no tensor "
+                             "parallelism)")  # fmt: skip
+        saved = gguf_blocks.load_blocks(self.cfg.path)
+        if not saved:
+            raise ValueError(
+                f"--quantization gguf runs a GGUF file's own blocks, and {self.cfg.path} has "
+                f"none ({gguf_blocks.BLOCKS_FILE}): serve the .gguf file itself (a packaged "
+                "model's folder converted before blocks were kept gets them once removed and "
+                "fetched again), or use int8 or int4, which quantize any checkpoint"
+            )
+        fused = self.cfg.fused_checkpoint
+        chosen: dict[Linear, cpu_gguf.GGUFWeight] = {}
+        products = 0
+        for i, layer in enumerate(self.decoder_layers):
+            sources = {
+                layer.qkv_proj: ["self_attn.qkv_proj"] if fused
+                else [f"self_attn.{n}_proj" for n in "qkv"],
+                layer.o_proj: ["self_attn.o_proj"],
+                layer.gate_up_proj: ["mlp.gate_up_proj"] if fused
+                else ["mlp.gate_proj", "mlp.up_proj"],
+                layer.down_proj: ["mlp.down_proj"],
+            }  # fmt: skip
+            for module, names in sources.items():
+                products += 1
+                keys = [f"model.layers.{i}.{name}.weight" for name in names]
+                if all(key in saved for key in keys):
+                    parts = [saved[key] for key in keys]
+                    chosen[module] = cpu_gguf.GGUFWeight(parts, module.in_features)
+        head = saved.get("lm_head.weight")
+        head_blocks = cpu_gguf.GGUFWeight([head], self.cfg.hidden_size) if head else None
+        first = next(iter(chosen.values()), head_blocks)
+        if first is None:
+            readable = ", ".join(gguf_blocks.TYPES)
+            raise ValueError(f"{self.cfg.path}: no product of the GGUF file is in a format "
+                             f"--quantization gguf reads ({readable})")  # fmt: skip
+        plan = self.kernels.plan_gguf(first, self.embed_tokens.weight.dtype)
+        for module, blocks in chosen.items():
+            module.use_blocks(blocks, plan)
+        self.kernels.head_gguf = head_blocks
+        formats = sorted({kind for w in chosen.values() for kind, _ in w.parts})
+        type_names = {v: k for k, v in gguf_blocks.TYPES.items()}
+        kinds, dtype = ", ".join(type_names[f] for f in formats), self.embed_tokens.weight.dtype
+        logger.info("gguf: %d of %d products%s run on the file's own blocks (%s); the rest in "
+                    "%s", len(chosen), products, " and the LM head" if head_blocks else "",
+                    kinds, dtype)  # fmt: skip
 
     def _gguf_grids(self) -> dict[nn.Module, Grid]:
         """Each product's 4-bit grid from the GGUF file the model was converted from

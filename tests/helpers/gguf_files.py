@@ -9,15 +9,21 @@ import numpy as np
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 64, 128, 2, 4, 2
 VOCAB = 1024
+# A file of five formats, as llama.cpp's mixes are (--quantization gguf's tests)
+MIXED_TYPES = {"attn_q": "Q8_0", "attn_k": "Q5_0", "attn_v": "Q4_0", "attn_output": "Q4_1",
+               "ffn_gate": "Q5_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"}  # fmt: skip
 
 
 def write_tiny_llama_gguf(
-    out: Path, tokenizer_from: Path, *, seed: int = 0, layers: str = "Q8_0"
-) -> Path:
+    out: Path, tokenizer_from: Path, *, seed: int = 0, layers: str = "Q8_0",
+    types: dict[str, str] | None = None, head: str = "F16",
+) -> Path:  # fmt: skip
     """A 2-layer Llama (hidden 64) as llama.cpp lays it out: norms and the embedding in F32,
-    the layers' products quantized to ``layers`` (Q8_0, Q4_0 or Q4_1: what the gguf package
-    quantizes), an untied output head in F16; the first 1,024 tokens of the SmolLM2 tokenizer
-    (BPE) in its metadata. transformers reads it back as it reads any GGUF file."""
+    the layers' products quantized to ``layers`` (Q8_0, Q4_0, Q4_1 or Q5_0: what the gguf
+    package quantizes), or each to ``types``' format by its name (``attn_q``, ``ffn_down``,
+    ...), an untied output head in ``head`` (F16, or one of those formats); the first 1,024
+    tokens of the SmolLM2 tokenizer (BPE) in its metadata. transformers reads it back as it
+    reads any GGUF file."""
     import gguf
     from gguf import GGMLQuantizationType as Q
 
@@ -57,11 +63,16 @@ def write_tiny_llama_gguf(
         return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
 
     def q8(name: str, data: np.ndarray) -> None:
-        w.add_tensor(name, gguf.quants.quantize(data, Q[layers]), raw_dtype=Q[layers])
+        kind = Q[(types or {}).get(name.split(".")[2], layers)]
+        w.add_tensor(name, gguf.quants.quantize(data, kind), raw_dtype=kind)
 
     w.add_tensor("token_embd.weight", matrix(len(tokens), HIDDEN))
     w.add_tensor("output_norm.weight", rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32))
-    w.add_tensor("output.weight", matrix(len(tokens), HIDDEN).astype(np.float16))
+    if head == "F16":
+        w.add_tensor("output.weight", matrix(len(tokens), HIDDEN).astype(np.float16))
+    else:
+        blocks = gguf.quants.quantize(matrix(len(tokens), HIDDEN), Q[head])
+        w.add_tensor("output.weight", blocks, raw_dtype=Q[head])
     head_dim = HIDDEN // HEADS
     for i in range(LAYERS):
         p = f"blk.{i}."
@@ -104,9 +115,27 @@ def write_odd_gguf(out: Path, *, arch: str = "llama", qtype: str = "F32") -> Pat
 def q4_k_blocks(rows: int, cols: int, *, seed: int = 0) -> np.ndarray:
     """Random Q4_K blocks [rows, cols / 256 * 144] (the gguf package writes none): fp16 d and
     dmin, packed 6-bit scales and minimums, codes."""
+    return random_blocks("Q4_K", rows, cols, seed=seed)
+
+
+# Where a K format's fp16 scales sit in its block (the other bytes are codes and 6- or 8-bit
+# scales: any byte is one).
+_K_HALVES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(kind: str, rows: int, cols: int, *, seed: int = 0) -> np.ndarray:
+    """A [rows, cols] weight's blocks [rows, bytes] of the GGUF format ``kind``: a random
+    weight quantized by the gguf package (Q4_0, Q4_1, Q5_0, Q8_0), or random bytes with small
+    fp16 scales for the K formats, which it does not quantize."""
+    import gguf
+    from gguf import GGMLQuantizationType as Q
+
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (rows, cols // 256, 144), dtype=np.uint8)
-    for start in (0, 2):  # d, then dmin
-        halves = rng.uniform(1e-3, 1e-2, (rows, cols // 256)).astype(np.float16)
+    if kind not in _K_HALVES:
+        return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), Q[kind])
+    per, size = gguf.GGML_QUANT_SIZES[Q[kind]]
+    blocks = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
+    for start in _K_HALVES[kind]:
+        halves = rng.uniform(1e-3, 1e-2, (rows, cols // per)).astype(np.float16)
         blocks[..., start : start + 2] = halves[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)

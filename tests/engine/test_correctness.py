@@ -337,5 +337,5 @@ def test_quantized_weights_match_hf_on_the_same_values(
 
 @pytest.mark.parametrize("value", ["awq", "fp8", "INT8"])
 def test_unknown_quantization_is_a_clear_error(tiny_model_path: Path, value: str) -> None:
-    with pytest.raises(ValueError, match="quantization must be one of int8, int4 or unset"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4, gguf or unset"):
         LLM(str(tiny_model_path), quantization=value)

@@ -138,7 +138,7 @@ def test_the_gemma_file_runs_in_its_own_formats(monkeypatch: pytest.MonkeyPatch)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
     def run(quantization: str | None) -> list[list[int]]:
-        llm = LLM(gguf, quantization=quantization, max_model_len=256, num_kv_blocks=64)
+        llm = LLM(gguf, quantization=quantization, max_model_len=256, num_kv_blocks=256)
         try:
             return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
                                                                        use_tqdm=False)]  # fmt: skip

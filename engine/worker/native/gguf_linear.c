@@ -394,6 +394,25 @@ int gguf_product(const void *weight, const float *x, int64_t m, float *y, int th
     return gguf_linear(x, weight, y, m, threads);
 }
 
+#if PATH != 0
+/* Chunk c of block b widened to fp32 at o, as decode_chunk's values: Q5_0's codes signed
+ * (q - 16) with no shift, so that d * (q - 16) rounds once, as gguf-py's does. */
+__attribute__((optimize("fp-contract=off"))) static inline void widen_chunk(
+    int type, const uint8_t *b, int c, float lo, float hi, float shift, float *o) {
+    __m256i w = codes(type, b, c);
+    if (type == Q5_0) w = _mm256_sub_epi8(w, _mm256_set1_epi8(16)), shift = 0.f;
+    const int sign = signed_codes(type) || type == Q5_0;
+    const __m128i low = _mm256_castsi256_si128(w), high = _mm256_extracti128_si256(w, 1);
+    const __m128i eighths[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int e = 0; e < 4; e++) {
+        const __m256i q = sign ? _mm256_cvtepi8_epi32(eighths[e]) : _mm256_cvtepu8_epi32(eighths[e]);
+        __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(e < 2 ? lo : hi));
+        if (shift != 0.f) v = _mm256_add_ps(v, _mm256_set1_ps(shift));
+        _mm256_storeu_ps(o + 8 * e, v);
+    }
+}
+#endif
+
 /* w[n, k] fp32: the weight's values, bit for bit gguf-py's dequantize_blocks (scale * q, then
  * + shift: two roundings, no fused multiply-add). Returns -2 for a type it does not read. */
 __attribute__((optimize("fp-contract=off"))) int gguf_widen(const gguf_weight_t *w, float *out,
@@ -409,15 +428,25 @@ __attribute__((optimize("fp-contract=off"))) int gguf_widen(const gguf_weight_t 
         const int type = (int)part->type;
         const int64_t per = block_weights(type) / CHUNK, bytes = block_bytes(type);
         const uint8_t *row = part->blocks + local * part->row_bytes;
+        float *o = out + j * k;
+#if PATH != 0
+        for (int64_t blk = 0; blk < chunks / per; blk++) {
+            const uint8_t *b = row + blk * bytes;
+            float lo[8], hi[8], sh[8];
+            block_scales(type, b, lo, hi, sh);
+            for (int c = 0; c < per; c++)
+                widen_chunk(type, b, c, lo[c], hi[c], sh[c], o + (blk * per + c) * CHUNK);
+        }
+#else
         for (int64_t g = 0; g < chunks; g++) {
             chunk_t c;
             decode_chunk(type, row + (g / per) * bytes, (int)(g % per), &c);
-            float *o = out + j * k + g * CHUNK;
             for (int e = 0; e < CHUNK; e++) {
-                volatile float scaled = (e < 16 ? c.lo : c.hi) * (float)c.q[e];
-                o[e] = c.shift != 0.f ? scaled + c.shift : scaled;
+                const float scaled = (e < 16 ? c.lo : c.hi) * (float)c.q[e];
+                o[g * CHUNK + e] = c.shift != 0.f ? scaled + c.shift : scaled;
             }
         }
+#endif
     }
     return 0;
 }

@@ -6,7 +6,7 @@ bytes llama.cpp reads and the values are the file's own, not fitted again.
 A native kernel (native/gguf_linear.c) rounds each row of activations to 8 bits per 32 (as the
 int4 kernel and llama.cpp do) and multiplies codes by bytes with integer dot products (AVX-512
 VNNI, else AVX2); above the row count where it stops winning (timed at load on the model's own
-weight, autotune; ``LUMEN_CPU_GGUF`` forces one) the weight is widened to fp32 for torch's
+weight, autotune; ``LUMEN_CPU_GGUF`` forces one) the weight is widened to fp32 for oneDNN's
 product, bit for bit the values the file's conversion holds (gguf-py's dequantization).
 A product that fuses several of the file's tensors (q, k and v; gate and up) keeps each
 tensor's rows in its own format (``GGUFWeight.parts``)."""

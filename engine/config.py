@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine import envs
+from engine import envs, kv_events_config
 
 if TYPE_CHECKING:
     import torch
@@ -324,6 +324,15 @@ class EngineConfig:
             "(by default their blocks behind the window are freed: engine/kv_layout.py)"
         },
     )
+    kv_events_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "KV cache events for routers, as vLLM's flag: JSON with "
+            "enable_kv_cache_events, publisher (zmq), endpoint (default tcp://*:5557), "
+            "replay_endpoint, buffer_steps, hwm, max_queue_size, topic. Published in vLLM's "
+            "array layout, block hashes vLLM's sha256_cbor (engine/core/kv_events.py)"
+        },
+    )
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "token budget of one engine step"}
     )
@@ -405,6 +414,7 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in (*DTYPES, *KV_8BIT):
             self.resolve_kv_cache_dtype(None)  # raises, saying what is accepted
         check_quantization(self.quantization)
+        kv_events_config.parse(self.kv_events_config)  # raises, in one line, on bad JSON
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if (

@@ -87,7 +87,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit tokens at first schedule; -1 = not yet
         self.num_preemptions = 0
-        self.block_hashes: list[int] = []
+        self.block_hashes: list[bytes] = []  # vLLM's sha256_cbor (engine/core/block_hashes.py)
         self.stop_reason: int | None = None
         self.grammar: Any = None  # engine.core.grammar.Grammar, set by the core
 

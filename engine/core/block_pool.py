@@ -18,12 +18,13 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         # Set while the block holds a full, cached block of tokens. ``key`` is
-        # (parent hash, token ids): a hash hit is only trusted when it matches.
-        self.block_hash: int | None = None
+        # (parent hash, token ids, extra keys): a hash hit is only trusted when it matches.
+        self.block_hash: bytes | None = None
         self.key: BlockKey | None = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={self.block_hash})"
+        digest = self.block_hash.hex()[:16] if self.block_hash is not None else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={digest})"
 
 
 class BlockPool:
@@ -42,7 +43,10 @@ class BlockPool:
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
-        self._cached: dict[int, KVCacheBlock] = {}
+        self._cached: dict[bytes, KVCacheBlock] = {}
+        # Where KV events are on (KVCacheManager.enable_events): the hashes evicted since the
+        # manager last took them.
+        self.removed: list[bytes] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,19 +89,21 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self._free[block.block_id] = block
 
-    def lookup(self, block_hash: int, key: BlockKey) -> KVCacheBlock | None:
+    def lookup(self, block_hash: bytes, key: BlockKey) -> KVCacheBlock | None:
         block = self._cached.get(block_hash)
         if block is None or block.key != key:
             return None
         return block
 
-    def cache(self, block: KVCacheBlock, block_hash: int, key: BlockKey) -> None:
-        """Index a full block. A block already cached, or a duplicate of one, is left as is."""
+    def cache(self, block: KVCacheBlock, block_hash: bytes, key: BlockKey) -> bool:
+        """Index a full block; whether it was newly indexed (a block already cached, or a
+        duplicate of one, is left as is)."""
         if block.block_hash is not None or block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         block.key = key
         self._cached[block_hash] = block
+        return True
 
     def uncache(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
@@ -114,5 +120,7 @@ class BlockPool:
         assert block.block_hash is not None
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
+            if self.removed is not None:
+                self.removed.append(block.block_hash)
         block.block_hash = None
         block.key = None

@@ -8,10 +8,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine import faults
+from engine import faults, kv_events_config
 from engine.background import in_background
 from engine.config import EngineConfig, ModelConfig
 from engine.core.grammar import GRAMMAR_WAIT_S, GrammarManager
+from engine.core.kv_events import ZmqEventPublisher
 from engine.core.scheduler import Scheduler
 from engine.core.warmup import warm_up
 from engine.executor import Executor, make_executor
@@ -97,6 +98,14 @@ class EngineCore:
         self.vocab_size = model_config.vocab_size
         self.scheduler = Scheduler.from_config(config, num_blocks, max_model_len, layout.windows)
         self.scheduler.grammars = self.grammars
+        # KV events for routers (--kv-events-config): each step's stored and removed blocks.
+        events_config = kv_events_config.parse(config.kv_events_config)
+        self.kv_events: ZmqEventPublisher | None = None
+        if events_config.enabled and config.enable_prefix_caching:
+            self.kv_events = ZmqEventPublisher(events_config)
+            self.scheduler.kv_cache.enable_events()
+        elif events_config.enabled:
+            logger.warning("KV events are off: prefix caching is disabled, so no block is stored")
         self.scheduler.fault = faults.hook("schedule")
         self.output_fault = faults.hook("output")
         self.gc_pauses = GcPauses()
@@ -221,6 +230,8 @@ class EngineCore:
         if scheduler.grammar_errors:
             outputs += self._grammar_errors()
         t_updated = time.time_ns()
+        if self.kv_events is not None:
+            self._publish_events()
         self.output_fault()
         kv = self.scheduler.kv_cache
         gc_pauses, gc_pause_ns = self.gc_pauses.take()
@@ -340,7 +351,13 @@ class EngineCore:
             return UtilityResult(call.call_id, error=str(e))
 
     def reset_prefix_cache(self) -> int:
-        return self.scheduler.kv_cache.reset_prefix_cache()
+        dropped = self.scheduler.kv_cache.reset_prefix_cache()
+        self._publish_events()
+        return dropped
+
+    def _publish_events(self) -> None:
+        if self.kv_events is not None and (events := self.scheduler.kv_cache.take_events()):
+            self.kv_events.publish(events)
 
     def get_stats(self) -> EngineStats:
         sched, kv = self.scheduler, self.scheduler.kv_cache
@@ -360,6 +377,7 @@ class EngineCore:
             raise ValueError("cannot sleep while requests are in flight")
         if not self.sleeping:
             self.scheduler.kv_cache.reset_prefix_cache()
+            self._publish_events()
             self.executor.release_kv_cache()
             if self.info.device.startswith("cuda"):
                 torch.cuda.empty_cache()
@@ -377,6 +395,8 @@ class EngineCore:
         self.executor.stop_profile()
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         self.gc_pauses.close()
         self.grammars.shutdown()
         self.executor.shutdown()

@@ -9,7 +9,8 @@ A request's tokens fill its blocks in order; block i holds tokens
 
 Only full blocks are hashed. Each hash chains over the parent's hash, so equal
 hashes mean equal prefixes (checked against the stored (parent, token ids)
-before a hit is used).
+before a hit is used). The hashes are vLLM's sha256_cbor (engine/core/block_hashes.py), so a
+router reading the KV events (engine/core/kv_events.py) can hash a prompt itself.
 
 A model with sliding-window layers has several KV groups (engine/kv_layout.py):
 the request then holds one such table per group, and a sliding group's table
@@ -21,23 +22,27 @@ starts with the null block where its blocks fell behind the window::
 
 A group's blocks are cached under their own key (the group in the hash), so a
 prefix hit needs every group's blocks: a full group's from the start, a
-sliding group's for the window before the hit's end.
+sliding group's for the window before the hit's end. KV events report one group's blocks, the
+first full one (its blocks decide how long a prefix hit can be).
 """
 
 from __future__ import annotations
 
-import hashlib
+from typing import Any
 
+from engine.core import block_hashes
 from engine.core.block_pool import BlockKey, BlockPool, KVCacheBlock
 from engine.kv_layout import cdiv
 from engine.request import Request
 
+# A KV event as vLLM's array layout encodes it (engine/core/kv_events.py): a tagged list.
+Event = list[Any]
+MEDIUM = "GPU"  # vLLM's name for the engine's own KV cache (its other media are offloads)
 
-def root_hash(cache_salt: str | None) -> int:
-    """The parent hash of a request's first block; a salt isolates its cache entries."""
-    if cache_salt is None:
-        return 0
-    return int.from_bytes(hashlib.sha256(cache_salt.encode()).digest()[:8], "little")
+
+def _extra(request: Request, index: int) -> tuple[object, ...] | None:
+    """A block's extra keys, as vLLM's: the cache salt on the first block, else none."""
+    return (request.cache_salt,) if index == 0 and request.cache_salt is not None else None
 
 
 class KVCacheManager:
@@ -58,6 +63,29 @@ class KVCacheManager:
         # Per request, per group, its blocks in token order.
         self.req_blocks: dict[str, list[list[KVCacheBlock]]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self.none_hash = block_hashes.none_hash()
+        # KV events (enable_events): stored and removed blocks of the first full group.
+        self.events: list[Event] | None = None
+        self.event_group = next((g for g, w in enumerate(self.windows) if not w), 0)
+
+    def enable_events(self) -> None:
+        """Collect KV events from now on (take_events hands them over)."""
+        self.events = []
+        self.pool.removed = []
+
+    def take_events(self) -> list[Event]:
+        """The events since the last call, oldest first: blocks stored, then removed."""
+        if self.events is None:
+            return []
+        out, self.events = self.events, []
+        removed = self.pool.removed or []
+        self.pool.removed = []
+        suffix = b"" if self.event_group == 0 else self.event_group.to_bytes(4, "big")
+        gone = [block_hashes.external(h[:32]) for h in removed
+                if len(h) == 32 + len(suffix) and h.endswith(suffix)]  # fmt: skip
+        if gone:
+            out.append(["BlockRemoved", gone, MEDIUM])
+        return out
 
     @property
     def num_blocks(self) -> int:
@@ -85,11 +113,11 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._hash_blocks(request, max_blocks)
         tokens, bs = request.all_token_ids, self.block_size
-        parent = root_hash(request.cache_salt)
+        parent = self.none_hash
         found: list[list[KVCacheBlock | None]] = [[] for _ in self.windows]
         for i in range(max_blocks):
             block_hash = request.block_hashes[i]
-            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]), _extra(request, i))
             for g, row in enumerate(found):
                 row.append(self.pool.lookup(_group_hash(block_hash, g), _group_key(key, g)))
             if found[0][-1] is None and not self.windows[0]:
@@ -210,14 +238,19 @@ class KVCacheManager:
         return sum(b is not null for row in self.req_blocks.get(request_id, ()) for b in row)
 
     def reset_prefix_cache(self) -> int:
-        return self.pool.reset_prefix_cache()
+        dropped = self.pool.reset_prefix_cache()
+        if self.events is not None:  # one event says it all: no BlockRemoved for each
+            self.pool.removed = []
+            self.events.append(["AllBlocksCleared"])
+        return dropped
 
     def _hash_blocks(self, request: Request, num_blocks: int) -> None:
         """Extend ``request.block_hashes`` to cover its first ``num_blocks`` full blocks."""
         hashes, tokens, bs = request.block_hashes, request.all_token_ids, self.block_size
-        parent = hashes[-1] if hashes else root_hash(request.cache_salt)
+        parent = hashes[-1] if hashes else self.none_hash
         for i in range(len(hashes), num_blocks):
-            parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            parent = block_hashes.block_hash(parent, tokens[i * bs : (i + 1) * bs],
+                                             _extra(request, i))  # fmt: skip
             hashes.append(parent)
 
     def _cache_full_blocks(
@@ -228,19 +261,45 @@ class KVCacheManager:
             return
         self._hash_blocks(request, num_full)
         tokens, bs, hashes = request.all_token_ids, self.block_size, request.block_hashes
+        stored: list[int] = []  # block indices the event group newly cached
         for i in range(start, num_full):
-            parent = hashes[i - 1] if i else root_hash(request.cache_salt)
-            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            parent = hashes[i - 1] if i else self.none_hash
+            key = (parent, tuple(tokens[i * bs : (i + 1) * bs]), _extra(request, i))
             for g, row in enumerate(groups):
                 if row[i] is not self.null_block:
-                    self.pool.cache(row[i], _group_hash(hashes[i], g), _group_key(key, g))
+                    new = self.pool.cache(row[i], _group_hash(hashes[i], g), _group_key(key, g))
+                    if new and g == self.event_group and self.events is not None:
+                        stored.append(i)
         self._num_cached_blocks[request.request_id] = num_full
+        if stored:
+            self._stored_events(request, stored)
+
+    def _stored_events(self, request: Request, stored: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks, as vLLM's array layout has it:
+        [tag, hashes, parent hash (None for a first block), token ids, block size, LoRA id,
+        medium]."""
+        assert self.events is not None
+        hashes, tokens, bs = request.block_hashes, request.all_token_ids, self.block_size
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            parent = block_hashes.external(hashes[first - 1]) if first else None
+            self.events.append([
+                "BlockStored", [block_hashes.external(hashes[i]) for i in run], parent,
+                list(tokens[first * bs : (last + 1) * bs]), bs, None, MEDIUM,
+            ])  # fmt: skip
 
 
-def _group_hash(block_hash: int, group: int) -> int:
+def _group_hash(block_hash: bytes, group: int) -> bytes:
     """A block's hash in its group's index: the same tokens in another group are another
-    block (other layers' KV)."""
-    return block_hash if group == 0 else hash((block_hash, group))
+    block (other layers' KV). As vLLM's BlockHashWithGroupId: the group, 4 bytes big-endian,
+    after the hash."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(4, "big")
 
 
 def _group_key(key: BlockKey, group: int) -> BlockKey:

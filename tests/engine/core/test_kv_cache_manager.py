@@ -97,15 +97,16 @@ def test_hit_needs_matching_parent_and_tokens() -> None:
     h0 = b.block_hashes[0]
     block = mgr.pool.blocks[0]
     # A colliding hash whose stored tokens differ is not a hit...
-    mgr.pool.cache(block, h0, (0, (1, 1, 1, 1)))
+    root = mgr.none_hash
+    mgr.pool.cache(block, h0, (root, (1, 1, 1, 1), None))
     assert mgr.get_computed_blocks(b) == ([[]], 0)
     # ...nor one whose parent differs...
     mgr.reset_prefix_cache()
-    mgr.pool.cache(block, h0, (12345, (5, 6, 7, 8)))
+    mgr.pool.cache(block, h0, (b"other", (5, 6, 7, 8), None))
     assert mgr.get_computed_blocks(b) == ([[]], 0)
-    # ...but the matching (parent, tokens) is.
+    # ...but the matching (parent, tokens, extra keys) is.
     mgr.reset_prefix_cache()
-    mgr.pool.cache(block, h0, (0, (5, 6, 7, 8)))
+    mgr.pool.cache(block, h0, (root, (5, 6, 7, 8), None))
     assert mgr.get_computed_blocks(b) == ([[block]], 4)
 
 

@@ -1,0 +1,143 @@
+"""KV events (--kv-events-config): block hashes as vLLM's sha256_cbor, checked against the
+format's own definition byte by byte; a real ZMQ subscriber decoding the published batches in
+vLLM's array layout (as llm-d's indexer reads them), whose stored-minus-removed blocks are the
+engine's prefix cache after a run with hits and evictions; a late subscriber served from the
+replay endpoint; bad settings refused in one line."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from engine.config import EngineConfig
+from engine.core import block_hashes
+from engine.core.engine_core import EngineCore
+from engine.kv_events_config import offset_endpoint, parse
+from tests.helpers.factories import make_core_request
+
+
+def test_the_hashes_are_sha256_over_canonical_cbor() -> None:
+    """Spelled out from RFC 8949 here, not from our encoder: a text seed, then a block as the
+    3-array (32-byte string, array of uints, null); a salt as a 1-array of text."""
+    assert block_hashes.none_hash("0") == hashlib.sha256(b"\x61\x30").digest()
+    seed = block_hashes.none_hash("vllm-none-hash")
+    assert seed == hashlib.sha256(b"\x6e" + b"vllm-none-hash").digest()
+    tokens = [1, 23, 24, 255, 256, 65535, 65536, 262143]
+    body = (b"\x01\x17" + b"\x18\x18" + b"\x18\xff" + b"\x19\x01\x00" + b"\x19\xff\xff"
+            + b"\x1a\x00\x01\x00\x00" + b"\x1a\x00\x03\xff\xff")  # fmt: skip
+    want = hashlib.sha256(b"\x83\x58\x20" + seed + b"\x88" + body + b"\xf6").digest()
+    assert block_hashes.block_hash(seed, tokens, None) == want
+    salted = hashlib.sha256(b"\x83\x58\x20" + seed + b"\x88" + body + b"\x81\x64salt").digest()
+    assert block_hashes.block_hash(seed, tokens, ("salt",)) == salted
+    assert block_hashes.external(want) == int.from_bytes(want[-8:], "big")
+
+
+def test_endpoints_and_bad_settings() -> None:
+    assert offset_endpoint("tcp://*:5557", 0) == "tcp://*:5557"
+    assert offset_endpoint("tcp://*:5557", 2) == "tcp://*:5559"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+    assert parse('{"enable_kv_cache_events": true}').enabled
+    assert not parse('{"enable_kv_cache_events": true, "publisher": "null"}').enabled
+    for bad, said in [
+        ("{", "not JSON"),
+        ('{"enable_kv_cache_events": true, "port": 1}', "unknown field(s) port"),
+        ('{"hwm": "many"}', "hwm must be a int"),
+        ('{"publisher": "kafka"}', "publisher must be zmq or null"),
+        ('{"endpoint": "localhost:5557"}', "is not a ZMQ endpoint"),
+        ('{"buffer_steps": 0}', "buffer_steps must be at least 1"),
+    ]:
+        with pytest.raises(ValueError, match="--kv-events-config") as e:
+            EngineConfig(kv_events_config=bad)
+        assert said in str(e.value) and "\n" not in str(e.value)
+
+
+def _drain(sub: zmq.Socket, quiet_s: float = 0.5) -> list[tuple[int, list[Any]]]:
+    """(sequence, decoded batch) of every message until none comes for ``quiet_s``."""
+    out = []
+    while sub.poll(int(quiet_s * 1000)):
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv"
+        out.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
+    return out
+
+
+def _chain(token_ids: list[int], block_size: int) -> list[int]:
+    """A first run's hashes, computed from its tokens as a router would."""
+    parent, hashes = block_hashes.none_hash(), []
+    for i in range(0, len(token_ids), block_size):
+        parent = block_hashes.block_hash(parent, token_ids[i : i + block_size], None)
+        hashes.append(block_hashes.external(parent))
+    return hashes
+
+
+def test_a_subscriber_follows_the_prefix_cache(tiny_model_path: Path, tmp_path: Path) -> None:
+    """Requests that share prefixes and overflow a small cache: every batch decodes as vLLM's
+    array layout; stored blocks' hashes are the chain a router computes from their tokens;
+    stored minus removed is the engine's own cache; a subscriber that joins late replays every
+    batch; a prefix-cache reset is AllBlocksCleared."""
+    pub, replay = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/kv-replay"
+    config = EngineConfig(num_kv_blocks=24, max_model_len=256, warmup=False,
+                          kv_events_config=f'{{"enable_kv_cache_events": true, "endpoint": '
+                          f'"{pub}", "replay_endpoint": "{replay}", "topic": "kv"}}')  # fmt: skip
+    core = EngineCore(config, str(tiny_model_path))
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(pub)
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+        time.sleep(0.3)  # a SUB socket misses what is sent before it has joined
+        shared = list(range(100, 164))  # four blocks of 16
+        prompts = [shared + [7] * 20, shared + [8] * 30, list(range(300, 420)),
+                   list(range(500, 640)), shared + [9] * 5]  # fmt: skip
+        for i, prompt in enumerate(prompts):
+            core.add_request(make_core_request(f"r{i}", prompt, max_tokens=4))
+            while core.has_work():
+                core.step()
+        batches = _drain(sub)
+        assert [seq for seq, _ in batches] == list(range(len(batches)))
+        held: set[int] = set()
+        removed = 0
+        for _, (ts, events, rank) in batches:
+            assert isinstance(ts, float) and rank == 0
+            for event in events:
+                if event[0] == "BlockStored":
+                    _, hashes, parent, token_ids, bs, lora, medium = event
+                    assert (bs, lora, medium) == (16, None, "GPU")
+                    assert len(token_ids) == 16 * len(hashes)
+                    if parent is None:
+                        assert hashes == _chain(token_ids, 16)
+                    held.update(hashes)
+                else:
+                    assert event[0] == "BlockRemoved" and event[2] == "GPU"
+                    removed += len(event[1])
+                    held.difference_update(event[1])
+        cached = {block_hashes.external(h) for h in core.scheduler.kv_cache.pool._cached}
+        print(f"{len(batches)} batches, {len(held)} blocks held, {removed} removed")
+        assert removed > 0 and held == cached
+        assert _chain(shared, 16)[0] in held  # the shared prefix, hit by later requests
+
+        late = ctx.socket(zmq.DEALER)
+        late.connect(replay)
+        late.send_multipart([b"", (0).to_bytes(8, "big")])
+        replayed = []
+        while True:
+            assert late.poll(5000), "no replay"
+            _, seq, payload = late.recv_multipart()
+            if seq == (-1).to_bytes(8, "big", signed=True):
+                break
+            replayed.append((int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
+        late.close(linger=0)
+        assert replayed == batches
+
+        core.reset_prefix_cache()
+        ((_, (_, events, _)),) = _drain(sub)
+        assert events == [["AllBlocksCleared"]]
+    finally:
+        sub.close(linger=0)
+        core.shutdown()

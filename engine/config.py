@@ -324,6 +324,14 @@ class EngineConfig:
             "(by default their blocks behind the window are freed: engine/kv_layout.py)"
         },
     )
+    prefix_caching_hash_algo: str = field(
+        default="sha256_cbor",
+        metadata={
+            "help": "the prefix cache's block hash, as vLLM's flag: sha256_cbor (SHA-256 over "
+            "canonical CBOR, the one Lumen computes; engine/core/block_hashes.py), so a "
+            "router that hashes prompts finds the blocks the KV events announce"
+        },
+    )
     kv_events_config: str | None = field(
         default=None,
         metadata={
@@ -415,6 +423,11 @@ class EngineConfig:
             self.resolve_kv_cache_dtype(None)  # raises, saying what is accepted
         check_quantization(self.quantization)
         kv_events_config.parse(self.kv_events_config)  # raises, in one line, on bad JSON
+        if self.prefix_caching_hash_algo != "sha256_cbor":
+            raise ValueError(
+                "prefix_caching_hash_algo must be sha256_cbor (vLLM's sha256, xxhash and "
+                f"xxhash_cbor are not built), not {self.prefix_caching_hash_algo!r}"
+            )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if (

@@ -141,3 +141,9 @@ def test_a_subscriber_follows_the_prefix_cache(tiny_model_path: Path, tmp_path: 
     finally:
         sub.close(linger=0)
         core.shutdown()
+
+
+def test_the_hash_algorithm_is_vllms_sha256_cbor() -> None:
+    assert EngineConfig(prefix_caching_hash_algo="sha256_cbor")
+    with pytest.raises(ValueError, match=r"must be sha256_cbor .* not 'xxhash'"):
+        EngineConfig(prefix_caching_hash_algo="xxhash")

@@ -282,24 +282,13 @@ class LlamaForCausalLM(nn.Module):
                 "model's folder converted before blocks were kept gets them once removed and "
                 "fetched again), or use int8 or int4, which quantize any checkpoint"
             )
-        fused = self.cfg.fused_checkpoint
         chosen: dict[Linear, cpu_gguf.GGUFWeight] = {}
-        products = 0
-        for i, layer in enumerate(self.decoder_layers):
-            sources = {
-                layer.qkv_proj: ["self_attn.qkv_proj"] if fused
-                else [f"self_attn.{n}_proj" for n in "qkv"],
-                layer.o_proj: ["self_attn.o_proj"],
-                layer.gate_up_proj: ["mlp.gate_up_proj"] if fused
-                else ["mlp.gate_proj", "mlp.up_proj"],
-                layer.down_proj: ["mlp.down_proj"],
-            }  # fmt: skip
-            for module, names in sources.items():
-                products += 1
-                keys = [f"model.layers.{i}.{name}.weight" for name in names]
-                if all(key in saved for key in keys):
-                    parts = [saved[key] for key in keys]
-                    chosen[module] = cpu_gguf.GGUFWeight(parts, module.in_features)
+        sources = self._product_sources()
+        for module, keys in sources:
+            if all(key in saved for key in keys):
+                parts = [saved[key] for key in keys]
+                chosen[module] = cpu_gguf.GGUFWeight(parts, module.in_features)
+        products = len(sources)
         head = saved.get("lm_head.weight")
         head_blocks = cpu_gguf.GGUFWeight([head], self.cfg.hidden_size) if head else None
         first = next(iter(chosen.values()), head_blocks)
@@ -323,9 +312,19 @@ class LlamaForCausalLM(nn.Module):
         (engine/gguf_q4.py), where it has one; a sharded model fits its own."""
         saved = gguf_q4.load_grids(self.cfg.path) if self.shard.size == 1 else {}
         grids: dict[nn.Module, Grid] = {}
-        fused = self.cfg.fused_checkpoint
-        for i, layer in enumerate(self.decoder_layers if saved else ()):
-            sources = {
+        for module, keys in self._product_sources() if saved else ():
+            if all(f"{key}.scale" in saved for key in keys):
+                scale, minimum = ([saved[f"{key}.{part}"] for key in keys]
+                                  for part in ("scale", "minimum"))  # fmt: skip
+                grids[module] = (torch.cat(scale), torch.cat(minimum))
+        return grids
+
+    def _product_sources(self) -> list[tuple[Linear, list[str]]]:
+        """Each layer product and the checkpoint weights it fuses, in their order (q, k, v;
+        gate, up), by Hugging Face name."""
+        fused, sources = self.cfg.fused_checkpoint, []
+        for i, layer in enumerate(self.decoder_layers):
+            names = {
                 layer.qkv_proj: ["self_attn.qkv_proj"] if fused
                 else [f"self_attn.{n}_proj" for n in "qkv"],
                 layer.o_proj: ["self_attn.o_proj"],
@@ -333,13 +332,9 @@ class LlamaForCausalLM(nn.Module):
                 else ["mlp.gate_proj", "mlp.up_proj"],
                 layer.down_proj: ["mlp.down_proj"],
             }  # fmt: skip
-            for module, names in sources.items():
-                keys = [f"model.layers.{i}.{name}.weight" for name in names]
-                if all(f"{key}.scale" in saved for key in keys):
-                    scale, minimum = ([saved[f"{key}.{part}"] for key in keys]
-                                      for part in ("scale", "minimum"))  # fmt: skip
-                    grids[module] = (torch.cat(scale), torch.cat(minimum))
-        return grids
+            for module, parts in names.items():
+                sources.append((module, [f"model.layers.{i}.{part}.weight" for part in parts]))
+        return sources
 
     @torch.no_grad()
     def load_weights(self, folder: str | Path) -> None:

@@ -18,7 +18,13 @@ from engine.gguf_files import content_hash
 from engine.gguf_q4 import GRIDS_FILE, _grid, load_grids, write_grids
 from engine.model_files import PACKAGED, ensure_packaged, resolve_model, served_name
 from engine.worker import cpu_int4
-from tests.helpers.gguf_files import q4_k_blocks, write_odd_gguf, write_tiny_llama_gguf
+from tests.helpers.gguf_files import (
+    TINY_PROMPTS,
+    greedy_tokens,
+    q4_k_blocks,
+    write_odd_gguf,
+    write_tiny_llama_gguf,
+)
 from tests.helpers.models import hf_greedy
 
 
@@ -194,21 +200,13 @@ def test_int4_keeps_a_gguf_files_own_4_bit_values(
                                  layers=layers)  # fmt: skip
     folder = resolve_model(str(gguf), log=lambda _: None)
     assert (folder / GRIDS_FILE).is_file()
-    prompts = [[1, *range(40, 40 + n)] for n in (3, 20, 50)]
     caplog.set_level("INFO", logger="engine.worker.llama")
-    llm = LLM(str(gguf), num_kv_blocks=64, quantization="int4")
-    try:
-        params = SamplingParams(temperature=0, max_tokens=8)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    finally:
-        llm.shutdown()
+    tokens = greedy_tokens(gguf, "int4")
     said = [r.getMessage() for r in caplog.records if "GGUF file's own" in r.getMessage()]
     print(said)
     assert said and said[0].startswith("int4: 8 of 8 products keep"), said  # 2 layers x 4
     # Under int4 the LM head is int8 (cpu_int8): HF runs the file's weights with that head.
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(
-        _with_int8_head(folder, tmp_path / "reference"), prompts, 8
-    )
+    assert tokens == hf_greedy(_with_int8_head(folder, tmp_path / "reference"), TINY_PROMPTS, 8)
 
 
 def _with_int8_head(folder: Path, out: Path) -> Path:

@@ -139,3 +139,20 @@ def random_blocks(kind: str, rows: int, cols: int, *, seed: int = 0) -> np.ndarr
         halves = rng.uniform(1e-3, 1e-2, (rows, cols // per)).astype(np.float16)
         blocks[..., start : start + 2] = halves[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)
+
+
+TINY_PROMPTS = [[1, *range(40, 40 + n)] for n in (3, 20, 50)]
+
+
+def greedy_tokens(gguf: Path, quantization: str, max_tokens: int = 8) -> list[list[int]]:
+    """The tiny file served offline under ``quantization``: TINY_PROMPTS' greedy tokens."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(gguf), num_kv_blocks=64, quantization=quantization)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        prompts = [{"prompt_token_ids": p} for p in TINY_PROMPTS]
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params,
+                                                                   use_tqdm=False)]  # fmt: skip
+    finally:
+        llm.shutdown()

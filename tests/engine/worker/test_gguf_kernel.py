@@ -16,7 +16,13 @@ from engine import LLM, SamplingParams
 from engine.gguf_blocks import BLOCKS_FILE, TYPES, load_blocks, write_blocks
 from engine.model_files import resolve_model
 from engine.worker import cpu_gguf
-from tests.helpers.gguf_files import MIXED_TYPES, random_blocks, write_tiny_llama_gguf
+from tests.helpers.gguf_files import (
+    MIXED_TYPES,
+    TINY_PROMPTS,
+    greedy_tokens,
+    random_blocks,
+    write_tiny_llama_gguf,
+)
 from tests.helpers.models import hf_greedy
 from tests.helpers.native import built, round_to_int8, vector_paths
 
@@ -107,19 +113,13 @@ def test_a_file_of_mixed_formats_serves_its_own_weights(
     (folder / BLOCKS_FILE).unlink()  # as a folder converted before blocks were kept
     assert resolve_model(str(gguf), log=lambda _: None) == folder
     assert len(load_blocks(folder)) == 15  # 2 layers x 7 products, and the head
-    prompts = [[1, *range(40, 40 + n)] for n in (3, 20, 50)]
     caplog.set_level("INFO", logger="engine.worker.llama")
-    llm = LLM(str(gguf), num_kv_blocks=64, quantization="gguf")
-    try:
-        params = SamplingParams(temperature=0, max_tokens=8)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    finally:
-        llm.shutdown()
+    tokens = greedy_tokens(gguf, "gguf")
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gguf:")]
     print(said)
     assert said == ["gguf: 8 of 8 products and the LM head run on the file's own blocks "
                     "(Q4_0, Q4_1, Q5_0, Q8_0); the rest in torch.float32"]  # fmt: skip
-    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(folder, prompts, 8)
+    assert tokens == hf_greedy(folder, TINY_PROMPTS, 8)
     with pytest.raises(ValueError, match=r"has none .* serve the .gguf file itself"):
         LLM(str(default_model_path), num_kv_blocks=64, quantization="gguf")
     assert write_blocks(gguf, tmp_path / "gone") == 0  # best effort: said, not raised

@@ -19,6 +19,7 @@ from tests.helpers.server import ROOT, LumenServer
 OTHER_FLAGS = {
     "--continuous-batching": "transformers serve (a baseline of lumen bench serve)",
     "--cb-num-blocks": "transformers serve",
+    "--set": "helm install (the Gateway API Inference Extension's chart)",
     "--scale": "docker compose",
     "--dist": "pytest-xdist",
     "--no-loadscope-reorder": "pytest-xdist",

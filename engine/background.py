@@ -31,6 +31,21 @@ def name_os_thread() -> None:
         prctl(15, threading.current_thread().name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
+def name_process(title: str) -> None:
+    """Name this process as ``ps`` and ``top`` show it, as vLLM names its own: the title (its
+    command line, in ``ps -ef``) where setproctitle is installed, and the part after ``::``
+    as its comm (Linux keeps 15 bytes: what ``top`` and ``ps -e`` show)."""
+    try:
+        from setproctitle import setproctitle
+    except ImportError:
+        pass
+    else:
+        setproctitle(title)
+    prctl = _prctl()
+    if prctl is not None:
+        prctl(15, title.rpartition("::")[2].encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
 @functools.cache
 def _prctl() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux"):

@@ -282,6 +282,8 @@ def _stop_workers(
 
 def _run_worker(args: WorkerArgs, conn: Any) -> None:
     """The spawned rank's entry point: only the rank loads the worker's process module."""
+    from engine.background import name_process
     from engine.worker.worker import run_worker
 
+    name_process(f"lumen::Worker_TP{args.rank}")
     run_worker(args, conn)

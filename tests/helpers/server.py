@@ -22,8 +22,11 @@ class LumenServer(_LumenServer):
         return openai.OpenAI(base_url=self.url("/v1"), api_key=self.api_key or "unused", **kwargs)
 
     def core_pid(self) -> int:
-        """The EngineCore process (the server's one spawned child)."""
-        kids = [p for p in live_children(self.proc.pid) if "spawn" in " ".join(p.cmdline())]
+        """The EngineCore process (the server's one spawned child, named as vLLM names its
+        own where setproctitle is installed)."""
+        marks = ("spawn", "lumen::EngineCore")
+        kids = [p for p in live_children(self.proc.pid)
+                if any(m in " ".join(p.cmdline()) for m in marks)]  # fmt: skip
         assert kids, "the server has no engine core process"
         return kids[0].pid
 

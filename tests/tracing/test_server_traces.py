@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.helpers.load import stream_chat, wait_until
@@ -217,7 +218,8 @@ def _thread_names(pid: int) -> set[str]:
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names are read from /proc")
 def test_the_store_counts_its_flushes_and_the_threads_have_names(traced) -> None:
     """What tracing costs is on /metrics and in `top -H`: the writer's flushes and their CPU,
-    and each thread by its name (lumen bench overhead reads the trace writer's CPU by it)."""
+    and each thread by its name (lumen bench overhead reads the trace writer's CPU by it), and
+    the engine core process by its own."""
     server, _, _ = traced
     m = server.metrics()
     flushes, cpu = (
@@ -228,6 +230,10 @@ def test_the_store_counts_its_flushes_and_the_threads_have_names(traced) -> None
     assert flushes >= 1 and cpu > 0
     assert {"trace-writer", "client-reader"} <= _thread_names(server.proc.pid)
     assert {"core-input", "core-output"} <= _thread_names(server.core_pid())
+    # The core process is named as vLLM names its own: `ps -ef` shows the title, `top` the comm.
+    core = psutil.Process(server.core_pid())
+    assert "EngineCore_DP0" in _thread_names(core.pid)
+    assert core.cmdline()[0] == "lumen::EngineCore_DP0", core.cmdline()
 
 
 def test_otlp_over_grpc_with_request_detail(tmp_path: Path, tiny_model_path: Path) -> None:

@@ -31,6 +31,16 @@ def name_os_thread() -> None:
         prctl(15, threading.current_thread().name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
 
 
+ENGINE_CORE_TITLE = "lumen::EngineCore"  # engine_core_proc names its process so (with _DP<rank>)
+
+
+def is_engine_core(cmdline: list[str]) -> bool:
+    """Whether a process's command line is an engine core's: its title (name_process), or, where
+    setproctitle is missing, multiprocessing's spawned child."""
+    line = " ".join(cmdline)
+    return ENGINE_CORE_TITLE in line or "spawn" in line
+
+
 def name_process(title: str) -> None:
     """Name this process as ``ps`` and ``top`` show it, as vLLM names its own: the title (its
     command line, in ``ps -ef``) where setproctitle is installed, and the part after ``::``

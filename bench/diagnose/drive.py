@@ -86,10 +86,12 @@ def _core_pid(server: LumenServer) -> int:
     """The engine core: the server's one spawned child."""
     import psutil
 
+    from engine.background import is_engine_core
+
     kids = [
         p.pid
         for p in psutil.Process(server.proc.pid).children()
-        if "spawn" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
+        if is_engine_core(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
     ]
     assert kids, "the server has no engine core process"
     return kids[0]

@@ -32,7 +32,7 @@ import msgspec
 import zmq
 
 from engine import faults
-from engine.background import name_os_thread, name_process
+from engine.background import ENGINE_CORE_TITLE, name_os_thread, name_process
 from engine.config import EngineConfig
 from engine.gc_pauses import settle_heap
 from engine.ipc import make_socket
@@ -223,7 +223,7 @@ def run_engine_core(
     its server started before this one; ``notify_pid``: the server that conducts the stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(notify_pid))
-    name_process("lumen::EngineCore_DP0")  # one engine a server, data-parallel rank 0
+    name_process(f"{ENGINE_CORE_TITLE}_DP0")  # one engine a server, data-parallel rank 0
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     out_sock = make_socket(zmq.Context.instance(), zmq.PUSH, output_addr, bind=False)
     encoder = msgspec.msgpack.Encoder()

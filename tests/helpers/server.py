@@ -11,6 +11,7 @@ import openai
 
 from bench.server import ROOT, free_port, metric, parse_metrics
 from bench.server import LumenServer as _LumenServer
+from engine.background import is_engine_core
 from tests.helpers.procs import live_children
 
 __all__ = ["ROOT", "LumenServer", "ServerPool", "free_port", "metric", "parse_metrics"]
@@ -22,11 +23,8 @@ class LumenServer(_LumenServer):
         return openai.OpenAI(base_url=self.url("/v1"), api_key=self.api_key or "unused", **kwargs)
 
     def core_pid(self) -> int:
-        """The EngineCore process (the server's one spawned child, named as vLLM names its
-        own where setproctitle is installed)."""
-        marks = ("spawn", "lumen::EngineCore")
-        kids = [p for p in live_children(self.proc.pid)
-                if any(m in " ".join(p.cmdline()) for m in marks)]  # fmt: skip
+        """The EngineCore process (the server's one spawned child)."""
+        kids = [p for p in live_children(self.proc.pid) if is_engine_core(p.cmdline())]
         assert kids, "the server has no engine core process"
         return kids[0].pid
 

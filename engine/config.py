@@ -337,8 +337,8 @@ class EngineConfig:
         metadata={
             "help": "KV cache events for routers, as vLLM's flag: JSON with "
             "enable_kv_cache_events, publisher (zmq), endpoint (default tcp://*:5557), "
-            "replay_endpoint, buffer_steps, hwm, max_queue_size, topic. Published in vLLM's "
-            "array layout, block hashes vLLM's sha256_cbor (engine/core/kv_events.py)"
+            "replay_endpoint, buffer_steps, hwm, max_queue_size, topic. Published as vLLM 0.32 "
+            "publishes them, block hashes vLLM's sha256_cbor (engine/core/kv_events.py)"
         },
     )
     max_num_batched_tokens: int = field(

@@ -6,8 +6,9 @@ A block's hash is SHA-256 over the canonical CBOR (RFC 8949) of the triple
 (parent hash, the block's token ids, its extra keys or None); the first block's parent is
 NONE_HASH, SHA-256 over the CBOR of a seed string: PYTHONHASHSEED where it is set, else vLLM's
 fixed default for cryptographic hashes, "vllm-none-hash". A request's cache salt is its first
-block's extra keys, ``(salt,)``, as vLLM's. Hashes are 32 bytes; KV events carry their low 64
-bits as an integer (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, what llm-d reads).
+block's extra keys, ``(("cache_salt", salt),)``, as vLLM's. Hashes are 32 bytes; KV events
+carry their low 64 bits as an integer (vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``, what
+llm-d reads). The hashes of the tests' known values were computed by vLLM 0.32 itself.
 
 Only what a block hash holds is encoded here (bytes, non-negative ints, tuples, strings and
 None), by hand: the encoding of 16 token ids is a join of memoized byte strings.

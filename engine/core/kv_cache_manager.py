@@ -35,14 +35,15 @@ from engine.core.block_pool import BlockKey, BlockPool, KVCacheBlock
 from engine.kv_layout import cdiv
 from engine.request import Request
 
-# A KV event as vLLM's array layout encodes it (engine/core/kv_events.py): a tagged list.
-Event = list[Any]
+# A KV event as vLLM encodes it (engine/core/kv_events.py): a map, its tag under "type".
+Event = dict[str, Any]
 MEDIUM = "GPU"  # vLLM's name for the engine's own KV cache (its other media are offloads)
 
 
 def _extra(request: Request, index: int) -> tuple[object, ...] | None:
-    """A block's extra keys, as vLLM's: the cache salt on the first block, else none."""
-    return (request.cache_salt,) if index == 0 and request.cache_salt is not None else None
+    """A block's extra keys, as vLLM's: the cache salt on the first block, tagged with its
+    source, else none."""
+    return (("cache_salt", request.cache_salt),) if index == 0 and request.cache_salt else None
 
 
 class KVCacheManager:
@@ -84,7 +85,7 @@ class KVCacheManager:
         gone = [block_hashes.external(h[:32]) for h in removed
                 if len(h) == 32 + len(suffix) and h.endswith(suffix)]  # fmt: skip
         if gone:
-            out.append(["BlockRemoved", gone, MEDIUM])
+            out.append({"type": "BlockRemoved", "block_hashes": gone, "medium": MEDIUM})
         return out
 
     @property
@@ -241,7 +242,7 @@ class KVCacheManager:
         dropped = self.pool.reset_prefix_cache()
         if self.events is not None:  # one event says it all: no BlockRemoved for each
             self.pool.removed = []
-            self.events.append(["AllBlocksCleared"])
+            self.events.append({"type": "AllBlocksCleared"})
         return dropped
 
     def _hash_blocks(self, request: Request, num_blocks: int) -> None:
@@ -275,9 +276,8 @@ class KVCacheManager:
             self._stored_events(request, stored)
 
     def _stored_events(self, request: Request, stored: list[int]) -> None:
-        """One BlockStored per run of consecutive blocks, as vLLM's array layout has it:
-        [tag, hashes, parent hash (None for a first block), token ids, block size, LoRA id,
-        medium]."""
+        """One BlockStored per run of consecutive blocks, with vLLM's fields in its order (the
+        parent hash None for a first block; its defaulted fields left out, as it leaves them)."""
         assert self.events is not None
         hashes, tokens, bs = request.block_hashes, request.all_token_ids, self.block_size
         runs: list[list[int]] = []
@@ -289,10 +289,13 @@ class KVCacheManager:
         for run in runs:
             first, last = run[0], run[-1]
             parent = block_hashes.external(hashes[first - 1]) if first else None
-            self.events.append([
-                "BlockStored", [block_hashes.external(hashes[i]) for i in run], parent,
-                list(tokens[first * bs : (last + 1) * bs]), bs, None, MEDIUM,
-            ])  # fmt: skip
+            self.events.append({
+                "type": "BlockStored",
+                "block_hashes": [block_hashes.external(hashes[i]) for i in run],
+                "parent_block_hash": parent,
+                "token_ids": list(tokens[first * bs : (last + 1) * bs]),
+                "block_size": bs, "lora_id": None, "medium": MEDIUM, "lora_name": None,
+            })  # fmt: skip
 
 
 def _group_hash(block_hash: bytes, group: int) -> bytes:

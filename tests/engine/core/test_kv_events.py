@@ -195,3 +195,43 @@ def test_the_hash_algorithm_is_vllms_sha256_cbor() -> None:
     assert EngineConfig(prefix_caching_hash_algo="sha256_cbor")
     with pytest.raises(ValueError, match=r"must be sha256_cbor .* not 'xxhash'"):
         EngineConfig(prefix_caching_hash_algo="xxhash")
+
+
+@pytest.mark.parametrize("windows", [(0, 8), (8, 0)])
+def test_a_model_with_windows_reports_its_full_group(windows: tuple[int, ...]) -> None:
+    """With a sliding-window group beside the full one (either first), the events follow the
+    full group alone: its stored blocks, and only its evictions, so that stored minus removed
+    is the full group's cache while the window's blocks come and go."""
+    from engine.core.kv_cache_manager import KVCacheManager
+    from tests.helpers.factories import make_request
+
+    bs = 4
+    mgr = KVCacheManager(1 + 22, bs, windows=windows)
+    mgr.enable_events()
+    held: set[int] = set()
+
+    def run(tokens: list[int], decode: int = 0) -> None:
+        r = make_request(tokens, max_tokens=8)
+        hits, num_hit = mgr.get_computed_blocks(r)
+        assert mgr.allocate_slots(r, r.num_tokens - num_hit, hits)
+        r.num_computed_tokens = r.num_tokens
+        for _ in range(decode):
+            r.all_token_ids.append(7)
+            assert mgr.allocate_slots(r, 1)
+            r.num_computed_tokens += 1
+        mgr.free(r)
+        for event in mgr.take_events():
+            if event["type"] == "BlockStored":
+                held.update(event["block_hashes"])
+            else:
+                held.difference_update(event["block_hashes"])
+
+    run(list(range(40)), decode=3)  # the window's first blocks go back to the pool
+    run([100 + i for i in range(16)])  # and are evicted for these
+    run([*range(40), 5, 6, 7])  # a prefix hit
+    group = mgr.event_group
+    assert windows[group] == 0
+    suffix = group.to_bytes(4, "big") if group else b""
+    full = {block_hashes.external(h[:32]) for h in mgr.pool._cached
+            if len(h) == 32 + len(suffix) and h.endswith(suffix)}  # fmt: skip
+    assert held == full and len(full) >= 10

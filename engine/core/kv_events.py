@@ -126,12 +126,14 @@ class ZmqEventPublisher:
             seq += 1
 
     def _serve_replay(self) -> None:
-        frames = self._replay.recv_multipart()  # type: ignore[union-attr]
+        replay = self._replay
+        assert replay is not None  # polled only where there is one
+        frames = replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             logger.warning("KV events: a replay request of %d frames ignored", len(frames))
             return
         client, start = frames[0], int.from_bytes(frames[2], "big")
         for seq, payload in list(self._buffer):
             if seq >= start:
-                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))  # type: ignore[union-attr]
-        self._replay.send_multipart((client, b"", END_SEQ, b""))  # type: ignore[union-attr]
+                replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        replay.send_multipart((client, b"", END_SEQ, b""))

@@ -84,6 +84,15 @@ def test_a_fused_product_keeps_each_tensors_format(kernel: cpu_gguf.NativeGGUF) 
     torch.testing.assert_close(plan.linear(x, w), x @ stacked.t())
 
 
+def test_the_block_sizes_are_the_gguf_packages() -> None:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    assert {
+        kind: GGML_QUANT_SIZES[GGMLQuantizationType[name]] for name, kind in TYPES.items()
+    } == cpu_gguf.BLOCKS
+    assert all(GGMLQuantizationType[name].value == kind for name, kind in TYPES.items())
+
+
 def test_blocks_that_do_not_fit_are_refused() -> None:
     with pytest.raises(ValueError, match="do not hold 100 weights"):
         _weight([("Q8_0", random_blocks("Q8_0", 2, 128))], 100)

@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
     from engine import LLM
     from engine.arg_utils import engine_options
-    from engine.config import EngineConfig, ModelConfig
+    from engine.config import EngineConfig
+    from engine.model_config import ModelConfig
     from engine.model_files import resolve_model
 
     batches = parse_ints(args.decode_batches, "--decode-batches")

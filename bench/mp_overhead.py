@@ -26,7 +26,7 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from engine import LLM
     from engine.arg_utils import engine_options
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
     from engine.model_files import resolve_model
 
     if args.num_requests < 1 or args.rounds < 1:

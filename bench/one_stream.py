@@ -80,7 +80,7 @@ def lumen_bytes_per_token(path: str, quantization: str | None, context: int) -> 
     the KV of ``context`` tokens."""
     from safetensors import safe_open
 
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
 
     cfg = ModelConfig.from_path(path)
     layers = head = 0

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from engine import LLM, SamplingParams
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
     from engine.model_files import resolve_model
 
     lengths = parse_ints(args.lengths, "--lengths")

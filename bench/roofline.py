@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
 from engine.messages import StepRecord
+from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 from engine.worker import cpu_matmul
 from engine.worker.messages import NewRequestData, SchedulerOutput

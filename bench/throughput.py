@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     from engine import LLM
-    from engine.config import ModelConfig
+    from engine.model_config import ModelConfig
     from engine.model_files import resolve_model
 
     path = resolve_model(args.model)

@@ -28,7 +28,7 @@ from typing import Any, cast
 from engine import envs
 
 MAGIC = b"GGUF"
-# GGUF's general.architecture -> the families engine/config.py runs.
+# GGUF's general.architecture -> the families engine/model_config.py runs.
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 # Tensor types read as they are; the quantized ones are those the gguf package dequantizes.
 _PLAIN_TYPES = ("F32", "F16", "BF16", "F64")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 
 
 def cdiv(a: int, b: int) -> int:

@@ -19,8 +19,8 @@ from tokenizers import Tokenizer
 
 from engine import cache_files, chat_templates, envs, structured_outputs
 from engine.background import in_background
-from engine.config import ModelConfig
 from engine.messages import EngineCoreRequest, EngineInfo
+from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

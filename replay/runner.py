@@ -18,7 +18,8 @@ import numpy as np
 from tqdm import tqdm
 
 from engine.async_llm import AsyncLLM
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
+from engine.model_config import ModelConfig
 from engine.model_files import resolve_model
 from replay.workload import ReplayRequest, load_workload
 from tracing.config import TracingConfig

@@ -10,7 +10,7 @@ import torch
 
 from engine import faults, kv_events_config
 from engine.background import in_background
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.core.grammar import GRAMMAR_WAIT_S, GrammarManager
 from engine.core.kv_events import ZmqEventPublisher
 from engine.core.scheduler import Scheduler
@@ -30,6 +30,7 @@ from engine.messages import (
     UtilityRequest,
     UtilityResult,
 )
+from engine.model_config import ModelConfig
 from engine.request import Request, RequestStatus
 from engine.version import __version__
 from engine.worker.messages import SchedulerOutput

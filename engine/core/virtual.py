@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.core.scheduler import Scheduler
 from engine.kv_layout import KVLayout
 from engine.messages import EngineCoreOutput, EngineCoreRequest
+from engine.model_config import ModelConfig
 from engine.request import Request
 from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.executor.base import Executor, WorkerDeadError
+from engine.model_config import ModelConfig
 
 __all__ = ["Executor", "WorkerDeadError", "make_executor"]
 

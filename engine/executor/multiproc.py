@@ -16,9 +16,10 @@ from typing import Any, NoReturn
 import msgspec
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.executor.base import WorkerDeadError
 from engine.kv_layout import KVLayout
+from engine.model_config import ModelConfig
 from engine.worker.layers import check_tensor_parallel
 from engine.worker.messages import (
     Done,

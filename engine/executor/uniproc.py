@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kv_layout import KVLayout
+from engine.model_config import ModelConfig
 from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
 from engine.worker.profiler import Profiler

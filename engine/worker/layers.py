@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.worker import cpu_gguf, cpu_int4, cpu_int8, cpu_matmul
 
 Grid = tuple[torch.Tensor, torch.Tensor]  # int4's (scale, minimum) per group (cpu_int4)

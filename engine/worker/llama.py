@@ -15,7 +15,8 @@ from safetensors import safe_open
 from torch import nn
 
 from engine import gguf_blocks, gguf_q4
-from engine.config import ModelConfig, check_quantization
+from engine.config import check_quantization
+from engine.model_config import ModelConfig
 from engine.worker import cpu_gguf, cpu_int8, cpu_matmul
 from engine.worker.attention import AttentionMetadata, paged_attention
 from engine.worker.cpu_kernels import CpuKernels

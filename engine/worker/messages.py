@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
-from engine.config import ModelConfig
 from engine.kv_layout import KVLayout
 from engine.messages import Logprobs
+from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
 
 

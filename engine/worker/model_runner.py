@@ -7,8 +7,9 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from engine.config import GiB, ModelConfig
+from engine.config import GiB
 from engine.kv_layout import KVLayout
+from engine.model_config import ModelConfig
 from engine.worker import cpu_threads, heap, kv_quant
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask, windowed
 from engine.worker.cpu_kernels import CpuKernels

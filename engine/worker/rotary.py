@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 
 
 class Rotary:

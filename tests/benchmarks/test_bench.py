@@ -17,7 +17,7 @@ import pytest
 
 from bench.roofline import FlopCounter
 from engine import SamplingParams
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from tests.helpers.bench import bench_json, lumen_bench, lumen_bench_refused, ratio_keys
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
 from engine.kv_layout import KVLayout
+from engine.model_config import ModelConfig
 from tests.helpers.models import FAMILIES, hf_greedy
 
 MAX_TOKENS = 12

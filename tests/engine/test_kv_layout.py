@@ -9,8 +9,9 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.kv_layout import KVLayout, blocks_per_sequence, kv_capacity
+from engine.model_config import ModelConfig
 
 
 def config(num_layers: int, window: int = 0, local: tuple[int, ...] = ()) -> ModelConfig:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.model_files import resolve_model, served_name
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
 from engine.kv_layout import KVLayout
+from engine.model_config import ModelConfig
 from engine.processor import load_tokenizer
 from tests.helpers.encoding import check_plain_encoder
 from tests.helpers.models import hf_greedy

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import ModelConfig
+from engine.model_config import ModelConfig
 from engine.worker import cpu_decode_layer, cpu_gguf, cpu_int4, cpu_matmul, llama
 from tests.helpers.gguf_files import MIXED_TYPES, write_tiny_llama_gguf
 from tests.helpers.models import lumen_greedy

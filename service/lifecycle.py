@@ -95,6 +95,7 @@ class Lifecycle:
         self.exit_code = 0
         self._force = asyncio.Event()
         self._drain: asyncio.Task[None] | None = None
+        self._stop_signals = 0  # SIGTERM and SIGINT to this process: the second forces
         self._restarts: collections.deque[float] = collections.deque()
         self._hung: str | None = None  # why the watchdog killed the core
         self._tasks: list[asyncio.Task[None]] = []
@@ -160,9 +161,12 @@ class Lifecycle:
                 await task
 
     def _on_stop_signal(self, name: str) -> None:
+        # A signal to the group reaches the core too, whose word (SIGUSR1) may be handled
+        # first: only a second signal to this process cuts the drain short.
+        self._stop_signals += 1
         if self._drain is None:
             self.begin_drain(name)
-        elif not self._force.is_set():
+        elif self._stop_signals > 1 and not self._force.is_set():
             logger.warning("%s again: aborting the requests still in flight, then exiting", name)
             self._force.set()
 

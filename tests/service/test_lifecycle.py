@@ -54,11 +54,14 @@ def _health(server: LumenServer) -> tuple[int, str]:
 # How each stop arrives: a signal to the server (`docker stop` and the kubelet signal PID 1, then
 # KILL after their grace: the test kills the group if the server outlives its wait), to its
 # process group (systemd's KillMode=control-group, kill -TERM -PGID, Ctrl-C: twice), or to the
-# core alone.
-STOPS = ("term", "int", "group_term", "group_int_twice", "core_term")
+# core alone. A signal to the group reaches the server and the core at once, so the core's word
+# may come first: "core_then_group" makes that order sure, and it must not count as a second
+# signal.
+STOPS = ("term", "int", "group_term", "group_int_twice", "core_term", "core_then_group")
 CAUSES = {
     "term": ("SIGTERM",), "int": ("SIGINT",), "group_int_twice": ("SIGINT",),
     "core_term": ("SIGTERM to the engine core",),
+    "core_then_group": ("SIGTERM to the engine core",),
     # the server's own SIGTERM, or the core's word of its own: the same drain either way
     "group_term": ("SIGTERM", "SIGTERM to the engine core"),
 }  # fmt: skip
@@ -94,9 +97,11 @@ def test_every_stop_signal_drains(stop_servers: ServerPool, how: str) -> None:
         os.killpg(pid, signal.SIGTERM)
     elif how == "group_int_twice":
         os.killpg(pid, signal.SIGINT)
-    elif how == "core_term":
+    elif how in ("core_term", "core_then_group"):
         os.kill(core, signal.SIGTERM)
     to_drain = wait_until(lambda: _health(server) == (503, "draining"), 5)
+    if how == "core_then_group":
+        os.killpg(pid, signal.SIGTERM)
     try:
         refused = server.http.post(
             server.url("/v1/completions"), json={"prompt": "hi", "max_tokens": 2}, timeout=5

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.diagnose.client import Seen, send_all
+from bench.diagnose.client import Seen, encode_all, send_all
 from bench.diagnose.scenarios import Action, Run
 from bench.server import LumenServer, metric
 
@@ -48,10 +48,11 @@ def record(model: Path, run: Run, db: Path, timeout_s: float = 120.0) -> Recorde
     except RuntimeError as e:
         return Recorded(db, [], log.read_text(errors="replace")[-3000:], f"no server: {e}")
     try:
+        payloads = encode_all(run.asks)
         t0 = time.monotonic() + START_DELAY_S
         actor = threading.Thread(target=_act, args=(server, run.actions, t0), daemon=True)
         actor.start()
-        seen = send_all(server.port, run.asks, t0)
+        seen = send_all(server.port, run.asks, payloads, t0)
         actor.join(timeout_s)
         _settle(server)
         if run.actions:  # a restarted core: the run ends once it is ready (and recorded so)

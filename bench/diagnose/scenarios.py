@@ -161,7 +161,7 @@ def _token_budget(rng: np.random.Generator, p: Profile, asks: list[Ask], d: floa
 
 def _api_cpu(rng: np.random.Generator, p: Profile, asks: list[Ask], d: float) -> Run:
     chosen = _some(rng, asks, len(asks))
-    numbers = int(_log_uniform(rng, 2_000, 300_000))
+    numbers = int(_log_uniform(rng, 10_000, 1_000_000))  # up to 7 MB: under the 8 MB limit
     for a in chosen:
         a.body["padding"] = list(range(numbers))  # an unknown field: read, decoded, ignored
     return Run("api_cpu", asks, magnitude={"bodies": len(chosen), "numbers": numbers})

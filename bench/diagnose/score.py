@@ -3,7 +3,9 @@
 Labels (never from the diagnosis). A request's effect is what the primitive did to it, as the
 client measured it against the same request in the control: its TTFT and end-to-end time
 (each passes at 20 ms and 10% of the control's), and its longest gap between chunks (passes at
-20 ms, 4x its own median gap, and 20 ms over the control's longest). A paused reader's effect
+20 ms, 4x its own median gap, and 20 ms over the control's longest). Each bar is at least twice
+the controls' own spread, and an end-to-end time's at least twice the controls' drift (the most
+any request's end-to-end time moved between them, as a share: e2e_drift). A paused reader's effect
 is the time the server's writes waited on it: its pause, less the time the server took to fill
 the buffers it found full when it resumed (at the control's byte rate). A request is positive
 at 1.5x the bar or more, negative under 0.67x, and left out in between (gray: within the
@@ -160,23 +162,26 @@ def _part_causes(part: str | None, reason: str | None, restart: str | None, text
 # -- labels ------------------------------------------------------------------------------------
 
 
-def effect(controls: Sequence[Seen], primitive: Seen) -> float:
+def effect(controls: Sequence[Seen], primitive: Seen, drift: float = 0.0) -> float:
     """The primitive's effect on a request, in bars (1.0: exactly at the bar): its TTFT, its
     end to end time, its longest gap, each against the controls' mean, over the larger of the
-    bar and twice the two controls' spread (the run's noise)."""
+    bar and twice the two controls' spread (the run's noise). ``drift``: how far apart the
+    controls' end-to-end times were, as a share, at most over the group's requests (the
+    machine's speed moving between runs moves every request's alike: e2e_drift)."""
     ratios = [0.0]
 
-    def against(value: float | None, base: Sequence[float | None], floor: float) -> None:
+    def against(value: float | None, base: Sequence[float | None], floor: float,
+                share: float = 0.0) -> None:  # fmt: skip
         got = [b for b in base if b is not None]
         if value is None or len(got) < len(base):
             return
         mean = float(np.mean(got))
-        noise = max(got) - min(got)
+        noise = max(max(got) - min(got), share * mean)
         ratios.append((value - mean) / max(floor, SHARE * mean, 2 * noise))
 
     against(primitive.ttft_s, [c.ttft_s for c in controls], BAR_S)
     if primitive.status == "ok" and all(c.status == "ok" for c in controls):
-        against(primitive.e2e_s, [c.e2e_s for c in controls], BAR_S)
+        against(primitive.e2e_s, [c.e2e_s for c in controls], BAR_S, drift)
     gaps = primitive.gaps()
     if len(gaps) >= 2:
         longest, median = max(gaps), float(np.median(gaps))
@@ -207,6 +212,21 @@ def reader_effect(controls: Sequence[Seen], primitive: Seen, pause_s: float) -> 
     return waited / bar
 
 
+def e2e_drift(controls: Sequence[list[Seen]]) -> float:
+    """How far apart the controls' end-to-end times were, as a share of their mean, at most
+    over the requests they share. The same load run twice on a 2-core machine ends 10-20%
+    apart on the tiny model (its steps take about a millisecond); a request's end-to-end time
+    past the controls by less than that is the machine, whatever the primitive."""
+    if len(controls) < 2:
+        return 0.0
+    by_index = [{s.index: s for s in c if s.status == "ok" and not s.extra} for c in controls]
+    shares = []
+    for i in set.intersection(*(set(b) for b in by_index)):
+        e2e = [b[i].e2e_s for b in by_index]
+        shares.append((max(e2e) - min(e2e)) / max(float(np.mean(e2e)), 1e-3))
+    return max(shares, default=0.0)
+
+
 def grade(ratio: float) -> str:
     return "pos" if ratio >= POSITIVE else "neg" if ratio < NEGATIVE else "gray"
 
@@ -217,6 +237,7 @@ def labels(
     """The run's label for its cause, and each of its requests' (by request id), against the
     group's controls."""
     by_index = [{s.index: s for s in control} for control in controls]
+    drift = e2e_drift(controls)
     per: dict[str, str] = {}
     asks = {a.index: a for a in run.asks}
     for s in primitive:
@@ -228,7 +249,7 @@ def labels(
         elif asks[s.index].pause_after is not None:
             per[s.request_id] = grade(reader_effect(base, s, asks[s.index].pause_s))
         else:
-            per[s.request_id] = grade(effect(base, s))
+            per[s.request_id] = grade(effect(base, s, drift))
     grades = set(per.values())
     overall = "pos" if "pos" in grades else "neg" if grades <= {"neg"} else "gray"
     return overall, per

@@ -15,9 +15,18 @@ from pathlib import Path
 import pytest
 
 from bench.diagnose import plan
-from bench.diagnose.client import Seen
-from bench.diagnose.scenarios import CAUSES, make_group
-from bench.diagnose.score import Matrix, Named, effect, grade, reader_effect, wilson
+from bench.diagnose.client import Ask, Seen
+from bench.diagnose.scenarios import CAUSES, Run, make_group
+from bench.diagnose.score import (
+    Matrix,
+    Named,
+    e2e_drift,
+    effect,
+    grade,
+    labels,
+    reader_effect,
+    wilson,
+)
 from service.cli import main as lumen
 from tests.helpers.trace_builder import long_prefill_run
 
@@ -39,6 +48,26 @@ def test_effects_are_measured_against_the_controls_and_their_noise() -> None:
     # The same 140 ms against controls that differ by 100 ms among themselves: within noise.
     noisy = [_seen(0, 0.010, 1.0, [0.005] * 50), _seen(0, 0.110, 1.1, [0.005] * 50)]
     assert grade(effect(noisy, held)) != "pos"
+
+
+def test_end_to_end_times_are_judged_against_the_machine_s_drift_between_controls() -> None:
+    # Two of three requests ended 15% later in the second control (the machine's speed moved);
+    # the first happened to end at the same moment in both.
+    first = [_seen(i, 0.01, 0.5 + 0.1 * i, [0.005] * 50) for i in range(3)]
+    second = [_seen(i, 0.01, (1.0 if i == 0 else 1.15) * (0.5 + 0.1 * i), [0.005] * 50)
+              for i in range(3)]  # fmt: skip
+    assert 0.139 < e2e_drift([first, second]) < 0.140  # 0.15 of their mean, 1.075x
+    run = Run("api_cpu", [Ask(i, {}, 0.0) for i in range(3)])
+    named = lambda seen: [Seen(s.index, f"r{s.index}", sent_s=0.0, first_s=s.first_s,  # noqa: E731
+                               end_s=s.end_s, chunks=s.chunks) for s in seen]  # fmt: skip
+    # The first 25% later, nothing else: past its own controls' spread (none), but within
+    # twice the machine's drift, so not a label.
+    slower = named([_seen(0, 0.01, 0.625, [0.005] * 50), *second[1:]])
+    assert grade(effect(first[:1] + second[:1], slower[0])) == "pos"
+    assert labels(run, [first, second], slower)[0] != "pos"
+    # Twice as long is past it.
+    doubled = named([_seen(0, 0.01, 1.0, [0.005] * 50), *second[1:]])
+    assert labels(run, [first, second], doubled)[0] == "pos"
 
 
 def test_a_paused_reader_counts_only_the_time_the_server_waited() -> None:

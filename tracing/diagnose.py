@@ -339,8 +339,12 @@ def _ttft_parts(
         waited = min(run.in_flight(*window), ipc) if run.in_flight else 0
         parts["step_in_flight"], parts["ipc"] = waited, ipc - waited
     if window := span(received, scheduled):
-        # Structured outputs: until its grammar compiled it was not in the queue at all.
+        # Structured outputs: until its grammar compiled it was not in the queue at all, and
+        # a compile that ended during a step joins the queue when that step ends: had it
+        # compiled at once, the request would have run in that step.
         ready = row.grammar_ready_ns
+        if ready and run.in_flight and (joined := run.in_flight.next_start(ready)):
+            ready = joined
         cut = min(max(ready, window[0]), window[1]) if ready else window[0]
         parts["grammar_compile"] = core.carve(parts, window[0], cut)
         parts["queue"] = core.carve(parts, cut, window[1])

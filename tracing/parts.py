@@ -115,9 +115,10 @@ PARTS: tuple[Part, ...] = (
         "waiting for its grammar to compile (structured outputs)",
         "compiled grammars are cached by schema: reuse the same schemas; with --no-warmup the "
         "first grammar after start also loads the tokenizer the grammar engine needs",
-        "received to `grammar_ready_ns`: structured outputs waiting for their grammar to "
-        "compile (outside the queue; with `--no-warmup` the first grammar after start also "
-        "loads the grammar engine's tokenizer)",
+        "received to `grammar_ready_ns`, or to the start of the next step where the compile "
+        "ended during one (it would have run in that step): structured outputs waiting for "
+        "their grammar to compile (outside the queue; with `--no-warmup` the first grammar "
+        "after start also loads the grammar engine's tokenizer)",
         "core.grammar",
     ),
     Part(

@@ -157,6 +157,11 @@ class InFlight:
         capped = self.start + np.maximum(cpu, 0) + sampler + expected.astype(np.int64)
         self.expected_end = np.where(busy & outlier(executed, expected), capped, self.end)
 
+    def next_start(self, at: int) -> int | None:
+        """When the first step at or after ``at`` began (None: none did)."""
+        i = int(np.searchsorted(self.start, at, side="left"))
+        return int(self.start[i]) if i < len(self.start) else None
+
     def __call__(self, sent: int, received: int) -> int:
         """The wait inside [sent, received] for the last step that began before the core took
         the request (it began just after the send, too: the core had read its input already),

@@ -23,7 +23,10 @@ step carried MIN_PRICED_PREFILL prefill tokens, rows share alike (a = b = d = 0,
 f prices what a row on the full-logits path (a step where some row is not plain greedy: a
 grammar, penalties, temperature, top-k/p, logprobs; every row of it takes the full logits) costs
 the forward over the fused greedy head: fitted only where the run holds steps of both paths, and
-kept only at 3 standard errors above 0 (else 0, and the rest fitted again without it).
+kept only at 3 standard errors above 0. Else it is the prior's (the warm-up times both paths),
+taken off the steps on the full logits before a, b, c are fitted to the rest; or 0 without one
+(an older store's prior has no f). A run whose rows all carry a grammar or a temperature holds
+steps of one path only: without the prior, the full logits' cost would read as the model's.
 """
 
 from __future__ import annotations
@@ -85,11 +88,28 @@ def fit_step_shape(
     on_full = np.zeros(n) if full is None else np.asarray(full, dtype=float)
     x = np.column_stack([np.ones(n), prefill, rows, on_full]).astype(float)[COLD_STEPS:]
     y = np.asarray(execute, dtype=float)[COLD_STEPS:]
+    prior_f = float(prior[3]) if prior is not None and len(prior) > 3 else 0.0
     if len(y) < MIN_FIT_STEPS:
-        return None if prior is None else StepFit(np.array([*prior, 0.0], dtype=float), "prior-all")
-    greedy = (x[:, 3] == 0) & (x[:, 2] > 0)
-    if not (greedy.any() and (x[:, 3] > 0).any()):
-        x[:, 3] = 0.0  # one path only: nothing to price its difference against
+        if prior is None:
+            return None
+        return StepFit(np.array([*prior[:3], prior_f], dtype=float), "prior-all")
+    full_rows = x[:, 3].copy()
+    greedy = (full_rows == 0) & (x[:, 2] > 0)
+
+    def without_f() -> None:
+        """f is the prior's (or 0): its cost comes off the steps on the full logits, and the
+        rest is fitted without the column."""
+        nonlocal y
+        y = y - prior_f * full_rows
+        x[:, 3] = 0.0
+
+    if not (greedy.any() and (full_rows > 0).any()):
+        without_f()  # one path only: nothing in the run to price its difference against
+
+    def with_f(coef: FloatArray) -> FloatArray:
+        if not x[:, 3].any():
+            coef[3] = prior_f
+        return coef
 
     def unpriced() -> StepFit:
         """The run cannot price a prefill token (no step can, or its price is within noise):
@@ -97,9 +117,9 @@ def fit_step_shape(
         price = float(prior[1]) if prior is not None else 0.0
         coef, kept = _robust_fit(x, y, price)
         if coef[3] and not _beyond_noise(x[kept], y[kept], coef, 3):
-            x[:, 3] = 0.0
+            without_f()
             coef = _robust_fit(x, y, price)[0]
-        return StepFit(coef, "prior" if price > 0 else "run")
+        return StepFit(with_f(coef), "prior" if price > 0 else "run")
 
     if x[:, 1].max() < MIN_PRICED_PREFILL:
         return unpriced()
@@ -107,9 +127,9 @@ def fit_step_shape(
     if not _beyond_noise(x[kept], y[kept], coef, 1):
         return unpriced()
     if coef[3] and not _beyond_noise(x[kept], y[kept], coef, 3):
-        x[:, 3] = 0.0
+        without_f()
         coef, kept = _robust_fit(x, y)
-    a, b, c, f = coef
+    a, b, c, f = with_f(coef)
     return StepFit(np.array([a, min(b, c) if c > 0 else b, c, f]), "run")
 
 

@@ -222,8 +222,9 @@ RUN_ROWS: list[Row] = [
         "step_prior",
         "DOUBLE[]",
         (
-            "the warm-up's price of a step, [a, b, c] ns of execute = a + "
-            "b x prefill tokens + c x rows (the diagnosis's prior)"
+            "the warm-up's price of a step, [a, b, c, f] ns of execute = a + "
+            "b x prefill tokens + c x rows + f x rows on the full logits (the diagnosis's "
+            "prior; stores before f hold [a, b, c])"
         ),
     ),
     # Migration 6.

@@ -90,14 +90,17 @@ PRIOR_REPEATS = 3
 def _prior(
     executor: Executor, config: EngineConfig, blocks: list[int], max_model_len: int
 ) -> list[float]:
-    """[a, b, c] ns of execute = a + b * prefill tokens + c * rows, fitted to warm steps of a
-    few shapes (greedy, the fused head): what the diagnosis prices a step by where the run
-    itself has too few steps, or too few long prompts, to price one (tracing.shares). Each
-    timing is the executor's whole call, as the step record's execute is: each prefill is the
-    faster of PRIOR_REPEATS (a new shape's first run may be cold), each decode batch counts
-    PRIOR_REPEATS times."""
-    steps = PRIOR_REPEATS * len(PRIOR_ROWS) + 1
-    cap = min(config.max_num_batched_tokens, max_model_len - steps - 1)
+    """[a, b, c, f] ns of execute = a + b * prefill tokens + c * rows + f * full rows, fitted
+    to warm steps of a few shapes: what the diagnosis prices a step by where the run itself has
+    too few steps, or too few long prompts, or steps of one path only, to price one
+    (tracing.step_fit). Greedy steps take the fused head; the same decode batches sampled
+    (temperature 1) take the full logits and the sampler, whose own time (the output's
+    sample_ns) is left out, as the run's fit leaves it out: f is what the full logits cost the
+    forward, a row. Each timing is the executor's whole call, as the step record's execute is:
+    each prefill is the faster of PRIOR_REPEATS (a new shape's first run may be cold), each
+    decode batch counts PRIOR_REPEATS times."""
+    steps = 2 * PRIOR_REPEATS * len(PRIOR_ROWS) + 1
+    cap = min(config.max_num_batched_tokens, max_model_len) - steps - 1  # the second prefills
     lengths = [min(n, cap) for n in PRIOR_PREFILLS]
     if lengths[0] == lengths[1] or lengths[0] < 1:
         return []  # two lengths are what price a prefill token
@@ -109,7 +112,7 @@ def _prior(
     tables = [blocks[: needed[0]], blocks[needed[0] : sum(needed)]]
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1)
     position, last = list(lengths), [1, 1]
-    shapes: list[tuple[int, int]] = []
+    shapes: list[tuple[int, int, int]] = []  # prefill tokens, rows, full rows
     times: list[int] = []
 
     def timed(sched: SchedulerOutput, rows: list[int]) -> int:
@@ -119,7 +122,7 @@ def _prior(
         for i in rows:
             if ids[i] in out.req_ids:
                 last[i] = out.sampled_token_ids[out.req_ids.index(ids[i])]
-        return took
+        return took - out.sample_ns
 
     for i, n in enumerate(lengths):
         prompt = [1 + (j * 13 + i) % 100 for j in range(n)]
@@ -131,22 +134,37 @@ def _prior(
             took = timed(SchedulerOutput(-1, [new], [ids[i]], [prompt], [0], [tables[i]], [True],
                                          num_prefill_tokens=n), [i])  # fmt: skip
             best = took if not best else min(best, took)
-        shapes.append((n, 1))
+        shapes.append((n, 1, 0))
         times.append(best)
-    for _ in range(PRIOR_REPEATS):
-        for k in PRIOR_ROWS:
-            rows = list(range(k))
-            sched = SchedulerOutput(
-                -1, [], [ids[i] for i in rows], [[last[i]] for i in rows],
-                [position[i] for i in rows], [tables[i] for i in rows], [True] * k,
-                num_decode_tokens=k,
-            )  # fmt: skip
-            times.append(timed(sched, rows))
-            shapes.append((0, k))
-            for i in rows:
-                position[i] += 1
+
+    def decodes(full: bool) -> None:
+        for _ in range(PRIOR_REPEATS):
+            for k in PRIOR_ROWS:
+                rows = list(range(k))
+                sched = SchedulerOutput(
+                    -1, [], [ids[i] for i in rows], [[last[i]] for i in rows],
+                    [position[i] for i in rows], [tables[i] for i in rows], [True] * k,
+                    num_decode_tokens=k,
+                )  # fmt: skip
+                times.append(timed(sched, rows))
+                shapes.append((0, k, k if full else 0))
+                for i in rows:
+                    position[i] += 1
+
+    decodes(full=False)
+    # The same batches sampled: a request's parameters are read when it is added, so the two
+    # come back as new requests whose prompts fill the same blocks to the same positions.
     executor.execute_model(SchedulerOutput(-1, finished_req_ids=ids))
-    x = np.array([[1.0, p, r] for p, r in shapes])
+    sampled = SamplingParams(temperature=1.0, seed=0, max_tokens=steps + 1)
+    ids = [f"lumen-warmup-prior-sampled-{n}" for n in lengths]
+    for i in range(2):
+        executor.execute_model(SchedulerOutput(
+            -1, [NewRequestData(ids[i], [1] * position[i], sampled, frozenset())], [ids[i]],
+            [[1] * position[i]], [0], [tables[i]], [True], num_prefill_tokens=position[i],
+        ))  # fmt: skip
+    decodes(full=True)
+    executor.execute_model(SchedulerOutput(-1, finished_req_ids=ids))
+    x = np.array([[1.0, p, r, f] for p, r, f in shapes])
     y = np.array(times, dtype=float)
     coef = np.linalg.lstsq(x, y, rcond=None)[0]
     while (coef < 0).any():  # a negative price: that term out, the rest refitted

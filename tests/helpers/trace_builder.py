@@ -41,6 +41,7 @@ class Req:
     pause_at: int | None = None  # the write (1-based) a reader pausing mid-stream holds up
     pause_ns: int = 0  # ... for this long
     grammar: str | None = None  # its structured output's kind
+    grammar_ready: int = 0  # when its grammar compiled (ns; 0: none recorded)
     params: dict[str, Any] | None = None  # its sampling parameters (requests.params)
     end_code: str | None = None
 
@@ -58,7 +59,7 @@ class Trace:
         self.reqs: dict[str, Req] = {}
         self.steps: list[tuple[Any, ...]] = []
         self.pauses: list[tuple[Any, ...]] = []
-        self.step_prior: list[float] | None = None  # the warm-up's [a, b, c] ns, if any
+        self.step_prior: list[float] | None = None  # the warm-up's [a, b, c(, f)] ns, if any
         self.lifecycle_rows: list[tuple[Any, ...]] = []
         self.engine_config: dict[str, Any] | None = None  # the server's options, if any
 
@@ -180,6 +181,7 @@ class Trace:
                 send_wait_ns=r.reader_ns * len({d for _, _, d in r.emits}) + r.pause_ns,
                 bytes_sent=6 * len(r.emits),
                 kv_freed_ns=r.kv_freed, grammar=r.grammar, end_code=r.end_code,
+                grammar_ready_ns=r.grammar_ready or None,
                 params=json.dumps(r.params) if r.params is not None else None,
             ))  # fmt: skip
         return rows

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.trace_builder import MS, T0, Trace, serve_alone
 from tracing.diagnose import diagnose_run, explain_request, render_run
 
@@ -156,6 +158,57 @@ def test_the_full_logits_cost_is_the_samplers_not_the_models(tmp_path: Path) -> 
     g = next(r for r in run.requests if r.request_id == "g0")
     p = next(r for r in run.requests if r.request_id == "p0")
     assert g.decode["sampling"] > 4 * MS * 25 and p.decode["sampling"] == 0
+
+
+@pytest.mark.parametrize("prior_f", [True, False], ids=["warm-up-prices-it", "older-prior"])
+def test_full_logits_in_every_step_are_priced_by_the_warm_up(tmp_path: Path, prior_f: bool) -> None:
+    """Two streams together, one under a grammar, so every step takes the full logits (as
+    Gemma 3's 262,144-token head does, 7 ms a row over its greedy head): the run holds no step
+    to price the difference against. The warm-up's prior does, and the cost is the sampler's,
+    named with the grammar; an older store's prior (no f) leaves it in the model's decode."""
+    tr = Trace()
+    tr.step_prior = [20.0 * MS, 0.05 * MS, 0.5 * MS] + ([7.0 * MS] if prior_f else [])
+    tr.request("g", 0.0, prompt=16, output=40, grammar="json_schema",
+               params={"temperature": 0})  # fmt: skip
+    tr.request("p", 0.0, prompt=16, output=40, params={"temperature": 0})
+    tr.step({"g": 16, "p": 16}, 22.0, sample_ms=0.3)
+    while any(r.status is None for r in tr.reqs.values()):
+        k = len(tr.steps) % 3
+        tr.step({"g": 1, "p": 1}, 35.0 + 0.5 * k, sample_ms=0.3)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = " ".join(render_run(run).split())
+    print(text)
+    named = [f for f in run.findings if f.part == "sampling" and f.kind in ("cause", "paid")]
+    if prior_f:
+        assert named and "for rows with a grammar (json_schema)" in named[0].text, text
+        g = next(r for r in run.requests if r.request_id == "g")
+        assert g.decode["sampling"] > 10 * MS * 39, g.decode
+    else:
+        assert not named, text
+
+
+def test_a_grammar_compiled_during_a_step_waits_for_it_as_the_grammar_s_cost(
+    tmp_path: Path,
+) -> None:
+    """A request under a grammar reaches the core as a 30 ms step begins; its grammar compiles
+    in 2 ms, but it can join only the next step. Had it compiled at once, it would have run in
+    that step: the wait is the grammar's, not a queue held by no limit."""
+    tr = Trace()
+    for i in range(2):
+        tr.request(f"d{i}", 0.0, prompt=8, output=12)
+    tr.step({"d0": 8, "d1": 8}, 20.0)
+    tr.step({"d0": 1, "d1": 1}, 30.0)
+    at = (tr.now - T0) / MS - 1.4  # received as the next step begins
+    tr.request("g", at, prompt=8, output=4, grammar="json_schema", params={"temperature": 0})
+    tr.reqs["g"].grammar_ready = tr.reqs["g"].received + 2 * MS
+    tr.step({"d0": 1, "d1": 1}, 30.0)
+    tr.step({"d0": 1, "d1": 1, "g": 8}, 30.0)
+    while any(r.status is None for r in tr.reqs.values()):
+        tr.step({r.rid: 1 for r in tr.reqs.values() if r.status is None}, 30.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    g = next(r for r in run.requests if r.request_id == "g")
+    print(g.ttft)
+    assert g.ttft["grammar_compile"] > 28 * MS and g.ttft["queue"] < 2 * MS, g.ttft
 
 
 def _a_slow_step_in_an_api_pause(tr: Trace, pause: bool) -> None:

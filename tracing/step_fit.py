@@ -22,11 +22,14 @@ step carried MIN_PRICED_PREFILL prefill tokens, rows share alike (a = b = d = 0,
 
 f prices what a row on the full-logits path (a step where some row is not plain greedy: a
 grammar, penalties, temperature, top-k/p, logprobs; every row of it takes the full logits) costs
-the forward over the fused greedy head: fitted only where the run holds steps of both paths, and
-kept only at 3 standard errors above 0. Else it is the prior's (the warm-up times both paths),
-taken off the steps on the full logits before a, b, c are fitted to the rest; or 0 without one
-(an older store's prior has no f). A run whose rows all carry a grammar or a temperature holds
-steps of one path only: without the prior, the full logits' cost would read as the model's.
+the forward over the fused greedy head. It is the prior's where the prior has one: the warm-up
+times the same batches on both paths, one after the other, where a run's steps of the two paths
+differ in their context, their neighbours and the machine's speed at the time (on SmolLM2, whose
+two heads cost the same, a run fitted 6.7 ms a row). Its cost comes off the steps on the full
+logits before a, b, c are fitted to the rest. Without it (an older store's prior has no f), f is
+fitted where the run holds steps of both paths, and kept only at 3 standard errors above 0. A
+run whose rows all carry a grammar or a temperature holds steps of one path only: without the
+prior, the full logits' cost reads as the model's.
 """
 
 from __future__ import annotations
@@ -88,7 +91,8 @@ def fit_step_shape(
     on_full = np.zeros(n) if full is None else np.asarray(full, dtype=float)
     x = np.column_stack([np.ones(n), prefill, rows, on_full]).astype(float)[COLD_STEPS:]
     y = np.asarray(execute, dtype=float)[COLD_STEPS:]
-    prior_f = float(prior[3]) if prior is not None and len(prior) > 3 else 0.0
+    has_f = prior is not None and len(prior) > 3
+    prior_f = float(prior[3]) if prior is not None and has_f else 0.0
     if len(y) < MIN_FIT_STEPS:
         if prior is None:
             return None
@@ -103,8 +107,8 @@ def fit_step_shape(
         y = y - prior_f * full_rows
         x[:, 3] = 0.0
 
-    if not (greedy.any() and (full_rows > 0).any()):
-        without_f()  # one path only: nothing in the run to price its difference against
+    if has_f or not (greedy.any() and (full_rows > 0).any()):
+        without_f()  # the warm-up's price, or one path only: nothing to price it against
 
     def with_f(coef: FloatArray) -> FloatArray:
         if not x[:, 3].any():

@@ -1,13 +1,13 @@
 """lumen bench diagnose: the diagnosis scored like a classifier, on generated scenarios.
 
-Each group is a model and a seeded base load; it runs its control (the base load alone) twice,
-their spread being the run's noise, and a few primitives (the same load with one provocation:
-bench.diagnose.scenarios), each through a fresh `lumen serve` with a trace db of its own. The
-client's measurements label each run and request (bench.diagnose.score); `replay report` and
-`lumen trace why` of the run predict; the result is a confusion matrix per cause, per run and
-per request, with 90% intervals, and the healthy controls' false alarms. Every miss is printed
-with its group (seed, model, causes), so ``--group`` replays it exactly and ``--out`` keeps its
-trace db.
+Each group is a model and a seeded base load; it runs its control (the base load alone) before
+and after a few primitives (the same load with one provocation: bench.diagnose.scenarios), the
+two controls' spread being the run's noise, each through a fresh `lumen serve` with a trace db
+of its own. The client's measurements label each run and request (bench.diagnose.score);
+`replay report` and `lumen trace why` of the run predict; the result is a confusion matrix per
+cause, per run and per request, with 90% intervals, and the healthy controls' false alarms.
+Every miss is printed with its group (seed, model, causes), so ``--group`` replays it exactly
+and ``--out`` keeps its trace db.
 """
 
 from __future__ import annotations
@@ -150,32 +150,43 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_group(group: Group, model: Path, out: Path, matrix: Any, where: str, record: Any,
                labels: Any, verdict_of: Any) -> dict[str, Any]:  # fmt: skip
-    """The control twice (its spread is the run's noise), then each primitive: recorded,
-    labelled against the controls, judged."""
+    """The control, each primitive, then the control again: its two runs bracket the
+    primitives', so their spread holds the machine's drift over the group (the run's noise).
+    Each primitive is labelled against both controls, then judged."""
     folder = out / f"{group.seed}-{group.model}"
     folder.mkdir(parents=True, exist_ok=True)
     said: dict[str, Any] = {**group.describe(), "runs": []}
     controls = []
-    for name in ("control", "control-2"):
+
+    def control(name: str) -> bool:
         got = record(model, group.control, folder / f"{name}.db")
         if got.error:
             print(f"  {name}: {got.error}\n{got.log}")
-            return said
+            return False
         named = verdict_of(got.db)
         matrix.add_run(None, "neg", named, f"{where} run={name}", {})
         said["runs"].append(_said(name, "neg", named, got.seen))
         _print(name, "-", named)
         controls.append(got.seen)
-    # Moments were drawn against the planned length of the load: the controls measured it.
+        return True
+
+    if not control("control"):
+        return said
+    # Moments were drawn against the planned length of the load: the control measured it.
     took = max((s.end_s for s in controls[0]), default=group.duration_s)
     for run_ in group.primitives:
         rescale(run_, took / group.duration_s)
+    recorded = []
     for i, run_ in enumerate(group.primitives):
         name = f"{i}-{run_.cause}"
         got = record(model, run_, folder / f"{name}.db")
         if got.error and not got.seen:
             print(f"  {name}: {got.error}\n{got.log}")
             continue
+        recorded.append((name, run_, got))
+    if not control("control-2"):
+        return said
+    for name, run_, got in recorded:
         label, per = labels(run_, controls, got.seen)
         named = verdict_of(got.db)
         matrix.add_run(run_.cause, label, named, f"{where} run={name}", per)

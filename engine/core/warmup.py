@@ -166,8 +166,10 @@ def _prior(
     executor.execute_model(SchedulerOutput(-1, finished_req_ids=ids))
     x = np.array([[1.0, p, r, f] for p, r, f in shapes])
     y = np.array(times, dtype=float)
-    coef = np.linalg.lstsq(x, y, rcond=None)[0]
-    while (coef < 0).any():  # a negative price: that term out, the rest refitted
-        x[:, int(np.argmin(coef))] = 0.0
+    while True:  # a negative price: that term out, the rest refitted
         coef = np.linalg.lstsq(x, y, rcond=None)[0]
-    return [float(v) for v in np.clip(coef, 0.0, None)]
+        worst = int(np.argmin(coef))
+        # A column already out can come back a hair under 0 (-1e-20): that ends it too.
+        if coef[worst] >= 0 or not x[:, worst].any():
+            return [float(v) for v in np.clip(coef, 0.0, None)]
+        x[:, worst] = 0.0

@@ -83,36 +83,43 @@ def warm_up(
 
 
 PRIOR_PREFILLS = (16, 128)  # prompt lengths the prior times, each alone
-PRIOR_ROWS = (1, 2)  # decode batches it times, each PRIOR_REPEATS times
+PRIOR_ROWS = (1, 2)  # decode batches it times, each PRIOR_REPEATS times on each path
 PRIOR_REPEATS = 3
 
 
 def _prior(
     executor: Executor, config: EngineConfig, blocks: list[int], max_model_len: int
 ) -> list[float]:
-    """[a, b, c, f] ns of execute = a + b * prefill tokens + c * rows + f * full rows, fitted
-    to warm steps of a few shapes: what the diagnosis prices a step by where the run itself has
-    too few steps, or too few long prompts, or steps of one path only, to price one
-    (tracing.step_fit). Greedy steps take the fused head; the same decode batches sampled
-    (temperature 1) take the full logits and the sampler, whose own time (the output's
-    sample_ns) is left out, as the run's fit leaves it out: f is what the full logits cost the
-    forward, a row. Each timing is the executor's whole call, as the step record's execute is:
-    each prefill is the faster of PRIOR_REPEATS (a new shape's first run may be cold), each
-    decode batch counts PRIOR_REPEATS times."""
-    steps = 2 * PRIOR_REPEATS * len(PRIOR_ROWS) + 1
-    cap = min(config.max_num_batched_tokens, max_model_len) - steps - 1  # the second prefills
+    """[a, b, c, f] ns of execute = a + b * prefill tokens + c * rows + f * full rows: what the
+    diagnosis prices a step by where the run itself has too few steps, or too few long prompts,
+    or steps of one path only, to price one (tracing.step_fit).
+
+    a, b, c are fitted to warm greedy steps (the fused head): two prompt lengths, each the
+    faster of PRIOR_REPEATS prefills (a new shape's first run may be cold), and decode batches
+    of PRIOR_ROWS rows, each counted PRIOR_REPEATS times. f is what a row on the full logits
+    (a sampled row: temperature 1) costs the forward over the greedy head: the same batches of
+    twin requests, sampled, each timed right after its greedy twin, so both see the machine in
+    the same state; per batch size, the faster of its repeats on each path, the difference per
+    row, averaged (never below 0). The sampler's own time (the output's sample_ns) is left out,
+    as the run's fit leaves it out. Each timing is the executor's whole call, as the step
+    record's execute is."""
+    steps = PRIOR_REPEATS * len(PRIOR_ROWS) + 1
+    cap = min(config.max_num_batched_tokens, max_model_len - steps - 1)
     lengths = [min(n, cap) for n in PRIOR_PREFILLS]
     if lengths[0] == lengths[1] or lengths[0] < 1:
         return []  # two lengths are what price a prefill token
     bs = config.block_size
-    needed = [-(-(n + steps) // bs) for n in lengths]
+    needed = [-(-(n + steps) // bs) for n in lengths] * 2  # the greedy two, their sampled twins
     if sum(needed) > len(blocks):
         return []
     ids = [f"lumen-warmup-prior-{n}" for n in lengths]
-    tables = [blocks[: needed[0]], blocks[needed[0] : sum(needed)]]
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1)
-    position, last = list(lengths), [1, 1]
-    shapes: list[tuple[int, int, int]] = []  # prefill tokens, rows, full rows
+    ids += [f"{rid}-sampled" for rid in ids]
+    ends = np.cumsum([0, *needed])
+    tables = [blocks[ends[i] : ends[i + 1]] for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=steps + 1)
+    sampled = SamplingParams(temperature=1.0, seed=0, max_tokens=steps + 1)
+    position, last = lengths * 2, [1] * 4
+    shapes: list[tuple[int, int]] = []  # greedy steps: prefill tokens, rows
     times: list[int] = []
 
     def timed(sched: SchedulerOutput, rows: list[int]) -> int:
@@ -124,52 +131,53 @@ def _prior(
                 last[i] = out.sampled_token_ids[out.req_ids.index(ids[i])]
         return took - out.sample_ns
 
-    for i, n in enumerate(lengths):
-        prompt = [1 + (j * 13 + i) % 100 for j in range(n)]
+    def prefill(i: int, params: SamplingParams) -> int:
+        n = lengths[i % 2]
+        prompt = [1 + (j * 13 + i % 2) % 100 for j in range(n)]
         new = NewRequestData(ids[i], prompt, params, frozenset())
+        return timed(SchedulerOutput(-1, [new], [ids[i]], [prompt], [0], [tables[i]], [True],
+                                     num_prefill_tokens=n), [i])  # fmt: skip
+
+    for i in range(2):
         best = 0
         for repeat in range(PRIOR_REPEATS):  # the same prompt into the same blocks, anew
             if repeat:
                 executor.execute_model(SchedulerOutput(-1, finished_req_ids=[ids[i]]))
-            took = timed(SchedulerOutput(-1, [new], [ids[i]], [prompt], [0], [tables[i]], [True],
-                                         num_prefill_tokens=n), [i])  # fmt: skip
+            took = prefill(i, greedy)
             best = took if not best else min(best, took)
-        shapes.append((n, 1, 0))
+        shapes.append((lengths[i], 1))
         times.append(best)
+        prefill(2 + i, sampled)
 
-    def decodes(full: bool) -> None:
-        for _ in range(PRIOR_REPEATS):
-            for k in PRIOR_ROWS:
-                rows = list(range(k))
-                sched = SchedulerOutput(
-                    -1, [], [ids[i] for i in rows], [[last[i]] for i in rows],
-                    [position[i] for i in rows], [tables[i] for i in rows], [True] * k,
-                    num_decode_tokens=k,
-                )  # fmt: skip
-                times.append(timed(sched, rows))
-                shapes.append((0, k, k if full else 0))
-                for i in rows:
-                    position[i] += 1
+    def decode(rows: list[int]) -> int:
+        sched = SchedulerOutput(
+            -1, [], [ids[i] for i in rows], [[last[i]] for i in rows],
+            [position[i] for i in rows], [tables[i] for i in rows], [True] * len(rows),
+            num_decode_tokens=len(rows),
+        )  # fmt: skip
+        took = timed(sched, rows)
+        for i in rows:
+            position[i] += 1
+        return took
 
-    decodes(full=False)
-    # The same batches sampled: a request's parameters are read when it is added, so the two
-    # come back as new requests whose prompts fill the same blocks to the same positions.
+    fastest: dict[tuple[int, bool], int] = {}
+    for _ in range(PRIOR_REPEATS):
+        for k in PRIOR_ROWS:
+            took = decode(list(range(k)))
+            shapes.append((0, k))
+            times.append(took)
+            full = decode([2 + i for i in range(k)])
+            for key, value in (((k, False), took), ((k, True), full)):
+                fastest[key] = min(fastest.get(key, value), value)
     executor.execute_model(SchedulerOutput(-1, finished_req_ids=ids))
-    sampled = SamplingParams(temperature=1.0, seed=0, max_tokens=steps + 1)
-    ids = [f"lumen-warmup-prior-sampled-{n}" for n in lengths]
-    for i in range(2):
-        executor.execute_model(SchedulerOutput(
-            -1, [NewRequestData(ids[i], [1] * position[i], sampled, frozenset())], [ids[i]],
-            [[1] * position[i]], [0], [tables[i]], [True], num_prefill_tokens=position[i],
-        ))  # fmt: skip
-    decodes(full=True)
-    executor.execute_model(SchedulerOutput(-1, finished_req_ids=ids))
-    x = np.array([[1.0, p, r, f] for p, r, f in shapes])
+    x = np.array([[1.0, p, r] for p, r in shapes])
     y = np.array(times, dtype=float)
     while True:  # a negative price: that term out, the rest refitted
         coef = np.linalg.lstsq(x, y, rcond=None)[0]
         worst = int(np.argmin(coef))
         # A column already out can come back a hair under 0 (-1e-20): that ends it too.
         if coef[worst] >= 0 or not x[:, worst].any():
-            return [float(v) for v in np.clip(coef, 0.0, None)]
+            break
         x[:, worst] = 0.0
+    f = np.mean([(fastest[k, True] - fastest[k, False]) / k for k in PRIOR_ROWS])
+    return [*(float(v) for v in np.clip(coef, 0.0, None)), max(float(f), 0.0)]

@@ -257,3 +257,17 @@ def test_finished_and_aborted_requests_leave_no_cycle_to_the_garbage_collector()
         gc.set_debug(0)
         gc.garbage.clear()
     assert not {"_Parent", "_Sequence", "IncrementalDetokenizer"} & set(left), left
+
+
+def test_the_warm_up_prices_a_step_on_both_paths(tiny_model_path: Path) -> None:
+    """The warm-up's prior: [a, b, c] of a greedy step, and f, a row on the full logits over
+    the greedy head (twin requests, sampled); none is negative, and the engine serves both
+    paths after it (the warm-up's requests are gone from the runner)."""
+    llm = LLM(str(tiny_model_path), num_kv_blocks=64)
+    prior = llm.client.info.step_prior
+    print([round(v / 1e6, 3) for v in prior], "ms")
+    assert len(prior) == 4 and all(v >= 0 for v in prior) and prior[0] > 0
+    outs = llm.generate(["Hello", "Hi"], [SamplingParams(max_tokens=4, temperature=0),
+                                          SamplingParams(max_tokens=4, temperature=1.0, seed=1)],
+                        use_tqdm=False)  # fmt: skip
+    assert [len(o.outputs[0].token_ids) for o in outs] == [4, 4]

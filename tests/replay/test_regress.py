@@ -66,6 +66,12 @@ def test_the_measured_layer_names_each_slower_path(
     # half a step still tells them apart from noise.
     monkeypatch.setattr(regress, "MIN_TOLERANCE", 0.5)
     baseline = regress.update_baseline(folder, model, FAST)
+    for _ in range(2):  # a baseline run with a GC or a flush in it: its spread is no baseline
+        wide = max(v["tolerance"] or 0 for v in baseline["measured"].values())
+        if wide <= 2.0:
+            break
+        print(f"\nbaseline tolerance {wide:.2f} steps (a run with a pause): measured again")
+        baseline = regress.update_baseline(folder, model, FAST)
     noise = {
         k: v["tolerance"] and round(v["tolerance"], 3) for k, v in baseline["measured"].items()
     }
@@ -85,7 +91,9 @@ def test_the_measured_layer_names_each_slower_path(
     # tolerance (core.output's was 8.7 steps once, with a 0.35 ms step on a Zen 5).
     # A share is of the check's own median step, which a loaded machine (and the sleeps' knock-on)
     # can make 3x the baseline's: a 3.0 ms sleep read as 2.39 steps once, under a baseline of
-    # 0.36 with a tolerance of 2.32 (a 2-core machine running the suite's other work).
+    # 0.36 with a tolerance of 2.32 (a 2-core machine running the suite's other work); 4x once
+    # (0.38 to 1.5 ms), when a 13.7 ms sleep read as 9.5 steps under a tolerance of 10.98: hence
+    # the baseline measured again above when its spread is that wide.
     worst = max(baseline["measured"][figure]["tolerance"] or 0 for figure in sites.values())
     delay = f"{max(2 * step_ms, 3.0, 3 * (worst + 1) * step_ms) / 1e3:.4f}"
     monkeypatch.setenv("LUMEN_DEBUG_DELAY", ",".join(f"{site}={delay}" for site in sites))

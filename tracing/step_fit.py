@@ -40,6 +40,8 @@ from typing import NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from engine.least_squares import nonnegative_fit
+
 MIN_CAUSE_NS = 20_000_000  # the verdict's absolute bar (tracing.diagnosis describes the rule)
 OUTLIER_FACTOR = 3.0  # a step this many times its shape's expected time is an outlier
 COLD_STEPS = 3  # the first steps, judged against a fit of the others
@@ -91,7 +93,7 @@ def fit_step_shape(
     on_full = np.zeros(n) if full is None else np.asarray(full, dtype=float)
     x = np.column_stack([np.ones(n), prefill, rows, on_full]).astype(float)[COLD_STEPS:]
     y = np.asarray(execute, dtype=float)[COLD_STEPS:]
-    has_f = prior is not None and len(prior) > 3
+    has_f = prior is not None and len(prior) > 3  # an older store's prior is [a, b, c]
     prior_f = float(prior[3]) if prior is not None and has_f else 0.0
     if len(y) < MIN_FIT_STEPS:
         if prior is None:
@@ -148,14 +150,14 @@ def _robust_fit(
         y = y - price * tokens
         x = x.copy()
         x[:, 1] = 0.0
-    coef = _nonnegative_fit(x, y)
+    coef = nonnegative_fit(x, y)
     # Distance from the median residual: slow steps pull the first fit, so the others' residuals
     # sit off 0 together.
     deviation = np.abs((y - x @ coef) - np.median(y - x @ coef))
     spread = 1.4826 * float(np.median(deviation)) or 1.0
     kept: npt.NDArray[np.bool_] = (deviation <= 3 * spread) | (tokens >= MIN_PRICED_PREFILL)
     if kept.sum() >= MIN_FIT_STEPS:
-        coef = _nonnegative_fit(x[kept], y[kept])
+        coef = nonnegative_fit(x[kept], y[kept])
     else:
         kept = np.ones(len(y), dtype=bool)
     if price is not None:
@@ -163,22 +165,9 @@ def _robust_fit(
     return coef, kept
 
 
-def _nonnegative_fit(x: FloatArray, y: FloatArray) -> FloatArray:
-    """Least squares with no negative coefficient: a column whose coefficient comes out
-    negative is dropped and the rest refitted (clipping alone would leave the others fitted
-    against it: rows nearly constant across a run give a = 94 ms and c = -22 ms per row)."""
-    x = x.copy()
-    while True:
-        coef = np.linalg.lstsq(x, y, rcond=None)[0]
-        worst = int(np.argmin(coef))
-        if coef[worst] >= 0 or not x[:, worst].any():
-            return np.clip(coef, 0.0, None)
-        x[:, worst] = 0.0
-
-
 def _beyond_noise(x: FloatArray, y: FloatArray, coef: FloatArray, i: int) -> bool:
     """Whether coefficient i is at least 3 standard errors above 0, in the model the fit
-    kept: a column _nonnegative_fit dropped (coefficient 0) does not count. Counted, a rows
+    kept: a column nonnegative_fit dropped (coefficient 0) does not count. Counted, a rows
     column that only varies on the long-prefill steps (4 rows everywhere else) would share
     their variance with the prefill price and call a 12 us/token price noise."""
     used = (coef > 0) | (np.arange(len(coef)) == i)

@@ -9,6 +9,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.executor import Executor
+from engine.least_squares import nonnegative_fit
 from engine.sampling_params import SamplingParams
 from engine.worker.messages import NewRequestData, SchedulerOutput
 
@@ -172,12 +173,5 @@ def _prior(
     executor.execute_model(SchedulerOutput(-1, finished_req_ids=ids))
     x = np.array([[1.0, p, r] for p, r in shapes])
     y = np.array(times, dtype=float)
-    while True:  # a negative price: that term out, the rest refitted
-        coef = np.linalg.lstsq(x, y, rcond=None)[0]
-        worst = int(np.argmin(coef))
-        # A column already out can come back a hair under 0 (-1e-20): that ends it too.
-        if coef[worst] >= 0 or not x[:, worst].any():
-            break
-        x[:, worst] = 0.0
     f = np.mean([(fastest[k, True] - fastest[k, False]) / k for k in PRIOR_ROWS])
-    return [*(float(v) for v in np.clip(coef, 0.0, None)), max(float(f), 0.0)]
+    return [*(float(v) for v in nonnegative_fit(x, y)), max(float(f), 0.0)]

@@ -266,7 +266,8 @@ def test_the_warm_up_prices_a_step_on_both_paths(tiny_model_path: Path) -> None:
     llm = LLM(str(tiny_model_path), num_kv_blocks=64)
     prior = llm.client.info.step_prior
     print([round(v / 1e6, 3) for v in prior], "ms")
-    assert len(prior) == 4 and all(v >= 0 for v in prior) and prior[0] > 0
+    assert len(prior) == 4 and all(v >= 0 for v in prior)
+    assert prior[0] + prior[2] > 0  # a one-row step is priced (a alone may fit to 0: it is tiny)
     outs = llm.generate(["Hello", "Hi"], [SamplingParams(max_tokens=4, temperature=0),
                                           SamplingParams(max_tokens=4, temperature=1.0, seed=1)],
                         use_tqdm=False)  # fmt: skip

@@ -20,6 +20,9 @@ from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerO
 from engine.worker.rotary import Rotary
 from engine.worker.sampler import Sampler, SamplingRow, plain_greedy
 
+# The decode mirror's least budget (decode_cache.py), whatever the KV pool's size.
+MIRROR_FLOOR_BYTES = 256 * 2**20
+
 
 class ModelRunner:
     """Owns the weights and the KV cache tensors on one device; executes what it is told."""
@@ -104,7 +107,11 @@ class ModelRunner:
             group = self.cfg.num_heads // self.cfg.num_kv_heads
             choice = self.kernels.choose_attention(group, self.cfg.head_dim, stored)
             layout = self.layout
-            budget = num_blocks * self.block_bytes()  # each group's, at most the pool's size
+            # Each group's mirror: up to the pool's size, and never under MIRROR_FLOOR_BYTES.
+            # Its slots are rectangles (every slot as wide as the longest context), so a small
+            # pool's mirror, bounded by the pool alone, ran out at a few rows: 197 blocks of
+            # the tiny model sent 4-6 row steps to the gather path, at twice their time.
+            budget = max(num_blocks * self.block_bytes(), MIRROR_FLOOR_BYTES)
             self.decode_caches = [
                 DecodeCache(
                     self.cfg.num_layers, num_kv_heads, self.cfg.head_dim, self.block_size,

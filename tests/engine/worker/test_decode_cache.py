@@ -334,6 +334,27 @@ def test_the_mirror_is_freed_as_soon_as_the_engine_runs_out_of_work(
         core.shutdown()
 
 
+def test_a_small_pool_still_decodes_through_the_mirror(tiny_model_path: Path) -> None:
+    """The mirror's slots are rectangles (every slot as wide as the longest context): five
+    rows, one of them long, fit a 40-block pool but not a mirror bounded by the pool's bytes.
+    The mirror has a floor (MIRROR_FLOOR_BYTES), so these steps do not fall back to the gather
+    path (which took twice the step's time on the tiny model)."""
+    core = EngineCore(EngineConfig(num_kv_blocks=40), str(tiny_model_path))
+    try:
+        (cache,) = core.executor.runner.decode_caches  # type: ignore[attr-defined]
+        assert cache is not None
+        core.add_request(make_core_request("long", list(range(10, 310)), max_tokens=8))
+        for i in range(4):
+            core.add_request(make_core_request(f"s{i}", list(range(20 + i, 40 + i)), max_tokens=8))
+        rows = []
+        while core.has_work():
+            core.step()
+            rows.append(sum(1 for n in cache.length if n))
+        assert max(rows) == 5, rows  # all five rows decoded from their slots at once
+    finally:
+        core.shutdown()
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.int8, torch.uint8], ids=["int8", "fp8"])
 def test_the_kernel_packs_a_new_row_as_torch_does(kv_dtype: torch.dtype) -> None:
     """The native kernel writes each row's new K and V into an 8-bit mirror itself: the bytes

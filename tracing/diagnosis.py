@@ -146,10 +146,15 @@ class StepFacts:
 
 @dataclass
 class PartStat:
-    """One part over a phase's requests (ns; the decode phase per output token)."""
+    """One part over a phase's requests (ns; the decode phase per output token).
+    ``tail_paid_ns``: what the tail's requests paid beyond the median, each over its own
+    tokens (their mean; the TTFT phase: ``tail_extra_ns``). A 2-token request's one slow gap
+    is 7 ms a token over the median, and it paid 7 ms, not 7 ms times another request's 500
+    tokens."""
 
     median_ns: float
     tail_extra_ns: float
+    tail_paid_ns: float = 0.0
 
 
 @dataclass

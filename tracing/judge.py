@@ -1,12 +1,14 @@
 """One judgement of a part, for a run and for one request, and the part that dominated a
 request: what `replay report`, `lumen trace top` and `lumen trace why` all print.
 
-The bars (``passes``): a time is named only when it is at least MIN_CAUSE_NS (times ``scale``)
-and at least MIN_CAUSE_SHARE of the phase time it is set against. ``call_part`` applies them
-the same way to a run (the tail's extra over the median request, and the median itself, against
-the median request's phase) and to one request (its excess over the run's median, against the
-run's median phase; and its own time, against its own phase). Parts in EXPECTED_PARTS (the
-model doing the request's own work) are never called; delivery is judged apart, per request.
+The bars (``passes``): a time is named only when it is at least MIN_CAUSE_NS (times ``scale``,
+the tokens it was paid over; or what was paid, where that is known: the tail's, over each of its
+requests' own tokens) and at least MIN_CAUSE_SHARE of the phase time it is set against.
+``call_part`` applies them the same way to a run (the tail's extra over the median request,
+and the median itself, against the median request's phase) and to one request (its excess over
+the run's median, against the run's median phase; and its own time, against its own phase).
+Parts in EXPECTED_PARTS (the model doing the request's own work) are never called; delivery is
+judged apart, per request.
 Neighbours' prefill is called only where a neighbour carried a prefill a fit could price
 (MIN_PRICED_PREFILL tokens, ``priced_neighbours``): a step slowed by contention that happened to
 hold a few short prompts is an outlier step, and capping the chunk size would not help.
@@ -35,9 +37,13 @@ from tracing.step_fit import MIN_PRICED_PREFILL
 JUDGED_APART = {"delivery"}  # per request: a slow reader is one client
 
 
-def passes(value_ns: float, phase_median_ns: float, scale: float = 1.0) -> bool:
-    """The two bars: large in absolute terms and against the phase."""
-    return value_ns * scale >= MIN_CAUSE_NS and value_ns >= MIN_CAUSE_SHARE * phase_median_ns
+def passes(
+    value_ns: float, phase_median_ns: float, scale: float = 1.0, paid_ns: float | None = None
+) -> bool:
+    """The two bars: large in absolute terms (``paid_ns``, else the value over ``scale``
+    tokens) and against the phase."""
+    paid = value_ns * scale if paid_ns is None else paid_ns
+    return paid >= MIN_CAUSE_NS and value_ns >= MIN_CAUSE_SHARE * phase_median_ns
 
 
 @dataclass(frozen=True)
@@ -60,15 +66,17 @@ def call_part(
     scale: float = 1.0,
     has_reference: bool = True,
     priced: bool = True,
+    tail_paid_ns: float | None = None,
 ) -> Call | None:
     """The one rule: beyond the reference where the extra passes, else large where its own
-    time passes, else nothing (and never an expected or per-request part, nor neighbours'
+    time passes, else nothing (``tail_paid_ns``: what the extra came to, where it is not the
+    extra over ``scale`` tokens; and never an expected or per-request part, nor neighbours'
     prefill that no neighbour carried enough of to price: ``priced``)."""
     if part in EXPECTED_PARTS or part in JUDGED_APART:
         return None
     if part == "neighbour_prefill" and not priced:
         return None
-    if has_reference and passes(extra_ns, extra_phase_ns, scale):
+    if has_reference and passes(extra_ns, extra_phase_ns, scale, tail_paid_ns):
         return Call(part, True, extra_ns)
     if passes(own_ns, own_phase_ns, scale):
         return Call(part, False, own_ns)
@@ -122,8 +130,9 @@ def call_group(
         return None
     extra = sum(stats[k].tail_extra_ns for k in group)
     median = sum(stats[k].median_ns for k in group)
+    paid = sum(stats[k].tail_paid_ns for k in group)
     found = call_part(group[0], extra, median, phase_median_ns, phase_median_ns, scale,
-                      has_reference)  # fmt: skip
+                      has_reference, tail_paid_ns=paid)  # fmt: skip
     if found is None:
         return None
 

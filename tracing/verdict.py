@@ -91,14 +91,18 @@ def part_matrix(reqs: list[RequestDiagnosis], phase: str) -> np.ndarray:
 
 
 def part_stats(
-    matrix: np.ndarray, keys: list[str]
+    matrix: np.ndarray, keys: list[str], tokens: np.ndarray | None = None
 ) -> tuple[dict[str, PartStat], float, np.ndarray]:
-    """Per part the median and the tail's extra; the median phase time; the tail's rows."""
+    """Per part the median and the tail's extra (and what the tail paid over ``tokens``, each
+    request's in the phase: 1 for TTFT); the median phase time; the tail's rows."""
     totals = matrix.sum(axis=1)
     tail = totals >= np.percentile(totals, TAIL_PERCENTILE)
     median = np.median(matrix, axis=0)
     extra = matrix[tail].mean(axis=0) - median
-    stats = {k: PartStat(float(m), float(e)) for k, m, e in zip(keys, median, extra)}
+    n = np.ones(len(matrix)) if tokens is None else tokens
+    paid = ((matrix[tail] - median) * n[tail][:, None]).mean(axis=0)
+    stats = {k: PartStat(float(m), float(e), float(p))
+             for k, m, e, p in zip(keys, median, extra, paid)}  # fmt: skip
     return stats, float(np.median(totals)), tail
 
 
@@ -110,7 +114,9 @@ def judge(run: RunDiagnosis) -> None:
         if not reqs:
             continue
         keys = list(PHASE_PARTS[phase])
-        stats, median, tail = part_stats(part_matrix(reqs, phase), keys)
+        tokens = np.array([max(r.output_tokens - 1, 1) if phase == "decode" else 1 for r in reqs],
+                          dtype=float)  # fmt: skip
+        stats, median, tail = part_stats(part_matrix(reqs, phase), keys, tokens)
         run.parts[phase], run.phase_median_ns[phase] = stats, median
         scale = float(np.median([r.output_tokens - 1 for r in reqs])) if phase == "decode" else 1.0
         tail_reqs = [r for r, t in zip(reqs, tail) if t]
@@ -144,24 +150,23 @@ def _part_findings(
     for part, stat in stats.items():
         called = call_part(
             part, stat.tail_extra_ns, stat.median_ns, median, median, scale,
-            len(tail) < len(reqs), priced_neighbours(reqs, phase),
+            len(tail) < len(reqs), priced_neighbours(reqs, phase), stat.tail_paid_ns,
         )  # fmt: skip
         if called is None:
             continue
         what, action = WHAT[part]
         paid = passes(stat.median_ns, median, scale)
         if called.beyond:
-            detail, action = describe(run, phase, part, tail, action, stat.tail_extra_ns * scale)
-            text = _tail_text(phase, stat.tail_extra_ns, scale, what + detail)
+            detail, action = describe(run, phase, part, tail, action, stat.tail_paid_ns)
+            text = _tail_text(phase, stat.tail_extra_ns, stat.tail_paid_ns, what + detail)
             if paid:
-                text += (
-                    f", on top of the {_amount(phase, stat.median_ns, scale)} every request paid"
-                )
+                every = _amount(phase, stat.median_ns, stat.median_ns * scale)
+                text += f", on top of the {every} every request paid"
             out.append(
                 Finding(
                     "cause",
                     f"{text}: {action}.",
-                    ms=stat.tail_extra_ns * scale / 1e6,
+                    ms=stat.tail_paid_ns / 1e6,
                     part=part,
                     request_ids=[r.request_id for r in tail],
                 )
@@ -192,24 +197,27 @@ def _api_process(
     if got is None:
         return []
     call, order = got
-    values = {k: stats[k].tail_extra_ns if call.beyond else stats[k].median_ns for k in order}
-    listed = ", ".join(f"{WHAT[k][0]} {_amount(phase, v, scale)}" for k, v in values.items()
-                       if abs(v) * scale >= 50_000)  # fmt: skip
+    values = {k: (stats[k].tail_extra_ns, stats[k].tail_paid_ns) if call.beyond
+              else (stats[k].median_ns, stats[k].median_ns * scale) for k in order}  # fmt: skip
+    listed = ", ".join(f"{WHAT[k][0]} {_amount(phase, *v)}" for k, v in values.items()
+                       if abs(v[1]) >= 50_000)  # fmt: skip
+    paid = sum(v[1] for v in values.values())
     who = (f"The slowest {100 - TAIL_PERCENTILE}% of requests spent" if call.beyond
            else "Every request spent")  # fmt: skip
     more = "more than the median request " if call.beyond else ""
     text = (
-        f"{who} {_amount(phase, call.ns, scale)} {more}in the API process, each part under "
+        f"{who} {_amount(phase, call.ns, paid)} {more}in the API process, each part under "
         f"the bars and together over them ({listed}): its one event loop receives and decodes "
         f"the bodies, templates, tokenizes and emits: {WHAT[order[0]][1]}."
     )
     kind, section = ("cause", "causes") if call.beyond else ("paid", "paid")
-    return [Finding(kind, text, ms=call.ns * scale / 1e6, part=order[0], section=section,
+    return [Finding(kind, text, ms=paid / 1e6, part=order[0], section=section,
                     label="the API process")]  # fmt: skip
 
 
-def _amount(phase: str, v: float, scale: float) -> str:
-    return ms(v) if phase == "ttft" else f"{ms(v)} per token ({ms(v * scale)})"
+def _amount(phase: str, v: float, paid: float) -> str:
+    """``v`` a request (TTFT) or per output token, which came to ``paid`` over the decode."""
+    return ms(v) if phase == "ttft" else f"{ms(v)} per token ({ms(paid)})"
 
 
 def _paid_text(phase: str, v: float, scale: float, median: float, what: str) -> str:
@@ -224,7 +232,7 @@ def _paid_text(phase: str, v: float, scale: float, median: float, what: str) -> 
     )
 
 
-def _tail_text(phase: str, v: float, scale: float, what: str) -> str:
+def _tail_text(phase: str, v: float, paid: float, what: str) -> str:
     if phase == "ttft":
         return (
             f"The slowest {100 - TAIL_PERCENTILE}% of requests by time to first token spent "
@@ -232,7 +240,7 @@ def _tail_text(phase: str, v: float, scale: float, what: str) -> str:
         )
     return (
         f"The slowest {100 - TAIL_PERCENTILE}% of requests by time per output token spent "
-        f"{ms(v)} per token more than the median ({ms(v * scale)} over {scale:.0f} tokens) "
+        f"{ms(v)} per token more than the median ({ms(paid)} a request over its decode) "
         f"in {what}"
     )
 

@@ -100,3 +100,28 @@ def test_the_api_process_is_called_as_a_whole_when_each_part_is_under_the_bars(
     assert "event-loop lag in the API process 10.0 ms" in named[0].text
     calls = request_calls(run.requests[3], run, "ttft")
     assert [c.part for c in calls] == ["frontend"] and not calls[0].beyond
+
+
+def test_a_short_requests_one_slow_gap_is_not_paid_over_the_median_requests_tokens(
+    tmp_path: Path,
+) -> None:
+    """Nine 200-token streams and a 2-token request whose one gap shared a step with a
+    300-token prefill (8 ms): the tail by time per output token is that request, 7 ms a token
+    over the median. It paid 7 ms, not 7 ms x the median request's 199 tokens (1.4 s): under
+    the bars, nothing is named."""
+    tr = Trace()
+    tr.step_prior = [0.5e6, 25e3, 0.05e6, 0.0]  # a prefill token at 25 us: 300 of them 7.5 ms
+    decoders = [f"d{i}" for i in range(9)]
+    for i, rid in enumerate(decoders):
+        tr.request(rid, 0.0, output=200 + 10 * i)
+    tr.request("s", 0.0, output=2)
+    tr.request("p", 0.0, prompt=300, output=2)
+    tr.step({**{rid: 32 for rid in decoders}, "s": 32}, 5.0)
+    tr.step({**{rid: 1 for rid in decoders}, "s": 1, "p": 300}, 8.0)
+    while any(r.status is None for r in tr.reqs.values()):
+        tr.step({rid: 1 for rid, r in tr.reqs.items() if r.status is None}, 1.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    s = next(r for r in run.requests if r.request_id == "s")
+    assert s.decode["neighbour_prefill"] > 5 * MS  # its one gap was the prefill's
+    causes = [f for f in run.findings if f.kind == "cause"]
+    assert not causes, [f.text for f in causes]

@@ -16,8 +16,12 @@ gaps are cut (a run holds many thousands of gaps). The cut::
                 out), of which the time after a preemption is ``preempted``; core GC between
                 steps is ``gc``
     [c, b]      the frontend: the API process's pauses (``gc``, ``loop_lag``), then the
-                writes' waits on the client's socket (``delivery``, up to what the request's
-                send_wait_ns has left), the rest ``emit`` (IPC back, detokenize, write)
+                core stalling before the frontend received the token (``core_stall``: a step
+                far past its time, as above, while the token waited to leave the core; the
+                core's output thread stops with it, SIGSTOP or a call holding the GIL), then
+                the writes' waits on the client's socket (``delivery``, up to what the
+                request's send_wait_ns has left), the rest ``emit`` (IPC back, detokenize,
+                write)
 
 and ``unattributed`` is what is left (no step record covers it). The gap's named part is its
 largest; a verdict names it when it is not expected compute.
@@ -115,6 +119,10 @@ class GapCutter:
         slow = weights.fitted & (forward >= OUTLIER_FACTOR * expected)
         slow &= forward - expected >= MIN_CAUSE_NS
         self.excess = np.where(slow, 1.0 - expected / np.maximum(forward, 1), 0.0)
+        # Those steps' time past their expected forward: the core stalled (all its threads).
+        past = steps.execute_start_ns + expected.astype(np.int64)
+        self.stalls = Intervals([(int(x), int(y)) for x, y, k in
+                                 zip(past, steps.execute_end_ns, slow) if k])  # fmt: skip
         order = np.argsort(placed.request, kind="stable")
         counts = np.bincount(placed.request) if len(placed.request) else np.zeros(0, np.int64)
         self.rows_of = np.split(order, np.cumsum(counts)[:-1]) if len(counts) else []
@@ -159,6 +167,10 @@ class GapCutter:
         parts["gc"] += gc_between
         parts["core_stall"] += idle - gc_between
         front = self.api.carve(parts, c, b)
+        if received is not None and received > c:  # the token had not left the core
+            stalled = min(self.stalls.within(c, min(received, b)), front)
+            parts["core_stall"] += stalled
+            front -= stalled
         parts["delivery"] = min(front, max(budget, 0))
         parts["emit"] = front - parts["delivery"]
         parts["unattributed"] = (b - a) - sum(v for k, v in parts.items() if k != "unattributed")

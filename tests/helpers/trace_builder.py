@@ -75,10 +75,11 @@ class Trace:
         self, rows: dict[str, int], exec_ms: float, *, at_ms: float = 0.0,
         schedule_ms: float = 0.2, output_ms: float = 0.2, wait_reason: str = "", waiting: int = 0,
         preempted: tuple[str, ...] = (), logprobs_ms: float = 0.0, sample_ms: float = 0.0,
-        gc_ms: float = 0.0,
+        gc_ms: float = 0.0, held_ms: float = 0.0,
     ) -> None:  # fmt: skip
         """A step of ``exec_ms`` (of which ``logprobs_ms`` computed top-20 logprobs for every
-        row, ``sample_ms`` ran the sampler on the full logits and ``gc_ms`` the core's GC)."""
+        row, ``sample_ms`` ran the sampler on the full logits and ``gc_ms`` the core's GC);
+        its tokens reach the frontend ``held_ms`` late (the core stopped before they left)."""
         arrived = max(self.reqs[rid].received for rid in rows)
         start = max(self.now, arrived, T0 + int(at_ms * MS)) + MS // 10
         execute = start + int(schedule_ms * MS)
@@ -92,7 +93,7 @@ class Trace:
             prefill += n if r.computed < r.prompt else 0
             r.computed += n
             if r.computed >= r.prompt:
-                self._token(r, step_id, out)
+                self._token(r, step_id, out + int(held_ms * MS))
         live = [r for r in self.reqs.values() if r.status is None and r.computed]
         self.steps.append(row(
             "steps", run_id=RUN, step_id=step_id, schedule_start_ns=start, schedule_end_ns=execute,

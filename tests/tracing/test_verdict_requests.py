@@ -242,3 +242,24 @@ def test_a_step_slowed_by_the_api_processs_gc_names_the_gc(tmp_path: Path) -> No
         named[pause] = slow[0]
     assert named[True].part == "gc" and "paused in them for garbage collection" in named[True].text
     assert named[False].part == "core_stall" and "the core stalled" in named[False].text
+
+
+def test_a_core_stopped_while_a_token_waited_to_leave_it_is_a_core_stall(tmp_path: Path) -> None:
+    """SIGSTOP of the core just after a step's output was made: the token reaches the frontend
+    120 ms late, while the next step runs 120 ms past its time. Each stream's gap is the core
+    stalling (the core's output thread stops with it), not the frontend's emit."""
+    tr = Trace()
+    ids = [f"s{i}" for i in range(4)]
+    for rid in ids:
+        tr.request(rid, 0.0, prompt=16, output=200)
+    tr.step({rid: 16 for rid in ids}, 8.0)
+    for k in range(198):  # with the stalled step: 199 decode steps
+        stopped = k == 100
+        tr.step({rid: 1 for rid in ids}, 2.0, held_ms=121.0 if stopped else 0.0)
+        if stopped:
+            tr.step({rid: 1 for rid in ids}, 122.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    gaps = [f for f in run.findings if f.kind == "gap"]
+    assert [(f.part, sorted(f.request_ids)) for f in gaps] == [("core_stall", ids)], text

@@ -152,11 +152,12 @@ def _run_group(group: Group, model: Path, out: Path, matrix: Any, where: str, re
                labels: Any, verdict_of: Any) -> dict[str, Any]:  # fmt: skip
     """The control, each primitive, then the control again: its two runs bracket the
     primitives', so their spread holds the machine's drift over the group (the run's noise).
-    Each primitive is labelled against both controls, then judged."""
+    Each primitive is labelled against both controls, at one speed (score.at_one_speed), then
+    judged."""
     folder = out / f"{group.seed}-{group.model}"
     folder.mkdir(parents=True, exist_ok=True)
     said: dict[str, Any] = {**group.describe(), "runs": []}
-    controls = []
+    controls, speeds = [], []
 
     def control(name: str) -> bool:
         got = record(model, group.control, folder / f"{name}.db")
@@ -165,9 +166,10 @@ def _run_group(group: Group, model: Path, out: Path, matrix: Any, where: str, re
             return False
         named = verdict_of(got.db)
         matrix.add_run(None, "neg", named, f"{where} run={name}", {})
-        said["runs"].append(_said(name, "neg", named, got.seen))
+        said["runs"].append(_said(name, "neg", named, got.seen, speed=got.speed_s))
         _print(name, "-", named)
         controls.append(got.seen)
+        speeds.append(got.speed_s)
         return True
 
     if not control("control"):
@@ -187,10 +189,10 @@ def _run_group(group: Group, model: Path, out: Path, matrix: Any, where: str, re
     if not control("control-2"):
         return said
     for name, run_, got in recorded:
-        label, per = labels(run_, controls, got.seen)
+        label, per = labels(run_, controls, got.seen, speeds, got.speed_s)
         named = verdict_of(got.db)
         matrix.add_run(run_.cause, label, named, f"{where} run={name}", per)
-        said["runs"].append(_said(name, label, named, got.seen, run_, per))
+        said["runs"].append(_said(name, label, named, got.seen, run_, per, got.speed_s))
         _print(f"{name} ({label})", run_.magnitude, named)
     return said
 
@@ -205,9 +207,10 @@ def rescale(run_: Run, factor: float) -> None:
 
 
 def _said(name: str, label: str, named: Any, seen: list[Any], run_: Run | None = None,
-          per: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+          per: dict[str, str] | None = None,
+          speed: float | None = None) -> dict[str, Any]:  # fmt: skip
     per = per or {}
-    return {"run": name, "label": label, "named": sorted(named.run),
+    return {"run": name, "label": label, "named": sorted(named.run), "probe_s": speed,
             "magnitude": run_.magnitude if run_ else {},
             "requests": [{**s.to_json(), "label": per.get(s.request_id),
                           "named": sorted(named.requests.get(s.request_id, ()))}

@@ -15,7 +15,7 @@ import re
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 _CONTENT = re.compile(rb'"(?:content|text)":"(?:[^"\\]|\\.)')  # a chunk that carries text
@@ -65,6 +65,15 @@ class Seen:
     def gaps(self) -> list[float]:
         return [b - a for a, b in zip(self.chunks, self.chunks[1:])]
 
+    def scaled(self, factor: float) -> Seen:
+        """Its times (from the run's start) times ``factor``: as on a machine that much slower."""
+        return replace(
+            self, sent_s=self.sent_s * factor, end_s=self.end_s * factor,
+            first_s=None if self.first_s is None else self.first_s * factor,
+            chunks=[t * factor for t in self.chunks],
+            paused_at_s=None if self.paused_at_s is None else self.paused_at_s * factor,
+        )  # fmt: skip
+
     def to_json(self) -> dict[str, Any]:
         return {
             "index": self.index, "request_id": self.request_id, "status": self.status,
@@ -92,6 +101,22 @@ def send_all(port: int, asks: list[Ask], payloads: list[bytes], t0: float) -> li
     for t in threads:
         t.join(300)
     return seen
+
+
+# The speed probe: one greedy stream alone, before a run's load (bench.diagnose.score.speed).
+PROBE_TOKENS = 32
+PROBE = {"prompt": "The machine's speed, as a client sees it:", "max_tokens": PROBE_TOKENS,
+         "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+
+
+def probe(port: int) -> float | None:
+    """The median gap between the probe's chunks (seconds), or None where it failed: how fast
+    this server process serves one stream, as the client sees it."""
+    ask = Ask(-1, PROBE, 0.0)
+    seen = Seen(-1)
+    _one(port, ask, json.dumps(PROBE).encode(), seen, time.monotonic())
+    gaps = sorted(seen.gaps())
+    return gaps[len(gaps) // 2] if seen.status == "ok" and gaps else None
 
 
 def _one(port: int, ask: Ask, payload: bytes, seen: Seen, t0: float) -> None:

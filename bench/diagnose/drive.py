@@ -1,6 +1,7 @@
 """One generated run through a real `lumen serve`: a fresh server with the run's flags and
-environment, its requests sent and timed by the client, its actions done to the server at their
-moments (kill -9 or SIGSTOP of the core, a GC pause), then a drain, so the trace db holds it all.
+environment, its speed probed (one stream alone, client.probe), its requests sent and timed by
+the client, its actions done to the server at their moments (kill -9 or SIGSTOP of the core, a
+GC pause), then a drain, so the trace db holds it all.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.diagnose.client import Seen, encode_all, send_all
+from bench.diagnose.client import Seen, encode_all, probe, send_all
 from bench.diagnose.scenarios import Action, Run
 from bench.server import LumenServer, metric
 
@@ -30,6 +31,7 @@ class Recorded:
     seen: list[Seen]
     log: str
     error: str | None = None  # the run could not be done (the server did not start, ...)
+    speed_s: float | None = None  # the probe's median gap (client.probe)
 
 
 def record(model: Path, run: Run, db: Path, timeout_s: float = 120.0) -> Recorded:
@@ -48,6 +50,7 @@ def record(model: Path, run: Run, db: Path, timeout_s: float = 120.0) -> Recorde
     except RuntimeError as e:
         return Recorded(db, [], log.read_text(errors="replace")[-3000:], f"no server: {e}")
     try:
+        speed = probe(server.port)
         payloads = encode_all(run.asks)
         t0 = time.monotonic() + START_DELAY_S
         actor = threading.Thread(target=_act, args=(server, run.actions, t0), daemon=True)
@@ -61,7 +64,7 @@ def record(model: Path, run: Run, db: Path, timeout_s: float = 120.0) -> Recorde
         code = server.stop(timeout=30, drain=10)
     text = log.read_text(errors="replace")
     error = None if code in (0, None) else f"the server exited with {code}"
-    return Recorded(db, seen, text[-3000:], error)
+    return Recorded(db, seen, text[-3000:], error, speed)
 
 
 def _act(server: LumenServer, actions: list[Action], t0: float) -> None:

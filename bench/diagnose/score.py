@@ -10,6 +10,10 @@ is the time the server's writes waited on it: its pause, less the time the serve
 the buffers it found full when it resumed (at the control's byte rate). A request is positive
 at 1.5x the bar or more, negative under 0.67x, and left out in between (gray: within the
 measurements' noise of the bar). A request the primitive failed or cancelled is positive. A
+server process's speed moves by 15-30% from one start to the next on a shared 2-core machine
+(the same load's decode steps at 19 ms in one run and 25 ms in the next), so each run's times
+are first set to one speed: the client probes each server with one stream alone before its load
+(client.probe), and a run's times are scaled by the controls' mean probe over its own. A
 run is positive for its primitive's cause when a request is, negative when every request is,
 and negative for every other cause; a control is negative for all.
 
@@ -41,6 +45,7 @@ BUFFERS = 80 * 1024 + 2 * 4096
 GAP_FACTOR = 4.0
 POSITIVE, NEGATIVE = 1.5, 0.67  # of the bar: surely past it, surely under it
 Z90 = 1.6449  # a two-sided 90% interval
+MAX_SPEED_FACTOR = 1.5  # a run's times set to the controls' speed by at most this either way
 
 # A finding's part (or the failure it names) -> the cause it names; parts not here name a cause
 # outside the primitives' (reported as "other"), expected compute names none.
@@ -231,11 +236,33 @@ def grade(ratio: float) -> str:
     return "pos" if ratio >= POSITIVE else "neg" if ratio < NEGATIVE else "gray"
 
 
+def at_one_speed(
+    controls: Sequence[list[Seen]], primitive: list[Seen],
+    speeds: Sequence[float | None], speed: float | None,
+) -> tuple[list[list[Seen]], list[Seen]]:  # fmt: skip
+    """The controls' and the primitive's times as at the controls' mean speed (each probe's
+    median gap: client.probe), by at most MAX_SPEED_FACTOR either way; as measured where a
+    probe is missing."""
+    known = [s for s in speeds if s is not None]
+    if speed is None or not known or len(known) < len(speeds):
+        return list(controls), primitive
+    ref = float(np.mean(known))
+
+    def factor(s: float) -> float:
+        return min(max(ref / s, 1 / MAX_SPEED_FACTOR), MAX_SPEED_FACTOR)
+
+    scaled = [[x.scaled(factor(s)) for x in c] for c, s in zip(controls, speeds) if s]
+    return scaled, [x.scaled(factor(speed)) for x in primitive]
+
+
 def labels(
-    run: Run, controls: Sequence[list[Seen]], primitive: list[Seen]
-) -> tuple[str, dict[str, str]]:
+    run: Run, controls: Sequence[list[Seen]], primitive: list[Seen],
+    speeds: Sequence[float | None] = (), speed: float | None = None,
+) -> tuple[str, dict[str, str]]:  # fmt: skip
     """The run's label for its cause, and each of its requests' (by request id), against the
-    group's controls."""
+    group's controls; at one speed where the runs were probed (``speeds``: the controls',
+    ``speed``: the primitive's)."""
+    controls, primitive = at_one_speed(controls, primitive, speeds, speed)
     by_index = [{s.index: s for s in control} for control in controls]
     drift = e2e_drift(controls)
     per: dict[str, str] = {}

@@ -20,6 +20,7 @@ from bench.diagnose.scenarios import CAUSES, Run, make_group
 from bench.diagnose.score import (
     Matrix,
     Named,
+    at_one_speed,
     e2e_drift,
     effect,
     grade,
@@ -68,6 +69,26 @@ def test_end_to_end_times_are_judged_against_the_machine_s_drift_between_control
     # Twice as long is past it.
     doubled = named([_seen(0, 0.01, 1.0, [0.005] * 50), *second[1:]])
     assert labels(run, [first, second], doubled)[0] == "pos"
+
+
+def test_each_run_is_set_to_the_controls_speed_by_its_probe() -> None:
+    """The primitive's server ran 20% faster (its probe's median gap 20 ms against the
+    controls' 25 ms), which hid a 25% longer decode: at one speed it shows; a run not probed
+    is taken as measured. Controls probed apart are set to their mean speed too."""
+
+    def load(factor: float = 1.0) -> list[Seen]:
+        seen = [_seen(i, 0.05, 1.0 + 0.1 * i, [0.025] * 38).scaled(factor) for i in range(3)]
+        for s in seen:
+            s.request_id = f"r{s.index}"
+        return seen
+
+    run = Run("logprobs", [Ask(i, {}, 0.0) for i in range(3)])
+    controls, paid = [load(), load()], load()
+    assert labels(run, controls, paid)[0] == "neg"  # as measured: as fast as the controls
+    assert labels(run, controls, paid, [0.025, 0.025], 0.020)[0] == "pos"
+    assert labels(run, controls, paid, [0.025, None], 0.020)[0] == "neg"
+    scaled, _ = at_one_speed([load(), load(1.2)], paid, [0.025, 0.030], 0.025)
+    assert [round(s.e2e_s, 6) for s in scaled[0]] == [round(s.e2e_s, 6) for s in scaled[1]]
 
 
 def test_a_paused_reader_counts_only_the_time_the_server_waited() -> None:

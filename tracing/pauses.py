@@ -79,4 +79,35 @@ def pauses_of(rows: list[PauseRow]) -> tuple[Pauses, Pauses]:
              if r.process == process and r.kind == kind]
         )  # fmt: skip
 
-    return Pauses(of("api", "gc"), of("api", "loop_lag")), Pauses(of("core", "gc"), Intervals([]))
+    api_gc = [(r.start_ns, r.start_ns + r.duration_ns) for r in rows
+              if r.process == "api" and r.kind == "gc"]  # fmt: skip
+    gc = Intervals(api_gc)
+    lags, gc_lags = [], []
+    for r in rows:
+        if r.process == "api" and r.kind == "loop_lag":
+            span = (r.start_ns, r.start_ns + r.duration_ns)
+            # A lag that GC pauses fill at least half of is theirs: the loop's moments between
+            # back-to-back collections (a storm) are the same storm.
+            theirs = gc.within(*span) >= GC_LAG_SHARE * r.duration_ns
+            (gc_lags if theirs else lags).append(span)
+    # Else the lag is what GC does not already explain: its time outside the collections.
+    api = Pauses(Intervals(api_gc + gc_lags), Intervals(_minus(lags, sorted(api_gc))))
+    return api, Pauses(of("core", "gc"), Intervals([]))
+
+
+def _minus(spans: list[tuple[int, int]], cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The spans less the (sorted) cuts."""
+    out = []
+    for a, b in spans:
+        for x, y in cuts:
+            if y <= a or x >= b:
+                continue
+            if x > a:
+                out.append((a, x))
+            a = max(a, y)
+        if b > a:
+            out.append((a, b))
+    return out
+
+
+GC_LAG_SHARE = 0.5  # an event-loop lag this much GC is GC's

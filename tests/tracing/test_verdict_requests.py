@@ -263,3 +263,21 @@ def test_a_core_stopped_while_a_token_waited_to_leave_it_is_a_core_stall(tmp_pat
     print(text)
     gaps = [f for f in run.findings if f.kind == "gap"]
     assert [(f.part, sorted(f.request_ids)) for f in gaps] == [("core_stall", ids)], text
+
+
+def test_an_event_loop_lag_that_gc_fills_is_gc() -> None:
+    """Seven back-to-back collections (25 ms each) in a 200 ms lag: the lag is the storm's,
+    all of it GC; a 100 ms lag with one 20 ms collection in it stays a lag (less the GC)."""
+    from tracing.pauses import PauseRow, pauses_of
+
+    storm = [PauseRow("api", "gc", T0 + k * 27 * MS, 25 * MS) for k in range(7)]
+    storm.append(PauseRow("api", "loop_lag", T0, 200 * MS))
+    lone = [PauseRow("api", "gc", T0 + 1000 * MS, 20 * MS),
+            PauseRow("api", "loop_lag", T0 + 990 * MS, 100 * MS)]  # fmt: skip
+    api, _ = pauses_of(storm + lone)
+    parts = {"gc": 0, "loop_lag": 0}
+    assert api.carve(parts, T0, T0 + 300 * MS) == 100 * MS
+    assert parts == {"gc": 200 * MS, "loop_lag": 0}
+    parts = {"gc": 0, "loop_lag": 0}
+    api.carve(parts, T0 + 900 * MS, T0 + 1200 * MS)
+    assert parts == {"gc": 20 * MS, "loop_lag": 80 * MS}

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tracing.parts import EXPECTED_PARTS, phase_labels
-from tracing.pauses import Intervals, Pauses
+from tracing.pauses import Intervals, Pauses, minus
 from tracing.shares import (
     MemberPhases,
     Memberships,
@@ -119,10 +119,12 @@ class GapCutter:
         slow = weights.fitted & (forward >= OUTLIER_FACTOR * expected)
         slow &= forward - expected >= MIN_CAUSE_NS
         self.excess = np.where(slow, 1.0 - expected / np.maximum(forward, 1), 0.0)
-        # Those steps' time past their expected forward: the core stalled (all its threads).
+        # Those steps' forward past its expected time: the core stalled (all its threads); where
+        # the API process paused meanwhile, that is its pause (carved first).
         past = steps.execute_start_ns + expected.astype(np.int64)
-        self.stalls = Intervals([(int(x), int(y)) for x, y, k in
-                                 zip(past, steps.execute_end_ns, slow) if k])  # fmt: skip
+        ended = steps.execute_start_ns + forward
+        stalls = [(int(x), int(y)) for x, y, k in zip(past, ended, slow) if k]
+        self.stalls = Intervals(minus(stalls, sorted(self.api.gc.spans() + self.api.lag.spans())))
         order = np.argsort(placed.request, kind="stable")
         counts = np.bincount(placed.request) if len(placed.request) else np.zeros(0, np.int64)
         self.rows_of = np.split(order, np.cumsum(counts)[:-1]) if len(counts) else []

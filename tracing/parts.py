@@ -84,7 +84,9 @@ PARTS: tuple[Part, ...] = (
         "loop_lag", _API_LAG, _API_LAG, _API_LAG,
         "something blocks the API event loop (CPU-heavy work in a handler, a large "
         "tokenization); see the pauses table",
-        "event-loop lag rows in `pauses` (api) that overlap the request's windows",
+        "event-loop lag rows in `pauses` (api) that overlap the request's windows, less the API "
+        "process's GC pauses inside them; a lag that GC pauses fill at least half of is `gc` (a "
+        "storm of collections, the loop's moments between them included)",
     ),
     Part(
         "ipc", "IPC to the core and its input queue", None,
@@ -205,7 +207,8 @@ PARTS: tuple[Part, ...] = (
         "the core process stopped, was starved of CPU or was stuck in a long call: look at the "
         "host (other processes, the CPU quota, swapping) and the server log",
         "in a long token gap (tracing/gaps.py): the part of its steps' forward past 3x their "
-        "expected time (and 20 ms over it), and time no step ran while it waited",
+        "expected time (and 20 ms over it), time no step ran while it waited, and such a step's "
+        "excess while its token waited to leave the core",
     ),
     Part(
         "preempted", None, "waiting after a preemption (recompute)",
@@ -218,7 +221,8 @@ PARTS: tuple[Part, ...] = (
         "gc", _GC, _GC, _GC,
         "fewer allocations per step (LUMEN_GC=serving, the default, freezes the start-up heap); "
         "see the pauses table",
-        "garbage-collection pauses (api and core) that overlap the request's windows",
+        "garbage-collection pauses (api and core) that overlap the request's windows, and the "
+        "API process's event-loop lags that its GC pauses fill at least half of",
     ),
     Part(
         "emit", _EMIT, _EMIT, "getting outputs back to the frontend, detokenizing and emitting",

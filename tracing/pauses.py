@@ -46,6 +46,9 @@ class Intervals:
     def within(self, a: int, b: int) -> int:
         return int(self.before(b) - self.before(a)) if b > a else 0
 
+    def spans(self) -> list[tuple[int, int]]:
+        return [(int(a), int(b)) for a, b in zip(self.starts, self.ends)]
+
 
 @dataclass
 class Pauses:
@@ -82,7 +85,8 @@ def pauses_of(rows: list[PauseRow]) -> tuple[Pauses, Pauses]:
     api_gc = [(r.start_ns, r.start_ns + r.duration_ns) for r in rows
               if r.process == "api" and r.kind == "gc"]  # fmt: skip
     gc = Intervals(api_gc)
-    lags, gc_lags = [], []
+    lags: list[tuple[int, int]] = []
+    gc_lags: list[tuple[int, int]] = []
     for r in rows:
         if r.process == "api" and r.kind == "loop_lag":
             span = (r.start_ns, r.start_ns + r.duration_ns)
@@ -91,16 +95,18 @@ def pauses_of(rows: list[PauseRow]) -> tuple[Pauses, Pauses]:
             theirs = gc.within(*span) >= GC_LAG_SHARE * r.duration_ns
             (gc_lags if theirs else lags).append(span)
     # Else the lag is what GC does not already explain: its time outside the collections.
-    api = Pauses(Intervals(api_gc + gc_lags), Intervals(_minus(lags, sorted(api_gc))))
+    api = Pauses(Intervals(api_gc + gc_lags), Intervals(minus(lags, sorted(api_gc))))
     return api, Pauses(of("core", "gc"), Intervals([]))
 
 
-def _minus(spans: list[tuple[int, int]], cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The spans less the (sorted) cuts."""
+def minus(spans: list[tuple[int, int]], cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The spans less the cuts (sorted by start)."""
     out = []
     for a, b in spans:
         for x, y in cuts:
-            if y <= a or x >= b:
+            if x >= b:
+                break
+            if y <= a:
                 continue
             if x > a:
                 out.append((a, x))

@@ -8,8 +8,10 @@ above the phase's TAIL_PERCENTILE (90) minus that median. A part is named
   MIN_CAUSE_SHARE (10%) of the median request's phase time;
 - as paid by every request when its median passes the same two bars.
 
-In the decode phase the values are per output token, and the absolute bar applies to them times
-the median request's number of decode tokens (what a typical request pays over its decode).
+In the decode phase the values are per output token, and the absolute bar applies to what was
+paid over whole decodes: what every request pays, times the median request's number of decode
+tokens; what the tail pays extra, each tail request's extra times its own decode tokens (their
+mean: PartStat.tail_paid_ns).
 Parts in EXPECTED_PARTS (the model doing the request's own work) are reported as expected
 compute, never as a cause. Delivery is judged per request (a slow reader is one client): named
 when a request's delivery passes both bars against its own time.

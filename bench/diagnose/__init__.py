@@ -165,7 +165,7 @@ def _run_group(group: Group, model: Path, out: Path, matrix: Any, where: str, re
             print(f"  {name}: {got.error}\n{got.log}")
             return False
         named = verdict_of(got.db)
-        matrix.add_run(None, "neg", named, f"{where} run={name}", {})
+        matrix.add_run(None, "neg", named, f"{where} run={name}", {}, _timed(got.seen))
         said["runs"].append(_said(name, "neg", named, got.seen, speed=got.speed_s))
         _print(name, "-", named)
         controls.append(got.seen)
@@ -191,10 +191,14 @@ def _run_group(group: Group, model: Path, out: Path, matrix: Any, where: str, re
     for name, run_, got in recorded:
         label, per = labels(run_, controls, got.seen, speeds, got.speed_s)
         named = verdict_of(got.db)
-        matrix.add_run(run_.cause, label, named, f"{where} run={name}", per)
+        matrix.add_run(run_.cause, label, named, f"{where} run={name}", per, _timed(got.seen))
         said["runs"].append(_said(name, label, named, got.seen, run_, per, got.speed_s))
         _print(f"{name} ({label})", run_.magnitude, named)
     return said
+
+
+def _timed(seen: list[Any]) -> set[str]:
+    return {s.request_id for s in seen if s.request_id}
 
 
 def rescale(run_: Run, factor: float) -> None:
@@ -253,7 +257,9 @@ def _rescore(args: argparse.Namespace) -> int:
                 continue
             cause = None if r["run"].startswith("control") else r["run"].split("-", 1)[1]
             per = {q["request_id"]: q["label"] for q in r["requests"] if q.get("label")}
-            matrix.add_run(cause, r["label"], verdict_of(db), f"{where} run={r['run']}", per)
+            timed = {q["request_id"] for q in r["requests"] if q["request_id"]}
+            matrix.add_run(cause, r["label"], verdict_of(db), f"{where} run={r['run']}", per,
+                           timed)  # fmt: skip
     print(matrix.render())
     write_json(args.json, {"machine": machine(), "rescored": args.rescore, **matrix.to_json()})
     return 0

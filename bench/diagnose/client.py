@@ -103,7 +103,7 @@ def send_all(port: int, asks: list[Ask], payloads: list[bytes], t0: float) -> li
     return seen
 
 
-# The speed probe: one greedy stream alone, before a run's load (bench.diagnose.score.speed).
+# The speed probe: one greedy stream alone, before a run's load (score.at_one_speed).
 PROBE_TOKENS = 32
 PROBE = {"prompt": "The machine's speed, as a client sees it:", "max_tokens": PROBE_TOKENS,
          "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip

@@ -13,7 +13,9 @@ measurements' noise of the bar). A request the primitive failed or cancelled is 
 server process's speed moves by 15-30% from one start to the next on a shared 2-core machine
 (the same load's decode steps at 19 ms in one run and 25 ms in the next), so each run's times
 are first set to one speed: the client probes each server with one stream alone before its load
-(client.probe), and a run's times are scaled by the controls' mean probe over its own. A
+(client.probe), and a run's times are scaled by the controls' mean probe over its own (not
+for a delay of fixed length: FIXED_DELAYS). The probe is the diagnosis's too (one request
+served alone before the load), but it is not scored: only the requests the client timed are. A
 run is positive for its primitive's cause when a request is, negative when every request is,
 and negative for every other cause; a control is negative for all.
 
@@ -46,6 +48,9 @@ GAP_FACTOR = 4.0
 POSITIVE, NEGATIVE = 1.5, 0.67  # of the bar: surely past it, surely under it
 Z90 = 1.6449  # a two-sided 90% interval
 MAX_SPEED_FACTOR = 1.5  # a run's times set to the controls' speed by at most this either way
+# Causes whose effect is a delay of fixed length (a GC pause, a stopped core, a paused reader) or
+# a failure: their runs are labelled as measured (a 30 ms pause is 30 ms at any speed).
+FIXED_DELAYS = {"gc", "hang", "crash", "cancel", "slow_reader"}
 
 # A finding's part (or the failure it names) -> the cause it names; parts not here name a cause
 # outside the primitives' (reported as "other"), expected compute names none.
@@ -243,8 +248,8 @@ def at_one_speed(
     """The controls' and the primitive's times as at the controls' mean speed (each probe's
     median gap: client.probe), by at most MAX_SPEED_FACTOR either way; as measured where a
     probe is missing."""
-    known = [s for s in speeds if s is not None]
-    if speed is None or not known or len(known) < len(speeds):
+    known = [s for s in speeds if s]
+    if not speed or not known or len(known) < len(speeds):
         return list(controls), primitive
     ref = float(np.mean(known))
 
@@ -262,7 +267,8 @@ def labels(
     """The run's label for its cause, and each of its requests' (by request id), against the
     group's controls; at one speed where the runs were probed (``speeds``: the controls',
     ``speed``: the primitive's)."""
-    controls, primitive = at_one_speed(controls, primitive, speeds, speed)
+    if run.cause not in FIXED_DELAYS:
+        controls, primitive = at_one_speed(controls, primitive, speeds, speed)
     by_index = [{s.index: s for s in control} for control in controls]
     drift = e2e_drift(controls)
     per: dict[str, str] = {}
@@ -337,11 +343,14 @@ class Matrix:
     others: Counter[str] = field(default_factory=Counter)  # names outside the primitives'
 
     def add_run(self, cause: str | None, label: str, named: Named, where: str,
-                request_labels: dict[str, str]) -> None:  # fmt: skip
+                request_labels: dict[str, str], timed: set[str] | None = None) -> None:  # fmt: skip
+        """``timed``: the requests the client timed (the others, its speed probe, not scored)."""
         for c in CAUSES:
             self.runs[c].add(label if c == cause else "neg", c in named.run, where)
         self.others.update(n for n in named.run if n not in CAUSES)
         for rid, mine in named.requests.items():
+            if timed is not None and rid not in timed:
+                continue
             own = request_labels.get(rid)
             for c in CAUSES:
                 lab = (own or "gray") if c == cause else "neg"

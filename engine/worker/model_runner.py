@@ -101,9 +101,8 @@ class ModelRunner:
 
         if self.device.type == "cpu":
             # On CPU, gathering blocks for decode costs as much as attention
-            # itself; a contiguous mirror of decoding requests, up to the paged
-            # cache's own size, avoids it (on CUDA the gather is cheap). A group with a
-            # window mirrors only its window (a ring).
+            # itself; a contiguous mirror of decoding requests avoids it (on CUDA the
+            # gather is cheap). A group with a window mirrors only its window (a ring).
             group = self.cfg.num_heads // self.cfg.num_kv_heads
             choice = self.kernels.choose_attention(group, self.cfg.head_dim, stored)
             layout = self.layout

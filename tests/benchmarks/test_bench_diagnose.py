@@ -89,6 +89,13 @@ def test_each_run_is_set_to_the_controls_speed_by_its_probe() -> None:
     assert labels(run, controls, paid, [0.025, None], 0.020)[0] == "neg"
     scaled, _ = at_one_speed([load(), load(1.2)], paid, [0.025, 0.030], 0.025)
     assert [round(s.e2e_s, 6) for s in scaled[0]] == [round(s.e2e_s, 6) for s in scaled[1]]
+    # At most 1.5x either way; a probe that read 0 is none.
+    _, (fast, *_) = at_one_speed(controls, paid, [0.025, 0.025], 0.005)
+    assert fast.e2e_s == pytest.approx(1.5 * paid[0].e2e_s)
+    assert at_one_speed(controls, paid, [0.025, 0.025], 0.0)[1] is paid
+    # A fixed delay (a GC pause) is labelled as measured, whatever the speed.
+    gc_run = Run("gc", run.asks)
+    assert labels(gc_run, controls, paid, [0.025, 0.025], 0.020)[0] == "neg"
 
 
 def test_a_paused_reader_counts_only_the_time_the_server_waited() -> None:
@@ -100,6 +107,14 @@ def test_a_paused_reader_counts_only_the_time_the_server_waited() -> None:
     # 340 KB read: the rest fit in the buffers, and the server never waited.
     late = _seen(0, 0.01, 3.0, [0.005] * 200, paused_at_s=0.9, bytes_before_pause=340_000)
     assert reader_effect(controls, late, 2.0) == 0.0
+
+
+def test_only_the_requests_the_client_timed_are_scored() -> None:
+    """The speed probe is in the diagnosis but not in the matrix."""
+    m = Matrix()
+    named = Named(set(), {"r0": set(), "probe": {"prefill"}})
+    m.add_run("prefill", "neg", named, "w", {"r0": "neg"}, {"r0"})
+    assert m.requests["prefill"].fp == 0 and m.requests["prefill"].tn == 1
 
 
 def test_the_matrix_counts_per_cause_and_the_controls_false_alarms() -> None:

@@ -105,10 +105,11 @@ def test_the_api_process_is_called_as_a_whole_when_each_part_is_under_the_bars(
 def test_a_short_requests_one_slow_gap_is_not_paid_over_the_median_requests_tokens(
     tmp_path: Path,
 ) -> None:
-    """Nine 200-token streams and a 2-token request whose one gap shared a step with a
-    300-token prefill (8 ms): the tail by time per output token is that request, 7 ms a token
-    over the median. It paid 7 ms, not 7 ms x the median request's 199 tokens (1.4 s): under
-    the bars, nothing is named."""
+    """Nine 200-to-280-token streams and a 2-token request whose one gap shared a step with a
+    300-token prefill (8 ms): the tail by time per output token is that request and the
+    slowest stream, 3.6 ms a token over the median on average. Over their own decodes they paid
+    4.2 ms more on average, not 3.6 ms x the median request's 229 tokens (0.8 s): under the
+    bars, nothing is named."""
     tr = Trace()
     tr.step_prior = [0.5e6, 25e3, 0.05e6, 0.0]  # a prefill token at 25 us: 300 of them 7.5 ms
     decoders = [f"d{i}" for i in range(9)]

@@ -71,6 +71,8 @@ class _Run:
     neighbours: step_members.Neighbours = field(default_factory=dict)
     wait_reasons: dict[str, str] = field(default_factory=dict)
     in_flight: shares.InFlight | None = None
+    prefills: dict[int, list[tuple[str, int]]] = field(default_factory=dict)  # step -> prefills
+    held_by: dict[str, int] = field(default_factory=dict)  # request -> a prefill in flight's step
     restarts: Intervals = field(default_factory=lambda: Intervals([]))  # the engine's
     gaps: GapCutter | None = None
     lifecycle: list[LifecycleRow] = field(default_factory=list)
@@ -114,6 +116,7 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
         in_flight=shares.InFlight(facts.step_times, weights),
         preemptions=preempted,
         neighbours=step_members.neighbours(facts.members, placed),
+        prefills=step_members.prefill_members(facts.members, placed),
         wait_reasons=step_members.wait_reasons(
             [r.received_ns for r in facts.requests],
             [r.first_scheduled_ns for r in facts.requests],
@@ -253,7 +256,12 @@ def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> Requ
     req.resent_ns = row.resent_ns
     req.settings = settings.settings_of(row.params, row.grammar)
     for phase in ("ttft", "decode"):
-        if found := run.neighbours.get((rid, phase)):
+        found = dict(run.neighbours.get((rid, phase), {}))
+        if phase == "ttft" and (step := run.held_by.get(rid)) is not None:
+            for other, n in run.prefills.get(step, []):  # the prefill in flight when it came
+                had, ids = found.get(other, (0, []))
+                found[other] = (had + n, sorted({*ids, step}))
+        if found:
             req.neighbour_steps[phase] = found
             for other, (n, _) in found.items():
                 req.neighbours[other] = req.neighbours.get(other, 0) + n
@@ -335,9 +343,15 @@ def _ttft_parts(
     if window := span(sent, received):
         # A core GC pause holds new requests as a step does: named as GC.
         ipc = core.carve(parts, *window)
-        # The step in flight, up to its expected time: expected (shares.InFlight).
-        waited = min(run.in_flight(*window), ipc) if run.in_flight else 0
-        parts["step_in_flight"], parts["ipc"] = waited, ipc - waited
+        # The step in flight, up to its expected time: expected (shares.InFlight), but for
+        # its prefill's share, other requests' prefill (a smaller token budget cuts it).
+        waited, prefill, step = run.in_flight.held(*window) if run.in_flight else (0, 0, None)
+        waited = min(waited, ipc)
+        prefill = min(prefill, waited)
+        parts["step_in_flight"], parts["ipc"] = waited - prefill, ipc - waited
+        parts["neighbour_prefill"] += prefill
+        if prefill and step is not None:
+            run.held_by[row.request_id] = step
     if window := span(received, scheduled):
         # Structured outputs: until its grammar compiled it was not in the queue at all, and
         # a compile that ended during a step joins the queue when that step ends: had it

@@ -103,7 +103,8 @@ PARTS: tuple[Part, ...] = (
         "waiting for the core's step in flight", "",
         "sent to received, while the core finished the step in flight, up to that step's "
         "expected time (its fitted execute time, its schedule and output): expected, as in "
-        "every step-based server; the rest of the wait stays in `ipc`",
+        "every step-based server, but for the share of it other requests' prefill took "
+        "(`neighbour_prefill`); the rest of the wait stays in `ipc`",
         "core.receive",
     ),
     Part(
@@ -130,8 +131,9 @@ PARTS: tuple[Part, ...] = (
     Part(
         "neighbour_prefill", _OTHERS_PREFILL, _OTHERS_PREFILL, _OTHERS_PREFILL,
         "a smaller --max-num-batched-tokens caps how much prefill one step carries",
-        "other requests' prefill in the steps it shared; each of those requests is named, "
-        "with its tokens",
+        "other requests' prefill in the steps it shared, and the prefill's share (at the fit's "
+        "price) of the step in flight when it reached the core; each of those requests is "
+        "named, with its tokens",
         "worker.execute",
     ),
     Part(

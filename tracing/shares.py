@@ -134,12 +134,13 @@ class InFlight:
     a moment after the send holds it too (the core had read its input just before).
 
     The core takes new requests between steps, so a request sent while a step runs waits for
-    it: expected, in every step-based server, whatever the step's length (a long step is named
-    for itself, as a prefill stall or by its shape). A step's expected execute time is the
-    fit's a + b * prefill tokens + c * rows, or without a fit the median busy step's. An
-    outlier step (``outlier``) is expected to end at its start plus its own schedule and output
-    time plus that expected execute time; the wait beyond stays IPC, and the verdict names the
-    step in flight."""
+    it: expected, in every step-based server, but for the share of the step's expected time
+    that its prefill tokens take (``held``: other requests' prefill, which a smaller token
+    budget cuts; a long step is also named for itself, as a prefill stall or by its shape). A
+    step's expected execute time is the fit's a + b * prefill tokens + c * rows, or without a
+    fit the median busy step's. An outlier step (``outlier``) is expected to end at its start
+    plus its own schedule and output time plus that expected execute time; the wait beyond stays
+    IPC, and the verdict names the step in flight."""
 
     def __init__(self, steps: StepTimes, weights: StepWeights) -> None:
         busy = (steps.prefill_tokens + steps.decode_tokens) > 0
@@ -151,6 +152,12 @@ class InFlight:
         else:
             typical = float(np.median(executed[busy])) if busy.any() else 0.0
             expected = np.full(len(executed), typical)
+        # The share of its expected execute time that its prefill tokens take (the fit's b a
+        # token): a request that waited for a step carrying another's long prompt waited for
+        # that prefill, which a smaller token budget would have cut.
+        prefill = weights.b * steps.prefill_tokens if weights.fitted else 0 * expected
+        self.prefill_share = np.clip(prefill / np.maximum(expected, 1), 0.0, 1.0)
+        self.step_id = steps.step_id
         self.start = steps.schedule_start_ns
         self.end = out_end(steps) if len(steps.step_id) else steps.output_ns
         cpu = (steps.execute_start_ns - steps.schedule_start_ns) + (self.end - steps.execute_end_ns)
@@ -166,11 +173,17 @@ class InFlight:
         """The wait inside [sent, received] for the last step that began before the core took
         the request (it began just after the send, too: the core had read its input already),
         up to that step's expected end."""
+        return self.held(sent, received)[0]
+
+    def held(self, sent: int, received: int) -> tuple[int, int, int | None]:
+        """That wait, the part of it the step's prefill took (its share of the step's expected
+        execute time), and the step's id (None: no step held it)."""
         i = int(np.searchsorted(self.start, received, side="left")) - 1
         if i < 0 or self.end[i] <= sent:
-            return 0
+            return 0, 0, None
         lo = max(sent, int(self.start[i]))
-        return max(0, min(received, int(self.end[i]), int(self.expected_end[i])) - lo)
+        waited = max(0, min(received, int(self.end[i]), int(self.expected_end[i])) - lo)
+        return waited, round(waited * float(self.prefill_share[i])), int(self.step_id[i])
 
 
 def place(members: Memberships, steps: StepTimes, windows: Windows) -> MemberPhases:

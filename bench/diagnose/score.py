@@ -48,6 +48,11 @@ GAP_FACTOR = 4.0
 POSITIVE, NEGATIVE = 1.5, 0.67  # of the bar: surely past it, surely under it
 Z90 = 1.6449  # a two-sided 90% interval
 MAX_SPEED_FACTOR = 1.5  # a run's times set to the controls' speed by at most this either way
+# A probe whose chunks come faster than this measures the socket, not the machine: the tiny
+# model's tokens (0.2-0.5 ms) arrive coalesced, and its probes' median gaps were 0.03-0.4 ms at
+# random (against its controls' end-to-end ratio: correlation 0.11; SmolLM2's 25 ms: 0.54;
+# Gemma 3's: 0.89). Such runs are labelled as measured.
+MIN_PROBE_S = 0.005
 # Causes whose effect is a delay of fixed length (a GC pause, a stopped core, a paused reader) or
 # a failure: their runs are labelled as measured (a 30 ms pause is 30 ms at any speed).
 FIXED_DELAYS = {"gc", "hang", "crash", "cancel", "slow_reader"}
@@ -247,9 +252,9 @@ def at_one_speed(
 ) -> tuple[list[list[Seen]], list[Seen]]:  # fmt: skip
     """The controls' and the primitive's times as at the controls' mean speed (each probe's
     median gap: client.probe), by at most MAX_SPEED_FACTOR either way; as measured where a
-    probe is missing."""
-    known = [s for s in speeds if s]
-    if not speed or not known or len(known) < len(speeds):
+    probe is missing or under MIN_PROBE_S."""
+    known = [s for s in speeds if s and s >= MIN_PROBE_S]
+    if not speed or speed < MIN_PROBE_S or not known or len(known) < len(speeds):
         return list(controls), primitive
     ref = float(np.mean(known))
 

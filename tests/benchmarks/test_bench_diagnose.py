@@ -93,6 +93,8 @@ def test_each_run_is_set_to_the_controls_speed_by_its_probe() -> None:
     _, (fast, *_) = at_one_speed(controls, paid, [0.025, 0.025], 0.005)
     assert fast.e2e_s == pytest.approx(1.5 * paid[0].e2e_s)
     assert at_one_speed(controls, paid, [0.025, 0.025], 0.0)[1] is paid
+    # A probe faster than 5 ms a chunk times the socket (the tiny model): as measured.
+    assert at_one_speed(controls, paid, [0.0002, 0.00003], 0.0004)[1] is paid
     # A fixed delay (a GC pause) is labelled as measured, whatever the speed.
     gc_run = Run("gc", run.asks)
     assert labels(gc_run, controls, paid, [0.025, 0.025], 0.020)[0] == "neg"

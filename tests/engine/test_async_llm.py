@@ -225,7 +225,13 @@ def test_direct_delivery_waits_for_what_the_reader_has_not_taken() -> None:
 
 
 @pytest.mark.serial
-def test_a_stalled_reader_is_aborted_and_slows_no_one(tiny_model_path: Path) -> None:
+def test_a_stalled_reader_is_aborted_and_slows_no_one(
+    tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 1 ms a step: the stalled stream's 2,000 tokens outlast the stall check (about once a
+    # second), however fast the machine decodes (0.4 ms a token here, with the decode mirror).
+    monkeypatch.setenv("LUMEN_DEBUG_DELAY", "schedule=0.001")
+
     async def main() -> None:
         llm = AsyncLLM(_config(tiny_model_path), stall_timeout=0.5)
         try:

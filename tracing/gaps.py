@@ -10,7 +10,8 @@ gaps are cut (a run holds many thousands of gaps). The cut::
     [a, c]      the core: the request's own steps inside it, shared out as the phases share
                 them (tracing.shares.member_shares: its decode, other requests' prefill, the
                 scheduler, masks, sampler, logprobs, output, GC); the part of a step past
-                OUTLIER_FACTOR x its expected forward time, and time no step ran while it
+                OUTLIER_FACTOR x its expected forward time (unless its prefill at the fit's
+                price passes MIN_CAUSE_NS: a prefill stall), and time no step ran while it
                 waited, is ``core_stall`` (the core stopped, starved of CPU, or stuck in a
                 long call); other steps running without it are ``between_steps`` (it sat
                 out), of which the time after a preemption is ``preempted``; core GC between
@@ -118,6 +119,11 @@ class GapCutter:
         # The forward's share past its expected time, where a step is an outlier for its shape.
         slow = weights.fitted & (forward >= OUTLIER_FACTOR * expected)
         slow &= forward - expected >= MIN_CAUSE_NS
+        # A step whose prefill at the fit's price passes the bar is a prefill stall (named as
+        # one, as the steps' verdict has it), not the core stalling: a long prompt's attention
+        # grows past a linear price (a 962-token Gemma 3 step of 878 ms, priced at 272 ms by a
+        # run whose other prompts were short).
+        slow &= weights.b * steps.prefill_tokens < MIN_CAUSE_NS
         self.excess = np.where(slow, 1.0 - expected / np.maximum(forward, 1), 0.0)
         # Those steps' forward past its expected time: the core stalled (all its threads); where
         # the API process paused meanwhile, that is its pause (carved first).

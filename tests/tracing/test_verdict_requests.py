@@ -281,3 +281,31 @@ def test_an_event_loop_lag_that_gc_fills_is_gc() -> None:
     parts = {"gc": 0, "loop_lag": 0}
     api.carve(parts, T0 + 900 * MS, T0 + 1200 * MS)
     assert parts == {"gc": 20 * MS, "loop_lag": 80 * MS}
+
+
+def test_a_long_prompt_past_its_fitted_price_is_a_prefill_stall(tmp_path: Path) -> None:
+    """A prefill token costs 0.3 ms here and a decode row 0.05 ms; the fit caps a token's price
+    at a row's (step_fit), so a 900-token prompt's 275 ms step reads as 5x its price (so did a
+    962-token Gemma 3 step of 878 ms in a generated scenario). The decoders' gaps in it are
+    that prompt's prefill (a prefill stall, as the steps' verdict has it), not the core
+    stalling."""
+    tr = Trace()
+    ids = [f"d{i}" for i in range(4)]
+    for i, rid in enumerate(ids):
+        tr.request(rid, 0.0, prompt=16, output=120 + 40 * i)
+    tr.step({rid: 16 for rid in ids}, 5.0 + 0.3 * 64)
+    k = 0
+    while any(tr.reqs[rid].status is None for rid in ids):
+        rows = {rid: 1 for rid in ids if tr.reqs[rid].status is None}
+        if k == 61:
+            tr.request("long", (tr.now - T0) / MS, prompt=900, output=1)
+            rows["long"] = 900
+        prefill = sum(n for n in rows.values() if n > 1)
+        decode = sum(1 for n in rows.values() if n == 1)
+        tr.step(rows, 5.0 + 0.05 * decode + 0.3 * prefill + 0.02 * (k % 5))
+        k += 1
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    gaps = {f.part for f in run.findings if f.kind == "gap"}
+    assert "core_stall" not in gaps and "neighbour_prefill" in gaps, text

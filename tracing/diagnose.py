@@ -72,7 +72,6 @@ class _Run:
     wait_reasons: dict[str, str] = field(default_factory=dict)
     in_flight: shares.InFlight | None = None
     prefills: dict[int, list[tuple[str, int]]] = field(default_factory=dict)  # step -> prefills
-    held_by: dict[str, int] = field(default_factory=dict)  # request -> a prefill in flight's step
     restarts: Intervals = field(default_factory=lambda: Intervals([]))  # the engine's
     gaps: GapCutter | None = None
     lifecycle: list[LifecycleRow] = field(default_factory=list)
@@ -108,6 +107,7 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
     preempted = step_members.preemptions(
         facts.preempted, facts.members, placed, facts.step_times, win
     )
+    prefills = step_members.prefill_members(facts.members, placed)
     ctx = _Run(
         step_parts=parts,
         pauses=pauses,
@@ -116,7 +116,7 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
         in_flight=shares.InFlight(facts.step_times, weights),
         preemptions=preempted,
         neighbours=step_members.neighbours(facts.members, placed),
-        prefills=step_members.prefill_members(facts.members, placed),
+        prefills=prefills,
         wait_reasons=step_members.wait_reasons(
             [r.received_ns for r in facts.requests],
             [r.first_scheduled_ns for r in facts.requests],
@@ -138,7 +138,7 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
         num_ok=statuses.count("ok"),
         num_aborted=statuses.count("aborted"),
         num_error=statuses.count("error"),
-        prefill_members=step_members.prefill_members(facts.members, placed),
+        prefill_members=prefills,
         pauses=list(facts.pauses),
         step_prior=facts.step_prior,
         lifecycle=facts.lifecycle,
@@ -244,7 +244,7 @@ def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> Requ
         req.frontend_span = (row.handler_ns, row.sent_ns - (row.admission_wait_ns or 0))
     steps_t = run.step_parts.get((rid, "ttft"))
     steps_d = run.step_parts.get((rid, "decode"))
-    req.ttft = _ttft_parts(row, run, start, ttft_end, steps_t, steps_d)
+    req.ttft, held_by = _ttft_parts(row, run, start, ttft_end, steps_t, steps_d)
     if first_token is not None and end > ttft_end:
         req.decode = _decode_parts(row, run, ttft_end, end, steps_d, req.ttft["delivery"])
     writes = _writes(row)
@@ -257,10 +257,10 @@ def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> Requ
     req.settings = settings.settings_of(row.params, row.grammar)
     for phase in ("ttft", "decode"):
         found = dict(run.neighbours.get((rid, phase), {}))
-        if phase == "ttft" and (step := run.held_by.get(rid)) is not None:
-            for other, n in run.prefills.get(step, []):  # the prefill in flight when it came
+        if phase == "ttft" and held_by is not None:
+            for other, n in run.prefills.get(held_by, []):  # the prefill in flight when it came
                 had, ids = found.get(other, (0, []))
-                found[other] = (had + n, sorted({*ids, step}))
+                found[other] = (had + n, sorted({*ids, held_by}))
         if found:
             req.neighbour_steps[phase] = found
             for other, (n, _) in found.items():
@@ -306,8 +306,11 @@ def _ttft_parts(
     hi: int,
     steps: StepShare | None,
     later: StepShare | None,
-) -> dict[str, int]:
+) -> tuple[dict[str, int], int | None]:
+    """Its TTFT parts, and the step in flight whose prefill held it on its way in (None: none
+    did)."""
     parts = dict.fromkeys(TTFT_PARTS, 0)
+    held_by = None
     api, core = run.pauses
     handler = row.handler_ns if row.http_start_ns else lo  # offline: no HTTP part
     sent, received = row.sent_ns, row.received_ns
@@ -350,8 +353,8 @@ def _ttft_parts(
         prefill = min(prefill, waited)
         parts["step_in_flight"], parts["ipc"] = waited - prefill, ipc - waited
         parts["neighbour_prefill"] += prefill
-        if prefill and step is not None:
-            run.held_by[row.request_id] = step
+        if prefill:
+            held_by = step
     if window := span(received, scheduled):
         # Structured outputs: until its grammar compiled it was not in the queue at all, and
         # a compile that ended during a step joins the queue when that step ends: had it
@@ -385,7 +388,7 @@ def _ttft_parts(
         parts["emit"] = api.carve(parts, window[0], window[1] - delivery)
         parts["delivery"] = api.carve(parts, window[1] - delivery, window[1])
     parts["unattributed"] = (hi - lo) - sum(parts.values())
-    return parts
+    return parts, held_by
 
 
 # A StepShare's parts, as each phase takes them.

@@ -155,7 +155,7 @@ class InFlight:
         # The share of its expected execute time that its prefill tokens take (the fit's b a
         # token): a request that waited for a step carrying another's long prompt waited for
         # that prefill, which a smaller token budget would have cut.
-        prefill = weights.b * steps.prefill_tokens if weights.fitted else 0 * expected
+        prefill = weights.b * steps.prefill_tokens if weights.fitted else np.zeros_like(expected)
         self.prefill_share = np.clip(prefill / np.maximum(expected, 1), 0.0, 1.0)
         self.step_id = steps.step_id
         self.start = steps.schedule_start_ns
@@ -169,15 +169,11 @@ class InFlight:
         i = int(np.searchsorted(self.start, at, side="left"))
         return int(self.start[i]) if i < len(self.start) else None
 
-    def __call__(self, sent: int, received: int) -> int:
+    def held(self, sent: int, received: int) -> tuple[int, int, int | None]:
         """The wait inside [sent, received] for the last step that began before the core took
         the request (it began just after the send, too: the core had read its input already),
-        up to that step's expected end."""
-        return self.held(sent, received)[0]
-
-    def held(self, sent: int, received: int) -> tuple[int, int, int | None]:
-        """That wait, the part of it the step's prefill took (its share of the step's expected
-        execute time), and the step's id (None: no step held it)."""
+        up to that step's expected end; the part of it the step's prefill took (its share of
+        the step's expected execute time); and the step's id (None: no step held it)."""
         i = int(np.searchsorted(self.start, received, side="left")) - 1
         if i < 0 or self.end[i] <= sent:
             return 0, 0, None

@@ -44,6 +44,7 @@ class Enqueued:
     # 0; n: sent again after n engine cores failed before it had sent its caller any output
     # (what the earlier cores did of it is lost work).
     attempt: int = 0
+    engine: int = 0  # the data-parallel engine it was sent to
 
 
 @dataclass(slots=True)
@@ -102,6 +103,7 @@ class Frontend:
         self.stat_loggers = stat_loggers
         self.observer: FrontendObserver | None = None
         self.emit_fault = faults.hook("emit")  # nothing unless LUMEN_DEBUG_DELAY sets it
+        self.engine = 0  # the data-parallel rank of the engine it serves (its Enqueued say so)
 
     def observe(self, observer: FrontendObserver) -> None:
         self.observer = observer
@@ -146,6 +148,7 @@ class Frontend:
                     time.time_ns(),
                     stream,
                     attempt,
+                    self.engine,
                 )
             )
         return [

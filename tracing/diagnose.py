@@ -75,6 +75,8 @@ class _Run:
     restarts: Intervals = field(default_factory=lambda: Intervals([]))  # the engine's
     gaps: GapCutter | None = None
     lifecycle: list[LifecycleRow] = field(default_factory=list)
+    # Data-parallel runs: when another engine had room for a request this one queued.
+    others_room: Intervals = field(default_factory=lambda: Intervals([]))
 
 
 def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
@@ -82,6 +84,41 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
     with open_db(db_path, timeout=10) as con:
         run_id = run_id or latest_run(con)
         facts = load.load_run(con, run_id)
+    requests: list[RequestDiagnosis] = []
+    prefills: dict[int, list[tuple[str, int]]] = {}
+    for engine in load.by_engine(facts):  # each data-parallel engine's steps are its own
+        served, engine_prefills = _decompose_all(engine)
+        requests += served
+        prefills.update(engine_prefills)
+    if len(requests) > 1:  # in arrival order, as the run's rows
+        order = {r.request_id: i for i, r in enumerate(facts.requests)}
+        requests.sort(key=lambda r: order.get(r.request_id, 0))
+    statuses = [r.status for r in requests]
+    run = RunDiagnosis(
+        run_id=run_id,
+        requests=requests,
+        steps=facts.steps,
+        summary=summarize(requests),
+        findings=[],
+        num_ok=statuses.count("ok"),
+        num_aborted=statuses.count("aborted"),
+        num_error=statuses.count("error"),
+        prefill_members=prefills,
+        pauses=list(facts.pauses),
+        step_prior=facts.step_prior,
+        lifecycle=facts.lifecycle,
+        stream_interval=facts.stream_interval,
+        replica=facts.replica,
+    )
+    verdict.judge(run)
+    return run
+
+
+def _decompose_all(
+    facts: load.RunFacts,
+) -> tuple[list[RequestDiagnosis], dict[int, list[tuple[str, int]]]]:
+    """Every request of ``facts`` (a run, or one engine's part of it) decomposed over its
+    steps; and each step's prefilling requests."""
     windows = [_window(r) for r in facts.requests]
     win = shares.Windows(
         request_id=[r.request_id for r in facts.requests],
@@ -125,28 +162,11 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
         gaps=GapCutter(facts.step_times, facts.members, placed, weights, pauses, preempted,
                        facts.stream_interval),
         lifecycle=facts.lifecycle,
+        others_room=Intervals([(a, b) for a, b, _ in facts.others_room]),
     )  # fmt: skip
     requests = [_decompose(i, row, w, ctx) for i, (row, w) in
                 enumerate(zip(facts.requests, windows))]  # fmt: skip
-    statuses = [r.status for r in requests]
-    run = RunDiagnosis(
-        run_id=run_id,
-        requests=requests,
-        steps=facts.steps,
-        summary=summarize(requests),
-        findings=[],
-        num_ok=statuses.count("ok"),
-        num_aborted=statuses.count("aborted"),
-        num_error=statuses.count("error"),
-        prefill_members=prefills,
-        pauses=list(facts.pauses),
-        step_prior=facts.step_prior,
-        lifecycle=facts.lifecycle,
-        stream_interval=facts.stream_interval,
-        replica=facts.replica,
-    )
-    verdict.judge(run)
-    return run
+    return requests, prefills
 
 
 def _named(db_path: DbPath) -> str:
@@ -237,6 +257,7 @@ def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> Requ
         wait_reason=run.wait_reasons.get(rid),
         body_bytes=row.body_bytes,
         weight=row.sample_weight or 1.0,
+        engine=row.engine,
     )
     if row.body_read_ns and row.handler_ns and row.handler_ns >= row.body_read_ns:
         req.parse_span = (row.body_read_ns, row.handler_ns)
@@ -365,6 +386,9 @@ def _ttft_parts(
         cut = min(max(ready, window[0]), window[1]) if ready else window[0]
         parts["grammar_compile"] = core.carve(parts, window[0], cut)
         parts["queue"] = core.carve(parts, cut, window[1])
+        # Several engines: queued here while another engine had room (the balancing's).
+        if room := min(run.others_room.within(cut, window[1]), parts["queue"]):
+            parts["imbalance"], parts["queue"] = room, parts["queue"] - room
     if steps and (window := span(scheduled, last_out)):
         for key in _STEP_KEYS_TTFT:
             parts[key] += round(getattr(steps, key))

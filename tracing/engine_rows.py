@@ -28,7 +28,12 @@ def step_row(run_id: str, s: Any) -> tuple[Any, ...]:
 
 
 def run_row(
-    run_id: str, info: EngineInfo, engine_config: Any, config: TracingConfig, replica: str
+    run_id: str,
+    info: EngineInfo,
+    engine_config: Any,
+    config: TracingConfig,
+    replica: str,
+    data_parallel_size: int = 1,
 ) -> tuple[Any, ...]:
     """The runs row (store_schema.RUN_COLUMNS, in order) of a server or LLM that starts."""
     try:
@@ -39,7 +44,7 @@ def run_row(
         run_id, time.time_ns(), info.model, info.version, info.max_model_len, info.num_kv_blocks,
         info.block_size, cfg, config.trace_prompts, "steps", list(info.step_prior) or None,
         replica, list(info.kv_windows) or None, info.kv_group_size or None,
-        _max_concurrency(info),
+        _max_concurrency(info), data_parallel_size,
     )  # fmt: skip
 
 

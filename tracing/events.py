@@ -85,3 +85,4 @@ class Lifecycle:
     epoch: int = 0  # the core serving after it (restart: the new one)
     num_finished: int = 0  # drain: requests in flight that finished within the timeout
     num_failed: int = 0  # drain: aborted at the timeout; restart: failed with the dead core
+    engine: int | None = None  # restart and crash loop: the data-parallel engine

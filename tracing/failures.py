@@ -35,6 +35,7 @@ class LifecycleRow(NamedTuple):
     epoch: int
     num_finished: int
     num_failed: int
+    engine: int | None = None  # restart, crash loop: the data-parallel engine (migration 10)
 
 
 @dataclass(frozen=True)

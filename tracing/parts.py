@@ -114,6 +114,17 @@ PARTS: tuple[Part, ...] = (
         "core.queue",
     ),
     Part(
+        "imbalance", "queued on one engine while another had room", None,
+        "waiting in one engine's queue while another engine had room",
+        "--data-parallel-size: each request goes to the engine with the lowest 4 x waiting + "
+        "running; a request pinned by X-data-parallel-rank, or long requests piling onto one "
+        "engine, wait there while another has room (drop the header; raise --max-num-seqs)",
+        "the part of the queue wait (received to first scheduled) during which another "
+        "engine's last step had nobody waiting and fewer running than `--max-num-seqs` "
+        "(each request's engine is `requests.engine`, a step's `step_id >> 56`)",
+        "core.queue",
+    ),
+    Part(
         "grammar_compile", "waiting for its grammar to compile (structured outputs)", None,
         "waiting for its grammar to compile (structured outputs)",
         "compiled grammars are cached by schema: reuse the same schemas; with --no-warmup the "

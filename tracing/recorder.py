@@ -87,9 +87,11 @@ class Tracer:
         max_queued_events: int = 100_000,
         host: str | None = None,
         port: int | None = None,
+        data_parallel_size: int = 1,
     ) -> None:
         """``host``, ``port``: the server's, for the default replica name (``replica_id``)
-        and the GenAI metrics' server.address and server.port."""
+        and the GenAI metrics' server.address and server.port. ``data_parallel_size``: the
+        engines whose outputs it observes (each request's and step's engine is recorded)."""
         self.config = config
         self.replica = replica_id(config, port)
         self.observe_delivery = observe_delivery
@@ -121,7 +123,9 @@ class Tracer:
         self._otlp_rows = self.otlp if store_detail else None
         self._keep_rows = self.store is not None or self._otlp_rows is not None
         self._slow_ns = int(config.otlp_keep_slower_than * 1e9)
-        self._run_row = run_row(self.run_id, info, engine_config, config, self.replica)
+        self._run_row = run_row(
+            self.run_id, info, engine_config, config, self.replica, data_parallel_size
+        )
         # The engine trace (WINDOW_NS) the run record was last sent into: the run's first.
         self._window = self._run_row[1] // WINDOW_NS
         self._add({"runs": [self._run_row]})
@@ -315,7 +319,7 @@ class Tracer:
         else:
             req.sent_ns = e.sent_ns
         req.child_ids, req.prompt_token_ids, req.params = e.child_ids, e.prompt_token_ids, e.params
-        req.priority, req.stream = e.priority, e.stream
+        req.priority, req.stream, req.engine = e.priority, e.stream, e.engine
         for seq, child_id in enumerate(e.child_ids):
             self._by_child[child_id] = (req, seq)
 
@@ -417,7 +421,7 @@ class Tracer:
         if self._keep_rows:
             self._add({"lifecycle": [(
                 self.run_id, e.kind, e.cause, e.start_ns, e.end_ns, e.epoch, e.num_finished,
-                e.num_failed,
+                e.num_failed, e.engine,
             )]})  # fmt: skip
 
     def _on_closed(self, e: Closed) -> None:

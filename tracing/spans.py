@@ -119,6 +119,7 @@ class RequestTrace:
     end_code: str | None = None  # what ended it, where it did not finish (Finished.code)
     finished_ns: int = 0
     resent_ns: int = 0  # sent again to a new core (Enqueued.attempt > 0): the last such send
+    engine: int | None = None  # the data-parallel engine it was last sent to (None: never)
 
     def resubmitted(self, sent_ns: int) -> None:
         """Sent again to a new core, having sent its caller nothing: what the failed core did
@@ -418,6 +419,7 @@ def build_request_row(
         None,  # sample_weight: only a store rebuilt from a sampled window has one
         req.end_code,
         req.resent_ns or None,
+        req.engine,
     )
 
 

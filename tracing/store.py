@@ -56,7 +56,9 @@ def row(table: str, **values: Any) -> tuple[Any, ...]:
 
 
 def _create(table: str) -> str:
-    cols = ", ".join(f"{name} {typ}" for name, typ in TABLES[table].items())
+    """The table as its creating migration made it: without the columns later ones add."""
+    later = {n for added in ADDED_IN.values() for n in added.get(table, [])}
+    cols = ", ".join(f"{name} {typ}" for name, typ in TABLES[table].items() if name not in later)
     return f"CREATE TABLE {table} ({cols})"
 
 
@@ -120,6 +122,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
         lambda c: _add_columns(c, 8),
     ),
     (9, "the KV cache's groups and windows, and what it held", lambda c: _add_columns(c, 9)),
+    (10, "data-parallel engines: each request's and restart's", lambda c: _add_columns(c, 10)),
 ]
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

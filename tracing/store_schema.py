@@ -120,6 +120,12 @@ REQUEST_ROWS: list[Row] = [
             "nothing when its core failed (sent_ns stays the first send)"
         ),
     ),
+    # Migration 10.
+    (
+        "engine",
+        "INTEGER",
+        "the data-parallel engine that served it (--data-parallel-size; the last it was sent to)",
+    ),
 ]
 SPAN_ROWS: list[Row] = [
     ("run_id", "VARCHAR", "the run"),
@@ -143,7 +149,11 @@ SPAN_ROWS: list[Row] = [
 ]
 STEP_ROWS: list[Row] = [
     ("run_id", "VARCHAR", "the run"),
-    ("step_id", "BIGINT", "the step (numbered from epoch << 40 after an engine restart)"),
+    (
+        "step_id",
+        "BIGINT",
+        "the step (engine r's from r << 56; from epoch << 40 after its core's restarts)",
+    ),
     ("schedule_start_ns", "BIGINT", "the scheduler began"),
     ("schedule_end_ns", "BIGINT", "the scheduler ended"),
     ("execute_start_ns", "BIGINT", "the forward began"),
@@ -241,6 +251,12 @@ RUN_ROWS: list[Row] = [
         "DOUBLE",
         "requests of max_model_len tokens the KV cache held at once (windows' freeing counted)",
     ),
+    # Migration 10.
+    (
+        "data_parallel_size",
+        "INTEGER",
+        "its engines (--data-parallel-size): a step's is step_id >> 56, a request's engine",
+    ),
 ]
 # Migration 3: the core ids of a request that ran as several ("ID-i": prompts and samples),
 # so that the steps table's request_ids map to requests. A lone core id is the request id.
@@ -268,6 +284,8 @@ LIFECYCLE_ROWS: list[Row] = [
     ("epoch", "INTEGER", "the core serving after it (its steps are numbered from epoch << 40)"),
     ("num_finished", "INTEGER", "drain: in flight, finished within --shutdown-timeout"),
     ("num_failed", "INTEGER", "drain: aborted at the timeout; restart: failed with the core"),
+    # Migration 10.
+    ("engine", "INTEGER", "restart and crash_loop: the data-parallel engine (NULL: a drain)"),
 ]
 REQUEST_COLUMNS = _types(REQUEST_ROWS)
 SPAN_COLUMNS = _types(SPAN_ROWS)
@@ -306,7 +324,7 @@ TABLE_DOCS: dict[str, tuple[str, list[Row]]] = {
 }
 
 
-SCHEMA_VERSION = 9  # the last migration (tracing/store.py MIGRATIONS)
+SCHEMA_VERSION = 10  # the last migration (tracing/store.py MIGRATIONS)
 
 
 def _from(columns: dict[str, str], first: str, last: str) -> list[str]:
@@ -337,6 +355,11 @@ ADDED_IN = {
     7: {"requests": _from(REQUEST_COLUMNS, "sample_weight", "sample_weight")},
     8: {"requests": _from(REQUEST_COLUMNS, "end_code", "resent_ns")},
     9: {"runs": _from(RUN_COLUMNS, "kv_windows", "kv_max_concurrency")},
+    10: {
+        "requests": _from(REQUEST_COLUMNS, "engine", "engine"),
+        "lifecycle": _from(LIFECYCLE_COLUMNS, "engine", "engine"),
+        "runs": _from(RUN_COLUMNS, "data_parallel_size", "data_parallel_size"),
+    },
 }
 
 

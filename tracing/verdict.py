@@ -264,6 +264,13 @@ def describe(
         return f", held by {words}" + (_busy(run, step) if step and not limit else ""), action
     if part == "admission":
         return ", held by the admission limit (--max-concurrent-requests)", action
+    if part == "imbalance":
+        on = Counter(r.engine for r in reqs if r.ttft.get("imbalance", 0) > 0).most_common(1)
+        where = f"engine {on[0][0]}, " if on and on[0][0] is not None else ""
+        return (
+            f" ({where}where the balancing sent it: the lowest 4 x waiting + running, or an "
+            "X-data-parallel-rank header)"
+        ), action
     if part == "loop_lag":
         return _lag_work(run, action)
     if part in ("logprobs", "sampling"):

@@ -57,7 +57,10 @@ def _delivery(req: RequestDiagnosis) -> list[str]:
 def _opening(req: RequestDiagnosis, run: RunDiagnosis) -> str:
     """Its replica, what ended it where it did not finish, and its TTFT against the run's
     percentiles (the numbers `replay report` prints)."""
-    where = f" on replica {run.replica}" if run.replica else ""
+    places = [f"replica {run.replica}"] if run.replica else []
+    if req.engine is not None and len({r.engine for r in run.requests}) > 1:
+        places.append(f"engine {req.engine}")  # one of several data-parallel engines
+    where = f" on {', '.join(places)}" if places else ""
     failed = ""
     if req.failure is not None:
         sent = (

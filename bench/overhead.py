@@ -63,6 +63,9 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
                    help="tokens each server generates per level (rounded up to whole requests "
                         "per stream)")  # fmt: skip
     p.add_argument("--rounds", type=int, default=1, help="times each level is run per server")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="also an untraced server of N engines (--data-parallel-size N), beside "
+                   "the one-engine servers")  # fmt: skip
     p.add_argument("--skip-hf", action="store_true", help="no transformers serve baseline")
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="also an untraced Lumen server that sends tokens N at a time (lumen "
@@ -354,6 +357,11 @@ def run(args: argparse.Namespace) -> int:
             )
             servers.append(("lumen (no trace db)", LumenServer(
                 model, *common, "--no-trace-db", log_path=tmp / "untraced.log")))  # fmt: skip
+            if args.data_parallel_size > 1:
+                dp = str(args.data_parallel_size)
+                servers.append((f"lumen (no trace db, {dp} engines)", LumenServer(
+                    model, *common, "--no-trace-db", "--data-parallel-size", dp,
+                    log_path=tmp / "dp.log")))  # fmt: skip
             if args.stream_interval > 1:
                 servers.append((_interval_name(args.stream_interval), LumenServer(
                     model, *common, "--no-trace-db", "--stream-interval",

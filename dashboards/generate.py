@@ -58,6 +58,14 @@ OVERVIEW = [
       (f"sum(rate(lumen:client_disconnects_total{{{M}}}[{RATE}]))", "client disconnects"),
       (f"sum(rate(lumen:stream_stall_aborts_total{{{M}}}[{RATE}]))", "stalled readers")],
      False),
+    # Per engine (--data-parallel-size): one series per engine, so a rank that takes more than
+    # its share, or sits idle while another queues, shows apart.
+    ("Requests per engine", "short",
+     [(f"sum by (engine) (lumen:num_requests_running{{{M}}})", "running: engine {{engine}}"),
+      (f"sum by (engine) (lumen:num_requests_waiting{{{M}}})", "waiting: engine {{engine}}")],
+     False),
+    ("KV cache usage per engine", "percentunit",
+     [(f"max by (engine) (lumen:kv_cache_usage_perc{{{M}}})", "engine {{engine}}")], False),
     # The lifecycle (service/lifecycle.py): the state is a 1 on its own series, so a restart
     # or a drain shows as a step from "ready" to another state and back.
     ("Engine state and restarts", "short",

@@ -19,6 +19,7 @@ from engine.errors import (
     SHUTDOWN,
     STALLED,
     EngineDeadError,
+    EngineHandOverError,
     EngineRestartingError,
     RequestAbortedError,
 )
@@ -62,7 +63,12 @@ class AsyncLLM:
     this many seconds.
 
     ``tokenizer``: its load, started by ``start_loading_tokenizer`` beside ``launch_core`` so
-    that it overlaps the core's start instead of following its READY.
+    that it overlaps the core's start instead of following its READY. ``processor``: another
+    engine's, shared (a data-parallel group's engines prepare prompts alike).
+
+    ``hand_over`` (with ``supervised``; set by ``engine.data_parallel.EngineGroup``): a request
+    that has sent no output when its core dies is not kept for this engine's next core but
+    handed back to its caller (``EngineHandOverError``), which sends it to another engine.
     """
 
     def __init__(
@@ -75,24 +81,26 @@ class AsyncLLM:
         supervised: bool = False,
         tokenizer: Future[PreTrainedTokenizerBase] | None = None,
         resubmit_timeout: float = 0.0,
+        processor: InputProcessor | None = None,
     ) -> None:
         # A core launched ahead (launch_core) resolved the model and its tokenizer already.
         path, config = (
             (core.model_path, core.config) if core is not None else resolve_config(config)
         )
         self.config, self.model_path, self.supervised = config, path, supervised
-        if tokenizer is None:  # while the core starts
+        if tokenizer is None and processor is None:  # while the core starts
             tokenizer = start_loading_tokenizer(config.tokenizer or path)
         if core is None and supervised:
             core = CoreProcess(config, path, notify_pid=os.getpid())
         self.client = AsyncMPClient(config, path, core=core)
-        self.processor = InputProcessor.for_model(
+        self.processor = processor or InputProcessor.for_model(
             path, self.client.info, tokenizer, config.sampling_defaults(path)
         )
         self.tokenizer = self.processor.tokenizer
         self.frontend = Frontend(
             self.processor, self.client.state, stat_loggers, config.stream_interval
         )
+        self.frontend.engine = self.client.core.dp_rank
         self.stall_timeout = stall_timeout
         self.dead_error: EngineDeadError | None = None
         self.num_failed = 0  # requests failed with a dead engine, ever (a supervisor counts)
@@ -102,6 +110,8 @@ class AsyncLLM:
         # at most resubmit_timeout seconds; 0: they fail with it.
         self._orphans: dict[str, OutputStream] = {}
         self.resubmit_timeout = resubmit_timeout if supervised else 0.0
+        self.hand_over = False
+        self.responsive = True  # the server's watchdog: False while its core looks hung
         self._wake = asyncio.Event()
         self.client.on_output = self._wake.set
         self._task = asyncio.create_task(self._output_loop(), name="async-llm-output")
@@ -109,6 +119,21 @@ class AsyncLLM:
     @property
     def is_alive(self) -> bool:
         return self.dead_error is None and self.client.core.dead_reason is None
+
+    @property
+    def rank(self) -> int:
+        """Its data-parallel rank (0 alone)."""
+        return self.client.core.dp_rank
+
+    @property
+    def members(self) -> tuple[AsyncLLM, ...]:
+        """The engines a supervisor watches: this one (a group has several)."""
+        return (self,)
+
+    @property
+    def num_open(self) -> int:
+        """Requests open here, and those waiting for its next core."""
+        return len(self._streams) + len(self._orphans)
 
     async def wait_dead(self) -> str:
         """Returns (why) once the engine cannot serve: the core or a worker died, or the
@@ -188,6 +213,7 @@ class AsyncLLM:
         close_trace: bool = True,
         direct: Callable[[RequestOutput], bool] | None = None,
         hold_last: bool = False,
+        attempt: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Run a prompt ``prepare`` checked, as it is (no second tokenize or validation).
 
@@ -204,6 +230,8 @@ class AsyncLLM:
         A stream then costs no task switch per token where its connection keeps up.
         ``hold_last`` (with ``stream`` and ``close_trace=False``): the caller writes the last
         output with the end of its response, so the trace marks it delivered at the close.
+        ``attempt``: how many engines failed the request before it had sent output (a group
+        hands it to this one after ``EngineHandOverError``: ``hand_over``).
         """
         arrival_ns = arrival_ns or time.time_ns()
         self._check_alive()
@@ -212,22 +240,27 @@ class AsyncLLM:
         stream_state = OutputStream(
             direct if stream else None, Submission(prompt, priority, arrival_ns, stream)
         )
+        stream_state.attempt = attempt
         requests = self._add(request_id, stream_state)  # raises if the id is in use
         self._streams[request_id] = stream_state
-        finished = False
+        finished = handed = False
         try:
             await self._send(requests)
             while not finished:
-                out = await stream_state.get()
+                try:
+                    out = await stream_state.get()
+                except EngineHandOverError:
+                    handed = True  # its caller sends it on; this engine forgot it
+                    raise
                 finished = out.finished
                 stream_state.sent = stream
                 yield out
                 if stream and not (finished and hold_last and not close_trace):
                     frontend.delivered(request_id)  # the caller took it
         finally:
-            if not finished:
+            if not finished and not handed:
                 await self.abort(request_id)
-            if close_trace:
+            if close_trace and not handed:
                 frontend.closed(request_id)
 
     def _add(self, request_id: str, stream: OutputStream) -> list[EngineCoreRequest]:
@@ -334,6 +367,9 @@ class AsyncLLM:
         self.dead_error = error
         code = ENGINE_RESTARTED if isinstance(error, EngineRestartingError) else ENGINE_DEAD
         for request_id, stream in self._streams.items():
+            if resubmit and self.hand_over and not stream.sent and stream.submission:
+                stream.fail(EngineHandOverError(str(error)))  # its group sends it on
+                continue
             if resubmit and self.resubmit_timeout > 0 and not stream.sent and stream.submission:
                 stream.orphan()
                 self._orphans[request_id] = stream
@@ -360,6 +396,15 @@ class AsyncLLM:
             self.num_failed += 1
             stream.fail(error)
             self.frontend.failed(request_id, str(error), ENGINE_RESTARTED)
+
+    def handed_over(self, request_id: str, error: EngineDeadError | None = None) -> None:
+        """A request ``EngineHandOverError`` handed back: another engine took it (forgotten
+        here: that engine records it again), or, with ``error``, none could (failed here)."""
+        if error is None:
+            self.frontend.forget(request_id)
+            return
+        self.num_failed += 1
+        self.frontend.failed(request_id, str(error), ENGINE_RESTARTED)
 
     async def _resubmit_orphans(self) -> None:
         """Send the requests a failed core left with nothing sent to the new core, each as a
@@ -399,8 +444,9 @@ class AsyncLLM:
         await old.shutdown()
         epoch = old.core.epoch + 1
         core = await asyncio.to_thread(
-            CoreProcess, self.config, self.model_path, epoch=epoch, notify_pid=os.getpid()
-        )
+            CoreProcess, self.config, self.model_path, epoch=epoch, notify_pid=os.getpid(),
+            dp_rank=old.core.dp_rank, dp_size=old.core.dp_size,
+        )  # fmt: skip
         await asyncio.to_thread(core.wait_ready, timeout)
         client = AsyncMPClient(self.config, self.model_path, core=core)
         client.state.keep_acks = old.state.keep_acks

@@ -15,6 +15,11 @@ class EngineRestartingError(EngineDeadError):
     """The core died and its server's supervisor is starting a new one: retry the request."""
 
 
+class EngineHandOverError(EngineRestartingError):
+    """The request's core died before it sent output, and another engine of a data-parallel
+    group takes it (engine/data_parallel.py); never reaches a caller outside the group."""
+
+
 class RequestAbortedError(RuntimeError):
     """The request was ended before it finished: the server is stopping."""
 

@@ -59,14 +59,18 @@ class CoreProcess:
         *,
         epoch: int = 0,
         notify_pid: int | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
     ) -> None:
         """Spawns the process; ``wait_ready`` waits for its READY (the caller may do its own
         start-up meanwhile: `lumen serve` imports the server while the core loads).
-        ``epoch``: how many cores were started before this one for the same server (its
+        ``epoch``: how many cores were started before this one for the same engine (its
         outputs carry it; others are dropped). ``notify_pid``: the process the core tells of
-        a SIGTERM (SIGUSR1), instead of exiting: the server that conducts the stop."""
+        a SIGTERM (SIGUSR1), instead of exiting: the server that conducts the stop.
+        ``dp_rank`` of ``dp_size``: which data-parallel engine it is."""
         self.config, self.model_path = config, model_path
         self.epoch = epoch
+        self.dp_rank, self.dp_size, self.notify_pid = dp_rank, dp_size, notify_pid
         self.info: EngineInfo | None = None
         self.phase = "starting"  # then "warming_up" (the core's PROGRESS), then "ready"
         # The watchdog's view: when the core was last heard from, and how long its loop had
@@ -91,8 +95,10 @@ class CoreProcess:
                 self.endpoints.output,
                 epoch,
                 notify_pid,
+                dp_rank,
+                dp_size,
             ),
-            name="lumen-engine-core",
+            name=f"lumen-engine-core-dp{dp_rank}",
         )
         self.proc.start()
         self._finalizer = weakref.finalize(self, _kill, self.proc, self.endpoints)

@@ -19,8 +19,9 @@ from engine import __version__, chat_templates, faults
 from engine.async_llm import AsyncLLM
 from engine.background import in_background
 from engine.config import EngineConfig
+from engine.data_parallel import EngineGroup
 from engine.gc_pauses import gc_setting, settle_heap
-from engine.launch import STARTUP_TIMEOUT_S, CoreProcess, launch_core
+from engine.launch import STARTUP_TIMEOUT_S, CoreProcess, launch_cores
 from engine.model_files import served_name
 from engine.processor import start_loading_tokenizer
 from service import http_timing
@@ -101,11 +102,13 @@ def build_app(serving: Serving) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         engine, m = serving.engine, serving.metrics
-        if engine.is_alive:
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(2.0):
-                    stats = await engine.get_stats()
-                m.set_engine_stats(stats, engine.num_backpressure)
+        for member in engine.members:
+            if member.is_alive:
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(2.0):
+                        stats = await member.get_stats()
+                    m.set_engine_stats(stats, member.rank)
+        m.set_backpressure(engine.num_backpressure)
         if (tracer := serving.tracer) is not None:
             m.set_tracer_stats(tracer.stats())
         m.num_admitted.set(serving.admission.num_in_flight)
@@ -138,24 +141,25 @@ async def serve(
     engine_config: EngineConfig,
     config: ServerConfig,
     tracing: TracingConfig | None = None,
-    core: CoreProcess | None = None,
+    cores: list[CoreProcess] | None = None,
 ) -> int:
     """Run until a stop signal's drain ends (exit 0) or a crash loop (exit 1): see
-    service/lifecycle.py. ``core``: the core process, already launched for ``engine_config``
-    (``launch_core(..., supervised=True)``). The port is bound at once: while the core loads
-    and warms up, /health answers 503 naming the phase and /livez 200."""
+    service/lifecycle.py. ``cores``: the core processes, one per data-parallel engine, already
+    launched for ``engine_config`` (``launch_cores``). The port is bound at once: while the
+    cores load and warm up, /health answers 503 naming the phase and /livez 200."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
     gc_setting()  # a bad LUMEN_GC fails here, before the engine starts (if not launched)
     model_name = config.served_model_name or served_name(engine_config.model)
-    if core is None:
-        core = launch_core(engine_config, supervised=True)
+    if cores is None:
+        cores = launch_cores(engine_config, config.data_parallel_size)
+    core = cores[0]
     # Loaded while the core starts (about 1 s of a 2-core machine after READY otherwise).
     tokenizer = start_loading_tokenizer(core.config.tokenizer or core.model_path)
     if tracing is not None and tracing.db_path is not None:  # what the trace writer will need
         in_background(prepare_appends, name="lumen-trace-appends")
-    door = Door(lambda: core.phase)
+    door = Door(lambda: _phase(cores))
     hc = Config()
     hc.bind = [f"{config.host}:{config.port}"]
     hc.accesslog = None
@@ -167,21 +171,23 @@ async def serve(
         hypercorn_serve(door, hc, shutdown_trigger=stopped.wait),  # type: ignore[arg-type]
         name="hypercorn",
     )
-    if not await _started(core, server, stopped):
+    if not await _started(cores, server, stopped):
         return 0  # stopped by a signal before the engine was ready
     try:
         return await _serve_ready(
-            engine_config, config, tracing, core, tokenizer, model_name, door, stopped
+            engine_config, config, tracing, cores, tokenizer, model_name, door, stopped
         )
     finally:
         stopped.set()
         await server
 
 
-async def _started(core: CoreProcess, server: asyncio.Task[None], stopped: asyncio.Event) -> bool:
-    """Wait for the core's READY while Hypercorn answers the probes; False if a stop signal
-    came first (the core is stopped). A core that fails to start, or a port that cannot be
-    bound, raises (after both are stopped)."""
+async def _started(
+    cores: list[CoreProcess], server: asyncio.Task[None], stopped: asyncio.Event
+) -> bool:
+    """Wait for every core's READY while Hypercorn answers the probes; False if a stop signal
+    came first (the cores are stopped). A core that fails to start, or a port that cannot be
+    bound, raises (after all are stopped)."""
     loop = asyncio.get_running_loop()
     signalled: list[str] = []
 
@@ -189,14 +195,15 @@ async def _started(core: CoreProcess, server: asyncio.Task[None], stopped: async
         logger.info("%s while starting: stopping", name)
         signalled.append(name)
         # Nothing was admitted; its wait_ready raises. (A SIGTERM it would pass back to us.)
-        core.proc.kill()
+        for core in cores:
+            core.proc.kill()
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         loop.add_signal_handler(sig, stop, sig.name)
-    ready = asyncio.create_task(asyncio.to_thread(core.wait_ready, STARTUP_TIMEOUT_S))
+    ready = asyncio.create_task(_all_ready(cores))
     await asyncio.wait({ready, server}, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():  # Hypercorn ended first: it could not bind
-        await asyncio.to_thread(core.close, 0)
+        await asyncio.gather(*(asyncio.to_thread(core.close, 0) for core in cores))
         with contextlib.suppress(BaseException):
             await ready
         server.result()  # raises why
@@ -212,34 +219,59 @@ async def _started(core: CoreProcess, server: asyncio.Task[None], stopped: async
     return True
 
 
+def _phase(cores: list[CoreProcess]) -> str:
+    """The start-up phase of the engines: the earliest any of them is in."""
+    order = ("starting", "warming_up", "ready")
+    return min((core.phase for core in cores), key=lambda p: order.index(p) if p in order else 0)
+
+
+async def _all_ready(cores: list[CoreProcess]) -> None:
+    """Every core READY; the first that fails to start stops the others and raises why."""
+    waits = [asyncio.to_thread(core.wait_ready, STARTUP_TIMEOUT_S) for core in cores]
+    try:
+        await asyncio.gather(*waits)
+    except BaseException:
+        await asyncio.gather(*(asyncio.to_thread(core.close, 2) for core in cores))
+        raise
+
+
 async def _serve_ready(
     engine_config: EngineConfig,
     config: ServerConfig,
     tracing: TracingConfig | None,
-    core: CoreProcess,
+    cores: list[CoreProcess],
     tokenizer: Future[PreTrainedTokenizerBase],
     model_name: str,
     door: Door,
     stopped: asyncio.Event,
 ) -> int:
-    # The core is READY: this takes its config and info, and the tokenizer loaded meanwhile.
-    engine = AsyncLLM(
-        engine_config, stall_timeout=config.stream_stall_timeout, core=core, supervised=True,
-        tokenizer=tokenizer, resubmit_timeout=config.max_queue_wait,
-    )  # fmt: skip
+    # The cores are READY: this takes their config and info, and the tokenizer loaded meanwhile.
+    engine: AsyncLLM | EngineGroup
+    if len(cores) == 1:
+        engine = AsyncLLM(
+            engine_config, stall_timeout=config.stream_stall_timeout, core=cores[0],
+            supervised=True, tokenizer=tokenizer, resubmit_timeout=config.max_queue_wait,
+        )  # fmt: skip
+    else:
+        engine = EngineGroup.start(
+            engine_config, cores, stall_timeout=config.stream_stall_timeout,
+            tokenizer=tokenizer, resubmit_timeout=config.max_queue_wait,
+        )  # fmt: skip
     _chat_template(engine, config)
     metrics = ServerMetrics(model_name, engine.max_model_len)
     metrics.describe_cache(
         engine.info.block_size, engine.info.num_kv_blocks, engine.max_model_len,
         engine_config.kv_cache_dtype, engine_config.enable_prefix_caching,
-        engine.info.kv_windows, engine.info.kv_group_size,
+        engine.info.kv_windows, engine.info.kv_group_size, len(cores),
     )  # fmt: skip
-    engine.add_stat_logger(metrics)
+    for member in engine.members:
+        member.add_stat_logger(metrics.for_engine(member.rank))
     # Always a tracer, even with no store or collector: it feeds /metrics' boundary histograms.
     tracer = Tracer(
         tracing or TracingConfig(no_trace_db=True), engine.info,
         engine_config=engine_config, observe_boundary=metrics.observe_boundary,
         observe_delivery=metrics.observe_delivery, host=config.host, port=config.port,
+        data_parallel_size=len(cores),
     )  # fmt: skip
     engine.observe(tracer)
     if tracer.store is not None:
@@ -292,7 +324,7 @@ async def _serve_ready(
     return lifecycle.exit_code
 
 
-def _chat_template(engine: AsyncLLM, config: ServerConfig) -> None:
+def _chat_template(engine: AsyncLLM | EngineGroup, config: ServerConfig) -> None:
     """--chat-template over the model's own; a model left with none is said at start (its
     chat requests get a 400 that names the flag)."""
     if config.chat_template is not None:

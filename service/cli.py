@@ -102,7 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
     from engine.gc_pauses import gc_setting
-    from engine.launch import launch_core
+    from engine.launch import launch_cores
 
     engine = engine_options(args, skip=("core_process",))
     if args.model_arg is not None:
@@ -111,15 +111,19 @@ def _serve(args: argparse.Namespace) -> int:
     tracing = TracingConfig(**options(TracingConfig, args))
     engine_config = EngineConfig(**engine, core_process=True)
     gc_setting()  # a bad LUMEN_GC fails here, before the core starts
+    if server_config.data_parallel_size > 1:
+        from engine.cpu_share import check_split
+
+        check_split(server_config.data_parallel_size, engine_config.tensor_parallel_size)
     # Until the server takes the stop signals over (service/lifecycle.py), one ends the start
     # as Ctrl-C does: no traceback, and the core is stopped with this process.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, _interrupt)
-    # The core imports torch and loads the model while this process imports the server.
-    core = launch_core(engine_config, supervised=True)
+    # The cores import torch and load the model while this process imports the server.
+    cores = launch_cores(engine_config, server_config.data_parallel_size)
     from service.api_server import serve
 
-    return asyncio.run(serve(engine_config, server_config, tracing, core))
+    return asyncio.run(serve(engine_config, server_config, tracing, cores))
 
 
 def _interrupt(signum: int, frame: object) -> None:

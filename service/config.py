@@ -98,13 +98,22 @@ class ServerConfig:
             "never a file), as vLLM's flag; without it such a request gets a 400"
         },
     )
+    data_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "engines, as vLLM's flag: each its own core process with its own KV cache "
+            "and workers, pinned to its share of the CPUs; each request goes to the one with "
+            "the lowest 4 x waiting + running, and one engine's failure leaves the others "
+            "serving"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.chat_template is not None:  # a bad one fails here, before the core starts
             chat_templates.resolve(self.chat_template)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        for name in ("max_concurrent_requests", "max_request_body_bytes"):
+        for name in ("max_concurrent_requests", "max_request_body_bytes", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_queue_wait", "stream_stall_timeout", "exit_grace_period",

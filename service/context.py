@@ -29,6 +29,7 @@ class RequestContext:
     http_start_ns: int  # when its first byte was read (service/http_timing.py); <= arrival_ns
     client_request_id: str | None = None  # the client's own x-request-id
     traceparent: str | None = None  # the client's W3C trace context
+    data_parallel_rank: str | None = None  # X-data-parallel-rank: the engine it asks for
     http: HttpFacts = field(default_factory=HttpFacts)  # what the front door measures of it
     deliver: Send | None = None  # writes a body message, timed (a stream's events use it)
     # Writes a stream's chunk now where the connection takes it without a wait (else False).

@@ -64,6 +64,7 @@ class FrontDoor:
         ctx = RequestContext(
             new_request_id(kind), kind, arrival_ns, min(http_start_ns, arrival_ns),
             _header(headers, b"x-request-id", 256), _header(headers, b"traceparent", 128),
+            _header(headers, b"x-data-parallel-rank", 16),
         )  # fmt: skip
         attach(scope, ctx)
         facts = ctx.http

@@ -19,6 +19,11 @@ largest step the budget allows, never under 10 s: a 4K-token prefill on CPU, spl
 chunks, stays far inside it. An idle core is not busy (its heartbeat says 0). A core that is
 silent (SIGSTOP, a kernel holding the GIL) or busy past the timeout turns /health to 503;
 past twice the timeout the supervisor kills it and starts a new one.
+
+Several engines (``--data-parallel-size``): each is watched and restarted on its own, and
+the group sends no request to one that is dead or silent. The server is ``ready`` while at
+least one engine is; ``unresponsive`` when every live one is silent; ``restarting`` when none
+is alive. The restarts of all engines count against one ``--max-restarts`` window.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.data_parallel import EngineGroup
 from service.admission import Admission
 from service.errors import error_body
 from service.metrics import ServerMetrics
@@ -79,7 +85,7 @@ class Lifecycle:
 
     def __init__(
         self,
-        engine: AsyncLLM,
+        engine: AsyncLLM | EngineGroup,
         admission: Admission,
         metrics: ServerMetrics,
         tracer: Tracer | None,
@@ -97,7 +103,8 @@ class Lifecycle:
         self._drain: asyncio.Task[None] | None = None
         self._stop_signals = 0  # SIGTERM and SIGINT to this process: the second forces
         self._restarts: collections.deque[float] = collections.deque()
-        self._hung: str | None = None  # why the watchdog killed the core
+        self._hung: dict[int, str] = {}  # engine rank -> why the watchdog killed its core
+        self._engine_state = {m.rank: READY for m in engine.members}  # each engine's own
         self._tasks: list[asyncio.Task[None]] = []
 
     # -- state -------------------------------------------------------------------------
@@ -118,12 +125,18 @@ class Lifecycle:
 
     def describe(self) -> dict[str, object]:
         """The JSON body of /health and /livez."""
-        return {
+        described: dict[str, object] = {
             "status": self.state,
             "since": round(self.since_ns / 1e9, 3),
             "engine_epoch": self.engine.epoch,
             "restarts": len(self._restarts),
         }
+        if len(self.engine.members) > 1:
+            described["engines"] = [
+                {"engine": m.rank, "status": self._engine_state[m.rank], "epoch": m.epoch}
+                for m in self.engine.members
+            ]
+        return described
 
     async def wait_ready(self, timeout: float) -> bool:
         """Wait (up to ``timeout``) for the engine to be ready; False if it did not come or
@@ -149,7 +162,10 @@ class Lifecycle:
         loop.add_signal_handler(signal.SIGUSR1, self._on_core_signal)
         self.set(READY)
         self._tasks = [
-            asyncio.create_task(self._supervise(), name="engine-supervisor"),
+            *(
+                asyncio.create_task(self._supervise(m), name=f"engine-supervisor-{m.rank}")
+                for m in self.engine.members
+            ),
             asyncio.create_task(self._watch(), name="engine-watchdog"),
         ]
 
@@ -208,53 +224,69 @@ class Lifecycle:
 
     # -- crashes and hangs -----------------------------------------------------------------
 
-    async def _supervise(self) -> None:
+    def _engine_is(self, member: AsyncLLM, state: str) -> None:
+        """Set one engine's state; the server's follows from all of them (unless it stops)."""
+        self._engine_state[member.rank] = state
+        member.responsive = state == READY
+        if self.closing or self.state == STARTING:
+            return
+        states = self._engine_state.values()
+        for server_state in (READY, UNRESPONSIVE):
+            if server_state in states:
+                self.set(server_state)
+                return
+        self.set(RESTARTING)
+
+    async def _supervise(self, member: AsyncLLM) -> None:
+        rank, several = member.rank, len(self.engine.members) > 1
+        which = f"engine {rank}" if several else "the engine"
         while True:
-            failed_before = self.engine.num_failed
-            reason = await self.engine.wait_dead()
+            failed_before = member.num_failed
+            reason = await member.wait_dead()
             if self.closing:
                 return  # a drain is under way: it aborts what is left
             died_ns = time.time_ns()
-            cause = f"hung: {self._hung}" if self._hung else reason
-            self._hung = None
-            logger.error("the engine failed (%s): open requests failed; restarting it", cause)
-            self.set(RESTARTING)
+            hung = self._hung.pop(rank, None)
+            cause = f"hung: {hung}" if hung else reason
+            logger.error("%s failed (%s): open requests failed; restarting it", which, cause)
+            self._engine_is(member, RESTARTING)
             now = time.monotonic()
             while self._restarts and now - self._restarts[0] > self.options.restart_window:
                 self._restarts.popleft()
             if len(self._restarts) >= self.options.max_restarts:
-                await self._give_up(cause, died_ns)
+                await self._give_up(cause, died_ns, member)
                 return
             self._restarts.append(now)
             try:
-                await self.engine.restart()
+                await member.restart()
             except asyncio.CancelledError:  # the server stops meanwhile: the failure stays a row
-                failed = self.engine.num_failed - failed_before
+                failed = member.num_failed - failed_before
                 stopped = f"{cause}; the server stopped before a new core was ready"
-                self._record("restart", stopped, died_ns, epoch=self.engine.epoch,
-                             num_failed=failed)  # fmt: skip
+                self._record("restart", stopped, died_ns, epoch=member.epoch,
+                             num_failed=failed, engine=rank)  # fmt: skip
                 raise
             except Exception as e:  # it did not start: the next turn counts another restart
                 logger.error("the new engine core did not start: %s", e)
-                self._record("restart", f"{cause}; the new core failed: {e}", died_ns)
+                self._record("restart", f"{cause}; the new core failed: {e}", died_ns,
+                             engine=rank)  # fmt: skip
                 await asyncio.sleep(1.0)
                 continue
             self.metrics.engine_restarts.inc()
-            failed = self.engine.num_failed - failed_before
-            self._record("restart", cause, died_ns, epoch=self.engine.epoch, num_failed=failed)
-            logger.info("engine core %d ready %.1f s after the failure", self.engine.epoch,
+            failed = member.num_failed - failed_before
+            self._record("restart", cause, died_ns, epoch=member.epoch, num_failed=failed,
+                         engine=rank)  # fmt: skip
+            logger.info("%s: core %d ready %.1f s after the failure", which, member.epoch,
                         (time.time_ns() - died_ns) / 1e9)  # fmt: skip
-            if not self.closing:
-                self.set(READY)
+            self._engine_is(member, READY)
 
-    async def _give_up(self, cause: str, died_ns: int) -> None:
+    async def _give_up(self, cause: str, died_ns: int, member: AsyncLLM) -> None:
         o = self.options
         logger.error(
             "crash loop: %d restarts within %g s (--max-restarts, --restart-window); "
             "/health answers 503, exiting with code 1 in %g s",
             len(self._restarts), o.restart_window, o.exit_grace_period,
         )  # fmt: skip
-        self._record("crash_loop", cause, died_ns, epoch=self.engine.epoch)
+        self._record("crash_loop", cause, died_ns, epoch=member.epoch, engine=member.rank)
         await asyncio.sleep(o.exit_grace_period)
         self.exit_code = 1
         self.set(STOPPING)
@@ -264,20 +296,28 @@ class Lifecycle:
         bound = self.options.hang_timeout
         while True:
             await asyncio.sleep(_WATCH_S)
-            if self.state not in (READY, UNRESPONSIVE) or not self.engine.is_alive:
+            if self.state not in (READY, UNRESPONSIVE):
                 continue
-            core = self.engine.client.core
-            stuck = core.stuck_for()
-            if stuck > 2 * bound and core.proc.pid is not None:
-                self._hung = f"no loop iteration finished for {stuck:.1f} s"
-                logger.error("the engine core is hung (%s): killing it", self._hung)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(core.proc.pid, signal.SIGKILL)  # the supervisor sees it die
-            elif stuck > bound and self.state == READY:
-                logger.error("the engine core has not finished a step for %.1f s", stuck)
-                self.set(UNRESPONSIVE)
-            elif stuck <= bound and self.state == UNRESPONSIVE:
-                self.set(READY)
+            for member in self.engine.members:
+                if member.is_alive:
+                    self._watch_one(member, bound)
+
+    def _watch_one(self, member: AsyncLLM, bound: float) -> None:
+        core, state = member.client.core, self._engine_state[member.rank]
+        stuck = core.stuck_for()
+        which = (
+            f"engine {member.rank}'s core" if len(self.engine.members) > 1 else "the engine core"
+        )
+        if stuck > 2 * bound and core.proc.pid is not None:
+            self._hung[member.rank] = f"no loop iteration finished for {stuck:.1f} s"
+            logger.error("%s is hung (%s): killing it", which, self._hung[member.rank])
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(core.proc.pid, signal.SIGKILL)  # its supervisor sees it die
+        elif stuck > bound and state == READY:
+            logger.error("%s has not finished a step for %.1f s", which, stuck)
+            self._engine_is(member, UNRESPONSIVE)
+        elif stuck <= bound and state == UNRESPONSIVE:
+            self._engine_is(member, READY)
 
     def _record(self, kind: str, cause: str, start_ns: int, **counts: int) -> None:
         if self.tracer is not None:

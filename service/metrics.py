@@ -69,18 +69,28 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
 
-        # The gauges a router reads (llm-d's scheduler, the Gateway API Inference Extension's
-        # endpoint picker) also under vLLM's own names and labels (model_name, engine), set
-        # together with Lumen's.
-        def for_routers(name: str, doc: str) -> Any:
-            lumen = gauge(f"lumen:{name}", doc)
-            vllm = Gauge(f"vllm:{name}", f"{doc} vLLM's name, for routers.",
-                         [*m, "engine"], registry=r).labels(model_name, "0")  # fmt: skip
-            return _Twin(lumen, vllm)
+        # The gauges of each engine's state (label ``engine``: its data-parallel rank) that a
+        # router reads (llm-d's scheduler, the Gateway API Inference Extension's endpoint
+        # picker), also under vLLM's own names and labels, set together with Lumen's.
+        def for_routers(name: str, doc: str) -> _Twin:
+            return _Twin(
+                Gauge(f"lumen:{name}", doc, [*m, "engine"], registry=r),
+                Gauge(f"vllm:{name}", f"{doc} vLLM's name, for routers.", [*m, "engine"],
+                      registry=r),
+            )  # fmt: skip
 
-        self.num_running = for_routers("num_requests_running", "Requests in the running batch.")
-        self.num_waiting = for_routers("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = for_routers("kv_cache_usage_perc", "KV cache usage (1 = 100 percent).")
+        self._per_engine = (
+            for_routers("num_requests_running", "Requests in the running batch."),
+            for_routers("num_requests_waiting", "Requests waiting to be scheduled."),
+            for_routers("kv_cache_usage_perc", "KV cache usage (1 = 100 percent)."),
+        )
+        self._engines: dict[str, EngineMetrics] = {}
+        first = self.for_engine(0)
+        self.num_running, self.num_waiting, self.kv_usage = (
+            first.num_running,
+            first.num_waiting,
+            first.kv_usage,
+        )
         # vLLM's cache_config_info (its label names, four of its CacheConfig's fields, and the
         # engine's index), and what it holds in tokens and requests.
         info = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "engine"]
@@ -239,13 +249,23 @@ class ServerMetrics:
         )
         self._mirrored: dict[str, float] = {}  # counter name -> the total already counted
 
+    def for_engine(self, rank: int) -> EngineMetrics:
+        """The stat logger of data-parallel engine ``rank``: its gauges carry its label."""
+        engine = str(rank)
+        if engine not in self._engines:
+            running, waiting, usage = (t.labels(self.model_name, engine) for t in self._per_engine)
+            self._engines[engine] = EngineMetrics(self, engine, running, waiting, usage)
+        return self._engines[engine]
+
     def describe_cache(
         self, block_size: int, num_blocks: int, max_model_len: int, cache_dtype: str,
-        prefix_caching: bool, kv_windows: list[int], kv_group_size: int,
+        prefix_caching: bool, kv_windows: list[int], kv_group_size: int, engines: int = 1,
     ) -> None:  # fmt: skip
-        """The KV cache's size, once the engine is ready."""
-        labels = (str(block_size), str(num_blocks), cache_dtype, str(prefix_caching), "0")
-        self.cache_info.labels(*labels).set(1)
+        """The KV cache's size, once the engines are ready (each has one of this size)."""
+        for rank in range(engines):
+            labels = (str(block_size), str(num_blocks), cache_dtype, str(prefix_caching),
+                      str(rank))  # fmt: skip
+            self.cache_info.labels(*labels).set(1)
         capacity = kv_capacity(kv_windows or [0], kv_group_size, num_blocks, block_size,
                                max_model_len)  # fmt: skip
         self.kv_tokens.set(capacity.tokens)
@@ -277,13 +297,15 @@ class ServerMetrics:
             getattr(self, name).inc(total - seen)
             self._mirrored[name] = total
 
-    def record(self, stats: IterationStats) -> None:
+    def record(self, stats: IterationStats, engine: EngineMetrics | None = None) -> None:
+        """One output batch of engine ``engine`` (None: engine 0)."""
         if stats.step is not None:
             step = stats.step
-            self.num_running.set(step.num_running)
-            self.num_waiting.set(step.num_waiting)
+            engine = engine or self.for_engine(0)
+            engine.num_running.set(step.num_running)
+            engine.num_waiting.set(step.num_waiting)
             if step.num_kv_blocks_total:
-                self.kv_usage.set(step.num_kv_blocks_used / step.num_kv_blocks_total)
+                engine.kv_usage.set(step.num_kv_blocks_used / step.num_kv_blocks_total)
             if step.num_preemptions:
                 self.preemptions.inc(step.num_preemptions)
             if step.num_prefix_query_tokens:
@@ -320,12 +342,16 @@ class ServerMetrics:
             self.request_prompt_tokens.observe(f.num_prompt_tokens)
             self.request_generation_tokens.observe(f.num_generation_tokens)
 
-    def set_engine_stats(self, s: EngineStats, num_ipc_backpressure: int) -> None:
-        """Fresh gauges at scrape time (the last step's values go stale when idle)."""
-        self.num_running.set(s.num_running)
-        self.num_waiting.set(s.num_waiting)
+    def set_engine_stats(self, s: EngineStats, rank: int = 0) -> None:
+        """Fresh gauges of engine ``rank`` at scrape time (the last step's go stale when idle)."""
+        engine = self.for_engine(rank)
+        engine.num_running.set(s.num_running)
+        engine.num_waiting.set(s.num_waiting)
         if s.num_kv_blocks_total:
-            self.kv_usage.set(s.num_kv_blocks_used / s.num_kv_blocks_total)
+            engine.kv_usage.set(s.num_kv_blocks_used / s.num_kv_blocks_total)
+
+    def set_backpressure(self, num_ipc_backpressure: int) -> None:
+        """The engines' pushed-back sends, a running total (read at scrape time)."""
         self._mirror("ipc_backpressure", num_ipc_backpressure)
 
     def set_state(self, name: str) -> None:
@@ -353,6 +379,21 @@ def observe_all(histogram: Any, values: Sequence[float]) -> None:
     histogram._sum.inc(sum(values))
     for i, n in counts.items():
         histogram._buckets[i].inc(n)
+
+
+class EngineMetrics:
+    """One engine's gauges, and the stat logger its AsyncLLM reports to (``record``)."""
+
+    __slots__ = ("engine", "kv_usage", "metrics", "num_running", "num_waiting")
+
+    def __init__(
+        self, metrics: ServerMetrics, engine: str, running: _Twin, waiting: _Twin, usage: _Twin
+    ) -> None:
+        self.metrics, self.engine = metrics, engine
+        self.num_running, self.num_waiting, self.kv_usage = running, waiting, usage
+
+    def record(self, stats: IterationStats) -> None:
+        self.metrics.record(stats, self)
 
 
 class _Twin:

@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from engine import chat_templates
 from engine.async_llm import AsyncLLM, StreamStalledError
+from engine.data_parallel import EngineGroup
 from engine.errors import STALLED, EngineDeadError, EngineRestartingError, RequestAbortedError
 from engine.frontend import Finished
 from engine.outputs import CompletionOutput, RequestOutput
@@ -53,6 +54,7 @@ class Prepared:
     priority: int
     ctx: RequestContext  # arrival, first byte, and what the HTTP layer measures of it
     include_metrics: bool = False  # the response carries `metrics` (service/request_metrics)
+    engine_rank: int | None = None  # the engine its X-data-parallel-rank header names
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -69,7 +71,7 @@ class Prepared:
 class Serving:
     def __init__(
         self,
-        engine: AsyncLLM,
+        engine: AsyncLLM | EngineGroup,
         metrics: ServerMetrics,
         admission: Admission,
         lifecycle: Lifecycle,
@@ -150,6 +152,7 @@ class Serving:
         plan: tools.ToolPlan | None = None,
     ) -> Prepared:
         longest = max(len(ids) for _, ids in prompts)
+        engine_rank = self._engine_rank(ctx.data_parallel_rank)
         defaults = self.engine.processor.sampling_defaults
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")
@@ -174,6 +177,7 @@ class Serving:
         prep = Prepared(
             checked, params, head, body.stream, body.priority, ctx,
             include_metrics=self.per_request_metrics or body.wants_metrics,
+            engine_rank=engine_rank,
         )  # fmt: skip
         ctx.stream = prep.stream
         if (tracer := self.tracer) is not None:
@@ -182,6 +186,23 @@ class Serving:
                 tracer.start(ctx.trace_start(rid, path, self.model_name, prep.stream))
             ctx.traced_ids = request_ids  # the front door closes them once the response is written
         return prep
+
+    def _engine_rank(self, header: str | None) -> int | None:
+        """The engine an X-data-parallel-rank header names (vLLM's, for replaying a recorded
+        split); ValueError unless it is one of the engines' ranks."""
+        if header is None:
+            return None
+        engines = len(self.engine.members)
+        try:
+            rank = int(header)
+        except ValueError:
+            rank = -1
+        if not 0 <= rank < engines:
+            raise ValueError(
+                f"X-data-parallel-rank must be an engine's rank, 0 to {engines - 1} "
+                f"(--data-parallel-size {engines}), not {header!r}"
+            )
+        return rank if engines > 1 else None
 
     def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
         max_len = self.engine.max_model_len
@@ -408,6 +429,7 @@ class Serving:
         """Deltas of every prompt's request, tagged with the prompt's index (``direct`` and
         ``hold_last``: one prompt's, as AsyncLLM.generate_prepared takes them)."""
         arrival_ns = prep.ctx.arrival_ns
+        pinned = {} if prep.engine_rank is None else {"data_parallel_rank": prep.engine_rank}
         gens = [
             self.engine.generate_prepared(
                 prompt,
@@ -418,6 +440,7 @@ class Serving:
                 close_trace=False,  # the front door closes it, once the response is written
                 direct=direct,
                 hold_last=hold_last,
+                **pinned,
             )
             for rid, prompt in zip(prep.request_ids, prep.prompts)
         ]

@@ -45,9 +45,11 @@ class EngineCore:
         model_path: str,
         owns_process: bool = False,
         on_warm_up: Callable[[], object] | None = None,
+        dp_rank: int = 0,
     ) -> None:
         """``on_warm_up``: called once the model and its KV cache are loaded, as the warm-up
-        begins (the core process tells its server, whose /health says so)."""
+        begins (the core process tells its server, whose /health says so). ``dp_rank``: its
+        data-parallel engine (its KV events carry it, their endpoints offset by it)."""
         model_config = ModelConfig.from_path(model_path)
         device = config.resolve_device()
         dtype = config.resolve_dtype(device)
@@ -103,7 +105,7 @@ class EngineCore:
         events_config = kv_events_config.parse(config.kv_events_config)
         self.kv_events: ZmqEventPublisher | None = None
         if events_config.enabled and config.enable_prefix_caching:
-            self.kv_events = ZmqEventPublisher(events_config)
+            self.kv_events = ZmqEventPublisher(events_config, dp_rank)
             self.scheduler.kv_cache.enable_events()
         elif events_config.enabled:
             logger.warning("KV events are off: prefix caching is disabled, so no block is stored")

@@ -59,8 +59,10 @@ INPUT_QUEUE_SIZE = 1024
 OUTPUT_QUEUE_SIZE = 64
 _PARENT_POLL_S = 0.2
 HEARTBEAT_S = 0.5
-# A restarted core numbers its steps from epoch << 40: never the old core's ids in a trace db.
+# A restarted core numbers its steps from epoch << 40, and data-parallel engine r from r << 56:
+# never another core's ids in a trace db (a step's engine is step_id >> 56).
 STEP_EPOCH_BITS = 40
+STEP_RANK_BITS = 56
 _WORKER_DIED = object()
 
 
@@ -218,23 +220,28 @@ def run_engine_core(
     output_addr: str,
     epoch: int = 0,
     notify_pid: int | None = None,
+    dp_rank: int = 0,
+    dp_size: int = 1,
 ) -> None:
     """Entry point of the core process (spawned by an MP client). ``epoch``: how many cores
-    its server started before this one; ``notify_pid``: the server that conducts the stop."""
+    its engine slot started before this one; ``notify_pid``: the server that conducts the stop;
+    ``dp_rank`` of ``dp_size``: its data-parallel engine (each pinned to its share of CPUs)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: _on_sigterm(notify_pid))
-    name_process(f"{ENGINE_CORE_TITLE}_DP0")  # one engine a server, data-parallel rank 0
+    name_process(f"{ENGINE_CORE_TITLE}_DP{dp_rank}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     out_sock = make_socket(zmq.Context.instance(), zmq.PUSH, output_addr, bind=False)
     encoder = msgspec.msgpack.Encoder()
     try:
+        if dp_size > 1:
+            _take_cpu_share(config, dp_rank, dp_size)
         from engine.core.engine_core import EngineCore
 
         core = EngineCore(
-            config, model_path, owns_process=True,
+            config, model_path, owns_process=True, dp_rank=dp_rank,
             on_warm_up=lambda: out_sock.send_multipart((OutputType.PROGRESS.value, b"warming_up")),
         )  # fmt: skip
-        core.scheduler.number_steps_from(epoch << STEP_EPOCH_BITS)
+        core.scheduler.number_steps_from((dp_rank << STEP_RANK_BITS) | (epoch << STEP_EPOCH_BITS))
         settle_heap()  # the model is loaded and warm: what lives now lives for good
         faults.arm_gc_pause("core")
     except Exception as e:
@@ -266,6 +273,24 @@ def run_engine_core(
         if not proc.out_thread.is_alive():
             out_sock.close(linger=1000)
     sys.exit(0 if ok else 1)
+
+
+def _take_cpu_share(config: EngineConfig, rank: int, size: int) -> None:
+    """Pin this core (and the workers it starts) to its slice of the server's CPUs, and run
+    that many threads; says so in the log."""
+    from engine import cpu_share
+
+    if config.resolve_device().type != "cpu":
+        raise ValueError(
+            "--data-parallel-size > 1 runs on CPU only for now (each engine on a device of its "
+            "own is not built); use --device cpu, or one engine"
+        )
+    mine = cpu_share.share(rank, size, config.tensor_parallel_size)
+    cpu_share.pin(mine.cpus)
+    import torch
+
+    torch.set_num_threads(mine.threads)
+    logger.info("%s", mine.describe(rank, size))
 
 
 def _on_sigterm(notify_pid: int | None) -> None:

@@ -29,6 +29,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from engine.cpu_share import allowed_cpus
 from engine.gc_pauses import settle_heap
 from engine.worker.layers import Shard
 from engine.worker.messages import (
@@ -92,7 +93,7 @@ class Worker:
         else:
             self.device = torch.device("cpu")
             # The ranks share the machine's cores; oversubscribing them slows every rank.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+            torch.set_num_threads(max(1, len(allowed_cpus()) // args.world_size))
             backend = "gloo"
         dist.init_process_group(
             backend,

@@ -114,7 +114,7 @@ def test_the_reference_is_generated_from_the_code() -> None:
     cli, metrics, store = page("cli"), page("metrics"), page("store")
     assert "### `lumen serve`" in cli and "`--shutdown-timeout`" in cli
     assert "### `replay regress`" in cli and "### `lumen bench diagnose`" in cli
-    assert "`lumen:kv_cache_usage_perc` | gauge | `model_name`" in metrics
+    assert "`lumen:kv_cache_usage_perc` | gauge | `engine`, `model_name`" in metrics
     assert "`gen_ai.server.time_to_first_token`" in metrics
     assert "| `send_wait_ns` | `BIGINT` | summed time the server's writes waited" in store
     assert "| `core_stall` |" in page("parts")

@@ -77,6 +77,8 @@ class _Run:
     lifecycle: list[LifecycleRow] = field(default_factory=list)
     # Data-parallel runs: when another engine had room for a request this one queued.
     others_room: Intervals = field(default_factory=lambda: Intervals([]))
+    # When the core did not run though it had work: long stretches between busy steps.
+    core_idle: Intervals = field(default_factory=lambda: Intervals([]))
 
 
 def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
@@ -140,7 +142,10 @@ def _decompose_all(
     )
     placed = shares.place(facts.members, facts.step_times, win)
     pauses = pauses_of(facts.pauses)
-    parts = shares.step_shares(facts.members, placed, facts.step_times, win, weights, pauses[1].gc)
+    excess = shares.stall_excess(facts.step_times, weights, pauses[1].gc)
+    parts = shares.step_shares(
+        facts.members, placed, facts.step_times, win, weights, pauses[1].gc, excess
+    )
     preempted = step_members.preemptions(
         facts.preempted, facts.members, placed, facts.step_times, win
     )
@@ -163,6 +168,8 @@ def _decompose_all(
                        facts.stream_interval),
         lifecycle=facts.lifecycle,
         others_room=Intervals([(a, b) for a, b, _ in facts.others_room]),
+        core_idle=Intervals(shares.idle_spans(facts.step_times, shares.out_end(facts.step_times))
+                            if len(facts.step_times.step_id) else []),
     )  # fmt: skip
     requests = [_decompose(i, row, w, ctx) for i, (row, w) in
                 enumerate(zip(facts.requests, windows))]  # fmt: skip
@@ -373,6 +380,10 @@ def _ttft_parts(
         waited = min(waited, ipc)
         prefill = min(prefill, waited)
         parts["step_in_flight"], parts["ipc"] = waited - prefill, ipc - waited
+        if parts["ipc"] >= MIN_CAUSE_NS:
+            # A healthy core reads its input within a millisecond of a step's end: one that
+            # took this long past the step in flight had stopped (or starved of CPU).
+            parts["core_stall"], parts["ipc"] = parts["ipc"], 0
         parts["neighbour_prefill"] += prefill
         if prefill:
             held_by = step
@@ -386,6 +397,9 @@ def _ttft_parts(
         cut = min(max(ready, window[0]), window[1]) if ready else window[0]
         parts["grammar_compile"] = core.carve(parts, window[0], cut)
         parts["queue"] = core.carve(parts, cut, window[1])
+        if stalled := min(run.core_idle.within(cut, window[1]), parts["queue"]):
+            parts["core_stall"] += stalled  # queued while the core ran no step
+            parts["queue"] -= stalled
         # Several engines: queued here while another engine had room (the balancing's).
         if room := min(run.others_room.within(cut, window[1]), parts["queue"]):
             parts["imbalance"], parts["queue"] = room, parts["queue"] - room
@@ -418,11 +432,11 @@ def _ttft_parts(
 # A StepShare's parts, as each phase takes them.
 _STEP_KEYS_TTFT = (
     "own_prefill", "neighbour_prefill", "decode", "schedule", "output", "gc", "grammar_mask",
-    "sampling", "logprobs",
+    "sampling", "logprobs", "core_stall",
 )  # fmt: skip
 _STEP_KEYS_DECODE = (
     "decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask", "sampling",
-    "logprobs",
+    "logprobs", "core_stall",
 )  # fmt: skip
 
 
@@ -452,6 +466,10 @@ def _decode_parts(
         )
         parts["gc"] += gap_gc
         parts["between_steps"] = gap - parts["preempted"] - gap_gc
+        # Its turn came with every step, so a long stretch with none was the core stalling.
+        stalled = min(run.core_idle.within(lo, tail_start), max(parts["between_steps"], 0))
+        parts["core_stall"] += stalled
+        parts["between_steps"] -= stalled
     parts["emit"] = api.carve(parts, tail_start, reached)
     # The last output's write: its wait on the client's socket is what send_wait_ns has left
     # after the first write's share (a failed request's last write is the error, not a wait).

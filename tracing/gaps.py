@@ -10,14 +10,14 @@ gaps are cut (a run holds many thousands of gaps). The cut::
     [a, c]      the core: the request's own steps inside it, shared out as the phases share
                 them (tracing.shares.member_shares: its decode, other requests' prefill, the
                 scheduler, masks, sampler, logprobs, output, GC); the part of a step past
-                OUTLIER_FACTOR x its expected forward time (unless its prefill at the fit's
-                price passes MIN_CAUSE_NS: a prefill stall), and time no step ran while it
-                waited, is ``core_stall`` (the core stopped, starved of CPU, or stuck in a
-                long call); other steps running without it are ``between_steps`` (it sat
-                out), of which the time after a preemption is ``preempted``; core GC between
+                OUTLIER_FACTOR x its expected forward time (shares.stall_excess), and time no
+                step ran while it waited, is ``core_stall`` (the core stopped, starved of CPU,
+                or stuck in a long call); other steps running without it are ``between_steps``
+                (it sat out), of which the time after a preemption is ``preempted``; core GC between
                 steps is ``gc``
     [c, b]      the frontend: the API process's pauses (``gc``, ``loop_lag``), then the
-                core stalling before the frontend received the token (``core_stall``: a step
+                core's GC before the frontend received the token (``gc``: it holds the core's
+                output thread), then the core stalling meanwhile (``core_stall``: a step
                 far past its time, as above, while the token waited to leave the core; the
                 core's output thread stops with it, SIGSTOP or a call holding the GIL), then
                 the writes' waits on the client's socket (``delivery``, up to what the
@@ -41,17 +41,18 @@ from tracing.shares import (
     MemberPhases,
     Memberships,
     StepTimes,
-    full_rows,
     member_shares,
     out_end,
+    stall_excess,
+    stall_spans,
 )
-from tracing.step_fit import MIN_CAUSE_NS, OUTLIER_FACTOR, IntArray, StepWeights
+from tracing.step_fit import MIN_CAUSE_NS, IntArray, StepWeights
 
 GAP_FACTOR = 4.0  # a gap is long at this many times its request's median gap (and MIN_CAUSE_NS)
 MAX_GAPS = 20  # long gaps cut per request, longest first
 DECODE_PARTS = phase_labels("decode")  # a gap's parts are the decode phase's
-_STEP_PARTS = ("decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask",
-               "sampling", "logprobs")  # fmt: skip
+_STEP_PARTS = ("decode", "neighbour_prefill", "core_stall", "schedule", "output", "gc",
+               "grammar_mask", "sampling", "logprobs")  # fmt: skip
 
 
 @dataclass
@@ -112,24 +113,11 @@ class GapCutter:
         busy = (steps.prefill_tokens + steps.decode_tokens) > 0
         self.busy = Intervals([(int(a), int(b)) for a, b, k in
                                zip(steps.schedule_start_ns, self.ends, busy) if k])  # fmt: skip
-        forward = (steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns
-                   - steps.logprobs_ns)  # fmt: skip
-        expected = weights.a + weights.b * steps.prefill_tokens + weights.c * steps.rows
-        expected = expected + weights.f * full_rows(steps)
-        # The forward's share past its expected time, where a step is an outlier for its shape.
-        slow = weights.fitted & (forward >= OUTLIER_FACTOR * expected)
-        slow &= forward - expected >= MIN_CAUSE_NS
-        # A step whose prefill at the fit's price passes the bar is a prefill stall (named as
-        # one, as the steps' verdict has it), not the core stalling: a long prompt's attention
-        # grows past a linear price (a 962-token Gemma 3 step of 878 ms, priced at 272 ms by a
-        # run whose other prompts were short).
-        slow &= weights.b * steps.prefill_tokens < MIN_CAUSE_NS
-        self.excess = np.where(slow, 1.0 - expected / np.maximum(forward, 1), 0.0)
-        # Those steps' forward past its expected time: the core stalled (all its threads); where
-        # the API process paused meanwhile, that is its pause (carved first).
-        past = steps.execute_start_ns + expected.astype(np.int64)
-        ended = steps.execute_start_ns + forward
-        stalls = [(int(x), int(y)) for x, y, k in zip(past, ended, slow) if k]
+        # The forward's share past its expected time, where a step is an outlier for its shape
+        # (shares.stall_excess); as instants, the core stalled (all its threads), but where the
+        # API process paused meanwhile: that is its pause (carved first).
+        self.excess = stall_excess(steps, weights, self.core.gc)
+        stalls = stall_spans(steps, weights, self.excess)
         self.stalls = Intervals(minus(stalls, sorted(self.api.gc.spans() + self.api.lag.spans())))
         order = np.argsort(placed.request, kind="stable")
         counts = np.bincount(placed.request) if len(placed.request) else np.zeros(0, np.int64)
@@ -176,6 +164,10 @@ class GapCutter:
         parts["core_stall"] += idle - gc_between
         front = self.api.carve(parts, c, b)
         if received is not None and received > c:  # the token had not left the core
+            # The core's GC holds its output thread too (the GIL), and so does a stall.
+            held = min(self.core.gc.within(c, min(received, b)), front)
+            parts["gc"] += held
+            front -= held
             stalled = min(self.stalls.within(c, min(received, b)), front)
             parts["core_stall"] += stalled
             front -= stalled
@@ -196,14 +188,8 @@ class GapCutter:
         n = len(rows)
         lo, hi = np.full(n, a, dtype=np.int64), np.full(n, c, dtype=np.int64)
         shares, total = member_shares(self.members.tokens[rows], s, np.zeros(n, dtype=bool), lo, hi,
-                                      self.steps, self.weights, self.core.gc)  # fmt: skip
-        # A step far past its expected forward time: that excess is a stall, not compute.
-        compute = shares["decode"] + shares["neighbour_prefill"]
-        stall = compute * self.excess[s]
-        keep = 1.0 - self.excess[s]
-        shares["decode"] = shares["decode"] * keep
-        shares["neighbour_prefill"] = shares["neighbour_prefill"] * keep
+                                      self.steps, self.weights, self.core.gc,
+                                      self.excess)  # fmt: skip
         for key in _STEP_PARTS:
             parts[key] += round(float(shares[key].sum()))
-        parts["core_stall"] += round(float(stall.sum()))
         return int(total.sum())

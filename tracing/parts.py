@@ -94,8 +94,8 @@ PARTS: tuple[Part, ...] = (
         "the core takes new requests between steps, so arrivals wait for the step in "
         "flight: long steps (cap them with --max-num-batched-tokens) or CPU contention "
         "lengthen this",
-        "sent to received, less `step_in_flight`: the socket, and a step in flight that ran "
-        "past its expected time",
+        "sent to received, less `step_in_flight`: the socket and the core's input queue; where "
+        "that is 20 ms or more, the core had stopped reading (`core_stall`)",
         "core.receive",
     ),
     Part(
@@ -104,7 +104,7 @@ PARTS: tuple[Part, ...] = (
         "sent to received, while the core finished the step in flight, up to that step's "
         "expected time (its fitted execute time, its schedule and output): expected, as in "
         "every step-based server, but for the share of it other requests' prefill took "
-        "(`neighbour_prefill`); the rest of the wait stays in `ipc`",
+        "(`neighbour_prefill`); the rest of the wait is `ipc`, or `core_stall` from 20 ms",
         "core.receive",
     ),
     Part(
@@ -215,13 +215,18 @@ PARTS: tuple[Part, ...] = (
         "it sat out",
     ),
     Part(
-        "core_stall", None, "the core stalled (no step ran, or a step ran far past its time)",
+        "core_stall", "the core stalled (stopped or starved of CPU)",
+        "the core stalled (no step ran, or a step ran far past its time)",
         "the core stalling",
         "the core process stopped, was starved of CPU or was stuck in a long call: look at the "
         "host (other processes, the CPU quota, swapping) and the server log",
-        "in a long token gap (tracing/gaps.py): the part of its steps' forward past 3x their "
-        "expected time (and 20 ms over it), time no step ran while it waited, and such a step's "
-        "excess while its token waited to leave the core",
+        "the part of its steps' forward (the sampler, logprobs and core GC aside) past 3x their "
+        "expected time and 20 ms over it (6x for a step whose prefill alone is priced at 20 ms: "
+        "a long prompt's attention outgrows a linear price); 20 ms or more with no step running "
+        "while it had one to run (between steps, in the queue); the wait to reach the core past "
+        "the step in flight, where 20 ms or more (a healthy core reads its input within a "
+        "millisecond); and in a long token gap (tracing/gaps.py) such a step's excess while its "
+        "token waited to leave the core",
     ),
     Part(
         "preempted", None, "waiting after a preemption (recompute)",

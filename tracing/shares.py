@@ -52,7 +52,19 @@ import numpy as np
 import numpy.typing as npt
 
 from tracing.pauses import Intervals
-from tracing.step_fit import FloatArray, IntArray, StepWeights, outlier
+from tracing.step_fit import (
+    MIN_CAUSE_NS,
+    OUTLIER_FACTOR,
+    FloatArray,
+    IntArray,
+    StepWeights,
+    outlier,
+)
+
+# A step whose prefill at the fit's price passes MIN_CAUSE_NS: a long prompt's attention grows
+# past the linear price (a 962-token Gemma 3 step of 878 ms, priced at 272 ms by a run whose
+# other prompts were short), so it is a stall only past this many times the outlier factor.
+PREFILL_SLACK = 2.0
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,7 @@ class StepShare:
     grammar_mask: float
     sampling: float
     logprobs: float
+    core_stall: float  # its share of its steps' forward past their time (stall_excess)
     total: int  # the clipped schedule, execute and output intervals
     first_start: int  # the first of its steps began
     last_output: int  # the last of its steps' outputs left the core
@@ -214,6 +227,45 @@ def _gc_inside(steps: StepTimes, gc: Intervals) -> list[IntArray]:
     return [np.maximum(gc.before(b) - gc.before(a), 0) for a, b in itertools.pairwise(bounds)]
 
 
+def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> FloatArray:
+    """Per step, the share of its forward that was the core stalling, not computing (0 for
+    most): in a step whose forward (less the sampler, logprobs and the core's GC inside it) took
+    OUTLIER_FACTOR x its expected time and MIN_CAUSE_NS over it, the part past its expected time
+    (the core stopped, was starved of CPU, or was stuck in a long call)."""
+    if not len(steps.step_id) or not weights.fitted:
+        return np.zeros(len(steps.step_id))
+    gc = _gc_inside(steps, core_gc)[1]
+    forward = (steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns
+               - steps.logprobs_ns - gc)  # fmt: skip
+    prefill = weights.b * steps.prefill_tokens
+    expected = weights.a + prefill + weights.c * steps.rows + weights.f * full_rows(steps)
+    factor = np.where(prefill >= MIN_CAUSE_NS, OUTLIER_FACTOR * PREFILL_SLACK, OUTLIER_FACTOR)
+    slow = (forward >= factor * expected) & (forward - expected >= MIN_CAUSE_NS)
+    excess: FloatArray = np.where(slow, 1.0 - expected / np.maximum(forward, 1), 0.0)
+    return excess
+
+
+def stall_spans(
+    steps: StepTimes, weights: StepWeights, excess: FloatArray
+) -> list[tuple[int, int]]:
+    """Each stalled step's forward past its expected time, as instants."""
+    forward = steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns - steps.logprobs_ns
+    past = steps.execute_start_ns + (forward * (1.0 - excess)).astype(np.int64)
+    ended = steps.execute_start_ns + forward
+    return [(int(x), int(y)) for x, y, k in zip(past, ended, excess > 0) if k]
+
+
+def idle_spans(steps: StepTimes, ends: IntArray) -> list[tuple[int, int]]:
+    """Stretches of MIN_CAUSE_NS or more between one busy step's output and the next's start:
+    inside a request's life (it had a step to run) the core was not running."""
+    busy = np.flatnonzero((steps.prefill_tokens + steps.decode_tokens) > 0)
+    if len(busy) < 2:
+        return []
+    after, before = ends[busy[:-1]], steps.schedule_start_ns[busy[1:]]
+    long = before - after >= MIN_CAUSE_NS
+    return [(int(a), int(b)) for a, b in zip(after[long], before[long])]
+
+
 def full_rows(steps: StepTimes) -> IntArray:
     """Each step's rows where it took the full logits (the sampler ran), else 0."""
     on_full: IntArray = np.where(steps.sample_ns > 0, steps.rows, 0)
@@ -233,15 +285,17 @@ def step_shares(
     windows: Windows,
     weights: StepWeights,
     core_gc: Intervals,
+    excess: FloatArray | None = None,
 ) -> dict[tuple[str, str], StepShare]:
-    """(request id, phase) -> its StepShare, by the formulas of the module docstring."""
+    """(request id, phase) -> its StepShare, by the formulas of the module docstring
+    (``excess``: each step's stall_excess)."""
     if not len(placed.step):
         return {}
     r, ttft = placed.request, placed.ttft
     lo = np.where(ttft, windows.start[r], windows.ttft_end[r])
     hi = np.where(ttft, windows.ttft_end[r], windows.end[r])
     per_member, total = member_shares(members.tokens, placed.step, ttft, lo, hi, steps, weights,
-                                      core_gc)  # fmt: skip
+                                      core_gc, excess)  # fmt: skip
     s = placed.step
     return _by_request_phase(
         per_member, total, steps.schedule_start_ns[s], out_end(steps)[s], placed, steps, windows
@@ -257,10 +311,12 @@ def member_shares(
     steps: StepTimes,
     weights: StepWeights,
     core_gc: Intervals,
+    excess: FloatArray | None = None,
 ) -> tuple[dict[str, FloatArray], IntArray]:
     """Per membership (its tokens, its step's index ``s``, whether its row is in its request's
     TTFT phase), its parts of the step inside its window [lo, hi] (the module docstring's
-    formulas), and the clipped schedule, execute and output time they share out."""
+    formulas), and the clipped schedule, execute and output time they share out. ``excess``:
+    each step's stall_excess, the share of its forward that is ``core_stall``."""
     s0, s1 = steps.schedule_start_ns[s], steps.schedule_end_ns[s]
     e0, e1, o1 = steps.execute_start_ns[s], steps.execute_end_ns[s], out_end(steps)[s]
 
@@ -291,6 +347,9 @@ def member_shares(
     extra = weights.f * full_rows(steps)[s]
     head = net * np.minimum(extra / (cost + extra), 1.0)
     sampling, net = sampling + head, net - head
+    # A step far past its expected forward time: that excess is the core stalling.
+    stall = net * excess[s] if excess is not None else np.zeros(len(s))
+    net = net - stall
     own = np.where(ttft, net * np.minimum((weights.b * tokens + per_row) / cost, 1), 0.0)
     own_row = np.where(ttft, np.minimum(net * per_row / cost, own), 0.0)
     # A row is a prefill row in its TTFT phase, or with more than one token (a recompute after
@@ -311,6 +370,7 @@ def member_shares(
         "grammar_mask": np.minimum(gram, sched - gs),
         "sampling": sampling,
         "logprobs": logprobs,
+        "core_stall": stall,
     }
     total: IntArray = sched + exe + outp
     return per_member, total

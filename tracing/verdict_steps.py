@@ -15,10 +15,12 @@ from tracing.diagnosis import (
     StepFacts,
 )
 from tracing.judge import passes
-from tracing.slow_steps import PAUSE_WORDS, cold_and_outliers
+from tracing.shares import PREFILL_SLACK
+from tracing.slow_steps import PAUSE_WORDS, cold_and_outliers, expected_ns
 from tracing.slow_steps import step_finding as _step
 from tracing.step_fit import (
     MIN_PRICED_PREFILL,
+    OUTLIER_FACTOR,
     StepFit,
     fit_step_shape,
 )
@@ -80,7 +82,8 @@ def stall_steps(
     the fitted cost per prefill token pass MIN_CAUSE_NS): a step slow for another reason is
     an outlier, not a stall. Without one (too few steps), the prefill must at least be one a
     fit could price (MIN_PRICED_PREFILL tokens): a few prompt tokens in a step slowed by
-    contention stall nothing."""
+    contention stall nothing. A step far past its expected time even for a long prompt
+    (tracing.shares.stall_excess) is the core stalling, not its prefill."""
     decode_only = [s.forward_ns for s in busy if s.prefill_tokens == 0 and s.decode_tokens > 0]
     if not decode_only:
         return [], 0.0
@@ -96,6 +99,7 @@ def stall_steps(
             s.prefill_tokens >= MIN_PRICED_PREFILL
             if coef is None
             else coef[1] * s.prefill_tokens >= MIN_CAUSE_NS
+            and s.forward_ns < PREFILL_SLACK * OUTLIER_FACTOR * expected_ns(coef, s)
         )
     ]
     return stalls, typical

@@ -242,7 +242,7 @@ def _models(names: list[str], tmp: Path) -> dict[str, Path]:
 
 def _rescore(args: argparse.Namespace) -> int:
     """The matrix of an earlier run's recordings, judged by this tree (its labels kept)."""
-    from bench.diagnose.score import Matrix, verdict_of
+    from bench.diagnose.score import REFUSED, Matrix, verdict_of
 
     if not args.out:
         raise ValueError("--rescore needs --out: the folder that run kept its trace dbs in")
@@ -256,9 +256,14 @@ def _rescore(args: argparse.Namespace) -> int:
             if not db.exists():
                 continue
             cause = None if r["run"].startswith("control") else r["run"].split("-", 1)[1]
-            per = {q["request_id"]: q["label"] for q in r["requests"] if q.get("label")}
+            # As score.labels judges now: a request the primitive made the server refuse (a
+            # 400) is not labelled, and a run with none left is not scored.
+            refused = {q["request_id"] for q in r["requests"] if q.get("code") == REFUSED}
+            per = {q["request_id"]: q["label"] for q in r["requests"]
+                   if q.get("label") and q["request_id"] not in refused}  # fmt: skip
+            label = r["label"] if per or not refused else "gray"
             timed = {q["request_id"] for q in r["requests"] if q["request_id"]}
-            matrix.add_run(cause, r["label"], verdict_of(db), f"{where} run={r['run']}", per,
+            matrix.add_run(cause, label, verdict_of(db), f"{where} run={r['run']}", per,
                            timed)  # fmt: skip
     print(matrix.render())
     write_json(args.json, {"machine": machine(), "rescored": args.rescore, **matrix.to_json()})

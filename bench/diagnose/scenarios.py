@@ -38,12 +38,14 @@ class Profile:
     base_prompt: tuple[int, int]
     min_tokens: int
     spaced_s: float = 0.0
+    kv_groups: int = 1  # the KV cache's groups: each holds a block per 16 tokens of a request
 
 
 PROFILES = {
     "tiny": Profile("tiny", 0.0012, (300, 1900), (8, 300), 64),
     "smollm2": Profile("smollm2", 0.028, (150, 1200), (8, 20), 12, spaced_s=0.12),
-    "gemma3": Profile("gemma3", 0.040, (120, 900), (8, 20), 10, spaced_s=0.16),
+    # Gemma 3 270M: 3 global layers in 1 KV group, 15 sliding-window layers in 5.
+    "gemma3": Profile("gemma3", 0.040, (120, 900), (8, 20), 10, spaced_s=0.16, kv_groups=6),
 }
 BLOCK = 16  # tokens a KV block holds (lumen serve's default)
 
@@ -146,8 +148,11 @@ def _max_num_seqs(rng: np.random.Generator, p: Profile, asks: list[Ask], d: floa
 
 
 def _kv_blocks(rng: np.random.Generator, p: Profile, asks: list[Ask], d: float) -> Run:
-    need = [-(-(len(a.body["prompt"]) + a.body["max_tokens"]) // BLOCK) for a in asks]
-    lo, hi = max(need) + 1, max(max(need) + 2, int(0.75 * sum(need)))
+    # Each request's blocks in every KV group (a window of 512 holds all of these short ones).
+    need = [-(-(len(a.body["prompt"]) + a.body["max_tokens"]) // BLOCK) * p.kv_groups
+            for a in asks]  # fmt: skip
+    lo = max(need) + p.kv_groups
+    hi = max(lo + 1, int(0.75 * sum(need)))
     blocks = int(rng.integers(lo, hi))
     return Run("kv_blocks", asks, ["--num-kv-blocks", str(blocks)],
                magnitude={"num_kv_blocks": blocks, "needed": sum(need)})  # fmt: skip

@@ -67,6 +67,7 @@ PART_CAUSE = {
     "client": "cancel", "core_stall": "hang",
 }  # fmt: skip
 EXPECTED = {"own_prefill", "decode", "step_in_flight"}
+REFUSED = "invalid_request_error"  # a request the server refused (400): the generator's error
 # How a verdict on the sampler names the setting its rows paid for (tracing/settings.py, the
 # most common first): a grammar, logprobs; else penalties and temperature.
 SAMPLER_PAID = (("for rows with a grammar", "grammar"), ("for rows with logprobs", "logprobs"))
@@ -282,6 +283,8 @@ def labels(
         base = [b[s.index] for b in by_index if s.index in b]
         if s.extra or len(base) < len(by_index) or not s.request_id:
             continue
+        if s.code == REFUSED:
+            continue  # the primitive made the server refuse it (a 400): nothing to diagnose
         if s.status == "cancelled" or (s.status == "failed" and base[0].status == "ok"):
             per[s.request_id] = "pos"
         elif asks[s.index].pause_after is not None:
@@ -289,6 +292,8 @@ def labels(
         else:
             per[s.request_id] = grade(effect(base, s, drift))
     grades = set(per.values())
+    if not grades:  # no request to judge it by (each refused): not scored
+        return "gray", per
     overall = "pos" if "pos" in grades else "neg" if grades <= {"neg"} else "gray"
     return overall, per
 

@@ -309,3 +309,75 @@ def test_a_long_prompt_past_its_fitted_price_is_a_prefill_stall(tmp_path: Path) 
     print(text)
     gaps = {f.part for f in run.findings if f.kind == "gap"}
     assert "core_stall" not in gaps and "neighbour_prefill" in gaps, text
+
+
+def _decoders(tr: Trace, n: int = 4, output: int = 200) -> list[str]:
+    ids = [f"s{i}" for i in range(n)]
+    for rid in ids:
+        tr.request(rid, 0.0, prompt=16, output=output)
+    tr.step({rid: 16 for rid in ids}, 8.0)
+    return ids
+
+
+def test_the_cores_gc_while_a_token_waits_to_leave_it_is_gc(tmp_path: Path) -> None:
+    """An 80 ms collection of the core just after a step's outputs were made (the gc primitive
+    of `lumen bench diagnose`, which read as a hang): the GIL holds the core's output thread,
+    so the token reaches the frontend 81 ms late, and the next step starts after it. The
+    streams' gap is the core's GC, neither a stall nor the frontend's emit."""
+    tr = Trace()
+    ids = _decoders(tr)
+    for k in range(198):  # with the step after the pause: 199 decode steps
+        rows = {rid: 1 for rid in ids}
+        if k == 70:
+            tr.step(rows, 2.0, held_ms=81.0)
+            tr.pause("core", "gc", (tr.now - T0) / MS, 80.0)
+            tr.step(rows, 2.0, at_ms=(tr.now - T0) / MS + 80.0)
+        else:
+            tr.step(rows, 2.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    gaps = [f for f in run.findings if f.kind == "gap"]
+    assert [(f.part, sorted(f.request_ids)) for f in gaps] == [("gc", ids)], text
+
+
+def test_a_core_stopped_while_idle_holds_new_requests_as_a_stall(tmp_path: Path) -> None:
+    """The core stopped for 300 ms while no step ran: requests sent then reach it late. That
+    wait is the core stalling (a healthy core reads its input within a millisecond), not IPC;
+    the same requests sent 1 ms apart are quick and name nothing."""
+    named = {}
+    for stopped in (True, False):
+        tr = Trace()
+        for i in range(12):
+            late = stopped and i in (6, 7)
+            tr.request(f"r{i}", i * 200.0, output=8, ipc_ms=300.0 if late else 0.2)
+            serve_alone(tr, f"r{i}", i * 200.0 + 2)
+        run = diagnose_run(tr.write(tmp_path / f"t{stopped}.db"))
+        print(render_run(run))
+        named[stopped] = {f.part for f in run.findings if f.kind in ("cause", "paid")}
+        if stopped:
+            r6 = next(r for r in run.requests if r.request_id == "r6")
+            assert r6.ttft["core_stall"] >= 295 * MS and r6.ttft["ipc"] < MS, r6.ttft
+    assert named == {True: {"core_stall"}, False: set()}, named
+
+
+def test_a_core_stopped_in_a_short_prefill_step_is_a_stall_not_the_prefill(
+    tmp_path: Path,
+) -> None:
+    """SIGSTOP of the core for 500 ms during a step that carried a 64-token prefill beside
+    three decoders (SmolLM2's scenario, named as a prefill stall before): the step is far past
+    even a long prompt's slack, so the decoders' gap and the newcomer's TTFT are the core
+    stalling."""
+    tr = Trace()
+    ids = _decoders(tr, 3)
+    for k in range(60):
+        tr.step({rid: 1 for rid in ids}, 2.0 + 0.1 * (k % 3))
+    tr.request("p", (tr.now - T0) / MS, prompt=64, output=8)
+    tr.step({**{rid: 1 for rid in ids}, "p": 64}, 2.0 + 0.3 * 64 + 500.0)
+    while any(r.status is None for r in tr.reqs.values()):
+        tr.step({rid: 1 for rid, r in tr.reqs.items() if r.status is None}, 2.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    parts = {f.part for f in run.findings if f.kind in ("cause", "paid", "gap", "step")}
+    assert "core_stall" in parts and "neighbour_prefill" not in parts, text

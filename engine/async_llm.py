@@ -250,7 +250,7 @@ class AsyncLLM:
                 try:
                     out = await stream_state.get()
                 except EngineHandOverError:
-                    handed = True  # its caller sends it on; this engine forgot it
+                    handed = True  # its group sends it on, or fails it (handed_over)
                     raise
                 finished = out.finished
                 stream_state.sent = stream

@@ -220,7 +220,11 @@ class EngineGroup:
                 return
             except EngineHandOverError as e:
                 failed = engine
-                next_engine = await self._next_engine(failed)
+                try:
+                    next_engine = await self._next_engine(failed)
+                except BaseException:  # its caller went away while it waited
+                    await failed.abort(request_id)
+                    raise
                 if next_engine is None:
                     failed.handed_over(request_id, e)
                     raise EngineRestartingError(

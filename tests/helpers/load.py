@@ -184,6 +184,27 @@ def server_idle(server: LumenServer) -> bool:
     )
 
 
+class WholeResponses:
+    """``n`` whole (non-streamed) completions of ``body`` in flight, each in its own thread:
+    ``responses`` once ``join`` returns."""
+
+    def __init__(self, server: LumenServer, n: int, body: dict[str, object]) -> None:
+        self.responses: list[httpx.Response] = []
+        self._threads = [
+            threading.Thread(target=lambda: self.responses.append(server.http.post(
+                server.url("/v1/completions"), headers=server.headers(), json=body, timeout=60,
+            )), daemon=True)
+            for _ in range(n)
+        ]  # fmt: skip
+        for t in self._threads:
+            t.start()
+
+    def join(self, timeout: float = 60) -> list[httpx.Response]:
+        for t in self._threads:
+            t.join(timeout)
+        return self.responses
+
+
 class Streams:
     """Chat streams of fixed lengths (``max_tokens`` with ``ignore_eos``), each in its own
     thread, through the official ``openai`` client: what each one got, and how it ended."""

@@ -18,7 +18,7 @@ import pytest
 from engine import cpu_share
 from replay.report import render_text
 from service.cli import main
-from tests.helpers.load import Streams, server_idle, wait_until
+from tests.helpers.load import Streams, WholeResponses, server_idle, wait_until
 from tests.helpers.procs import live_children
 from tests.helpers.server import LumenServer, metric
 from tracing.store import open_db
@@ -154,14 +154,8 @@ def test_a_dead_engine_leaves_the_other_serving(tmp_path: Path, tiny_model_path:
         streams = Streams(server, [1500] * 8)
         wait_until(streams.started, 30)
         # Whole (non-streamed) responses in flight: those of the dead engine had sent nothing.
-        whole: list[httpx.Response] = []
-        posters = [
-            threading.Thread(target=lambda: whole.append(_complete(
-                server, "hi", max_tokens=200, ignore_eos=True)))
-            for _ in range(4)
-        ]  # fmt: skip
-        for t in posters:
-            t.start()
+        body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True}
+        posters = WholeResponses(server, 4, body)
         wait_until(lambda: metric(server.metrics(), "lumen:num_requests_running") == 12, 10)
         killed = time.monotonic()
         os.kill(_core_pids(server)[1], signal.SIGKILL)
@@ -170,8 +164,7 @@ def test_a_dead_engine_leaves_the_other_serving(tmp_path: Path, tiny_model_path:
         assert [r.status_code for r in during] == [200] * 3, [r.text for r in during]
         served_during = time.monotonic() - killed
         streams.join(60)
-        for t in posters:
-            t.join(60)
+        whole = posters.join(60)
         errors = [e for e in streams.error if e is not None]
         print(
             f"\nkill -9 of engine 1: {len(errors)} of 8 streams failed, the others finished; "

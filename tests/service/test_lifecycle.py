@@ -22,7 +22,7 @@ import yaml
 
 from replay.report import render_text
 from service.cli import main
-from tests.helpers.load import Streams, server_idle, wait_until
+from tests.helpers.load import Streams, WholeResponses, server_idle, wait_until
 from tests.helpers.procs import live_children, pid_alive
 from tests.helpers.server import ROOT, LumenServer, ServerPool, free_port, metric
 from tracing.store import open_db
@@ -172,16 +172,7 @@ def _crash_hang_and_crash_loop(server: LumenServer) -> None:
     # kill -9 of the core under 16 streams, and 2 whole (non-streamed) responses in flight
     streams = Streams(server, [LONG] * 16)
     wait_until(streams.started, 30)
-    whole: list[httpx.Response] = []
-    posters = [
-        threading.Thread(target=lambda: whole.append(server.http.post(
-            server.url("/v1/completions"), timeout=60,
-            json={"prompt": "hi", "max_tokens": 300, "ignore_eos": True},
-        )))
-        for _ in range(2)
-    ]  # fmt: skip
-    for t in posters:
-        t.start()
+    posters = WholeResponses(server, 2, {"prompt": "hi", "max_tokens": 300, "ignore_eos": True})
     wait_until(lambda: metric(server.metrics(), "lumen:num_requests_running") == 18, 10)
     killed = time.monotonic()
     os.kill(server.core_pid(), signal.SIGKILL)
@@ -189,8 +180,7 @@ def _crash_hang_and_crash_loop(server: LumenServer) -> None:
     failed_within = max(streams.ended) - killed
     assert {e for _, _, _, e in streams.summary()} == {"engine_restarted"}, streams.summary()
     # The whole responses had sent nothing: they were sent again to the new core and served.
-    for t in posters:
-        t.join(60)
+    whole = posters.join(60)
     assert [r.status_code for r in whole] == [200, 200], [r.text for r in whole]
     assert [r.json()["usage"]["completion_tokens"] for r in whole] == [300, 300]
     resent = [r.headers["x-request-id"] for r in whole]

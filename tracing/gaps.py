@@ -117,7 +117,7 @@ class GapCutter:
         # (shares.stall_excess); as instants, the core stalled (all its threads), but where the
         # API process paused meanwhile: that is its pause (carved first).
         self.excess = stall_excess(steps, weights, self.core.gc)
-        stalls = stall_spans(steps, weights, self.excess)
+        stalls = stall_spans(steps, self.excess)
         self.stalls = Intervals(minus(stalls, sorted(self.api.gc.spans() + self.api.lag.spans())))
         order = np.argsort(placed.request, kind="stable")
         counts = np.bincount(placed.request) if len(placed.request) else np.zeros(0, np.int64)

@@ -245,9 +245,7 @@ def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> 
     return excess
 
 
-def stall_spans(
-    steps: StepTimes, weights: StepWeights, excess: FloatArray
-) -> list[tuple[int, int]]:
+def stall_spans(steps: StepTimes, excess: FloatArray) -> list[tuple[int, int]]:
     """Each stalled step's forward past its expected time, as instants."""
     forward = steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns - steps.logprobs_ns
     past = steps.execute_start_ns + (forward * (1.0 - excess)).astype(np.int64)

@@ -260,6 +260,18 @@ class EngineGroup:
         await asyncio.gather(*(e.shutdown() for e in self.engines))
 
 
+def start_group(config: Any, size: int) -> EngineGroup:
+    """``size`` engines for ``config`` in this process's care (unsupervised: a core that dies
+    fails its requests, as one AsyncLLM's does), for a replay of a recorded split. Call inside
+    a running event loop."""
+    from engine.launch import launch_core
+
+    cores = [launch_core(config, dp_rank=r, dp_size=size) for r in range(size)]
+    first = AsyncLLM(config, core=cores[0])
+    rest = [AsyncLLM(config, core=core, processor=first.processor) for core in cores[1:]]
+    return EngineGroup([first, *rest])
+
+
 class _StepCounts:
     """A stat logger of one engine: its steps' waiting counts, for the rule."""
 

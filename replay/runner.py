@@ -19,9 +19,10 @@ from tqdm import tqdm
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.data_parallel import EngineGroup, start_group
 from engine.model_config import ModelConfig
 from engine.model_files import resolve_model
-from replay.workload import ReplayRequest, load_workload
+from replay.workload import ReplayRequest, load_workload, recorded_engines
 from tracing.config import TracingConfig
 from tracing.recorder import Tracer
 from tracing.store import latest_run, open_db
@@ -70,7 +71,7 @@ async def run_replay(
     run_id: str | None = None,
     window: tuple[float, float] = (0.0, float("inf")),
     progress: bool = True,
-    engine: AsyncLLM | None = None,
+    engine: AsyncLLM | EngineGroup | None = None,
 ) -> RunResult:
     """One replay into ``out``, through a fresh engine, or through ``engine`` when given (left
     running for the next replay: one start for several runs, as the regression gate does)."""
@@ -81,8 +82,11 @@ async def run_replay(
         db, vocab=vocabulary(path), run_id=run_id, limit=limit, window=window
     )
     owned = engine is None
+    # A recording of several engines replays on as many, each request on its recorded one.
+    engines = recorded_engines(db, source_run)
     if engine is None:
-        engine = AsyncLLM(engine_config)
+        engine = AsyncLLM(engine_config) if engines == 1 else start_group(engine_config, engines)
+    pinned = len(engine.members) == engines > 1
     too_long = [r for r in work if len(r.prompt_token_ids) >= engine.max_model_len]
     if too_long:
         if owned:
@@ -93,7 +97,7 @@ async def run_replay(
         )
     tracer = Tracer(
         TracingConfig(trace_db=out, trace_prompts="hashes"), engine.info,
-        engine_config=engine_config,
+        engine_config=engine_config, data_parallel_size=len(engine.members),
     )  # fmt: skip
     engine.observe(tracer)  # a shared engine's next replay observes with its own tracer
     bar = tqdm(total=len(work), desc="replay", disable=not progress, unit="req")
@@ -108,9 +112,13 @@ async def run_replay(
         errors.append(time.monotonic() - due)
         max_room = engine.max_model_len - len(req.prompt_token_ids)
         params = req.params.clone(max_tokens=min(req.params.max_tokens or max_room, max_room))
-        stream = engine.generate(
-            {"prompt_token_ids": req.prompt_token_ids}, params, priority=req.priority
-        )
+        prompt: Any = {"prompt_token_ids": req.prompt_token_ids}
+        if isinstance(engine, EngineGroup) and pinned:  # on its recorded engine
+            stream = engine.generate(
+                prompt, params, priority=req.priority, data_parallel_rank=req.engine or 0
+            )
+        else:
+            stream = engine.generate(prompt, params, priority=req.priority)
         got = 0
         try:
             async for o in stream:
@@ -156,11 +164,13 @@ async def run_replay_http(
     run_id: str | None = None,
     window: tuple[float, float] = (0.0, float("inf")),
     progress: bool = True,
+    pin_engines: bool = False,
 ) -> tuple[RunResult, dict[str, list[float]]]:
     """The same open-loop replay against a running server (`/v1/completions`, the prompts as
     token ids), each client as recorded: streamed or not, hanging up after the tokens it read,
     reading slowly through a small receive buffer. The server records the trace; the client
-    times TTFT and e2e."""
+    times TTFT and e2e. ``pin_engines``: each request to its recorded engine (vLLM's
+    X-data-parallel-rank header; the server has the recording's engines)."""
     import socket
 
     import httpx
@@ -200,8 +210,9 @@ async def run_replay_http(
         if req.stream:
             body["stream_options"] = {"include_usage": True}
         first, got = 0.0, 0
+        pinned = {"X-data-parallel-rank": str(req.engine or 0)} if pin_engines else None
         try:
-            async with client.stream("POST", "/v1/completions", json=body) as r:
+            async with client.stream("POST", "/v1/completions", json=body, headers=pinned) as r:
                 if r.status_code != 200:
                     raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
                 async for line in r.aiter_lines():
@@ -253,6 +264,11 @@ def run_replay_served(
 
     model = str(resolve_model(config.model))
     flags = option_flags(config, skip=("model", "core_process"))
+    # A recording of several engines: as many, each request sent to its recorded one.
+    engines = recorded_engines(db, options.get("run_id"))
+    if engines > 1:
+        flags += ["--data-parallel-size", str(engines)]
+        options = {**options, "pin_engines": True}
     with tempfile.TemporaryDirectory(prefix="lumen-replay-") as tmp:
         log = Path(tmp) / "serve.log"
         with LumenServer(model, *flags, log_path=log, trace_db=Path(out)) as server:

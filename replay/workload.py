@@ -31,6 +31,7 @@ class ReplayRequest:
     stream: bool = True
     hang_up_after: int | None = None  # tokens read before the client disconnected
     read_interval_s: float = 0.0  # a slow reader: time between reads of the stream
+    engine: int | None = None  # the data-parallel engine that served it (--data-parallel-size)
 
 
 # A recorded client was a slow reader when its writes waited at least this long, and this
@@ -55,10 +56,14 @@ def load_workload(
     """
     with open_db(db, timeout=10) as con:
         run_id = run_id or latest_run(con)
+        have = {c for (c,) in con.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'requests'"
+        ).fetchall()}  # fmt: skip
+        engine = "engine" if "engine" in have else "NULL"  # stores before migration 10
         rows = con.execute(
             "SELECT request_id, arrival_ns, prompt_tokens, output_tokens, params, priority, "
             "prompt_block_size, prompt_block_hashes, prompt_token_ids, stream, status, "
-            "send_wait_ns, first_delivered_ns, last_delivered_ns FROM requests "
+            f"send_wait_ns, first_delivered_ns, last_delivered_ns, {engine} FROM requests "
             "WHERE run_id = ? AND prompt_tokens > 0 AND params IS NOT NULL "
             "ORDER BY arrival_ns, request_id",
             [run_id],
@@ -75,7 +80,7 @@ def load_workload(
     out = []
     for i, row in enumerate(rows):
         rid, arrival, n_prompt, n_out, params, prio, block, hashes, ids, stream = row[:10]
-        status, send_wait, first_delivered, last_delivered = row[10:]
+        status, send_wait, first_delivered, last_delivered, engine_rank = row[10:]
         if ids is None:
             ids = synthetic_prompt(n_prompt, block, hashes, vocab, seed=seed + i)
         recorded = json.loads(params)
@@ -95,9 +100,26 @@ def load_workload(
                 stream is not False,
                 hang_up,
                 span / max(n_out - 1, 1) if slow and stream is not False else 0.0,
+                engine_rank,
             )
         )
     return run_id, out
+
+
+def recorded_engines(db: str, run_id: str | None = None) -> int:
+    """The engines the run was recorded on (``lumen serve --data-parallel-size``; 1 where the
+    store predates the column)."""
+    with open_db(db, timeout=10) as con:
+        run_id = run_id or latest_run(con)
+        have = {c for (c,) in con.execute(
+            "SELECT column_name FROM information_schema.columns WHERE table_name = 'runs'"
+        ).fetchall()}  # fmt: skip
+        if "data_parallel_size" not in have:
+            return 1
+        row = con.execute(
+            "SELECT data_parallel_size FROM runs WHERE run_id = ?", [run_id]
+        ).fetchone()
+    return int(row[0]) if row and row[0] else 1
 
 
 def _params(recorded: dict, num_output_tokens: int) -> SamplingParams:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from engine import cpu_share
+from replay.cli import main as replay
 from replay.report import render_text
 from service.cli import main
 from tests.helpers.load import Streams, WholeResponses, server_idle, wait_until
@@ -144,6 +145,17 @@ def test_two_engines_serve_as_one(
     assert "engine 1" in why and "another engine had room" in why, why
     report = " ".join(render_text(str(server.trace_db)).split())
     assert "engine steps" in report, report
+    # `replay run` of the recording: a server of two engines, each request on its recorded one.
+    replayed = tmp_path / "replay.db"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert replay(["run", str(server.trace_db), "--out", str(replayed)]) == 0
+    with open_db(replayed) as con:
+        again = dict(con.execute(
+            "SELECT engine, count(*) FROM requests WHERE engine IS NOT NULL GROUP BY engine"
+        ).fetchall())  # fmt: skip
+    split[1] += len(pinned)
+    print(f"replayed split: {again} (recorded {split})")
+    assert again == split
 
 
 @needs_two_cpus

@@ -88,7 +88,7 @@ def test_two_engines_serve_as_one(
         threads = [
             threading.Thread(target=lambda: pinned.append(server.http.post(
                 server.url("/v1/completions"), timeout=60, headers={"X-data-parallel-rank": "1"},
-                json={"prompt": "pinned", "max_tokens": 48, "ignore_eos": True})))
+                json={"prompt": "pinned", "max_tokens": 160, "ignore_eos": True})))
             for _ in range(8)
         ]  # fmt: skip
         for t in threads:

@@ -54,7 +54,7 @@ class EngineGroup:
         for engine in engines:
             engine.hand_over = True
         first = engines[0]
-        self.config, self.model_path, self.supervised = first.config, first.model_path, True
+        self.config = first.config
         self.processor, self.tokenizer = first.processor, first.tokenizer
         # Per rank: the waiting requests its last step reported, those sent since, and how
         # many it was ever sent.
@@ -67,31 +67,16 @@ class EngineGroup:
 
     @classmethod
     def start(
-        cls,
-        config: Any,
-        cores: list[CoreProcess],
-        *,
-        stall_timeout: float,
-        tokenizer: Any,
-        resubmit_timeout: float,
+        cls, config: Any, cores: list[CoreProcess], *, tokenizer: Any = None, **options: Any
     ) -> EngineGroup:
-        """The group over ``cores`` (all READY, one per rank, supervised)."""
-        first = AsyncLLM(
-            config, stall_timeout=stall_timeout, core=cores[0], supervised=True,
-            tokenizer=tokenizer, resubmit_timeout=resubmit_timeout,
-        )  # fmt: skip
+        """The group over ``cores`` (one per rank, in order), each engine an
+        ``AsyncLLM(config, core=..., **options)``; they share the first one's processor (and
+        the ``tokenizer`` it loads)."""
+        first = AsyncLLM(config, core=cores[0], tokenizer=tokenizer, **options)
         rest = [
-            AsyncLLM(
-                config,
-                stall_timeout=stall_timeout,
-                core=core,
-                supervised=True,
-                resubmit_timeout=resubmit_timeout,
-                processor=first.processor,
-            )
-            for core in cores[1:]
+            AsyncLLM(config, core=core, processor=first.processor, **options) for core in cores[1:]
         ]
-        return cls([first, *rest], resubmit_timeout)
+        return cls([first, *rest], options.get("resubmit_timeout", 0.0))
 
     # -- the engine's surface the server uses ----------------------------------------------
 
@@ -266,10 +251,9 @@ def start_group(config: Any, size: int) -> EngineGroup:
     a running event loop."""
     from engine.launch import launch_core
 
-    cores = [launch_core(config, dp_rank=r, dp_size=size) for r in range(size)]
-    first = AsyncLLM(config, core=cores[0])
-    rest = [AsyncLLM(config, core=core, processor=first.processor) for core in cores[1:]]
-    return EngineGroup([first, *rest])
+    return EngineGroup.start(
+        config, [launch_core(config, dp_rank=r, dp_size=size) for r in range(size)]
+    )
 
 
 class _StepCounts:

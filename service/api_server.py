@@ -254,7 +254,7 @@ async def _serve_ready(
         )  # fmt: skip
     else:
         engine = EngineGroup.start(
-            engine_config, cores, stall_timeout=config.stream_stall_timeout,
+            engine_config, cores, stall_timeout=config.stream_stall_timeout, supervised=True,
             tokenizer=tokenizer, resubmit_timeout=config.max_queue_wait,
         )  # fmt: skip
     _chat_template(engine, config)

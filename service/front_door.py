@@ -19,8 +19,9 @@ from service import http_timing
 from service.config import ServerConfig
 from service.context import RequestContext, attach
 from service.errors import APIError
+from service.prepared import Prepared
 from service.protocol import ChatCompletionRequest, CompletionRequest
-from service.serving import Prepared, Serving
+from service.serving import Serving
 
 logger = logging.getLogger(__name__)
 _ID_KINDS = {"/v1/chat/completions": "chatcmpl", "/v1/completions": "cmpl"}

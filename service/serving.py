@@ -8,7 +8,6 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -22,15 +21,13 @@ from engine.data_parallel import EngineGroup
 from engine.errors import STALLED, EngineDeadError, EngineRestartingError, RequestAbortedError
 from engine.frontend import Finished
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.processor import PreparedPrompt
-from engine.request_ids import child_id
-from engine.sampling_params import SamplingParams
 from service import tools
 from service.admission import Admission, AdmissionRefused
 from service.context import RequestContext
 from service.errors import APIError, error_body
 from service.lifecycle import Lifecycle
 from service.metrics import ServerMetrics
+from service.prepared import Prepared, as_prompts, max_tokens_for, pinned_engine
 from service.protocol import ChatCompletionRequest, CompletionRequest
 from service.request_metrics import request_metrics, server_timing_header
 from service.responses import Choice, ReplyStream, ResponseHead
@@ -41,31 +38,6 @@ logger = logging.getLogger(__name__)
 _encode = msgspec.json.encode
 # What a malformed chat or prompt can raise while it is templated and tokenized.
 _INPUT_ERRORS = (ValueError, TypeError, KeyError, jinja2.TemplateError)
-
-
-@dataclass(slots=True)
-class Prepared:
-    """A validated request, ready for the engine: its prompts are not checked again."""
-
-    prompts: list[PreparedPrompt]
-    params: SamplingParams
-    head: ResponseHead
-    stream: bool
-    priority: int
-    ctx: RequestContext  # arrival, first byte, and what the HTTP layer measures of it
-    include_metrics: bool = False  # the response carries `metrics` (service/request_metrics)
-    engine_rank: int | None = None  # the engine its X-data-parallel-rank header names
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return sum(len(p.prompt_token_ids) for p in self.prompts)
-
-    @property
-    def request_ids(self) -> list[str]:
-        """The engine request of each prompt."""
-        if len(self.prompts) == 1:
-            return [self.head.id]
-        return [child_id(self.head.id, i) for i in range(len(self.prompts))]
 
 
 class Serving:
@@ -135,7 +107,7 @@ class Serving:
         self.check_model(body.model)
         try:
             body.check_supported()
-            prompts = [self.engine.tokenize(p) for p in _as_prompts(body.prompts())]
+            prompts = [self.engine.tokenize(p) for p in as_prompts(body.prompts())]
             return self._prepare(body, ctx, path, prompts, body.max_tokens, body.logprobs, False)
         except _INPUT_ERRORS as e:
             raise APIError(400, str(e)) from None
@@ -152,11 +124,12 @@ class Serving:
         plan: tools.ToolPlan | None = None,
     ) -> Prepared:
         longest = max(len(ids) for _, ids in prompts)
-        engine_rank = self._engine_rank(ctx.data_parallel_rank)
+        engine_rank = pinned_engine(ctx.data_parallel_rank, len(self.engine.members))
         defaults = self.engine.processor.sampling_defaults
         if max_tokens is None:
             max_tokens = defaults.get("max_tokens")
-        params = body.sampling_params(self._max_tokens(longest, max_tokens), num_logprobs, defaults)
+        room = max_tokens_for(longest, max_tokens, self.engine.max_model_len)
+        params = body.sampling_params(room, num_logprobs, defaults)
         if plan is not None:
             params = params.clone(structured_outputs=plan.structured_outputs())
         # The one validation a served prompt gets: the engine runs it as it is.
@@ -186,40 +159,6 @@ class Serving:
                 tracer.start(ctx.trace_start(rid, path, self.model_name, prep.stream))
             ctx.traced_ids = request_ids  # the front door closes them once the response is written
         return prep
-
-    def _engine_rank(self, header: str | None) -> int | None:
-        """The engine an X-data-parallel-rank header names (vLLM's, for replaying a recorded
-        split); ValueError unless it is one of the engines' ranks."""
-        if header is None:
-            return None
-        engines = len(self.engine.members)
-        try:
-            rank = int(header)
-        except ValueError:
-            rank = -1
-        if not 0 <= rank < engines:
-            raise ValueError(
-                f"X-data-parallel-rank must be an engine's rank, 0 to {engines - 1} "
-                f"(--data-parallel-size {engines}), not {header!r}"
-            )
-        return rank if engines > 1 else None
-
-    def _max_tokens(self, num_prompt_tokens: int, requested: int | None) -> int:
-        max_len = self.engine.max_model_len
-        room = max_len - num_prompt_tokens
-        if room < 1:
-            raise ValueError(
-                f"the prompt is {num_prompt_tokens} tokens long, which leaves no room to generate "
-                f"within the maximum context length of {max_len} tokens"
-            )
-        if requested is None:
-            return room
-        if requested > room:
-            raise ValueError(
-                f"this model's maximum context length is {max_len} tokens, but the prompt is "
-                f"{num_prompt_tokens} tokens and max_tokens asks for {requested} more"
-            )
-        return requested
 
     async def respond(self, prep: Prepared, request: Request) -> Response:
         """Admit, then run: a stream keeps its admission slot until it ends."""
@@ -515,7 +454,3 @@ def _metrics(
         first_delivered_ns=ctx.http.first_delivered_ns if prep.stream else 0,
         num_tokens=num_tokens, now_ns=time.time_ns(),
     )  # fmt: skip
-
-
-def _as_prompts(prompts: list[str | list[int]]) -> list[str | dict[str, list[int]]]:
-    return [p if isinstance(p, str) else {"prompt_token_ids": p} for p in prompts]

@@ -64,9 +64,9 @@ def hang_timeout(config: EngineConfig, step_prior: list[float], given: float | N
     """``given``, else max(10 s, 20 x the warm-up's price of the budget's largest step)."""
     if given is not None:
         return given
-    if len(step_prior) != 3:
+    if len(step_prior) < 3:
         return 3 * MIN_HANG_TIMEOUT_S  # no warm-up: no price to scale
-    a, b, c = step_prior
+    a, b, c = step_prior[:3]
     largest = (a + b * config.max_num_batched_tokens + c * config.max_num_seqs) / 1e9
     return max(MIN_HANG_TIMEOUT_S, HANG_STEP_FACTOR * largest)
 

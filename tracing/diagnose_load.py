@@ -70,7 +70,7 @@ class RunFacts:
     members: Memberships
     preempted: Memberships  # (step, request) for each request a step preempted; tokens 0
     pauses: list[PauseRow]
-    step_prior: list[float] | None = None  # the warm-up's [a, b, c, f] (tracing.step_fit)
+    step_prior: list[float] | None = None  # the warm-up's [a, b, c, f, g] (tracing.step_fit)
     lifecycle: list[LifecycleRow] = field(default_factory=list)  # drains, restarts
     stream_interval: int = 1  # tokens a write took (lumen serve --stream-interval)
     replica: str | None = None  # the replica that recorded the run (runs.replica)
@@ -85,7 +85,8 @@ def load_step_prior(con: duckdb.DuckDBPyConnection, run_id: str) -> list[float] 
     if "step_prior" not in _columns(con, "runs"):
         return None
     row = con.execute("SELECT step_prior FROM runs WHERE run_id = ?", [run_id]).fetchone()
-    return list(row[0]) if row and row[0] and len(row[0]) in (3, 4) else None  # [a, b, c(, f)]
+    prior = list(row[0]) if row and row[0] else []
+    return prior if len(prior) in (3, 4, 5) else None  # [a, b, c(, f(, g))]
 
 
 def load_max_num_seqs(con: duckdb.DuckDBPyConnection, run_id: str) -> int | None:

@@ -3,14 +3,16 @@ that splits a step's time between its rows (numpy over the facts ``tracing.diagn
 reads).
 
 The fit that prices a step (``tracing.step_fit``): a, b, c of execute = a + b * prefill tokens
-+ c * rows, and f, the extra of a row on the full-logits path (its docstring states it).
++ c * rows, and the full-logits path's extra over the greedy head, f a row and g a step (its
+docstring states it).
 
 A step's cost, and one row's share of it (d prices decode tokens; only the fallback sets it;
 full rows are the step's rows where it took the full logits, 0 where it took the greedy head)::
 
     cost(step)  = max(a + b * prefill tokens + c * rows + d * decode tokens, 1e-9)
-    head        = net * min(f * full rows / (cost + f * full rows), 1)       (into sampling:
-                  every row of a step on the full logits waits for their extra)
+    extra       = f * full rows + g * (full rows > 0)
+    head        = net * min(extra / (cost + extra), 1)       (into sampling: every row of a
+                  step on the full logits waits for the extra)
     per_row     = a / max(rows, 1) + c
     own         = net * min((b * its tokens + per_row) / cost, 1)          (TTFT phase only)
     own_row     = min(net * per_row / cost, own)    (of own: its row's share of the fixed cost;
@@ -161,7 +163,7 @@ class InFlight:
         executed = np.maximum(steps.execute_end_ns - steps.execute_start_ns - sampler, 0)
         if weights.fitted:
             expected = weights.a + weights.b * steps.prefill_tokens + weights.c * steps.rows
-            expected = expected + weights.f * full_rows(steps)
+            expected = expected + weights.full_extra(full_rows(steps))
         else:
             typical = float(np.median(executed[busy])) if busy.any() else 0.0
             expected = np.full(len(executed), typical)
@@ -238,7 +240,7 @@ def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> 
     forward = (steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns
                - steps.logprobs_ns - gc)  # fmt: skip
     prefill = weights.b * steps.prefill_tokens
-    expected = weights.a + prefill + weights.c * steps.rows + weights.f * full_rows(steps)
+    expected = weights.a + prefill + weights.c * steps.rows + weights.full_extra(full_rows(steps))
     factor = np.where(prefill >= MIN_CAUSE_NS, OUTLIER_FACTOR * PREFILL_SLACK, OUTLIER_FACTOR)
     slow = (forward >= factor * expected) & (forward - expected >= MIN_CAUSE_NS)
     excess: FloatArray = np.where(slow, 1.0 - expected / np.maximum(forward, 1), 0.0)
@@ -342,7 +344,7 @@ def member_shares(
     )
     net = net_all - sampling - logprobs
     # A step on the full logits: what they cost its forward over the greedy head, every row's.
-    extra = weights.f * full_rows(steps)[s]
+    extra = weights.full_extra(full_rows(steps)[s])
     head = net * np.minimum(extra / (cost + extra), 1.0)
     sampling, net = sampling + head, net - head
     # A step far past its expected forward time: that excess is the core stalling.

@@ -1,8 +1,8 @@
-"""Steps slow for their shape, against a fitted cost (a + b x prefill tokens + c x rows + f x
-full rows): one of the first steps past its reference and the later steps' noise is a cold
-start; any other past OUTLIER_FACTOR x its expectation stalled, in the core (contention, a
-stopped process, a kernel compiled for a new shape) or, where the API process paused in it
-for half its excess, in that pause, which took its CPU."""
+"""Steps slow for their shape, against a fitted cost (a + b x prefill tokens + c x rows, and on
+the full logits f x rows + g): one of the first steps past its reference and the later steps'
+noise is a cold start; any other past OUTLIER_FACTOR x its expectation stalled, in the core
+(contention, a stopped process, a kernel compiled for a new shape) or, where the API process
+paused in it for half its excess, in that pause, which took its CPU."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ PAUSE_WORDS = {"gc": "garbage collection", "loop_lag": "event-loop lag"}
 
 
 def expected_ns(coef: np.ndarray, s: StepFacts) -> float:
-    return float(coef @ np.array([1.0, s.prefill_tokens, s.rows or s.running, s.full_rows]))
+    full = s.full_rows
+    return float(coef @ np.array([1.0, s.prefill_tokens, s.rows or s.running, full, full > 0]))
 
 
 def _slow_for_shape(s: StepFacts, coef: np.ndarray) -> bool:

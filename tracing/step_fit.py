@@ -3,7 +3,9 @@ the fallback where a run cannot be fitted (numpy; ``tracing.shares`` shares step
 
 The fit (fit_step_shape, on the run's busy steps after the first COLD_STEPS)::
 
-    execute_ns = a + b * prefill tokens + c * rows + f * full rows
+    execute_ns = a + b * prefill tokens + c * rows + f * full rows + g * on full
+
+(full rows: a step's rows where it took the full logits, else 0; on full: 1 there, else 0)
 
 least squares, refitted without the steps more than 3 robust deviations from its median residual
 (except steps with MIN_PRICED_PREFILL prefill tokens: they alone price a token); no coefficient
@@ -20,16 +22,16 @@ The fallback (step_weights, where the run recorded no prior): with fewer than MI
 steps to fit (or a fit that is all 0), plain token shares (a = c = 0, b = d = 1); and if no
 step carried MIN_PRICED_PREFILL prefill tokens, rows share alike (a = b = d = 0, c = 1).
 
-f prices what a row on the full-logits path (a step where some row is not plain greedy: a
-grammar, penalties, temperature, top-k/p, logprobs; every row of it takes the full logits) costs
-the forward over the fused greedy head. It is the prior's where the prior has one: the warm-up
-times the same batches on both paths, one after the other, where a run's steps of the two paths
-differ in their context, their neighbours and the machine's speed at the time (on SmolLM2, whose
-two heads cost the same, a run fitted 6.7 ms a row). Its cost comes off the steps on the full
-logits before a, b, c are fitted to the rest. Without it (an older store's prior has no f), f is
-fitted where the run holds steps of both paths, and kept only at 3 standard errors above 0. A
-run whose rows all carry a grammar or a temperature holds steps of one path only: without the
-prior, the full logits' cost reads as the model's.
+f and g price what the full-logits path (a step where some row is not plain greedy: a grammar,
+penalties, temperature, top-k/p, logprobs; every row of it takes the full logits) costs the
+forward over the greedy head: g a step, f a row. They are the prior's where the prior has them:
+the warm-up times the same batches on both paths, one after the other, where a run's steps of
+the two paths differ in their context, their neighbours and the machine's speed at the time (on
+SmolLM2 a run fitted 6.7 ms a row). Their cost comes off the steps on the full logits before a,
+b, c are fitted to the rest. An older store's prior has f alone ([a, b, c, f]: a row's price,
+g = 0) or neither; without f, f is fitted where the run holds steps of both paths, and kept only
+at 3 standard errors above 0. A run whose rows all carry a grammar or a temperature holds steps
+of one path only: without the prior, the full logits' cost reads as the model's.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ IntArray = npt.NDArray[np.int64]
 @dataclass(frozen=True)
 class StepWeights:
     """The run's price of a step: fixed a, b per prefill token, c per row, d per decode token,
-    f per row on the full-logits path."""
+    f per row and g per step on the full-logits path."""
 
     a: float
     b: float
@@ -63,11 +65,17 @@ class StepWeights:
     d: float
     fitted: bool = False  # a, b, c are ns from the fit (else the fallback's unitless shares)
     f: float = 0.0
+    g: float = 0.0
+
+    def full_extra(self, full_rows: npt.NDArray[np.int64]) -> FloatArray:
+        """What the full logits cost steps with ``full_rows`` (0 where greedy) over the head."""
+        extra: FloatArray = self.f * full_rows + self.g * (full_rows > 0)
+        return extra
 
 
 class StepFit(NamedTuple):
-    """[a, b, c, f] of execute = a + b * prefill tokens + c * rows + f * full rows, and where the
-    prices come from:
+    """[a, b, c, f, g] of execute = a + b * prefill tokens + c * rows + f * full rows + g * on
+    full, and where the prices come from:
     "run" (its own steps), "prior" (the warm-up's price of a prefill token: the run's prefills
     are too few or too short to price one) or "prior-all" (every price: too few steps)."""
 
@@ -95,27 +103,30 @@ def fit_step_shape(
     y = np.asarray(execute, dtype=float)[COLD_STEPS:]
     has_f = prior is not None and len(prior) > 3  # an older store's prior is [a, b, c]
     prior_f = float(prior[3]) if prior is not None and has_f else 0.0
+    prior_g = float(prior[4]) if prior is not None and len(prior) > 4 else 0.0
     if len(y) < MIN_FIT_STEPS:
         if prior is None:
             return None
-        return StepFit(np.array([*prior[:3], prior_f], dtype=float), "prior-all")
+        return StepFit(np.array([*prior[:3], prior_f, prior_g], dtype=float), "prior-all")
     full_rows = x[:, 3].copy()
     greedy = (full_rows == 0) & (x[:, 2] > 0)
 
     def without_f() -> None:
-        """f is the prior's (or 0): its cost comes off the steps on the full logits, and the
-        rest is fitted without the column."""
+        """f and g are the prior's (or 0): their cost comes off the steps on the full logits,
+        and the rest is fitted without the column."""
         nonlocal y
-        y = y - prior_f * full_rows
+        y = y - prior_f * full_rows - prior_g * (full_rows > 0)
         x[:, 3] = 0.0
 
     if has_f or not (greedy.any() and (full_rows > 0).any()):
         without_f()  # the warm-up's price, or one path only: nothing to price it against
 
     def with_f(coef: FloatArray) -> FloatArray:
-        if not x[:, 3].any():
-            coef[3] = prior_f
-        return coef
+        """[a, b, c, f, g]: f fitted, or the prior's with its g."""
+        if x[:, 3].any():
+            return np.append(coef, 0.0)
+        coef[3] = prior_f
+        return np.append(coef, prior_g)
 
     def unpriced() -> StepFit:
         """The run cannot price a prefill token (no step can, or its price is within noise):
@@ -135,8 +146,8 @@ def fit_step_shape(
     if coef[3] and not _beyond_noise(x[kept], y[kept], coef, 3):
         without_f()
         coef, kept = _robust_fit(x, y)
-    a, b, c, f = with_f(coef)
-    return StepFit(np.array([a, min(b, c) if c > 0 else b, c, f]), "run")
+    a, b, c, f, g = with_f(coef)
+    return StepFit(np.array([a, min(b, c) if c > 0 else b, c, f, g]), "run")
 
 
 def _robust_fit(
@@ -192,8 +203,8 @@ def step_weights(
     fit = fit_step_shape(prefill, rows, execute, prior, full)
     coef = None if fit is None else fit.coef
     if coef is not None and coef.sum() > 0:
-        a, b, c, f = (float(v) for v in coef)
-        return StepWeights(a, b, c, 0.0, fitted=True, f=f)
+        a, b, c, f, g = (float(v) for v in coef)
+        return StepWeights(a, b, c, 0.0, fitted=True, f=f, g=g)
     if int(prefill.max(initial=0)) < MIN_PRICED_PREFILL:
         return StepWeights(0.0, 0.0, 1.0, 0.0)
     return StepWeights(0.0, 1.0, 0.0, 1.0)

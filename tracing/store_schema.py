@@ -232,9 +232,9 @@ RUN_ROWS: list[Row] = [
         "step_prior",
         "DOUBLE[]",
         (
-            "the warm-up's price of a step, [a, b, c, f] ns of execute = a + "
-            "b x prefill tokens + c x rows + f x rows on the full logits (the diagnosis's "
-            "prior; stores before f hold [a, b, c])"
+            "the warm-up's price of a step, [a, b, c, f, g] ns of execute = a + "
+            "b x prefill tokens + c x rows, plus f x rows + g on a step on the full logits "
+            "(the diagnosis's prior; older stores hold [a, b, c, f] or [a, b, c])"
         ),
     ),
     # Migration 6.

@@ -159,7 +159,11 @@ def _kv_blocks(rng: np.random.Generator, p: Profile, asks: list[Ask], d: float) 
 
 
 def _token_budget(rng: np.random.Generator, p: Profile, asks: list[Ask], d: float) -> Run:
-    budget = int(rng.integers(max(len(asks), 4), 33))
+    # Room for every stream's decode token, and at most a third of the longest prompt, smaller
+    # budgets likelier: a budget the prompts fit in whole holds nothing.
+    lo = max(len(asks), 4)
+    hi = max(lo + 1, min(33, max(len(a.body["prompt"]) for a in asks) // 3))
+    budget = min(int(_log_uniform(rng, lo, hi + 1)), hi)
     return Run("token_budget", asks, ["--max-num-batched-tokens", str(budget)],
                magnitude={"max_num_batched_tokens": budget})  # fmt: skip
 

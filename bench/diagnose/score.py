@@ -53,9 +53,11 @@ MAX_SPEED_FACTOR = 1.5  # a run's times set to the controls' speed by at most th
 # random (against its controls' end-to-end ratio: correlation 0.11; SmolLM2's 25 ms: 0.54;
 # Gemma 3's: 0.89). Such runs are labelled as measured.
 MIN_PROBE_S = 0.005
-# Causes whose effect is a delay of fixed length (a GC pause, a stopped core, a paused reader) or
-# a failure: their runs are labelled as measured (a 30 ms pause is 30 ms at any speed).
-FIXED_DELAYS = {"gc", "hang", "crash", "cancel", "slow_reader"}
+# Causes whose effect is a delay of fixed length (a GC pause, a stopped core) or a failure: their
+# runs are labelled as measured (a 30 ms pause is 30 ms at any speed). A paused reader's effect
+# is its server's wait (reader_effect, from its pause), and its run's other requests are only
+# the machine's: that run is set to one speed like the rest.
+FIXED_DELAYS = {"gc", "hang", "crash", "cancel"}
 
 # A finding's part (or the failure it names) -> the cause it names; parts not here name a cause
 # outside the primitives' (reported as "other"), expected compute names none.

@@ -84,42 +84,50 @@ def warm_up(
 
 
 PRIOR_PREFILLS = (16, 128)  # prompt lengths the prior times, each alone
-PRIOR_ROWS = (1, 2)  # decode batches it times, each PRIOR_REPEATS times on each path
+PRIOR_ROWS = (1, 4)  # decode batches it times, each PRIOR_REPEATS times on each path
 PRIOR_REPEATS = 3
 
 
 def _prior(
     executor: Executor, config: EngineConfig, blocks: list[int], max_model_len: int
 ) -> list[float]:
-    """[a, b, c, f] ns of execute = a + b * prefill tokens + c * rows + f * full rows: what the
-    diagnosis prices a step by where the run itself has too few steps, or too few long prompts,
-    or steps of one path only, to price one (tracing.step_fit).
+    """[a, b, c, f, g] ns of execute = a + b * prefill tokens + c * rows, plus f * rows + g on
+    a step that takes the full logits: what the diagnosis prices a step by where the run itself
+    has too few steps, or too few long prompts, or steps of one path only, to price one
+    (tracing.step_fit).
 
-    a, b, c are fitted to warm greedy steps (the fused head): two prompt lengths, each the
+    a, b, c are fitted to warm greedy steps (the greedy head): two prompt lengths, each the
     faster of PRIOR_REPEATS prefills (a new shape's first run may be cold), and decode batches
-    of PRIOR_ROWS rows, each counted PRIOR_REPEATS times. f is what a row on the full logits
-    (a sampled row: temperature 1) costs the forward over the greedy head: the same batches of
+    of PRIOR_ROWS rows, each counted PRIOR_REPEATS times. f and g are what the full logits (a
+    sampled row: temperature 1) cost the forward over the greedy head: the same batches of
     twin requests, sampled, each timed right after its greedy twin, so both see the machine in
-    the same state; per batch size, the faster of its repeats on each path, the difference per
-    row, averaged (never below 0). The sampler's own time (the output's sample_ns) is left out,
-    as the run's fit leaves it out. Each timing is the executor's whole call, as the step
-    record's execute is."""
+    the same state; per batch size, the faster of its repeats on each path, their difference
+    (never below 0) a line through the two sizes: g a step, f a row. The difference is mostly
+    a step's, not a row's: the two heads read the same weight once a step, and differ in their
+    kernels (on SmolLM2, 1.5 ms at 1 row and 2.2 ms at 16; priced per row at 1 and 2 rows it
+    read 5 ms at 5 rows where the run's steps differed by 1-2 ms). The sampler's own time (the
+    output's sample_ns) is left out, as the run's fit leaves it out. Each timing is the
+    executor's whole call, as the step record's execute is."""
     steps = PRIOR_REPEATS * len(PRIOR_ROWS) + 1
     cap = min(config.max_num_batched_tokens, max_model_len - steps - 1)
     lengths = [min(n, cap) for n in PRIOR_PREFILLS]
     if lengths[0] == lengths[1] or lengths[0] < 1:
         return []  # two lengths are what price a prefill token
+    width = max(PRIOR_ROWS)
+    # Requests 0..width-1 greedy (0 and 1 of the two lengths, the rest of the first), their
+    # sampled twins after them.
+    sizes = [lengths[min(i, 1)] if i < 2 else lengths[0] for i in range(width)] * 2
     bs = config.block_size
-    needed = [-(-(n + steps) // bs) for n in lengths] * 2  # the greedy two, their sampled twins
+    needed = [-(-(n + steps) // bs) for n in sizes]
     if sum(needed) > len(blocks):
         return []
-    ids = [f"lumen-warmup-prior-{n}" for n in lengths]
+    ids = [f"lumen-warmup-prior-{i}" for i in range(width)]
     ids += [f"{rid}-sampled" for rid in ids]
     ends = np.cumsum([0, *needed])
-    tables = [blocks[ends[i] : ends[i + 1]] for i in range(4)]
+    tables = [blocks[ends[i] : ends[i + 1]] for i in range(len(ids))]
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 1)
     sampled = SamplingParams(temperature=1.0, seed=0, max_tokens=steps + 1)
-    position, last = lengths * 2, [1] * 4
+    position, last = list(sizes), [1] * len(ids)
     shapes: list[tuple[int, int]] = []  # greedy steps: prefill tokens, rows
     times: list[int] = []
 
@@ -133,22 +141,25 @@ def _prior(
         return took - out.sample_ns
 
     def prefill(i: int, params: SamplingParams) -> int:
-        n = lengths[i % 2]
+        n = sizes[i]
         prompt = [1 + (j * 13 + i % 2) % 100 for j in range(n)]
         new = NewRequestData(ids[i], prompt, params, frozenset())
         return timed(SchedulerOutput(-1, [new], [ids[i]], [prompt], [0], [tables[i]], [True],
                                      num_prefill_tokens=n), [i])  # fmt: skip
 
-    for i in range(2):
-        best = 0
-        for repeat in range(PRIOR_REPEATS):  # the same prompt into the same blocks, anew
-            if repeat:
-                executor.execute_model(SchedulerOutput(-1, finished_req_ids=[ids[i]]))
-            took = prefill(i, greedy)
-            best = took if not best else min(best, took)
-        shapes.append((lengths[i], 1))
-        times.append(best)
-        prefill(2 + i, sampled)
+    for i in range(width):
+        if i < 2:  # the two lengths, timed: they price a prefill token
+            best = 0
+            for repeat in range(PRIOR_REPEATS):  # the same prompt into the same blocks, anew
+                if repeat:
+                    executor.execute_model(SchedulerOutput(-1, finished_req_ids=[ids[i]]))
+                took = prefill(i, greedy)
+                best = took if not best else min(best, took)
+            shapes.append((sizes[i], 1))
+            times.append(best)
+        else:
+            prefill(i, greedy)
+        prefill(width + i, sampled)
 
     def decode(rows: list[int]) -> int:
         sched = SchedulerOutput(
@@ -167,11 +178,13 @@ def _prior(
             took = decode(list(range(k)))
             shapes.append((0, k))
             times.append(took)
-            full = decode([2 + i for i in range(k)])
+            full = decode([width + i for i in range(k)])
             for key, value in (((k, False), took), ((k, True), full)):
                 fastest[key] = min(fastest.get(key, value), value)
     executor.execute_model(SchedulerOutput(-1, finished_req_ids=ids))
     x = np.array([[1.0, p, r] for p, r in shapes])
     y = np.array(times, dtype=float)
-    f = np.mean([(fastest[k, True] - fastest[k, False]) / k for k in PRIOR_ROWS])
-    return [*(float(v) for v in nonnegative_fit(x, y)), max(float(f), 0.0)]
+    (k0, k1), diff = PRIOR_ROWS, [max(fastest[k, True] - fastest[k, False], 0) for k in PRIOR_ROWS]
+    f = max((diff[1] - diff[0]) / (k1 - k0), 0.0)
+    g = max(diff[0] - f * k0, 0.0)
+    return [*(float(v) for v in nonnegative_fit(x, y)), float(f), float(g)]

@@ -260,13 +260,13 @@ def test_finished_and_aborted_requests_leave_no_cycle_to_the_garbage_collector()
 
 
 def test_the_warm_up_prices_a_step_on_both_paths(tiny_model_path: Path) -> None:
-    """The warm-up's prior: [a, b, c] of a greedy step, and f, a row on the full logits over
-    the greedy head (twin requests, sampled); none is negative, and the engine serves both
-    paths after it (the warm-up's requests are gone from the runner)."""
+    """The warm-up's prior: [a, b, c] of a greedy step, and f and g, a row and a step on the
+    full logits over the greedy head (twin requests, sampled); none is negative, and the engine
+    serves both paths after it (the warm-up's requests are gone from the runner)."""
     llm = LLM(str(tiny_model_path), num_kv_blocks=64)
     prior = llm.client.info.step_prior
     print([round(v / 1e6, 3) for v in prior], "ms")
-    assert len(prior) == 4 and all(v >= 0 for v in prior)
+    assert len(prior) == 5 and all(v >= 0 for v in prior)
     assert prior[0] + prior[2] > 0  # a one-row step is priced (a alone may fit to 0: it is tiny)
     outs = llm.generate(["Hello", "Hi"], [SamplingParams(max_tokens=4, temperature=0),
                                           SamplingParams(max_tokens=4, temperature=1.0, seed=1)],

@@ -59,7 +59,7 @@ class Trace:
         self.reqs: dict[str, Req] = {}
         self.steps: list[tuple[Any, ...]] = []
         self.pauses: list[tuple[Any, ...]] = []
-        self.step_prior: list[float] | None = None  # the warm-up's [a, b, c(, f)] ns, if any
+        self.step_prior: list[float] | None = None  # the warm-up's [a, b, c(, f, g)] ns, if any
         self.lifecycle_rows: list[tuple[Any, ...]] = []
         self.engine_config: dict[str, Any] | None = None  # the server's options, if any
 

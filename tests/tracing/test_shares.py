@@ -26,6 +26,6 @@ def test_slow_steps_do_not_set_the_price_when_prompts_are_short(prior: list[floa
     fit = fit_step_shape(prefill, rows, execute, prior)
     assert fit is not None
     coef = fit.coef
-    expected = coef @ np.vstack([np.ones(n), prefill, rows, np.zeros(n)])  # no full logits
+    expected = coef @ np.vstack([np.ones(n), prefill, rows, np.zeros(n), np.zeros(n)])  # greedy
     assert outlier(execute, expected)[slow].all(), (coef, expected[slow])
     assert not outlier(execute, expected)[~slow].any()

@@ -187,6 +187,31 @@ def test_full_logits_in_every_step_are_priced_by_the_warm_up(tmp_path: Path, pri
         assert not named, text
 
 
+def test_the_full_logits_extra_is_a_steps_not_each_rows(tmp_path: Path) -> None:
+    """Five streams, all with logprobs, so every step takes the full logits. The warm-up priced
+    that path at 1.5 ms a step and 0.1 ms a row over the greedy head (SmolLM2: 1.5 ms at 1 row,
+    2.2 ms at 16): the run's steps pay 2 ms of it (8%: not named), the sampler's share, and
+    the rest of their time is the model's decode. Priced per row alone (1.6 ms a row at 1 row),
+    5 rows would read 8 ms of sampling in a 25 ms step and name the sampler for what the
+    model did."""
+    tr = Trace()
+    tr.step_prior = [20.0 * MS, 0.05 * MS, 0.5 * MS, 0.1 * MS, 1.5 * MS]
+    ids = [f"r{i}" for i in range(5)]
+    for rid in ids:
+        tr.request(rid, 0.0, prompt=16, output=40, params={"temperature": 0, "logprobs": 1})
+    tr.step({rid: 16 for rid in ids}, 30.0, sample_ms=0.2)
+    while any(r.status is None for r in tr.reqs.values()):
+        tr.step({rid: 1 for rid in ids}, 25.0 + 0.2 * (len(tr.steps) % 3), sample_ms=0.2)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = " ".join(render_run(run).split())
+    print(text)
+    assert not [f for f in run.findings if f.part == "sampling" and f.kind in ("cause", "paid")]
+    r0 = next(r for r in run.requests if r.request_id == "r0")
+    per_token = r0.decode["sampling"] / 39 / MS
+    print(f"sampling {per_token:.2f} ms a token")
+    assert 1.8 < per_token < 2.8, per_token
+
+
 def test_a_grammar_compiled_during_a_step_waits_for_it_as_the_grammar_s_cost(
     tmp_path: Path,
 ) -> None:

@@ -214,6 +214,7 @@ class AsyncLLM:
         direct: Callable[[RequestOutput], bool] | None = None,
         hold_last: bool = False,
         attempt: int = 0,
+        routed: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Run a prompt ``prepare`` checked, as it is (no second tokenize or validation).
 
@@ -231,14 +232,15 @@ class AsyncLLM:
         ``hold_last`` (with ``stream`` and ``close_trace=False``): the caller writes the last
         output with the end of its response, so the trace marks it delivered at the close.
         ``attempt``: how many engines failed the request before it had sent output (a group
-        hands it to this one after ``EngineHandOverError``: ``hand_over``).
+        hands it to this one after ``EngineHandOverError``: ``hand_over``). ``routed``: why
+        a data-parallel group sent it to this engine (engine.data_parallel's Routed).
         """
         arrival_ns = arrival_ns or time.time_ns()
         self._check_alive()
         request_id = request_id or new_request_id()
         frontend = self.frontend
         stream_state = OutputStream(
-            direct if stream else None, Submission(prompt, priority, arrival_ns, stream)
+            direct if stream else None, Submission(prompt, priority, arrival_ns, stream, routed)
         )
         stream_state.attempt = attempt
         requests = self._add(request_id, stream_state)  # raises if the id is in use
@@ -273,7 +275,7 @@ class AsyncLLM:
         return self.frontend.add(
             request_id, prompt.text, prompt.prompt_token_ids, prompt.params,
             priority=sub.priority, arrival_ns=sub.arrival_ns, stream=sub.stream,
-            stream_deltas=sub.stream, attempt=stream.attempt,
+            stream_deltas=sub.stream, attempt=stream.attempt, routed=sub.routed,
         )  # fmt: skip
 
     async def _send(self, requests: list[EngineCoreRequest]) -> None:

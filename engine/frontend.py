@@ -45,6 +45,7 @@ class Enqueued:
     # (what the earlier cores did of it is lost work).
     attempt: int = 0
     engine: int = 0  # the data-parallel engine it was sent to
+    routed: str | None = None  # why it went there (engine.data_parallel's Routed; None: alone)
 
 
 @dataclass(slots=True)
@@ -121,12 +122,13 @@ class Frontend:
         stream: bool,
         stream_deltas: bool,
         attempt: int = 0,
+        routed: str | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a request; returns the core requests to send (one per sequence).
 
         ``stream_deltas``: the frontend wants a delta after every step; ``stream``: the caller
         delivers each one as it comes. ``attempt``: as Enqueued's (a request sent again to a
-        new core, ``forget`` first).
+        new core, ``forget`` first); ``routed`` too.
         """
         child_ids = self.output_processor.add_request(
             request_id,
@@ -149,6 +151,7 @@ class Frontend:
                     stream,
                     attempt,
                     self.engine,
+                    routed,
                 )
             )
         return [

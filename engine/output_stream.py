@@ -20,6 +20,7 @@ class Submission:
     priority: int
     arrival_ns: int
     stream: bool
+    routed: str | None = None  # why a data-parallel group sent it here (engine.data_parallel)
 
 
 class OutputStream:

@@ -256,6 +256,7 @@ async def _serve_ready(
         engine = EngineGroup.start(
             engine_config, cores, stall_timeout=config.stream_stall_timeout, supervised=True,
             tokenizer=tokenizer, resubmit_timeout=config.max_queue_wait,
+            prefix_affinity=config.data_parallel_prefix_affinity,
         )  # fmt: skip
     _chat_template(engine, config)
     metrics = ServerMetrics(model_name, engine.max_model_len)

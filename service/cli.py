@@ -115,6 +115,10 @@ def _serve(args: argparse.Namespace) -> int:
         from engine.cpu_share import check_split
 
         check_split(server_config.data_parallel_size, engine_config.tensor_parallel_size)
+    elif server_config.data_parallel_prefix_affinity:
+        logging.getLogger("lumen").warning(
+            "--data-parallel-prefix-affinity has no effect with one engine (--data-parallel-size 1)"
+        )
     # Until the server takes the stop signals over (service/lifecycle.py), one ends the start
     # as Ctrl-C does: no traceback, and the core is stopped with this process.
     for sig in (signal.SIGTERM, signal.SIGUSR1):

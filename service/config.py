@@ -107,6 +107,15 @@ class ServerConfig:
             "serving"
         },
     )
+    data_parallel_prefix_affinity: int = field(
+        default=0,
+        metadata={
+            "help": "with --data-parallel-size: among the engines whose 4 x waiting + running "
+            "is within this of the least loaded engine's, send a request to the one that was "
+            "sent the longest run of its prompt's leading KV blocks, where that run is at "
+            "least half of them; else the load rule (0: off, the load rule alone)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.chat_template is not None:  # a bad one fails here, before the core starts
@@ -117,7 +126,8 @@ class ServerConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_queue_wait", "stream_stall_timeout", "exit_grace_period",
-                     "shutdown_timeout", "restart_window", "max_restarts"):  # fmt: skip
+                     "shutdown_timeout", "restart_window", "max_restarts",
+                     "data_parallel_prefix_affinity"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.engine_hang_timeout is not None and self.engine_hang_timeout <= 0:

@@ -69,6 +69,18 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
 
+        # What an engine's outputs count carries its rank as the label ``engine``, as vLLM's
+        # metrics do: the families here, each engine's children in its EngineMetrics.
+        e = [*m, "engine"]
+        fam: dict[str, Any] = {}
+        self._engine_families = fam
+
+        def engine_counter(key: str, name: str, doc: str) -> None:
+            fam[key] = Counter(name, doc, e, registry=r)
+
+        def engine_histogram(key: str, name: str, doc: str, buckets: Sequence[float]) -> None:
+            fam[key] = Histogram(name, doc, e, buckets=buckets, registry=r)
+
         # The gauges of each engine's state (label ``engine``: its data-parallel rank) that a
         # router reads (llm-d's scheduler, the Gateway API Inference Extension's endpoint
         # picker), also under vLLM's own names and labels, set together with Lumen's.
@@ -85,12 +97,6 @@ class ServerMetrics:
             for_routers("kv_cache_usage_perc", "KV cache usage (1 = 100 percent)."),
         )
         self._engines: dict[str, EngineMetrics] = {}
-        first = self.for_engine(0)
-        self.num_running, self.num_waiting, self.kv_usage = (
-            first.num_running,
-            first.num_waiting,
-            first.kv_usage,
-        )
         # vLLM's cache_config_info (its label names, four of its CacheConfig's fields, and the
         # engine's index), and what it holds in tokens and requests.
         info = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "engine"]
@@ -121,13 +127,14 @@ class ServerMetrics:
         self.num_admission_waiting = gauge(
             "lumen:num_requests_admission_waiting", "HTTP requests waiting for an admission slot."
         )
-        self.preemptions = counter("lumen:num_preemptions", "Preemptions by the scheduler.")
-        self.prefix_queries = counter(
-            "lumen:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        )
-        self.prefix_hits = counter("lumen:prefix_cache_hits", "Prefix-cache hit tokens.")
-        self.prompt_tokens = counter("lumen:prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("lumen:generation_tokens", "Generation tokens.")
+        engine_counter("preemptions", "lumen:num_preemptions", "Preemptions by the scheduler.")
+        engine_counter(
+            "prefix_queries", "lumen:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+        )  # fmt: skip
+        engine_counter("prefix_hits", "lumen:prefix_cache_hits", "Prefix-cache hit tokens.")
+        engine_counter("prompt_tokens", "lumen:prompt_tokens", "Prefill tokens processed.")
+        engine_counter("generation_tokens", "lumen:generation_tokens", "Generation tokens.")
         self.stall_aborts = counter(
             "lumen:stream_stall_aborts", "Requests aborted because their reader stalled."
         )
@@ -137,35 +144,38 @@ class ServerMetrics:
         self.ipc_backpressure = counter(
             "lumen:ipc_backpressure", "Sends to the engine core that its full queue pushed back."
         )
-        self.ttft = histogram(
-            "lumen:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        engine_histogram(
+            "ttft", "lumen:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
         )
-        self.itl = histogram(
-            "lumen:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS
+        engine_histogram(
+            "itl", "lumen:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS
         )
-        self.e2e = histogram(
-            "lumen:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS
-        )
-        self.tpot = histogram(
-            "lumen:request_time_per_output_token_seconds",
+        engine_histogram(
+            "e2e", "lumen:e2e_request_latency_seconds", "End-to-end request latency.",
+            LATENCY_BUCKETS,
+        )  # fmt: skip
+        engine_histogram(
+            "tpot", "lumen:request_time_per_output_token_seconds",
             "Per request: time from the first to the last token over the tokens after the first.",
             ITL_BUCKETS,
-        )
-        self.queue_time = histogram(
-            "lumen:request_queue_time_seconds", "Time in the core's waiting queue.", LATENCY_BUCKETS
-        )
-        tokens = token_buckets(max_model_len)
-        self.request_prompt_tokens = histogram(
-            "lumen:request_prompt_tokens", "Prompt tokens per request.", tokens
-        )
-        self.request_generation_tokens = histogram(
-            "lumen:request_generation_tokens", "Generated tokens per request.", tokens
-        )
-        success = Counter(
-            "lumen:request_success", "Finished requests by finish reason.",
-            [*m, "finished_reason"], registry=r,
         )  # fmt: skip
-        self.success = {k: success.labels(model_name, k) for k in FINISH_REASONS}
+        engine_histogram(
+            "queue_time", "lumen:request_queue_time_seconds", "Time in the core's waiting queue.",
+            LATENCY_BUCKETS,
+        )  # fmt: skip
+        tokens = token_buckets(max_model_len)
+        engine_histogram(
+            "request_prompt_tokens", "lumen:request_prompt_tokens", "Prompt tokens per request.",
+            tokens,
+        )  # fmt: skip
+        engine_histogram(
+            "request_generation_tokens", "lumen:request_generation_tokens",
+            "Generated tokens per request.", tokens,
+        )  # fmt: skip
+        fam["success"] = Counter(
+            "lumen:request_success", "Finished requests by finish reason.",
+            [*e, "finished_reason"], registry=r,
+        )  # fmt: skip
         rejections = Counter(
             "lumen:admission_rejections", "Requests refused by admission control.",
             [*m, "reason"], registry=r,
@@ -217,37 +227,44 @@ class ServerMetrics:
             BOUNDARY_BUCKETS,
         )
         gc_pause = Histogram(
-            "lumen:gc_pause_seconds", "Garbage-collection pauses, by process.",
-            [*m, "process"], buckets=BOUNDARY_BUCKETS, registry=r,
+            "lumen:gc_pause_seconds", "Garbage-collection pauses, by process (a core's: its "
+            "engine).", [*e, "process"], buckets=BOUNDARY_BUCKETS, registry=r,
         )  # fmt: skip
-        self.gc_pause = {k: gc_pause.labels(model_name, k) for k in ("api", "core")}
+        self.gc_pause_api = gc_pause.labels(model_name, "", "api")
+        fam["gc_pause_core"] = gc_pause
         # Structured outputs (engine/core/grammar.py): compiles, by whether the cache had it,
         # and each step's token masks.
-        compile_ = Histogram(
+        fam["grammar_compile"] = Histogram(
             "lumen:grammar_compile_seconds", "Structured outputs: compiling a request's grammar "
-            "(0 for a cache hit), per request.", [*m, "cached"], buckets=GRAMMAR_BUCKETS,
+            "(0 for a cache hit), per request.", [*e, "cached"], buckets=GRAMMAR_BUCKETS,
             registry=r,
         )  # fmt: skip
-        self.grammar_compile = {k: compile_.labels(model_name, k) for k in ("false", "true")}
-        self.grammar_mask = histogram(
-            "lumen:grammar_mask_seconds", "Structured outputs: computing the token masks of the "
-            "rows that sample under a grammar, per step that has any.", GRAMMAR_BUCKETS,
+        engine_histogram(
+            "grammar_mask", "lumen:grammar_mask_seconds", "Structured outputs: computing the "
+            "token masks of the rows that sample under a grammar, per step that has any.",
+            GRAMMAR_BUCKETS,
         )  # fmt: skip
-        self.grammar_rows = counter(
-            "lumen:grammar_rows", "Structured outputs: rows sampled under a grammar (tokens)."
-        )
+        engine_counter(
+            "grammar_rows", "lumen:grammar_rows",
+            "Structured outputs: rows sampled under a grammar (tokens).",
+        )  # fmt: skip
         # The sampler beside the masks: what a step's rows that are not plain greedy (a grammar,
         # penalties, temperature, top-k/p) cost every row of it, and logprobs.
-        self.sampler = histogram(
-            "lumen:sampler_seconds", "The sampler on the full logits (grammar masks applied, "
-            "penalties, temperature, top-k/p), per step that ran it.", GRAMMAR_BUCKETS,
+        engine_histogram(
+            "sampler", "lumen:sampler_seconds", "The sampler on the full logits (grammar masks "
+            "applied, penalties, temperature, top-k/p), per step that ran it.", GRAMMAR_BUCKETS,
         )  # fmt: skip
-        self.logprobs = histogram(
-            "lumen:logprobs_seconds",
-            "Computing logprobs, per step whose rows asked.",
+        engine_histogram(
+            "logprobs", "lumen:logprobs_seconds", "Computing logprobs, per step whose rows asked.",
             GRAMMAR_BUCKETS,
-        )
+        )  # fmt: skip
         self._mirrored: dict[str, float] = {}  # counter name -> the total already counted
+        first = self.for_engine(0)
+        self.num_running, self.num_waiting, self.kv_usage = (
+            first.num_running,
+            first.num_waiting,
+            first.kv_usage,
+        )
 
     def for_engine(self, rank: int) -> EngineMetrics:
         """The stat logger of data-parallel engine ``rank``: its gauges carry its label."""
@@ -299,48 +316,48 @@ class ServerMetrics:
 
     def record(self, stats: IterationStats, engine: EngineMetrics | None = None) -> None:
         """One output batch of engine ``engine`` (None: engine 0)."""
+        e = engine or self.for_engine(0)
         if stats.step is not None:
             step = stats.step
-            engine = engine or self.for_engine(0)
-            engine.num_running.set(step.num_running)
-            engine.num_waiting.set(step.num_waiting)
+            e.num_running.set(step.num_running)
+            e.num_waiting.set(step.num_waiting)
             if step.num_kv_blocks_total:
-                engine.kv_usage.set(step.num_kv_blocks_used / step.num_kv_blocks_total)
+                e.kv_usage.set(step.num_kv_blocks_used / step.num_kv_blocks_total)
             if step.num_preemptions:
-                self.preemptions.inc(step.num_preemptions)
+                e.preemptions.inc(step.num_preemptions)
             if step.num_prefix_query_tokens:
-                self.prefix_queries.inc(step.num_prefix_query_tokens)
-                self.prefix_hits.inc(step.num_prefix_hit_tokens)
+                e.prefix_queries.inc(step.num_prefix_query_tokens)
+                e.prefix_hits.inc(step.num_prefix_hit_tokens)
             for _, duration_ns, _ in step.gc_pauses:
-                self.gc_pause["core"].observe(duration_ns / 1e9)
+                e.gc_pause_core.observe(duration_ns / 1e9)
             if step.num_grammar_rows:
-                self.grammar_mask.observe(step.grammar_mask_ns / 1e9)
-                self.grammar_rows.inc(step.num_grammar_rows)
+                e.grammar_mask.observe(step.grammar_mask_ns / 1e9)
+                e.grammar_rows.inc(step.num_grammar_rows)
             if step.sample_ns:
-                self.sampler.observe(step.sample_ns / 1e9)
+                e.sampler.observe(step.sample_ns / 1e9)
             if step.logprobs_ns:
-                self.logprobs.observe(step.logprobs_ns / 1e9)
+                e.logprobs.observe(step.logprobs_ns / 1e9)
         for seconds, cached in stats.grammar_compiles:
-            self.grammar_compile["true" if cached else "false"].observe(seconds)
+            e.grammar_compile["true" if cached else "false"].observe(seconds)
         if stats.num_prompt_tokens:
-            self.prompt_tokens.inc(stats.num_prompt_tokens)
+            e.prompt_tokens.inc(stats.num_prompt_tokens)
         if stats.num_generation_tokens:
-            self.generation_tokens.inc(stats.num_generation_tokens)
+            e.generation_tokens.inc(stats.num_generation_tokens)
         for v in stats.ttfts_s:
-            self.ttft.observe(v)
+            e.ttft.observe(v)
         if stats.itls_s:
-            observe_all(self.itl, stats.itls_s)
+            observe_all(e.itl, stats.itls_s)
         for f in stats.finished:
-            self.success[f.finish_reason].inc()
-            self.e2e.observe((f.finished_ns - f.arrival_ns) / 1e9)
+            e.success[f.finish_reason].inc()
+            e.e2e.observe((f.finished_ns - f.arrival_ns) / 1e9)
             if f.first_token_ns and f.num_generation_tokens > 1:
-                self.tpot.observe(
+                e.tpot.observe(
                     (f.finished_ns - f.first_token_ns) / 1e9 / (f.num_generation_tokens - 1)
                 )
             if f.scheduled_ns and f.queued_ns:
-                self.queue_time.observe(max(0, f.scheduled_ns - f.queued_ns) / 1e9)
-            self.request_prompt_tokens.observe(f.num_prompt_tokens)
-            self.request_generation_tokens.observe(f.num_generation_tokens)
+                e.queue_time.observe(max(0, f.scheduled_ns - f.queued_ns) / 1e9)
+            e.request_prompt_tokens.observe(f.num_prompt_tokens)
+            e.request_generation_tokens.observe(f.num_generation_tokens)
 
     def set_engine_stats(self, s: EngineStats, rank: int = 0) -> None:
         """Fresh gauges of engine ``rank`` at scrape time (the last step's go stale when idle)."""
@@ -382,15 +399,50 @@ def observe_all(histogram: Any, values: Sequence[float]) -> None:
 
 
 class EngineMetrics:
-    """One engine's gauges, and the stat logger its AsyncLLM reports to (``record``)."""
+    """One engine's series (its gauges, and its children of every metric its outputs count),
+    and the stat logger its AsyncLLM reports to (``record``)."""
 
-    __slots__ = ("engine", "kv_usage", "metrics", "num_running", "num_waiting")
+    __slots__ = (
+        "e2e", "engine", "gc_pause_core", "generation_tokens", "grammar_compile", "grammar_mask",
+        "grammar_rows", "itl", "kv_usage", "logprobs", "metrics", "num_running", "num_waiting",
+        "preemptions", "prefix_hits", "prefix_queries", "prompt_tokens", "queue_time",
+        "request_generation_tokens", "request_prompt_tokens", "sampler", "success", "tpot",
+        "ttft",
+    )  # fmt: skip
+    # Each engine's children (set from ServerMetrics' families in __init__).
+    preemptions: Any
+    prefix_queries: Any
+    prefix_hits: Any
+    prompt_tokens: Any
+    generation_tokens: Any
+    ttft: Any
+    itl: Any
+    e2e: Any
+    tpot: Any
+    queue_time: Any
+    request_prompt_tokens: Any
+    request_generation_tokens: Any
+    grammar_mask: Any
+    grammar_rows: Any
+    sampler: Any
+    logprobs: Any
 
     def __init__(
         self, metrics: ServerMetrics, engine: str, running: _Twin, waiting: _Twin, usage: _Twin
     ) -> None:
         self.metrics, self.engine = metrics, engine
         self.num_running, self.num_waiting, self.kv_usage = running, waiting, usage
+        model, fam = metrics.model_name, metrics._engine_families
+        for key in ("preemptions", "prefix_queries", "prefix_hits", "prompt_tokens",
+                    "generation_tokens", "ttft", "itl", "e2e", "tpot", "queue_time",
+                    "request_prompt_tokens", "request_generation_tokens", "grammar_mask",
+                    "grammar_rows", "sampler", "logprobs"):  # fmt: skip
+            setattr(self, key, fam[key].labels(model, engine))
+        self.success = {k: fam["success"].labels(model, engine, k) for k in FINISH_REASONS}
+        self.grammar_compile = {
+            k: fam["grammar_compile"].labels(model, engine, k) for k in ("false", "true")
+        }
+        self.gc_pause_core = fam["gc_pause_core"].labels(model, engine, "core")
 
     def record(self, stats: IterationStats) -> None:
         self.metrics.record(stats, self)

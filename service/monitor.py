@@ -38,7 +38,7 @@ async def watch_api_process(metrics: ServerMetrics, tracer: Tracer | None) -> No
             if gc_pauses.pauses:
                 pauses, _ = gc_pauses.take()
                 for start, duration, gen in pauses:
-                    metrics.gc_pause["api"].observe(duration / 1e9)
+                    metrics.gc_pause_api.observe(duration / 1e9)
                     if tracer is not None:
                         tracer.pause(Pause("api", "gc", start, duration, f"gen{gen}"))
     finally:

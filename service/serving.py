@@ -368,7 +368,9 @@ class Serving:
         """Deltas of every prompt's request, tagged with the prompt's index (``direct`` and
         ``hold_last``: one prompt's, as AsyncLLM.generate_prepared takes them)."""
         arrival_ns = prep.ctx.arrival_ns
-        pinned = {} if prep.engine_rank is None else {"data_parallel_rank": prep.engine_rank}
+        pinned: dict[str, Any] = (
+            {} if prep.engine_rank is None else {"data_parallel_rank": prep.engine_rank}
+        )
         gens = [
             self.engine.generate_prepared(
                 prompt,

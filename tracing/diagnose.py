@@ -265,6 +265,7 @@ def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> Requ
         body_bytes=row.body_bytes,
         weight=row.sample_weight or 1.0,
         engine=row.engine,
+        routed=row.routed,
     )
     if row.body_read_ns and row.handler_ns and row.handler_ns >= row.body_read_ns:
         req.parse_span = (row.body_read_ns, row.handler_ns)

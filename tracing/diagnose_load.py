@@ -60,6 +60,7 @@ class RequestFacts:
     grammar: str | None  # its structured output's kind (migration 4)
     params: str | None  # its sampling parameters (JSON)
     engine: int | None = None  # the data-parallel engine that served it (migration 10)
+    routed: str | None = None  # why it went to that engine (migration 11)
 
 
 @dataclass
@@ -147,6 +148,7 @@ NEW_REQUEST_COLUMNS = [
     "resent_ns",
     "grammar",
     "engine",
+    "routed",
 ]
 STEP_COLUMNS = [
     "step_id",

@@ -117,11 +117,13 @@ PARTS: tuple[Part, ...] = (
         "imbalance", "queued on one engine while another had room", None,
         "waiting in one engine's queue while another engine had room",
         "--data-parallel-size: each request goes to the engine with the lowest 4 x waiting + "
-        "running; a request pinned by X-data-parallel-rank, or long requests piling onto one "
-        "engine, wait there while another has room (drop the header; raise --max-num-seqs)",
+        "running; a request pinned by X-data-parallel-rank or sent by prefix affinity, or "
+        "long requests piling onto one engine, wait there while another has room (drop the "
+        "header; lower --data-parallel-prefix-affinity; raise --max-num-seqs)",
         "the part of the queue wait (received to first scheduled) during which another "
         "engine's last step had nobody waiting and fewer running than `--max-num-seqs` "
-        "(each request's engine is `requests.engine`, a step's `step_id >> 56`)",
+        "(each request's engine is `requests.engine`, a step's `step_id >> 56`; the words "
+        "name the rule that sent it there, `requests.routed`)",
         "core.queue",
     ),
     Part(

@@ -120,6 +120,7 @@ class RequestTrace:
     finished_ns: int = 0
     resent_ns: int = 0  # sent again to a new core (Enqueued.attempt > 0): the last such send
     engine: int | None = None  # the data-parallel engine it was last sent to (None: never)
+    routed: str | None = None  # why it went there (engine.data_parallel's Routed)
 
     def resubmitted(self, sent_ns: int) -> None:
         """Sent again to a new core, having sent its caller nothing: what the failed core did
@@ -420,6 +421,7 @@ def build_request_row(
         req.end_code,
         req.resent_ns or None,
         req.engine,
+        req.routed,
     )
 
 

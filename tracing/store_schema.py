@@ -126,6 +126,18 @@ REQUEST_ROWS: list[Row] = [
         "INTEGER",
         "the data-parallel engine that served it (--data-parallel-size; the last it was sent to)",
     ),
+    # Migration 11.
+    (
+        "routed",
+        "VARCHAR",
+        (
+            "why it went to that engine: load (the lowest 4 x waiting + running), prefix "
+            "(--data-parallel-prefix-affinity: its prompt's leading blocks were sent there), "
+            "pinned (X-data-parallel-rank), handed (sent again after an engine failed it "
+            "before output); "
+            "NULL: one engine"
+        ),
+    ),
 ]
 SPAN_ROWS: list[Row] = [
     ("run_id", "VARCHAR", "the run"),
@@ -324,7 +336,7 @@ TABLE_DOCS: dict[str, tuple[str, list[Row]]] = {
 }
 
 
-SCHEMA_VERSION = 10  # the last migration (tracing/store.py MIGRATIONS)
+SCHEMA_VERSION = 11  # the last migration (tracing/store.py MIGRATIONS)
 
 
 def _from(columns: dict[str, str], first: str, last: str) -> list[str]:
@@ -360,6 +372,7 @@ ADDED_IN = {
         "lifecycle": _from(LIFECYCLE_COLUMNS, "engine", "engine"),
         "runs": _from(RUN_COLUMNS, "data_parallel_size", "data_parallel_size"),
     },
+    11: {"requests": _from(REQUEST_COLUMNS, "routed", "routed")},
 }
 
 

@@ -265,12 +265,10 @@ def describe(
     if part == "admission":
         return ", held by the admission limit (--max-concurrent-requests)", action
     if part == "imbalance":
-        on = Counter(r.engine for r in reqs if r.ttft.get("imbalance", 0) > 0).most_common(1)
-        where = f"engine {on[0][0]}, " if on and on[0][0] is not None else ""
-        return (
-            f" ({where}where the balancing sent it: the lowest 4 x waiting + running, or an "
-            "X-data-parallel-rank header)"
-        ), action
+        pairs = Counter((r.engine, r.routed) for r in reqs if r.ttft.get("imbalance", 0) > 0)
+        engine, routed = pairs.most_common(1)[0][0] if pairs else (None, None)
+        where = f"engine {engine}, " if engine is not None else ""
+        return f" ({where}{ROUTED_WORDS.get(routed, ROUTED_WORDS[None])})", action
     if part == "loop_lag":
         return _lag_work(run, action)
     if part in ("logprobs", "sampling"):
@@ -283,6 +281,18 @@ def describe(
     if step is not None:
         return _busy(run, step), action
     return "", action
+
+
+# Why the balancing sent a request to its engine (requests.routed): engine.data_parallel's Routed.
+ROUTED_WORDS = {
+    "load": "where the balancing sent it: the lowest 4 x waiting + running",
+    "prefix": "where prefix affinity sent it: its prompt's leading blocks were sent there, and "
+    "its load was within --data-parallel-prefix-affinity of the least loaded engine's",
+    "pinned": "where its X-data-parallel-rank header sent it",
+    "handed": "where it was sent again after an engine failed it before output",
+    None: "where the balancing sent it: the lowest 4 x waiting + running, or an "
+    "X-data-parallel-rank header",
+}
 
 
 def _settings_paid(run: RunDiagnosis, reqs: list[RequestDiagnosis]) -> str:

@@ -76,7 +76,9 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 
 def plan(args: argparse.Namespace) -> list[tuple[int, str, list[str]]]:
     """(seed, model, causes) per group: every cause ``--runs-per-cause`` times, shuffled by the
-    master seed, ``--per-group`` to a group, models in proportion to their weights."""
+    master seed, ``--per-group`` to a group, models in proportion to their weights. The
+    imbalance runs make groups of their own (a deployment of two engines: scenarios'
+    two_engines), after the others."""
     if args.group:
         return [_parse_group(g) for g in args.group]
     causes = [c for c in args.causes.split(",") if c]
@@ -89,10 +91,10 @@ def plan(args: argparse.Namespace) -> list[tuple[int, str, list[str]]]:
     pool = [c for c in causes for _ in range(args.runs_per_cause)]
     rng.shuffle(pool)
     cycle = itertools.cycle([m for m, w in models for _ in range(w)])
-    out = []
-    for g, start in enumerate(range(0, len(pool), args.per_group)):
-        out.append((args.seed * 100_000 + g, next(cycle), pool[start : start + args.per_group]))
-    return out
+    chunks: list[list[str]] = []
+    for kind in ([c for c in pool if c != "imbalance"], [c for c in pool if c == "imbalance"]):
+        chunks += [kind[i : i + args.per_group] for i in range(0, len(kind), args.per_group)]
+    return [(args.seed * 100_000 + g, next(cycle), chunk) for g, chunk in enumerate(chunks)]
 
 
 def _weights(spec: str) -> list[tuple[str, int]]:

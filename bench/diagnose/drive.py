@@ -87,7 +87,7 @@ def _act(server: LumenServer, actions: list[Action], t0: float) -> None:
 
 
 def _core_pid(server: LumenServer) -> int:
-    """The engine core: the server's one spawned child."""
+    """The engine core: the server's one spawned child (of two engines, the first started)."""
     import psutil
 
     from engine.background import is_engine_core
@@ -98,7 +98,7 @@ def _core_pid(server: LumenServer) -> int:
         if is_engine_core(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE
     ]
     assert kids, "the server has no engine core process"
-    return kids[0]
+    return min(kids)
 
 
 def _settle(server: LumenServer, timeout: float = 30.0) -> None:
@@ -113,10 +113,13 @@ def _settle(server: LumenServer, timeout: float = 30.0) -> None:
 
 
 def _ready(server: LumenServer, timeout: float = 60.0) -> None:
-    """Until /health answers 200 (a new engine core, after a crash or a hang, is warm)."""
+    """Until /health answers 200 with every engine ready (a new engine core, after a crash or
+    a hang, is warm)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
-            if server.http.get(server.url("/health"), timeout=2).status_code == 200:
+            health = server.http.get(server.url("/health"), timeout=2)
+            engines = health.json().get("engines", [])
+            if health.status_code == 200 and all(e["status"] == "ready" for e in engines):
                 return
         time.sleep(0.1)

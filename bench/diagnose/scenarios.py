@@ -3,7 +3,10 @@ known by construction, each one cause the diagnosis must name (CAUSES).
 
 A group is one model and one base load (a few streams of random lengths, arriving together or
 staggered; on a real model one at a time); its control runs the base load alone, and each of
-its primitives runs the same load with one provocation added. Everything random comes from the
+its primitives runs the same load with one provocation added. A group that holds the
+imbalance primitive is a deployment of two engines (two_engines): every run of it, its control
+too, runs --data-parallel-size 2 with room on each engine for half the streams, and its prompts
+share a prefix of more than half their KV blocks. Everything random comes from the
 group's seed, so a group is replayed exactly (the same requests, flags and moments) from its seed.
 """
 
@@ -20,7 +23,7 @@ from bench.diagnose.client import Ask
 # The causes a primitive provokes, in the order the matrix lists them.
 CAUSES = (
     "prefill", "max_num_seqs", "kv_blocks", "token_budget", "api_cpu", "grammar", "logprobs",
-    "penalties", "slow_reader", "cancel", "crash", "hang", "gc",
+    "penalties", "slow_reader", "cancel", "crash", "hang", "gc", "imbalance",
 )  # fmt: skip
 
 
@@ -108,9 +111,26 @@ def make_group(seed: int, model: str, causes: list[str]) -> Group:
         else:
             at = 0.0 if together else float(rng.uniform(0, 0.3 * duration))
         base.append(Ask(i, body, at))
-    control = Run(None, _copy(base))
+    deployment: list[str] = []
+    if "imbalance" in causes:
+        deployment = two_engines(rng, base)
+    control = Run(None, _copy(base), list(deployment))
     runs = [PRIMITIVES[c](rng, p, _copy(base), duration) for c in causes]
+    for r in runs:
+        r.flags = [*deployment, *r.flags]  # the primitive's own flags after: they win
     return Group(seed, model, control, runs, duration)
+
+
+def two_engines(rng: np.random.Generator, base: list[Ask]) -> list[str]:
+    """A deployment of two engines, each with room for half the streams (the load rule fits
+    them all; one engine alone does not), the prompts sharing their first KV blocks, more than
+    half of each (a long system prompt: what prefix affinity keys on): the flags every run of
+    the group gets."""
+    longest = max(len(a.body["prompt"]) for a in base)
+    shared = [int(t) for t in rng.integers(100, 20000, BLOCK * (2 + -(-longest // BLOCK)))]
+    for a in base:
+        a.body["prompt"] = shared + a.body["prompt"]
+    return ["--data-parallel-size", "2", "--max-num-seqs", str(-(-len(base) // 2))]
 
 
 def _copy(asks: list[Ask]) -> list[Ask]:
@@ -251,10 +271,18 @@ def _gc(rng: np.random.Generator, p: Profile, asks: list[Ask], d: float) -> Run:
                actions=[Action(f"gc_{process}", at)], magnitude=magnitude)  # fmt: skip
 
 
+def _imbalance(rng: np.random.Generator, p: Profile, asks: list[Ask], d: float) -> Run:
+    # Prefix affinity with no bound: every request goes where the shared prefix went first,
+    # and those past its room queue there while the other engine has room.
+    bound = 1000
+    return Run("imbalance", asks, ["--data-parallel-prefix-affinity", str(bound)],
+               magnitude={"prefix_affinity": bound})  # fmt: skip
+
+
 PRIMITIVES: dict[str, Callable[[np.random.Generator, Profile, list[Ask], float], Run]] = {
     "prefill": _prefill, "max_num_seqs": _max_num_seqs, "kv_blocks": _kv_blocks,
     "token_budget": _token_budget, "api_cpu": _api_cpu, "grammar": _grammar,
     "logprobs": _logprobs, "penalties": _penalties, "slow_reader": _slow_reader,
-    "cancel": _cancel, "crash": _crash, "hang": _hang, "gc": _gc,
+    "cancel": _cancel, "crash": _crash, "hang": _hang, "gc": _gc, "imbalance": _imbalance,
 }  # fmt: skip
 assert tuple(PRIMITIVES) == CAUSES

@@ -66,7 +66,7 @@ PART_CAUSE = {
     "parse": "api_cpu", "http": "api_cpu", "frontend": "api_cpu", "loop_lag": "api_cpu",
     "grammar_mask": "grammar", "grammar_compile": "grammar", "logprobs": "logprobs",
     "delivery": "slow_reader", "gc": "gc", "crash": "crash", "hang": "hang",
-    "client": "cancel", "core_stall": "hang",
+    "client": "cancel", "core_stall": "hang", "imbalance": "imbalance",
 }  # fmt: skip
 EXPECTED = {"own_prefill", "decode", "step_in_flight"}
 REFUSED = "invalid_request_error"  # a request the server refused (400): the generator's error

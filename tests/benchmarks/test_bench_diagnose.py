@@ -147,10 +147,28 @@ def test_a_plan_balances_the_causes_and_a_group_is_its_seed() -> None:
     drawn = [c for _, _, causes in groups for c in causes]
     assert sorted(drawn) == sorted(c for c in CAUSES for _ in range(4))
     assert {m for _, m, _ in groups} == {"tiny", "smollm2"}
+    # The imbalance runs are groups of their own (two engines, every run of the group).
+    assert all(set(c) == {"imbalance"} or "imbalance" not in c for _, _, c in groups)
     seed, model, causes = groups[0]
     a, b = make_group(seed, model, causes), make_group(seed, model, causes)
     assert [x.body for x in a.control.asks] == [x.body for x in b.control.asks]
     assert [r.magnitude for r in a.primitives] == [r.magnitude for r in b.primitives]
+    # A group with the imbalance primitive is two engines, every run of it: its control runs
+    # them under the load rule, its primitive under unbounded prefix affinity; the prompts
+    # share more than half their KV blocks, and each engine has room for half the streams.
+    two = make_group(11, "tiny", ["imbalance", "gc"])
+    n = len(two.control.asks)
+    for r in [two.control, *two.primitives]:
+        assert r.flags[:4] == ["--data-parallel-size", "2", "--max-num-seqs", str(-(-n // 2))]
+    assert "--data-parallel-prefix-affinity" in two.primitives[0].flags
+    assert "--data-parallel-prefix-affinity" not in two.control.flags
+    alone = make_group(11, "tiny", ["gc"]).control.asks  # the same base load, one engine
+    shared = max(len(a.body["prompt"]) for a in two.control.asks) - max(
+        len(a.body["prompt"]) for a in alone
+    )
+    assert len({tuple(a.body["prompt"][:shared]) for a in two.control.asks}) == 1
+    assert all(2 * shared > len(a.body["prompt"]) for a in two.control.asks)
+    assert make_group(seed, model, [c for c in causes if c != "imbalance"]).control.flags == []
 
 
 def test_the_scorer_reads_a_built_trace_as_the_diagnosis_says_it(tmp_path: Path) -> None:
@@ -190,7 +208,7 @@ def test_a_fixed_group_is_named_right_through_real_servers(tmp_path: Path) -> No
 def test_every_cause_on_every_model_is_named(tmp_path: Path) -> None:
     """One run of every cause, groups on the tiny model, SmolLM2 and Gemma 3 (seed 7, about two
     minutes): the sample's run-level precision and recall over all causes at least 0.75, and at
-    most 2 of its 10 healthy controls naming anything. (One run a cause is too few to hold each
+    most 2 of its 12 healthy controls naming anything. (One run a cause is too few to hold each
     cause to the full matrix's 0.9: `lumen bench diagnose` is that matrix.)"""
     out = tmp_path / "matrix.json"
     said = io.StringIO()
@@ -203,4 +221,4 @@ def test_every_cause_on_every_model_is_named(tmp_path: Path) -> None:
     tp, fp, fn = (sum(x[k] for x in doc["runs"].values()) for k in ("tp", "fp", "fn"))
     print(f"tp {tp}, fp {fp}, fn {fn}; false alarms {doc['false_alarms']}")
     assert tp / max(tp + fn, 1) >= 0.75 and tp / max(tp + fp, 1) >= 0.75
-    assert doc["controls"] == 10 and len(doc["false_alarms"]) <= 2
+    assert doc["controls"] == 12 and len(doc["false_alarms"]) <= 2  # 6 groups (1: two engines)

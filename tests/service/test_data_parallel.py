@@ -52,7 +52,7 @@ def _core_pids(server: LumenServer) -> dict[int, int]:
     return pids
 
 
-def _complete(server: LumenServer, prompt: str, **extra: object) -> httpx.Response:
+def _complete(server: LumenServer, prompt: str | list[int], **extra: object) -> httpx.Response:
     return server.http.post(
         server.url("/v1/completions"), headers=server.headers(), timeout=60,
         json={"prompt": prompt, "max_tokens": 12, "temperature": 0, **extra},
@@ -63,7 +63,9 @@ def _complete(server: LumenServer, prompt: str, **extra: object) -> httpx.Respon
 def test_two_engines_serve_as_one(
     tmp_path: Path, tiny_model_path: Path, tiny_server: LumenServer
 ) -> None:
-    server = _start(tmp_path, tiny_model_path, "--max-num-seqs", "4")
+    # Prefix affinity on: prompts under one KV block (these) go by the load rule alone.
+    server = _start(tmp_path, tiny_model_path, "--max-num-seqs", "4",
+                    "--data-parallel-prefix-affinity", "64")  # fmt: skip
     try:
         assert set(_core_pids(server)) == {0, 1}, "each engine core names its rank"
         log = server.log()
@@ -96,6 +98,22 @@ def test_two_engines_serve_as_one(
         for t in threads:
             t.join(60)
         assert [r.status_code for r in pinned] == [200] * 8
+        # Prefix affinity: a prompt of four full blocks, then eight at once that share them.
+        # Within 64 of the other engine's load, all go where the first went, and queue there
+        # (four run at a time) while the other engine has room.
+        shared = list(range(100, 164))
+        first = _complete(server, [*shared, 7])
+        hot: list[httpx.Response] = []
+        threads = [
+            threading.Thread(target=lambda i=i: hot.append(_complete(
+                server, [*shared, 200 + i], max_tokens=160, ignore_eos=True)))
+            for i in range(8)
+        ]  # fmt: skip
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [r.status_code for r in [first, *hot]] == [200] * 9
         bad = server.http.post(server.url("/v1/completions"), headers={"X-data-parallel-rank": "2"},
                                json={"prompt": "pinned", "max_tokens": 4})  # fmt: skip
         assert bad.status_code == 400 and "X-data-parallel-rank" in bad.text, bad.text
@@ -120,6 +138,18 @@ def test_two_engines_serve_as_one(
         )
         step_engines = con.execute("SELECT DISTINCT step_id >> 56 FROM steps ORDER BY 1").fetchall()
         size = con.execute("SELECT data_parallel_size FROM runs").fetchone()
+        first_id, hot_ids = first.headers["x-request-id"], [r.headers["x-request-id"] for r in hot]
+        hot_rows = con.execute(
+            "SELECT engine, routed, cached_tokens FROM requests WHERE list_contains(?, request_id) "
+            "ORDER BY ttft_ns DESC", [hot_ids],
+        ).fetchall()  # fmt: skip
+        (first_engine,) = con.execute(
+            "SELECT engine FROM requests WHERE request_id = ?", [first_id]
+        ).fetchone()
+        (most_queued,) = con.execute(
+            "SELECT request_id FROM requests WHERE list_contains(?, request_id) "
+            "ORDER BY ttft_ns DESC LIMIT 1", [hot_ids],
+        ).fetchone()  # fmt: skip
         ids = [r.headers["x-request-id"] for r in pinned]
         pinned_to = con.execute(
             "SELECT DISTINCT engine FROM requests WHERE list_contains(?, request_id)", [ids]
@@ -130,7 +160,11 @@ def test_two_engines_serve_as_one(
         ).fetchone()  # fmt: skip
     print(f"\n{len(PROMPTS)} concurrent requests over 2 engines: {split}")
     assert pinned_to == [(1,)]
+    print(f"prefix affinity: the first on engine {first_engine}, the 8 sharing it: {hot_rows}")
+    assert {(e, routed) for e, routed, _ in hot_rows} == {(first_engine, "prefix")}
+    assert all(cached >= 64 for _, _, cached in hot_rows), hot_rows  # its blocks were there
     split[1] -= len(pinned)
+    split[first_engine] -= 1 + len(hot)
     assert sum(split.values()) == len(PROMPTS) and set(split) == {0, 1}
     # The rule spreads them: neither engine took more than three quarters.
     assert max(split.values()) <= len(PROMPTS) * 3 // 4, split
@@ -143,6 +177,12 @@ def test_two_engines_serve_as_one(
     print(why)
     # Its engine, and the wait the pinning cost it while the other engine had room.
     assert "engine 1" in why and "another engine had room" in why, why
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["trace", "why", most_queued, "--db", str(server.trace_db)]) == 0
+    why = " ".join(out.getvalue().split())
+    print(why)
+    assert "another engine had room" in why and "prefix affinity sent it" in why, why
     report = " ".join(render_text(str(server.trace_db)).split())
     assert "engine steps" in report, report
     # `replay run` of the recording: a server of two engines, each request on its recorded one.
@@ -154,6 +194,7 @@ def test_two_engines_serve_as_one(
             "SELECT engine, count(*) FROM requests WHERE engine IS NOT NULL GROUP BY engine"
         ).fetchall())  # fmt: skip
     split[1] += len(pinned)
+    split[first_engine] += 1 + len(hot)
     print(f"replayed split: {again} (recorded {split})")
     assert again == split
 

@@ -301,7 +301,12 @@ def test_models_health_and_metrics(tiny_server: LumenServer, tiny_model_path: Pa
     assert ok == metric(before, "lumen:request_success_total", finished_reason="length") + 1
     # Labelled series exist from the first scrape, zero or not.
     for reason in ("stop", "length", "abort", "error"):
-        assert f'lumen:request_success_total{{finished_reason="{reason}",' in "".join(after)
+        assert any(
+            k.startswith("lumen:request_success_total{")
+            and f'finished_reason="{reason}"' in k
+            and 'engine="0"' in k
+            for k in after
+        )
     for reason in ("queue_full", "queue_timeout", "engine_dead"):
         assert any(f'reason="{reason}"' in k for k in after)
     for gauge in ("lumen:num_requests_running", "lumen:kv_cache_usage_perc"):

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.helpers.load import wait_until
-from tests.helpers.server import LumenServer
+from tests.helpers.server import LumenServer, metric
 from tracing.store import open_db
 
 # Nesting, enums, arrays, bounds and required fields; bounded, so a reply always completes.
@@ -256,16 +256,15 @@ def test_grammar_compile_and_masks_are_traced(tiny_server: LumenServer) -> None:
     second = _chat(tiny_server, response_format=rf, max_tokens=100)
     after = tiny_server.metrics()
 
-    def grown(name: str) -> float:
-        return after.get(name, 0) - before.get(name, 0)
+    def grown(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
 
-    labels = 'cached="{}",model_name="{}"'
     model = _model(tiny_server)
-    assert grown(f"lumen:grammar_compile_seconds_count{{{labels.format('false', model)}}}") >= 1
-    assert grown(f"lumen:grammar_compile_seconds_count{{{labels.format('true', model)}}}") >= 1
-    assert grown(f'lumen:grammar_mask_seconds_count{{model_name="{model}"}}') >= 2
+    for cached in ("false", "true"):
+        assert grown("lumen:grammar_compile_seconds_count", cached=cached, engine="0") >= 1
+    assert grown("lumen:grammar_mask_seconds_count", model_name=model, engine="0") >= 2
     # The sampler applied the masks: its time is beside the masks'.
-    assert grown(f'lumen:sampler_seconds_count{{model_name="{model}"}}') >= 2
+    assert grown("lumen:sampler_seconds_count", model_name=model, engine="0") >= 2
     ids = [first.id, second.id]
 
     def rows():

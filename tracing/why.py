@@ -54,12 +54,20 @@ def _delivery(req: RequestDiagnosis) -> list[str]:
     return []
 
 
+# Why the balancing sent a request to its engine (requests.routed), as its opening says it.
+ROUTED_SHORT = {"load": "by load", "prefix": "by prefix affinity",
+                "pinned": "pinned by X-data-parallel-rank",
+                "handed": "sent again after an engine failed it"}  # fmt: skip
+
+
 def _opening(req: RequestDiagnosis, run: RunDiagnosis) -> str:
     """Its replica, what ended it where it did not finish, and its TTFT against the run's
     percentiles (the numbers `replay report` prints)."""
     places = [f"replica {run.replica}"] if run.replica else []
     if req.engine is not None and len({r.engine for r in run.requests}) > 1:
-        places.append(f"engine {req.engine}")  # one of several data-parallel engines
+        # One of several data-parallel engines, and the rule that sent it there.
+        how = ROUTED_SHORT.get(req.routed or "")
+        places.append(f"engine {req.engine}" + (f", {how}" if how else ""))
     where = f" on {', '.join(places)}" if places else ""
     failed = ""
     if req.failure is not None:

@@ -176,13 +176,15 @@ def test_two_engines_serve_as_one(
     why = " ".join(out.getvalue().split())
     print(why)
     # Its engine, and the wait the pinning cost it while the other engine had room.
-    assert "engine 1" in why and "another engine had room" in why, why
+    assert "engine 1, pinned by X-data-parallel-rank" in why, why
+    assert "another engine had room" in why, why
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["trace", "why", most_queued, "--db", str(server.trace_db)]) == 0
     why = " ".join(out.getvalue().split())
     print(why)
-    assert "another engine had room" in why and "prefix affinity sent it" in why, why
+    assert "by prefix affinity" in why and "another engine had room" in why, why
+    assert "prefix affinity sent it" in why, why
     report = " ".join(render_text(str(server.trace_db)).split())
     assert "engine steps" in report, report
     # `replay run` of the recording: a server of two engines, each request on its recorded one.

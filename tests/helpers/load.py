@@ -7,12 +7,16 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import httpx
 import openai
 
 from tests.helpers.server import LumenServer
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -182,6 +186,13 @@ def server_idle(server: LumenServer) -> bool:
         and metric(m, "lumen:kv_cache_usage_perc") == 0
         and metric(m, "lumen:num_requests_admitted") == 0
     )
+
+
+def at_once(calls: list[Callable[[], T]], timeout: float = 60) -> list[T]:
+    """Each call in a thread of its own, all started together; their results in order."""
+    with ThreadPoolExecutor(max(len(calls), 1)) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result(timeout) for f in futures]
 
 
 class WholeResponses:

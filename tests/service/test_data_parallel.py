@@ -8,7 +8,6 @@ import contextlib
 import io
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from engine import cpu_share
 from replay.cli import main as replay
 from replay.report import render_text
 from service.cli import main
-from tests.helpers.load import Streams, WholeResponses, server_idle, wait_until
+from tests.helpers.load import Streams, WholeResponses, at_once, server_idle, wait_until
 from tests.helpers.procs import live_children
 from tests.helpers.server import LumenServer, metric
 from tracing.store import open_db
@@ -71,48 +70,25 @@ def test_two_engines_serve_as_one(
         log = server.log()
         for rank in (0, 1):
             assert f"engine {rank} of 2: CPUs" in log, log  # its share, in its start-up log
-        answers: dict[str, str] = {}
-        threads = [
-            threading.Thread(target=lambda p=p: answers.__setitem__(
-                p, _complete(server, p).json()["choices"][0]["text"]))
-            for p in PROMPTS
-        ]  # fmt: skip
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        texts = at_once([lambda p=p: _complete(server, p).json()["choices"][0]["text"]
+                         for p in PROMPTS])  # fmt: skip
+        answers = dict(zip(PROMPTS, texts))
         # Greedy answers as one engine gives them.
         alone = {p: _complete(tiny_server, p).json()["choices"][0]["text"] for p in PROMPTS}
         assert answers == alone
         # vLLM's header pins a request to an engine (a replay of a recorded split): eight at
         # once on engine 1, which runs four at a time, while engine 0 has room.
-        pinned: list[httpx.Response] = []
-        threads = [
-            threading.Thread(target=lambda: pinned.append(server.http.post(
-                server.url("/v1/completions"), timeout=60, headers={"X-data-parallel-rank": "1"},
-                json={"prompt": "pinned", "max_tokens": 160, "ignore_eos": True})))
-            for _ in range(8)
-        ]  # fmt: skip
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        pinned = at_once([lambda: server.http.post(
+            server.url("/v1/completions"), timeout=60, headers={"X-data-parallel-rank": "1"},
+            json={"prompt": "pinned", "max_tokens": 160, "ignore_eos": True})] * 8)  # fmt: skip
         assert [r.status_code for r in pinned] == [200] * 8
         # Prefix affinity: a prompt of four full blocks, then eight at once that share them.
         # Within 64 of the other engine's load, all go where the first went, and queue there
         # (four run at a time) while the other engine has room.
         shared = list(range(100, 164))
         first = _complete(server, [*shared, 7])
-        hot: list[httpx.Response] = []
-        threads = [
-            threading.Thread(target=lambda i=i: hot.append(_complete(
-                server, [*shared, 200 + i], max_tokens=160, ignore_eos=True)))
-            for i in range(8)
-        ]  # fmt: skip
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        hot = at_once([lambda i=i: _complete(server, [*shared, 200 + i], max_tokens=160,
+                                             ignore_eos=True) for i in range(8)])  # fmt: skip
         assert [r.status_code for r in [first, *hot]] == [200] * 9
         bad = server.http.post(server.url("/v1/completions"), headers={"X-data-parallel-rank": "2"},
                                json={"prompt": "pinned", "max_tokens": 4})  # fmt: skip

@@ -51,6 +51,7 @@ PROFILES = {
     "gemma3": Profile("gemma3", 0.040, (120, 900), (8, 20), 10, spaced_s=0.16, kv_groups=6),
 }
 BLOCK = 16  # tokens a KV block holds (lumen serve's default)
+CONTEXT = 2048  # the tiny model's context, the smallest of the three
 
 
 @dataclass
@@ -130,6 +131,9 @@ def two_engines(rng: np.random.Generator, base: list[Ask]) -> list[str]:
     shared = [int(t) for t in rng.integers(100, 20000, BLOCK * (2 + -(-longest // BLOCK)))]
     for a in base:
         a.body["prompt"] = shared + a.body["prompt"]
+        # Within the smallest context of the three models (the tiny one's): a longer one is a
+        # 400, refused in the control as in the primitive.
+        a.body["max_tokens"] = min(a.body["max_tokens"], CONTEXT - len(a.body["prompt"]))
     return ["--data-parallel-size", "2", "--max-num-seqs", str(-(-len(base) // 2))]
 
 

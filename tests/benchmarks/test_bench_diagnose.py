@@ -168,6 +168,10 @@ def test_a_plan_balances_the_causes_and_a_group_is_its_seed() -> None:
     )
     assert len({tuple(a.body["prompt"][:shared]) for a in two.control.asks}) == 1
     assert all(2 * shared > len(a.body["prompt"]) for a in two.control.asks)
+    # Every request fits the tiny model's context (a longer one is a 400 in every run).
+    for seed in range(700130, 700140):
+        group = make_group(seed, "tiny", ["imbalance"])
+        assert all(len(a.body["prompt"]) + a.body["max_tokens"] <= 2048 for a in group.control.asks)
     assert make_group(seed, model, [c for c in causes if c != "imbalance"]).control.flags == []
 
 

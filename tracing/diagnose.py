@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from tracing import diagnose_load as load
-from tracing import failures, render, settings, shares, step_members, verdict, why
+from tracing import engine_split, failures, render, settings, shares, step_members, verdict, why
 from tracing.diagnose_load import RequestFacts
 from tracing.diagnosis import (
     DECODE_PARTS,
@@ -88,7 +88,7 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
         facts = load.load_run(con, run_id)
     requests: list[RequestDiagnosis] = []
     prefills: dict[int, list[tuple[str, int]]] = {}
-    for engine in load.by_engine(facts):  # each data-parallel engine's steps are its own
+    for engine in engine_split.by_engine(facts):  # each data-parallel engine's steps are its own
         served, engine_prefills = _decompose_all(engine)
         requests += served
         prefills.update(engine_prefills)

@@ -8,7 +8,7 @@ NULL, and the spans stand in where they can (sent, received, first and last deli
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import duckdb
@@ -76,8 +76,9 @@ class RunFacts:
     stream_interval: int = 1  # tokens a write took (lumen serve --stream-interval)
     replica: str | None = None  # the replica that recorded the run (runs.replica)
     max_num_seqs: int | None = None  # each engine's limit on running requests
-    # One data-parallel engine's part of a run (by_engine): when another engine had room (its
-    # last step had nobody waiting and fewer running than max_num_seqs), and which engine.
+    # One data-parallel engine's part of a run (engine_split.by_engine): when another engine
+    # had room (its last step had nobody waiting and fewer running than max_num_seqs), and
+    # which engine.
     others_room: list[tuple[int, int, int]] = field(default_factory=list)  # start, end, engine
 
 
@@ -334,7 +335,7 @@ def load_pauses(con: duckdb.DuckDBPyConnection, run_id: str) -> list[PauseRow]:
         )
         rows = [PauseRow(**r) for r in _records(cur)]
     if have := _columns(con, "lifecycle"):
-        # One engine's restart, where the run had several: "engine N" (by_engine keeps it
+        # One engine's restart, where the run had several: "engine N" (engine_split keeps it
         # for that engine's requests only).
         process = (
             "CASE WHEN engine IS NULL THEN 'server' ELSE 'engine ' || engine END"
@@ -369,67 +370,6 @@ def _data_parallel_size(con: duckdb.DuckDBPyConnection, run_id: str) -> int:
         return 1
     row = con.execute("SELECT data_parallel_size FROM runs WHERE run_id = ?", [run_id]).fetchone()
     return int(row[0]) if row and row[0] else 1
-
-
-STEP_RANK_SHIFT = 56  # engine r numbers its steps from r << 56 (engine/core/engine_core_proc.py)
-
-
-def by_engine(facts: RunFacts) -> list[RunFacts]:
-    """The run as each data-parallel engine saw it: its steps, the requests it served, its
-    restarts; the run itself where it had one engine. Each engine's steps are a sequence of
-    their own, so a request's wait is decomposed over its engine's steps only."""
-    step_engine = facts.step_times.step_id >> STEP_RANK_SHIFT
-    engines = sorted({int(e) for e in step_engine} | {r.engine or 0 for r in facts.requests})
-    if len(engines) <= 1:
-        return [facts]
-    room = {e: _room(facts, e) for e in engines}
-    out = []
-    for engine in engines:
-        keep = step_engine == engine
-        times = StepTimes(**{f.name: getattr(facts.step_times, f.name)[keep]
-                             for f in fields(StepTimes)})  # fmt: skip
-        mine = f"engine {engine}"
-        pauses = [
-            p._replace(process="server") if p.process == mine else p
-            for p in facts.pauses
-            if not p.process.startswith("engine ") or p.process == mine
-        ]
-        out.append(replace(
-            facts,
-            requests=[r for r in facts.requests if (r.engine or 0) == engine],
-            steps=[s for s in facts.steps if s.step_id >> STEP_RANK_SHIFT == engine],
-            step_times=times,
-            members=_of_engine(facts.members, engine),
-            preempted=_of_engine(facts.preempted, engine),
-            pauses=pauses,
-            lifecycle=[r for r in facts.lifecycle if r.engine is None or r.engine == engine],
-            others_room=[span for e, spans in room.items() if e != engine for span in spans],
-        ))  # fmt: skip
-    return out
-
-
-def _room(facts: RunFacts, engine: int) -> list[tuple[int, int, int]]:
-    """When ``engine`` had room for one more request: from each of its steps whose record had
-    nobody waiting and fewer running than max_num_seqs to its next step, and around its steps
-    (before the first, after the last: idle)."""
-    limit = facts.max_num_seqs or 0
-    steps = [s for s in facts.steps if s.step_id >> STEP_RANK_SHIFT == engine]
-    if not steps:
-        return [(0, 1 << 62, engine)]
-    spans = [(0, steps[0].start_ns, engine)]
-    for step, after in zip(steps, [*steps[1:], None]):
-        if step.waiting == 0 and (not limit or step.running < limit):
-            spans.append((step.start_ns, after.start_ns if after else 1 << 62, engine))
-    return spans
-
-
-def _of_engine(members: Memberships, engine: int) -> Memberships:
-    keep = (members.step_id >> STEP_RANK_SHIFT) == engine
-    return Memberships(
-        members.step_id[keep],
-        [rid for rid, k in zip(members.request_id, keep) if k],
-        members.tokens[keep],
-    )
 
 
 def load_replica(con: duckdb.DuckDBPyConnection, run_id: str) -> str | None:

@@ -70,7 +70,8 @@ class ServerMetrics:
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model_name)
 
         # What an engine's outputs count carries its rank as the label ``engine``, as vLLM's
-        # metrics do: the families here, each engine's children in its EngineMetrics.
+        # metrics do: the families here (``fam``: those labelled by model and engine alone),
+        # each engine's children in its EngineMetrics.
         e = [*m, "engine"]
         fam: dict[str, Any] = {}
         self._engine_families = fam
@@ -172,7 +173,7 @@ class ServerMetrics:
             "request_generation_tokens", "lumen:request_generation_tokens",
             "Generated tokens per request.", tokens,
         )  # fmt: skip
-        fam["success"] = Counter(
+        self._success = Counter(
             "lumen:request_success", "Finished requests by finish reason.",
             [*e, "finished_reason"], registry=r,
         )  # fmt: skip
@@ -231,10 +232,10 @@ class ServerMetrics:
             "engine).", [*e, "process"], buckets=BOUNDARY_BUCKETS, registry=r,
         )  # fmt: skip
         self.gc_pause_api = gc_pause.labels(model_name, "", "api")
-        fam["gc_pause_core"] = gc_pause
+        self._gc_pause = gc_pause
         # Structured outputs (engine/core/grammar.py): compiles, by whether the cache had it,
         # and each step's token masks.
-        fam["grammar_compile"] = Histogram(
+        self._grammar_compile = Histogram(
             "lumen:grammar_compile_seconds", "Structured outputs: compiling a request's grammar "
             "(0 for a cache hit), per request.", [*e, "cached"], buckets=GRAMMAR_BUCKETS,
             registry=r,
@@ -259,12 +260,7 @@ class ServerMetrics:
             GRAMMAR_BUCKETS,
         )  # fmt: skip
         self._mirrored: dict[str, float] = {}  # counter name -> the total already counted
-        first = self.for_engine(0)
-        self.num_running, self.num_waiting, self.kv_usage = (
-            first.num_running,
-            first.num_waiting,
-            first.kv_usage,
-        )
+        self.for_engine(0)
 
     def for_engine(self, rank: int) -> EngineMetrics:
         """The stat logger of data-parallel engine ``rank``: its gauges carry its label."""
@@ -432,17 +428,14 @@ class EngineMetrics:
     ) -> None:
         self.metrics, self.engine = metrics, engine
         self.num_running, self.num_waiting, self.kv_usage = running, waiting, usage
-        model, fam = metrics.model_name, metrics._engine_families
-        for key in ("preemptions", "prefix_queries", "prefix_hits", "prompt_tokens",
-                    "generation_tokens", "ttft", "itl", "e2e", "tpot", "queue_time",
-                    "request_prompt_tokens", "request_generation_tokens", "grammar_mask",
-                    "grammar_rows", "sampler", "logprobs"):  # fmt: skip
-            setattr(self, key, fam[key].labels(model, engine))
-        self.success = {k: fam["success"].labels(model, engine, k) for k in FINISH_REASONS}
+        model = metrics.model_name
+        for key, family in metrics._engine_families.items():
+            setattr(self, key, family.labels(model, engine))
+        self.success = {k: metrics._success.labels(model, engine, k) for k in FINISH_REASONS}
         self.grammar_compile = {
-            k: fam["grammar_compile"].labels(model, engine, k) for k in ("false", "true")
+            k: metrics._grammar_compile.labels(model, engine, k) for k in ("false", "true")
         }
-        self.gc_pause_core = fam["gc_pause_core"].labels(model, engine, "core")
+        self.gc_pause_core = metrics._gc_pause.labels(model, engine, "core")
 
     def record(self, stats: IterationStats) -> None:
         self.metrics.record(stats, self)

@@ -116,7 +116,7 @@ def _prior(
     width = max(PRIOR_ROWS)
     # Requests 0..width-1 greedy (0 and 1 of the two lengths, the rest of the first), their
     # sampled twins after them.
-    sizes = [lengths[min(i, 1)] if i < 2 else lengths[0] for i in range(width)] * 2
+    sizes = [*lengths, *[lengths[0]] * (width - len(lengths))] * 2
     bs = config.block_size
     needed = [-(-(n + steps) // bs) for n in sizes]
     if sum(needed) > len(blocks):

@@ -7,10 +7,10 @@ Two layers:
    over the run's steps (or its emits), in shares of the run's median model step: the
    scheduler, the core's output path, all of a step outside the model, the frontend's enqueue
    and emit. A figure fails only when it is more than its tolerance (at least
-   MIN_TOLERANCE of a step) above the baseline in the first run AND in the median of
-   CONFIRM_RUNS more runs: one noisy run on a loaded machine is re-measured, not reported.
-   The runs of one measurement (the baseline's, or a check's and its confirmations) share
-   one engine, each recorded into a trace db of its own.
+   MIN_TOLERANCE of a step and MIN_TOLERANCE_MS) above the baseline in the first run AND in
+   the median of CONFIRM_RUNS more runs: one noisy run on a loaded machine is re-measured,
+   not reported. The runs of one measurement (the baseline's, or a check's and its
+   confirmations) share one engine, each recorded into a trace db of its own.
 """
 
 from __future__ import annotations
@@ -52,8 +52,11 @@ GATED = ("schedule_over_execute", "core.output_over_execute", "step_overhead_ove
 # Shown, never gated: core.receive holds the wait for the step in flight (0.8x-1.9x a step on
 # an unchanged tree), so it cannot see a change of a tenth of a step.
 REPORTED = ("core.receive_over_execute",)
-# The smallest change the gate names: 4% of a model step, under half the 10% it must catch.
+# The smallest change the gate names: 4% of a model step, under half the 10% it must catch,
+# and never under MIN_TOLERANCE_MS: a thread's wake-up and a socket's send jitter by tens of
+# microseconds whatever the model, which is most of a tiny model's step (0.3 ms on a fast CPU).
 MIN_TOLERANCE = 0.04
+MIN_TOLERANCE_MS = 0.1
 SPREAD_FACTOR = 4  # or 4x the spread of the baseline's own runs, if that is wider
 CONFIRM_RUNS = 2
 
@@ -139,14 +142,15 @@ def update_baseline(
         runs = [figures for figures, _ in replays]
         cost = StepCostModel.load(folder / "cost.json")
         virtual = virtual_layer(db, cost)
+    steps_ms = [r["execute_ms"] for r in runs]
+    floor = max(MIN_TOLERANCE, MIN_TOLERANCE_MS / statistics.median(steps_ms))
     measured = {}
     for name in (*GATED, *REPORTED):
         values = [r[name] for r in runs]
         spread = max(values) - min(values)
-        tolerance = max(SPREAD_FACTOR * spread, MIN_TOLERANCE) if name in GATED else None
+        tolerance = max(SPREAD_FACTOR * spread, floor) if name in GATED else None
         measured[name] = {"value": statistics.median(values), "tolerance": tolerance,
                           "runs": values}  # fmt: skip
-    steps_ms = [r["execute_ms"] for r in runs]
     measured["execute_ms"] = {"value": statistics.median(steps_ms), "tolerance": None,
                               "runs": steps_ms}  # fmt: skip
     baseline = {"virtual": virtual, "measured": measured, "import": IMPORT,

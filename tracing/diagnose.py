@@ -168,8 +168,9 @@ def _decompose_all(
                        facts.stream_interval),
         lifecycle=facts.lifecycle,
         others_room=Intervals([(a, b) for a, b, _ in facts.others_room]),
+        # No step ran, less the core's GC pauses, which the pauses table names as GC.
         core_idle=Intervals(shares.idle_spans(facts.step_times, shares.out_end(facts.step_times))
-                            if len(facts.step_times.step_id) else []),
+                            if len(facts.step_times.step_id) else []).minus(pauses[1].gc),
     )  # fmt: skip
     requests = [_decompose(i, row, w, ctx) for i, (row, w) in
                 enumerate(zip(facts.requests, windows))]  # fmt: skip

@@ -49,6 +49,22 @@ class Intervals:
     def spans(self) -> list[tuple[int, int]]:
         return [(int(a), int(b)) for a, b in zip(self.starts, self.ends)]
 
+    def minus(self, other: Intervals) -> Intervals:
+        """These intervals with ``other``'s taken out."""
+        left: list[tuple[int, int]] = []
+        cuts = other.spans()
+        for a, b in self.spans():
+            i = max(int(np.searchsorted(other.ends, a, side="right")), 0)
+            while a < b and i < len(cuts) and cuts[i][0] < b:
+                x, y = cuts[i]
+                if x > a:
+                    left.append((a, x))
+                a = max(a, y)
+                i += 1
+            if a < b:
+                left.append((a, b))
+        return Intervals(left)
+
 
 @dataclass
 class Pauses:

@@ -406,3 +406,34 @@ def test_a_core_stopped_in_a_short_prefill_step_is_a_stall_not_the_prefill(
     print(text)
     parts = {f.part for f in run.findings if f.kind in ("cause", "paid", "gap", "step")}
     assert "core_stall" in parts and "neighbour_prefill" not in parts, text
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["decoders", "and-a-new-request"])
+def test_the_cores_gc_between_steps_is_gc_not_a_stall(tmp_path: Path, late: bool) -> None:
+    """An 80 ms collection of the core between two steps, its outputs already sent (a Gemma 3
+    run of the gc primitive, which read as a hang): no step ran for 80 ms, which a core that
+    stopped would also show; the store's pause says why. The decoders' gap, and (``late``) the
+    wait of a request that arrived in it, are the core's GC, not a stall."""
+    tr = Trace()
+    ids = _decoders(tr)
+    for k in range(199):
+        rows = {rid: 1 for rid in ids}
+        if k == 70:
+            at = (tr.now - T0) / MS + 0.5
+            tr.pause("core", "gc", at, 80.0)
+            if late:
+                tr.request("late", at + 10.0, prompt=16, output=40, ipc_ms=0.2)
+                rows["late"] = 16
+            tr.step(rows, 2.0, at_ms=at + 80.0)
+        else:
+            if late and "late" in tr.reqs and tr.reqs["late"].status is None:
+                rows["late"] = 1
+            tr.step(rows, 2.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    stalls = {r.request_id for r in run.requests
+              if r.ttft.get("core_stall", 0) + r.decode.get("core_stall", 0) >= MS}  # fmt: skip
+    assert not stalls, text
+    assert "core_stall" not in {f.part for f in run.findings}, text
+    assert "hang" not in text.lower(), text

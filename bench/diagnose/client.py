@@ -4,8 +4,8 @@ end), reading as told: straight through, pausing after some chunks, or hanging u
 
 A raw socket, not an HTTP library: a reader that pauses must hold the server back exactly as a
 slow client would (a small receive buffer, nothing read meanwhile), and the client counts the
-bytes it had read when it paused, so the time the server's writes waited is its own
-measurement (bench.diagnose.score.reader_effect).
+bytes it had read when it paused and the bytes its buffers held when it resumed, so the time
+the server's writes waited is its own measurement (bench.diagnose.score.reader_effect).
 """
 
 from __future__ import annotations
@@ -51,6 +51,11 @@ class Seen:
     num_tokens: int = 0
     paused_at_s: float | None = None
     bytes_before_pause: int = 0
+    # What the buffers between the server and it held when it resumed (None: it never paused):
+    # the kernel's, read at once, and the server's transport's; and whether the rest of the
+    # response fit in them (the server never waited).
+    buffered_bytes: int | None = None
+    ended_in_buffers: bool = False
     num_bytes: int = 0  # the response's, as read
     extra: bool = False
 
@@ -157,6 +162,13 @@ def _exchange(port: int, ask: Ask, payload: bytes, seen: Seen, t0: float) -> Non
         _read_stream(reader, ask, seen, t0)
 
 
+# What the server's transport holds above the kernel's buffers before its writes wait
+# (service/http_timing.py's TRANSPORT_BUFFER_BYTES, which bench may not import); a resumed
+# reader reads the kernel's at once, and the transport's only once the server's event loop
+# has written it, with the tokens made meanwhile.
+SERVER_TRANSPORT_BYTES = 16 * 1024
+
+
 def _read_stream(reader: _Reader, ask: Ask, seen: Seen, t0: float) -> None:
     for event in reader.events():
         now = time.monotonic() - t0
@@ -178,8 +190,11 @@ def _read_stream(reader: _Reader, ask: Ask, seen: Seen, t0: float) -> None:
         if ask.pause_after is not None and n == ask.pause_after:
             seen.paused_at_s, seen.bytes_before_pause = now, reader.num_bytes
             time.sleep(ask.pause_s)
+            seen.buffered_bytes = reader.drain() + SERVER_TRANSPORT_BYTES
     seen.end_s = time.monotonic() - t0
     seen.num_bytes = reader.num_bytes
+    if seen.buffered_bytes is not None:
+        seen.ended_in_buffers = seen.num_bytes - seen.bytes_before_pause <= seen.buffered_bytes
 
 
 def _error_code(body: bytes) -> str | None:
@@ -204,6 +219,19 @@ class _Reader:
         self.num_bytes += len(data)
         self.buf += data
         return bool(data)
+
+    def drain(self) -> int:
+        """Read what is waiting now into the buffer, without waiting: the bytes read."""
+        before = self.num_bytes
+        self.sock.setblocking(False)
+        try:
+            while self._fill():
+                pass
+        except BlockingIOError:
+            pass
+        finally:
+            self.sock.setblocking(True)
+        return self.num_bytes - before
 
     def head(self) -> tuple[int, dict[str, str]]:
         while b"\r\n\r\n" not in self.buf:

@@ -213,18 +213,24 @@ def effect(controls: Sequence[Seen], primitive: Seen, drift: float = 0.0) -> flo
 
 def reader_effect(controls: Sequence[Seen], primitive: Seen, pause_s: float) -> float:
     """A paused reader's effect: the time the server's writes waited on it, in bars (of 20 ms
-    and 4x the controls' median gap). When it paused, the rest of its response (the controls'
-    bytes less what it had read) either fit in the buffers between the server and it (the
-    server's send buffer and its receive buffer: BUFFERS), and the server never waited, or
-    the server filled them at the controls' byte rate, then waited out the rest of the pause."""
+    and 4x the controls' median gap). While it paused, the server filled the buffers between
+    them at the controls' byte rate, then waited out the rest of the pause; or the rest of its
+    response fit in them, and it never waited. What they held is what the reader read at once
+    when it resumed (client.py); a run recorded before it measured that assumes BUFFERS bytes
+    (which small SSE events fill sooner: the kernel counts each one's bookkeeping too)."""
     spans = [(c.num_bytes, c.end_s - c.first_s) for c in controls if c.first_s is not None]
     if primitive.paused_at_s is None or not spans:
         return 0.0
-    left = float(np.mean([n for n, _ in spans])) - primitive.bytes_before_pause
-    if left <= BUFFERS:
-        return 0.0
+    if primitive.buffered_bytes is not None:
+        if primitive.ended_in_buffers:
+            return 0.0
+        held = float(primitive.buffered_bytes)
+    else:
+        if float(np.mean([n for n, _ in spans])) - primitive.bytes_before_pause <= BUFFERS:
+            return 0.0
+        held = float(BUFFERS)
     rate = float(np.mean([n / max(t, 1e-3) for n, t in spans]))  # bytes a second
-    waited = pause_s - BUFFERS / max(rate, 1.0)
+    waited = pause_s - held / max(rate, 1.0)
     gaps = [g for c in controls for g in c.gaps()]
     bar = max(BAR_S, GAP_FACTOR * float(np.median(gaps))) if gaps else BAR_S
     return waited / bar

@@ -10,12 +10,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import time
 from pathlib import Path
 
 import pytest
 
-from bench.diagnose import plan
-from bench.diagnose.client import Ask, Seen
+from bench.diagnose import client, plan
+from bench.diagnose.client import Ask, Seen, _one
 from bench.diagnose.scenarios import CAUSES, Run, make_group
 from bench.diagnose.score import (
     Matrix,
@@ -28,8 +29,11 @@ from bench.diagnose.score import (
     reader_effect,
     wilson,
 )
+from service import http_timing
 from service.cli import main as lumen
+from tests.helpers.server import LumenServer
 from tests.helpers.trace_builder import long_prefill_run
+from tracing.store import open_db
 
 
 def _seen(index: int, ttft: float, e2e: float, gaps: list[float], **kw: object) -> Seen:
@@ -109,6 +113,44 @@ def test_a_paused_reader_counts_only_the_time_the_server_waited() -> None:
     # 340 KB read: the rest fit in the buffers, and the server never waited.
     late = _seen(0, 0.01, 3.0, [0.005] * 200, paused_at_s=0.9, bytes_before_pause=340_000)
     assert reader_effect(controls, late, 2.0) == 0.0
+    # What the buffers held, as the reader measured it on resuming: 40 KB (small events fill
+    # them sooner than BUFFERS says), so the server waited from 0.1 s into the pause.
+    held = _seen(0, 0.01, 3.0, [0.005] * 200, paused_at_s=0.9, bytes_before_pause=300_000,
+                 buffered_bytes=40_400)  # fmt: skip
+    assert reader_effect(controls, held, 2.0) * 0.02 == pytest.approx(1.9, abs=1e-3)
+    held.ended_in_buffers = True  # ... and that was the rest of the response: no wait
+    assert reader_effect(controls, held, 2.0) == 0.0
+
+
+@pytest.mark.serial  # a paused reader, timed against what the server measured
+def test_a_paused_readers_buffers_are_measured_as_the_server_waited(
+    tmp_path: Path, tiny_model_path: Path
+) -> None:
+    """A real stream paused for 2 s: what the reader read at once on resuming is what the
+    buffers held, so the pause less the time the server took to fill them (at the stream's own
+    byte rate before the pause) is the time its writes waited, as its trace db has it."""
+    body = {"prompt": "Count:", "max_tokens": 2000, "ignore_eos": True, "temperature": 0,
+            "stream": True}  # fmt: skip
+    assert client.SERVER_TRANSPORT_BYTES == http_timing.TRANSPORT_BUFFER_BYTES
+    ask = Ask(0, body, 0.0, pause_after=50, pause_s=2.0)
+    seen = Seen(0)
+    with LumenServer(tiny_model_path, "--num-kv-blocks", "256",
+                     log_path=tmp_path / "serve.log") as server:  # fmt: skip
+        _one(server.port, ask, json.dumps(body).encode(), seen, time.monotonic())
+    assert seen.status == "ok", seen.code
+    assert seen.paused_at_s is not None and seen.first_s is not None
+    with open_db(server.trace_db) as con:
+        (waited_ns,) = con.execute(
+            "SELECT send_wait_ns FROM requests WHERE request_id = ?", [seen.request_id]
+        ).fetchone()
+    rate = seen.bytes_before_pause / (seen.paused_at_s - seen.first_s)
+    assert seen.buffered_bytes is not None and not seen.ended_in_buffers
+    estimate = ask.pause_s - seen.buffered_bytes / rate
+    print(
+        f"\nbuffers held {seen.buffered_bytes} bytes ({rate / 1e3:.0f} KB/s): the server "
+        f"waited {estimate:.3f} s by the reader, {waited_ns / 1e9:.3f} s by its trace db"
+    )
+    assert abs(estimate - waited_ns / 1e9) < 0.25, (estimate, waited_ns)
 
 
 def test_only_the_requests_the_client_timed_are_scored() -> None:

@@ -12,7 +12,7 @@ from tracing.diagnosis import Finding, RunDiagnosis, StepFacts
 from tracing.judge import passes
 from tracing.pauses import Intervals
 from tracing.step_fit import COLD_STEPS, OUTLIER_FACTOR, outlier
-from tracing.words import WHAT, count, ms, tokens_of
+from tracing.words import WHAT, count, ms, step_name, tokens_of
 
 COLD_NOISE = 3.0  # a cold first step exceeds its reference by this many robust deviations
 PAUSE_WORDS = {"gc": "garbage collection", "loop_lag": "event-loop lag"}
@@ -106,7 +106,8 @@ def cold_and_outliers(
             f"{count(first.rows or first.running, 'request')}"
         )
         took = "; ".join(
-            f"step {s.step_id}: {ms(s.forward_ns)} against {ms(_cold_reference(s, rest, coef)[0])}"
+            f"{step_name(s.step_id)}: {ms(s.forward_ns)} against "
+            f"{ms(_cold_reference(s, rest, coef)[0])}"
             for s in cold
         )
         text = (
@@ -146,7 +147,7 @@ def _slow_steps(
     met = sum(p > 0 for p, _ in paid)
     head = (
         f"{count(len(late), 'step')} took at least {OUTLIER_FACTOR:g}x the time expected "
-        f"for their shape (worst: step {worst.step_id}, {ms(worst.forward_ns)} against "
+        f"for their shape (worst: {step_name(worst.step_id)}, {ms(worst.forward_ns)} against "
         f"{ms(want)}; GC inside them aside), met by {count(met, 'request')}: "
     )
     if api_pause is None:

@@ -61,7 +61,7 @@ from tracing.judge import (
     slow_delivery_ns,
 )
 from tracing.pauses import Intervals
-from tracing.words import QUEUE_LIMITS, WHAT, count, ms, tokens_of
+from tracing.words import QUEUE_LIMITS, WHAT, count, ms, step_name, tokens_of
 
 __all__ = ["JUDGED_APART", "describe", "headline", "judge", "neighbour_names", "passes"]
 
@@ -360,7 +360,9 @@ def _merged(spans: Sequence[tuple[int, int] | None]) -> list[tuple[int, int]]:
 
 def _busy(run: RunDiagnosis, step: StepFacts) -> str:
     carried = f" with {verdict_steps.prefill_of(run, step)}" if step.prefill_tokens else ""
-    return f", while the core was busy in step {step.step_id} for {ms(step.execute_ns)}{carried}"
+    return (
+        f", while the core was busy in {step_name(step.step_id)} for {ms(step.execute_ns)}{carried}"
+    )
 
 
 def neighbour_names(reqs: list[RequestDiagnosis], phase: str | None = None, limit: int = 3) -> str:

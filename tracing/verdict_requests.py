@@ -12,7 +12,7 @@ from tracing.diagnosis import MIN_CAUSE_NS, Finding, RequestDiagnosis, RunDiagno
 from tracing.failures import KINDS, SERVER_KINDS, Failure
 from tracing.gaps import GAP_FACTOR, Gap
 from tracing.judge import gap_calls, passes
-from tracing.words import WHAT, count, ms
+from tracing.words import WHAT, count, ms, step_name
 
 LISTED = 4  # requests a sentence names by id
 
@@ -110,5 +110,7 @@ def _ids(ids: list[str]) -> str:
 
 def _step(gap: Gap) -> str:
     return (
-        f"; its write's first token came from step {gap.step_id}" if gap.step_id is not None else ""
+        f"; its write's first token came from {step_name(gap.step_id)}"
+        if gap.step_id is not None
+        else ""
     )

@@ -24,7 +24,7 @@ from tracing.step_fit import (
     StepFit,
     fit_step_shape,
 )
-from tracing.words import WHAT, count, ms, tokens_of
+from tracing.words import WHAT, count, ms, step_name, tokens_of
 
 STALL_FACTOR = 2.0  # a mixed step this many times the median decode-only step stalls decodes
 MIN_STEP_CPU_NS = 2_000_000  # scheduler / output CPU per step worth naming (with the share)
@@ -122,7 +122,7 @@ def _stalls(run: RunDiagnosis, stalls: list[StepFacts], typical: float) -> list[
     text = (
         f"{chunk[0].upper()}{chunk[1:]} stalled "
         f"{count(worst.decode_tokens, 'decoding request')} for {ms(worst.forward_ns)} "
-        f"(step {worst.step_id}; decode-only steps take {ms(typical)}){more}.{quoted} "
+        f"({step_name(worst.step_id)}; decode-only steps take {ms(typical)}){more}.{quoted} "
         "--max-num-batched-tokens caps the chunk."
     )
     ids = [rid for rid, _ in run.prefill_members.get(worst.step_id, [])]
@@ -143,7 +143,7 @@ def _cpu(run: RunDiagnosis, busy: list[StepFacts], named: set[str | None]) -> li
         text = (
             f"Scheduler CPU: the scheduler took {ms(typical)} of each {ms(step_ns)} step "
             f"at the median ({typical / step_ns:.0%}), up to {ms(worst.schedule_ns)} at "
-            f"{count(worst.running, 'running request')} (step {worst.step_id}); "
+            f"{count(worst.running, 'running request')} ({step_name(worst.step_id)}); "
             f"{ms(summed)} over a request's steps at the median: {WHAT['schedule'][1]}."
         )
         out.append(_step(text, typical / 1e6, "schedule"))
@@ -176,7 +176,7 @@ def _grammar_masks(busy: list[StepFacts], named: set[str | None], step_ns: float
     text = (
         f"Grammar masks: computing structured outputs' token masks took {ms(typical)} of each "
         f"{ms(step_ns)} step at the median in {count(len(masked), 'step')} that had any, up to "
-        f"{ms(worst.grammar_mask_ns)} (step {worst.step_id}); every request in those steps "
+        f"{ms(worst.grammar_mask_ns)} ({step_name(worst.step_id)}); every request in those steps "
         f"waited for them: {WHAT['grammar_mask'][1]}."
     )
     return [_step(text, typical / 1e6, "grammar_mask")]

@@ -10,7 +10,7 @@ from tracing.diagnosis import RequestDiagnosis, RunDiagnosis
 from tracing.gaps import Gap
 from tracing.judge import request_calls, slow_delivery_ns
 from tracing.verdict import describe, neighbour_names
-from tracing.words import WHAT, count, ms, tokens_of
+from tracing.words import WHAT, count, ms, step_name, tokens_of
 
 GAP_PART_NS = 1_000_000  # a gap's parts listed from this size
 
@@ -151,5 +151,5 @@ def _gap_words(gap: Gap, run: RunDiagnosis) -> str:
         return f"{ms(gap.ns)}: {listed}"
     carried = f", carrying {verdict_steps.prefill_of(run, step)}" if step.prefill_tokens else ""
     rows = count(step.rows or step.running, "request")
-    return (f"{ms(gap.ns)}: {listed} (its first token from step {step.step_id}, execute "
+    return (f"{ms(gap.ns)}: {listed} (its first token from {step_name(step.step_id)}, execute "
             f"{ms(step.execute_ns)}, {rows}{carried})")  # fmt: skip

@@ -40,6 +40,24 @@ def ms(ns: float) -> str:
     return f"{ns / 1e6:,.1f} ms"
 
 
+# A restarted core numbers its steps from epoch << 40, data-parallel engine r from r << 56
+# (engine/core/engine_core_proc.py): such an id read whole is a 17-digit number.
+_EPOCH_SHIFT, _RANK_SHIFT = 40, 56
+
+
+def step_name(step_id: int) -> str:
+    """'step 39', or 'step 39 of engine 1 (step_id 72057594037927975)' and 'step 5 after 1
+    restart (step_id ...)' where the id carries an engine or a restart: the step as counted,
+    and the id to look it up by."""
+    n = step_id & ((1 << _EPOCH_SHIFT) - 1)
+    rank, epoch = step_id >> _RANK_SHIFT, (step_id >> _EPOCH_SHIFT) & 0xFFFF
+    if not rank and not epoch:
+        return f"step {step_id}"
+    whose = f" of engine {rank}" if rank else ""
+    after = f" after {count(epoch, 'restart')}" if epoch else ""
+    return f"step {n}{whose}{after} (step_id {step_id})"
+
+
 def tokens_of(n: int) -> str:
     return f"{n:,}"
 

@@ -54,7 +54,7 @@ class Intervals:
         left: list[tuple[int, int]] = []
         cuts = other.spans()
         for a, b in self.spans():
-            i = max(int(np.searchsorted(other.ends, a, side="right")), 0)
+            i = int(np.searchsorted(other.ends, a, side="right"))
             while a < b and i < len(cuts) and cuts[i][0] < b:
                 x, y = cuts[i]
                 if x > a:

@@ -143,8 +143,9 @@ def _decompose_all(
     placed = shares.place(facts.members, facts.step_times, win)
     pauses = pauses_of(facts.pauses)
     excess = shares.stall_excess(facts.step_times, weights, pauses[1].gc)
+    phases = shares.phase_stalls(facts.step_times, pauses[1].gc)
     parts = shares.step_shares(
-        facts.members, placed, facts.step_times, win, weights, pauses[1].gc, excess
+        facts.members, placed, facts.step_times, win, weights, pauses[1].gc, excess, phases
     )
     preempted = step_members.preemptions(
         facts.preempted, facts.members, placed, facts.step_times, win

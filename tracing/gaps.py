@@ -43,6 +43,7 @@ from tracing.shares import (
     StepTimes,
     member_shares,
     out_end,
+    phase_stalls,
     stall_excess,
     stall_spans,
 )
@@ -117,7 +118,9 @@ class GapCutter:
         # (shares.stall_excess); as instants, the core stalled (all its threads), but where the
         # API process paused meanwhile: that is its pause (carved first).
         self.excess = stall_excess(steps, weights, self.core.gc)
-        stalls = stall_spans(steps, self.excess)
+        # ... and its schedule or output phase far past the run's median (shares.phase_stalls).
+        self.phases = phase_stalls(steps, self.core.gc)
+        stalls = stall_spans(steps, self.excess, self.phases)
         self.stalls = Intervals(minus(stalls, sorted(self.api.gc.spans() + self.api.lag.spans())))
         order = np.argsort(placed.request, kind="stable")
         counts = np.bincount(placed.request) if len(placed.request) else np.zeros(0, np.int64)
@@ -189,7 +192,7 @@ class GapCutter:
         lo, hi = np.full(n, a, dtype=np.int64), np.full(n, c, dtype=np.int64)
         shares, total = member_shares(self.members.tokens[rows], s, np.zeros(n, dtype=bool), lo, hi,
                                       self.steps, self.weights, self.core.gc,
-                                      self.excess)  # fmt: skip
+                                      self.excess, self.phases)  # fmt: skip
         for key in _STEP_PARTS:
             parts[key] += round(float(shares[key].sum()))
         return int(total.sum())

@@ -224,8 +224,10 @@ PARTS: tuple[Part, ...] = (
         "host (other processes, the CPU quota, swapping) and the server log",
         "the part of its steps' forward (the sampler, logprobs and core GC aside) past 3x their "
         "expected time and 20 ms over it (6x for a step whose prefill alone is priced at 20 ms: "
-        "a long prompt's attention outgrows a linear price); 20 ms or more with no step running "
-        "while it had one to run (between steps, in the queue); the wait to reach the core past "
+        "a long prompt's attention outgrows a linear price); the part of a step's schedule "
+        "or output phase past 3x the run's median of it and 20 ms over it (the core stops in "
+        "whichever phase it was in); 20 ms or more with no step running while it had one to "
+        "run (between steps, in the queue, the core's GC aside); the wait to reach the core past "
         "the step in flight, where 20 ms or more (a healthy core reads its input within a "
         "millisecond); and in a long token gap (tracing/gaps.py) such a step's excess while its "
         "token waited to leave the core",

@@ -51,19 +51,7 @@ class Intervals:
 
     def minus(self, other: Intervals) -> Intervals:
         """These intervals with ``other``'s taken out."""
-        left: list[tuple[int, int]] = []
-        cuts = other.spans()
-        for a, b in self.spans():
-            i = int(np.searchsorted(other.ends, a, side="right"))
-            while a < b and i < len(cuts) and cuts[i][0] < b:
-                x, y = cuts[i]
-                if x > a:
-                    left.append((a, x))
-                a = max(a, y)
-                i += 1
-            if a < b:
-                left.append((a, b))
-        return Intervals(left)
+        return Intervals(minus(self.spans(), other.spans()))
 
 
 @dataclass

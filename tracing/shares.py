@@ -247,12 +247,44 @@ def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> 
     return excess
 
 
-def stall_spans(steps: StepTimes, excess: FloatArray) -> list[tuple[int, int]]:
-    """Each stalled step's forward past its expected time, as instants."""
+def phase_stalls(steps: StepTimes, core_gc: Intervals) -> FloatArray:
+    """Per step, the share of its schedule phase (row 0: to the forward's start, less the core's
+    GC and the grammar masks in it) and of its output phase (row 1: to its outputs' send, less
+    GC) that was the core stalling (0 for most): a phase that took OUTLIER_FACTOR x the run's
+    median of it and MIN_CAUSE_NS over it, the part past the median. A stopped core stops in
+    whichever phase it was in; a slow scheduler or output path is slow in most steps, which the
+    median holds."""
+    out: FloatArray = np.zeros((2, len(steps.step_id)))
+    busy = (steps.prefill_tokens + steps.decode_tokens) > 0
+    if not busy.any():
+        return out
+    gs, _, go = _gc_inside(steps, core_gc)
+    masks = np.where(steps.grammar_mask_ns > 0, steps.execute_start_ns - steps.schedule_end_ns, 0)
+    sched = np.maximum(steps.execute_start_ns - steps.schedule_start_ns - gs - masks, 0)
+    output = np.maximum(out_end(steps) - steps.execute_end_ns - go, 0)
+    for row, phase in enumerate((sched, output)):
+        typical = float(np.median(phase[busy]))
+        slow = busy & (phase >= OUTLIER_FACTOR * typical) & (phase - typical >= MIN_CAUSE_NS)
+        out[row] = np.where(slow, 1.0 - typical / np.maximum(phase, 1), 0.0)
+    return out
+
+
+def stall_spans(
+    steps: StepTimes, excess: FloatArray, phases: FloatArray | None = None
+) -> list[tuple[int, int]]:
+    """Each stalled step's forward past its expected time, and (``phases``, phase_stalls) its
+    schedule and output phases past their median, as instants (each at its phase's end)."""
     forward = steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns - steps.logprobs_ns
     past = steps.execute_start_ns + (forward * (1.0 - excess)).astype(np.int64)
     ended = steps.execute_start_ns + forward
-    return [(int(x), int(y)) for x, y, k in zip(past, ended, excess > 0) if k]
+    spans = [(int(x), int(y)) for x, y, k in zip(past, ended, excess > 0) if k]
+    if phases is not None:
+        ends = (steps.execute_start_ns, out_end(steps))
+        lengths = (steps.execute_start_ns - steps.schedule_start_ns, ends[1] - steps.execute_end_ns)
+        for share, end, length in zip(phases, ends, lengths):
+            stalled = (length * share).astype(np.int64)
+            spans += [(int(e - n), int(e)) for e, n, k in zip(end, stalled, share > 0) if k]
+    return sorted(spans)
 
 
 def idle_spans(steps: StepTimes, ends: IntArray) -> list[tuple[int, int]]:
@@ -286,16 +318,17 @@ def step_shares(
     weights: StepWeights,
     core_gc: Intervals,
     excess: FloatArray | None = None,
+    phases: FloatArray | None = None,
 ) -> dict[tuple[str, str], StepShare]:
     """(request id, phase) -> its StepShare, by the formulas of the module docstring
-    (``excess``: each step's stall_excess)."""
+    (``excess``: each step's stall_excess; ``phases``: its phase_stalls)."""
     if not len(placed.step):
         return {}
     r, ttft = placed.request, placed.ttft
     lo = np.where(ttft, windows.start[r], windows.ttft_end[r])
     hi = np.where(ttft, windows.ttft_end[r], windows.end[r])
     per_member, total = member_shares(members.tokens, placed.step, ttft, lo, hi, steps, weights,
-                                      core_gc, excess)  # fmt: skip
+                                      core_gc, excess, phases)  # fmt: skip
     s = placed.step
     return _by_request_phase(
         per_member, total, steps.schedule_start_ns[s], out_end(steps)[s], placed, steps, windows
@@ -312,11 +345,13 @@ def member_shares(
     weights: StepWeights,
     core_gc: Intervals,
     excess: FloatArray | None = None,
+    phases: FloatArray | None = None,
 ) -> tuple[dict[str, FloatArray], IntArray]:
     """Per membership (its tokens, its step's index ``s``, whether its row is in its request's
     TTFT phase), its parts of the step inside its window [lo, hi] (the module docstring's
     formulas), and the clipped schedule, execute and output time they share out. ``excess``:
-    each step's stall_excess, the share of its forward that is ``core_stall``."""
+    each step's stall_excess, the share of its forward that is ``core_stall``; ``phases``:
+    phase_stalls, the shares of its schedule and output phases that are."""
     s0, s1 = steps.schedule_start_ns[s], steps.schedule_end_ns[s]
     e0, e1, o1 = steps.execute_start_ns[s], steps.execute_end_ns[s], out_end(steps)[s]
 
@@ -350,6 +385,11 @@ def member_shares(
     # A step far past its expected forward time: that excess is the core stalling.
     stall = net * excess[s] if excess is not None else np.zeros(len(s))
     net = net - stall
+    sched_net, out_net = np.maximum(sched - gs - gram, 0), outp - go
+    if phases is not None:
+        sched_stall, out_stall = sched_net * phases[0][s], out_net * phases[1][s]
+        sched_net, out_net = sched_net - sched_stall, out_net - out_stall
+        stall = stall + sched_stall + out_stall
     own = np.where(ttft, net * np.minimum((weights.b * tokens + per_row) / cost, 1), 0.0)
     own_row = np.where(ttft, np.minimum(net * per_row / cost, own), 0.0)
     # A row is a prefill row in its TTFT phase, or with more than one token (a recompute after
@@ -364,8 +404,8 @@ def member_shares(
         "own_row": own_row,
         "neighbour_prefill": nb,
         "decode": net - own - nb,
-        "schedule": np.maximum(sched - gs - gram, 0),
-        "output": outp - go,
+        "schedule": sched_net,
+        "output": out_net,
         "gc": gs + ge + go,
         "grammar_mask": np.minimum(gram, sched - gs),
         "sampling": sampling,

@@ -437,3 +437,27 @@ def test_the_cores_gc_between_steps_is_gc_not_a_stall(tmp_path: Path, late: bool
     assert not stalls, text
     assert "core_stall" not in {f.part for f in run.findings}, text
     assert "hang" not in text.lower(), text
+
+
+@pytest.mark.parametrize("phase", ["schedule", "output"])
+def test_a_core_stopped_in_a_steps_schedule_or_output_is_a_stall(
+    tmp_path: Path, phase: str
+) -> None:
+    """SIGSTOP of the core for 300 ms while it was scheduling a step (its output thread, with
+    the last step's tokens, stopped too), or while it was sending a step's outputs (a hang
+    primitive of `lumen bench diagnose`, which read as scheduler CPU and emit): a phase that
+    takes a fraction of a millisecond in every other step took 300 ms. That is the core
+    stalling, whichever phase it stopped in."""
+    tr = Trace()
+    ids = _decoders(tr)
+    for k in range(199):
+        stopped = k == 100
+        tr.step({rid: 1 for rid in ids}, 2.0,
+                schedule_ms=300.0 if stopped and phase == "schedule" else 0.2,
+                output_ms=300.0 if stopped and phase == "output" else 0.2,
+                held_ms=300.0 if k == 99 and phase == "schedule" else 0.0)  # fmt: skip
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    named = {f.part for f in run.findings if f.kind in ("cause", "paid", "gap")}
+    assert named == {"core_stall"}, text

@@ -84,7 +84,10 @@ class Seen:
             "index": self.index, "request_id": self.request_id, "status": self.status,
             "code": self.code, "ttft_s": self.ttft_s, "e2e_s": self.e2e_s,
             "num_chunks": len(self.chunks), "max_gap_s": max(self.gaps(), default=None),
-            "extra": self.extra,
+            "extra": self.extra, "num_bytes": self.num_bytes,
+            **({"bytes_before_pause": self.bytes_before_pause,
+                "buffered_bytes": self.buffered_bytes, "ended_in_buffers": self.ended_in_buffers}
+               if self.buffered_bytes is not None else {}),
         }  # fmt: skip
 
 

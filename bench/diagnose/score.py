@@ -45,6 +45,7 @@ SHARE = 0.10
 # buffer (the client asks 4 KiB; the kernel doubles it).
 BUFFERS = 80 * 1024 + 2 * 4096
 GAP_FACTOR = 4.0
+OWN_RATE_BYTES = 8192  # a paused reader's own byte rate is used once it had read this much
 POSITIVE, NEGATIVE = 1.5, 0.67  # of the bar: surely past it, surely under it
 Z90 = 1.6449  # a two-sided 90% interval
 MAX_SPEED_FACTOR = 1.5  # a run's times set to the controls' speed by at most this either way
@@ -214,7 +215,8 @@ def effect(controls: Sequence[Seen], primitive: Seen, drift: float = 0.0) -> flo
 def reader_effect(controls: Sequence[Seen], primitive: Seen, pause_s: float) -> float:
     """A paused reader's effect: the time the server's writes waited on it, in bars (of 20 ms
     and 4x the controls' median gap). While it paused, the server filled the buffers between
-    them at the controls' byte rate, then waited out the rest of the pause; or the rest of its
+    them at its byte rate before the pause (the controls' where it had read little), then
+    waited out the rest of the pause; or the rest of its
     response fit in them, and it never waited. What they held is what the reader read at once
     when it resumed (client.py); a run recorded before it measured that assumes BUFFERS bytes
     (which small SSE events fill sooner: the kernel counts each one's bookkeeping too)."""
@@ -229,7 +231,13 @@ def reader_effect(controls: Sequence[Seen], primitive: Seen, pause_s: float) -> 
         if float(np.mean([n for n, _ in spans])) - primitive.bytes_before_pause <= BUFFERS:
             return 0.0
         held = float(BUFFERS)
-    rate = float(np.mean([n / max(t, 1e-3) for n, t in spans]))  # bytes a second
+    # Its own byte rate before it paused (the same run, on the same machine at the same time),
+    # where it had read enough to tell; else the controls'.
+    first, at = primitive.first_s, primitive.paused_at_s
+    if first is not None and primitive.bytes_before_pause >= OWN_RATE_BYTES and at > first:
+        rate = primitive.bytes_before_pause / (at - first)
+    else:
+        rate = float(np.mean([n / max(t, 1e-3) for n, t in spans]))  # bytes a second
     waited = pause_s - held / max(rate, 1.0)
     gaps = [g for c in controls for g in c.gaps()]
     bar = max(BAR_S, GAP_FACTOR * float(np.median(gaps))) if gaps else BAR_S

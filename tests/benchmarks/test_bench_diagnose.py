@@ -11,6 +11,7 @@ import contextlib
 import io
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -114,10 +115,14 @@ def test_a_paused_reader_counts_only_the_time_the_server_waited() -> None:
     late = _seen(0, 0.01, 3.0, [0.005] * 200, paused_at_s=0.9, bytes_before_pause=340_000)
     assert reader_effect(controls, late, 2.0) == 0.0
     # What the buffers held, as the reader measured it on resuming: 40 KB (small events fill
-    # them sooner than BUFFERS says), so the server waited from 0.1 s into the pause.
-    held = _seen(0, 0.01, 3.0, [0.005] * 200, paused_at_s=0.9, bytes_before_pause=300_000,
-                 buffered_bytes=40_400)  # fmt: skip
+    # them sooner than BUFFERS says), filled at its own rate before the pause (300 KB in 0.75 s,
+    # 400 KB a second): the server waited from 0.1 s into the pause.
+    held = _seen(0, 0.01, 3.0, [0.005] * 200, paused_at_s=0.76, bytes_before_pause=300_000,
+                 buffered_bytes=40_000)  # fmt: skip
     assert reader_effect(controls, held, 2.0) * 0.02 == pytest.approx(1.9, abs=1e-3)
+    # Its own rate once it had read 8 KB: the same run on a machine twice as slow then.
+    slow = replace(held, paused_at_s=1.51)
+    assert reader_effect(controls, slow, 2.0) * 0.02 == pytest.approx(1.8, abs=1e-3)
     held.ended_in_buffers = True  # ... and that was the rest of the response: no wait
     assert reader_effect(controls, held, 2.0) == 0.0
 
@@ -126,9 +131,10 @@ def test_a_paused_reader_counts_only_the_time_the_server_waited() -> None:
 def test_a_paused_readers_buffers_are_measured_as_the_server_waited(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
-    """A real stream paused for 2 s: what the reader read at once on resuming is what the
-    buffers held, so the pause less the time the server took to fill them (at the stream's own
-    byte rate before the pause) is the time its writes waited, as its trace db has it."""
+    """A real stream paused for 2 s: what the reader read at once on resuming, and the server's
+    transport buffer, are what the buffers held, so the pause less the time the server took to
+    fill them (at the stream's own byte rate before the pause) is the time its writes waited,
+    as its trace db has it."""
     body = {"prompt": "Count:", "max_tokens": 2000, "ignore_eos": True, "temperature": 0,
             "stream": True}  # fmt: skip
     assert client.SERVER_TRANSPORT_BYTES == http_timing.TRANSPORT_BUFFER_BYTES
@@ -228,15 +234,17 @@ def test_the_scorer_reads_a_built_trace_as_the_diagnosis_says_it(tmp_path: Path)
 
 @pytest.mark.serial  # it provokes latency, and its labels compare timings
 def test_a_fixed_group_is_named_right_through_real_servers(tmp_path: Path) -> None:
-    """Seed 6 on the tiny model: a queue held by --max-num-seqs 2, a reader that pauses 2.8 s
-    past its buffers, and kill -9 of the core mid-load, each beside two controls: every
-    primitive named and nothing else, and the controls naming none of the three. (What else a
-    control names is the machine's own noise, printed: CI's 2-core machine runs the client,
+    """Seed 10 on the tiny model: a queue held by --max-num-seqs 2, a reader that pauses 1.4 s
+    with 1,360 tokens left (past its buffers, which hold about 900), and kill -9 of the core
+    mid-load, each beside two controls: every primitive named and nothing else, and the
+    controls naming none of the three. (Seed 6's reader had 922 tokens left, at the buffers'
+    edge: whether the server waited at all turned on a few KB, so its label did too. What else
+    a control names is the machine's own noise, printed: CI's 2-core machine runs the client,
     the API process and the core at once; the matrix counts it over hundreds of controls.)"""
     out = tmp_path / "matrix.json"
     said = io.StringIO()
     with contextlib.redirect_stdout(said):
-        assert lumen(["bench", "diagnose", "--group", "6:tiny:max_num_seqs,slow_reader,crash",
+        assert lumen(["bench", "diagnose", "--group", "10:tiny:max_num_seqs,slow_reader,crash",
                       "--json", str(out)]) == 0  # fmt: skip
     print(said.getvalue())
     doc = json.loads(out.read_text())

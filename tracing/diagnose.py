@@ -144,8 +144,9 @@ def _decompose_all(
     pauses = pauses_of(facts.pauses)
     excess = shares.stall_excess(facts.step_times, weights, pauses[1].gc)
     phases = shares.phase_stalls(facts.step_times, pauses[1].gc)
+    taken = shares.api_taken(facts.step_times, excess, pauses[0])
     parts = shares.step_shares(
-        facts.members, placed, facts.step_times, win, weights, pauses[1].gc, excess, phases
+        facts.members, placed, facts.step_times, win, weights, pauses[1].gc, excess, phases, taken
     )
     preempted = step_members.preemptions(
         facts.preempted, facts.members, placed, facts.step_times, win
@@ -435,11 +436,11 @@ def _ttft_parts(
 # A StepShare's parts, as each phase takes them.
 _STEP_KEYS_TTFT = (
     "own_prefill", "neighbour_prefill", "decode", "schedule", "output", "gc", "grammar_mask",
-    "sampling", "logprobs", "core_stall",
+    "sampling", "logprobs", "core_stall", "loop_lag",
 )  # fmt: skip
 _STEP_KEYS_DECODE = (
     "decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask", "sampling",
-    "logprobs", "core_stall",
+    "logprobs", "core_stall", "loop_lag",
 )  # fmt: skip
 
 

@@ -41,6 +41,7 @@ from tracing.shares import (
     MemberPhases,
     Memberships,
     StepTimes,
+    api_taken,
     member_shares,
     out_end,
     phase_stalls,
@@ -53,7 +54,7 @@ GAP_FACTOR = 4.0  # a gap is long at this many times its request's median gap (a
 MAX_GAPS = 20  # long gaps cut per request, longest first
 DECODE_PARTS = phase_labels("decode")  # a gap's parts are the decode phase's
 _STEP_PARTS = ("decode", "neighbour_prefill", "core_stall", "schedule", "output", "gc",
-               "grammar_mask", "sampling", "logprobs")  # fmt: skip
+               "grammar_mask", "sampling", "logprobs", "loop_lag")  # fmt: skip
 
 
 @dataclass
@@ -120,6 +121,7 @@ class GapCutter:
         self.excess = stall_excess(steps, weights, self.core.gc)
         # ... and its schedule or output phase far past the run's median (shares.phase_stalls).
         self.phases = phase_stalls(steps, self.core.gc)
+        self.taken = api_taken(steps, self.excess, self.api)
         stalls = stall_spans(steps, self.excess, self.phases)
         self.stalls = Intervals(minus(stalls, sorted(self.api.gc.spans() + self.api.lag.spans())))
         order = np.argsort(placed.request, kind="stable")
@@ -192,7 +194,7 @@ class GapCutter:
         lo, hi = np.full(n, a, dtype=np.int64), np.full(n, c, dtype=np.int64)
         shares, total = member_shares(self.members.tokens[rows], s, np.zeros(n, dtype=bool), lo, hi,
                                       self.steps, self.weights, self.core.gc,
-                                      self.excess, self.phases)  # fmt: skip
+                                      self.excess, self.phases, self.taken)  # fmt: skip
         for key in _STEP_PARTS:
             parts[key] += round(float(shares[key].sum()))
         return int(total.sum())

@@ -86,7 +86,8 @@ PARTS: tuple[Part, ...] = (
         "tokenization); see the pauses table",
         "event-loop lag rows in `pauses` (api) that overlap the request's windows, less the API "
         "process's GC pauses inside them; a lag that GC pauses fill at least half of is `gc` (a "
-        "storm of collections, the loop's moments between them included)",
+        "storm of collections, the loop's moments between them included); and a step's forward "
+        "past its time where the API process's loop lagged in it, as `gc` takes such a step",
     ),
     Part(
         "ipc", "IPC to the core and its input queue", None,
@@ -223,7 +224,8 @@ PARTS: tuple[Part, ...] = (
         "the core process stopped, was starved of CPU or was stuck in a long call: look at the "
         "host (other processes, the CPU quota, swapping) and the server log",
         "the part of its steps' forward (the sampler, logprobs and core GC aside) past 3x their "
-        "expected time and 20 ms over it (6x for a step whose prefill alone is priced at 20 ms: "
+        "expected time and 20 ms over it, but where the API process paused in it for half that "
+        "(`gc`, `loop_lag`) (6x for a step whose prefill alone is priced at 20 ms: "
         "a long prompt's attention outgrows a linear price); the part of a step's schedule "
         "or output phase past 3x the run's median of it and 20 ms over it (the core stops in "
         "whichever phase it was in); 20 ms or more with no step running while it had one to "
@@ -244,7 +246,9 @@ PARTS: tuple[Part, ...] = (
         "fewer allocations per step (LUMEN_GC=serving, the default, freezes the start-up heap); "
         "see the pauses table",
         "garbage-collection pauses (api and core) that overlap the request's windows, and the "
-        "API process's event-loop lags that its GC pauses fill at least half of",
+        "API process's event-loop lags that its GC pauses fill at least half of; and a step's "
+        "forward past its time (as `core_stall` has it) where the API process paused for GC "
+        "in it for at least half that excess: the pause took the core's CPU",
     ),
     Part(
         "emit", _EMIT, _EMIT, "getting outputs back to the frontend, detokenizing and emitting",

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from tracing.pauses import Intervals
+from tracing.pauses import Intervals, Pauses
 from tracing.step_fit import (
     MIN_CAUSE_NS,
     OUTLIER_FACTOR,
@@ -126,6 +126,7 @@ class StepShare:
     sampling: float
     logprobs: float
     core_stall: float  # its share of its steps' forward past their time (stall_excess)
+    loop_lag: float  # ... where the API process's event loop lagged meanwhile (api_taken)
     total: int  # the clipped schedule, execute and output intervals
     first_start: int  # the first of its steps began
     last_output: int  # the last of its steps' outputs left the core
@@ -247,6 +248,22 @@ def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> 
     return excess
 
 
+def api_taken(steps: StepTimes, excess: FloatArray, api: Pauses) -> FloatArray:
+    """Per stalled step, the shares of its excess (stall_excess) that the API process's GC
+    (row 0) and event-loop lag (row 1) took: where it paused inside the step's forward for at
+    least half the excess, the core lost its CPU to that pause (a GC pause is CPU work; the
+    client, the API process and the core share the machine's cores), split between the two by
+    their time in it. The rule slow_steps names such a step's cause by."""
+    out: FloatArray = np.zeros((2, len(steps.step_id)))
+    forward = steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns - steps.logprobs_ns
+    for i in np.flatnonzero(excess > 0):
+        a, b = int(steps.execute_start_ns[i]), int(steps.execute_end_ns[i])
+        gc, lag = api.gc.within(a, b), api.lag.within(a, b)
+        if 2 * (gc + lag) >= excess[i] * forward[i]:
+            out[:, i] = (gc / (gc + lag), lag / (gc + lag))
+    return out
+
+
 def phase_stalls(steps: StepTimes, core_gc: Intervals) -> FloatArray:
     """Per step, the share of its schedule phase (row 0: to the forward's start, less the core's
     GC and the grammar masks in it) and of its output phase (row 1: to its outputs' send, less
@@ -319,16 +336,18 @@ def step_shares(
     core_gc: Intervals,
     excess: FloatArray | None = None,
     phases: FloatArray | None = None,
+    taken: FloatArray | None = None,
 ) -> dict[tuple[str, str], StepShare]:
     """(request id, phase) -> its StepShare, by the formulas of the module docstring
-    (``excess``: each step's stall_excess; ``phases``: its phase_stalls)."""
+    (``excess``: each step's stall_excess; ``phases``: its phase_stalls; ``taken``: its
+    api_taken)."""
     if not len(placed.step):
         return {}
     r, ttft = placed.request, placed.ttft
     lo = np.where(ttft, windows.start[r], windows.ttft_end[r])
     hi = np.where(ttft, windows.ttft_end[r], windows.end[r])
     per_member, total = member_shares(members.tokens, placed.step, ttft, lo, hi, steps, weights,
-                                      core_gc, excess, phases)  # fmt: skip
+                                      core_gc, excess, phases, taken)  # fmt: skip
     s = placed.step
     return _by_request_phase(
         per_member, total, steps.schedule_start_ns[s], out_end(steps)[s], placed, steps, windows
@@ -346,12 +365,15 @@ def member_shares(
     core_gc: Intervals,
     excess: FloatArray | None = None,
     phases: FloatArray | None = None,
+    taken: FloatArray | None = None,
 ) -> tuple[dict[str, FloatArray], IntArray]:
     """Per membership (its tokens, its step's index ``s``, whether its row is in its request's
     TTFT phase), its parts of the step inside its window [lo, hi] (the module docstring's
     formulas), and the clipped schedule, execute and output time they share out. ``excess``:
     each step's stall_excess, the share of its forward that is ``core_stall``; ``phases``:
-    phase_stalls, the shares of its schedule and output phases that are."""
+    phase_stalls, the shares of its schedule and output phases that are; ``taken``:
+    api_taken, the shares of that forward's excess that are the API process's ``gc`` and
+    ``loop_lag`` instead."""
     s0, s1 = steps.schedule_start_ns[s], steps.schedule_end_ns[s]
     e0, e1, o1 = steps.execute_start_ns[s], steps.execute_end_ns[s], out_end(steps)[s]
 
@@ -385,6 +407,8 @@ def member_shares(
     # A step far past its expected forward time: that excess is the core stalling.
     stall = net * excess[s] if excess is not None else np.zeros(len(s))
     net = net - stall
+    api_gc, api_lag = (stall * taken[0][s], stall * taken[1][s]) if taken is not None else (0, 0)
+    stall = stall - api_gc - api_lag
     sched_net, out_net = np.maximum(sched - gs - gram, 0), outp - go
     if phases is not None:
         sched_stall, out_stall = sched_net * phases[0][s], out_net * phases[1][s]
@@ -406,11 +430,12 @@ def member_shares(
         "decode": net - own - nb,
         "schedule": sched_net,
         "output": out_net,
-        "gc": gs + ge + go,
+        "gc": gs + ge + go + api_gc,
         "grammar_mask": np.minimum(gram, sched - gs),
         "sampling": sampling,
         "logprobs": logprobs,
         "core_stall": stall,
+        "loop_lag": api_lag + np.zeros(len(s)),
     }
     total: IntArray = sched + exe + outp
     return per_member, total

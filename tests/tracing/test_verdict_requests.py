@@ -269,6 +269,20 @@ def test_a_step_slowed_by_the_api_processs_gc_names_the_gc(tmp_path: Path) -> No
     assert named[False].part == "core_stall" and "the core stalled" in named[False].text
 
 
+def test_a_step_slowed_by_the_api_processs_gc_is_gc_in_its_requests_too(tmp_path: Path) -> None:
+    """The same slow step, as its request's time: the step's excess is the API process's GC in
+    r2's decode (and so in the run's causes), not the core stalling (a Gemma 3 run of the gc
+    primitive, an API pause of 0.4 s, read as a hang besides GC)."""
+    tr = Trace()
+    _a_slow_step_in_an_api_pause(tr, True)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    r2 = next(r for r in run.requests if r.request_id == "r2")
+    assert r2.decode["core_stall"] < MS and r2.decode["gc"] >= 100 * MS, r2.decode
+    assert "core_stall" not in {f.part for f in run.findings}, text
+
+
 def test_a_core_stopped_while_a_token_waited_to_leave_it_is_a_core_stall(tmp_path: Path) -> None:
     """SIGSTOP of the core just after a step's output was made: the token reaches the frontend
     120 ms late, while the next step runs 120 ms past its time. Each stream's gap is the core

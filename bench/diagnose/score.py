@@ -216,10 +216,10 @@ def reader_effect(controls: Sequence[Seen], primitive: Seen, pause_s: float) -> 
     """A paused reader's effect: the time the server's writes waited on it, in bars (of 20 ms
     and 4x the controls' median gap). While it paused, the server filled the buffers between
     them at its byte rate before the pause (the controls' where it had read little), then
-    waited out the rest of the pause; or the rest of its
-    response fit in them, and it never waited. What they held is what the reader read at once
-    when it resumed (client.py); a run recorded before it measured that assumes BUFFERS bytes
-    (which small SSE events fill sooner: the kernel counts each one's bookkeeping too)."""
+    waited out the rest of the pause; or the rest of its response fit in them, and it never
+    waited. What they held is what the reader read at once when it resumed, and the server's
+    transport buffer (client.py); a run recorded before the reader measured that assumes
+    BUFFERS bytes."""
     spans = [(c.num_bytes, c.end_s - c.first_s) for c in controls if c.first_s is not None]
     if primitive.paused_at_s is None or not spans:
         return 0.0

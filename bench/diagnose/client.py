@@ -173,6 +173,7 @@ SERVER_TRANSPORT_BYTES = 16 * 1024
 
 
 def _read_stream(reader: _Reader, ask: Ask, seen: Seen, t0: float) -> None:
+    merged = False
     for event in reader.events():
         now = time.monotonic() - t0
         if event.startswith(b"data: [DONE]"):
@@ -193,11 +194,26 @@ def _read_stream(reader: _Reader, ask: Ask, seen: Seen, t0: float) -> None:
         if ask.pause_after is not None and n == ask.pause_after:
             seen.paused_at_s, seen.bytes_before_pause = now, reader.num_bytes
             time.sleep(ask.pause_s)
-            seen.buffered_bytes = reader.drain() + SERVER_TRANSPORT_BYTES
+            drained = reader.drain()
+            seen.buffered_bytes = drained + SERVER_TRANSPORT_BYTES
+            merged = _merged(reader.buf[len(reader.buf) - drained :])
     seen.end_s = time.monotonic() - t0
     seen.num_bytes = reader.num_bytes
     if seen.buffered_bytes is not None:
-        seen.ended_in_buffers = seen.num_bytes - seen.bytes_before_pause <= seen.buffered_bytes
+        rest = seen.num_bytes - seen.bytes_before_pause
+        seen.ended_in_buffers = rest <= seen.buffered_bytes and not merged
+
+
+# A token's text is a few bytes; an event with more carries tokens merged while the server
+# could not write (it fell behind its reader): read at once with the rest of the response, it
+# says the server waited, though its event loop wrote the rest too quickly for the reader to
+# tell it from what the buffers held.
+MERGED_TEXT = 32
+_TEXT = re.compile(rb'"(?:content|text)":"((?:[^"\\]|\\.)*)"')
+
+
+def _merged(data: bytes) -> bool:
+    return any(len(m.group(1)) > MERGED_TEXT for m in _TEXT.finditer(data))
 
 
 def _error_code(body: bytes) -> str | None:

@@ -127,6 +127,22 @@ def test_a_paused_reader_counts_only_the_time_the_server_waited() -> None:
     assert reader_effect(controls, held, 2.0) == 0.0
 
 
+def test_a_slow_reader_run_is_labelled_by_its_paused_readers_alone() -> None:
+    """Its other requests moved with the machine (a paused reader slows no one else): they
+    are negatives, as a control's requests are, and the run is its paused reader's."""
+    run = Run("slow_reader", [Ask(0, {}, 0.0, pause_after=10, pause_s=0.05), Ask(1, {}, 0.0)])
+    controls = [[_seen(0, 0.01, 1.0, [0.005] * 50, num_bytes=10_000),
+                 _seen(1, 0.01, 1.0, [0.005] * 50)]]  # fmt: skip
+    paused = _seen(0, 0.01, 1.0, [0.005] * 50, paused_at_s=0.06, bytes_before_pause=2000,
+                   buffered_bytes=20_000, ended_in_buffers=True)  # fmt: skip
+    moved = _seen(1, 0.30, 1.6, [0.005] * 50)  # 290 ms later to its first token
+    paused.request_id, moved.request_id = "paused", "moved"
+    assert labels(run, controls, [paused, moved]) == ("neg", {"paused": "neg", "moved": "neg"})
+    # A merged event among what it read at once: the server had fallen behind and waited.
+    assert client._merged(b'data: {"text":"' + b"tokens " * 6 + b'"}')
+    assert not client._merged(b'data: {"text":" a"}\n\ndata: {"text":"\\n\\n"}')
+
+
 @pytest.mark.serial  # a paused reader, timed against what the server measured
 def test_a_paused_readers_buffers_are_measured_as_the_server_waited(
     tmp_path: Path, tiny_model_path: Path

@@ -151,17 +151,23 @@ def priced_neighbours(reqs: list[RequestDiagnosis], phase: str) -> bool:
     )
 
 
+# A token gap this long is a stall its reader sees, however long the stream: named whatever
+# its share of the request's life (a 125 ms stop of the core in a 1.5 s stream was 8%).
+STALL_GAP_NS = 5 * MIN_CAUSE_NS
+
+
 def gap_calls(req: RequestDiagnosis) -> dict[str, int]:
     """The parts that named a request's long token gaps (each gap's largest, where that is not
     expected compute), each with its time in the gaps it named, where that time passes the bars
-    against the request's life: one 20 ms lag in a 400 ms stream is the machine's jitter, as
-    the pauses' rule has it (verdict_steps), and is listed by `lumen trace why`, not named."""
+    against the request's life, or is STALL_GAP_NS: one 20 ms lag in a 400 ms stream is the
+    machine's jitter, as the pauses' rule has it (verdict_steps), and is listed by `lumen trace
+    why`, not named."""
     got: dict[str, int] = {}
     for gap in req.long_gaps:
         if gap.named is not None:
             got[gap.named] = got.get(gap.named, 0) + gap.parts[gap.named]
     life = req.ttft_phase_ns + req.decode_phase_ns
-    return {k: v for k, v in got.items() if passes(v, life)}
+    return {k: v for k, v in got.items() if v >= STALL_GAP_NS or passes(v, life)}
 
 
 # A slow reader fell behind the token rate by at least this many tokens' worth of time (its

@@ -53,6 +53,7 @@ from tracing.failures import SERVER_KINDS, count_words
 from tracing.gaps import GAP_FACTOR
 from tracing.judge import (
     JUDGED_APART,
+    STALL_GAP_NS,
     call_group,
     call_part,
     dominant_part,
@@ -431,9 +432,9 @@ def _expected(run: RunDiagnosis, findings: list[Finding]) -> list[Finding]:
                 "Nothing stands out: no request failed; no part of any request's time, no token "
                 f"gap, no cost every request pays and no step passes {ms(MIN_CAUSE_NS)} and "
                 f"{MIN_CAUSE_SHARE:.0%} of the phase (a gap: {GAP_FACTOR:g}x its request's "
-                "median), up to the client's kernel (a response that fits in the socket buffers, "
-                "about 80 KiB and the client's receive buffer, is accepted whole whether or not "
-                "the client reads it).",
+                f"median, or {ms(STALL_GAP_NS)} whatever the phase), up to the client's kernel "
+                "(a response that fits in the socket buffers, about 80 KiB and the client's "
+                "receive buffer, is accepted whole whether or not the client reads it).",
             )
         )
     if said:

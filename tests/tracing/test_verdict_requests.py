@@ -252,6 +252,24 @@ def _a_slow_step_in_an_api_pause(tr: Trace, pause: bool) -> None:
             tr.step({rid: 1}, 160.0 if slow else 10.0)
 
 
+def test_a_stall_a_reader_sees_is_named_however_long_the_stream(tmp_path: Path) -> None:
+    """A 120 ms stop of the core in 2.5 s streams (5% of each one's life, a hang primitive of
+    `lumen bench diagnose` on the tiny model that read as nothing): a token gap of 100 ms or
+    more is named whatever its share of the stream; the 50 ms one above still is not."""
+    tr = Trace()
+    ids = [f"s{i}" for i in range(3)]
+    for rid in ids:
+        tr.request(rid, 0.0, prompt=16, output=250)
+    tr.step({rid: 16 for rid in ids}, 10.0)
+    for k in range(249):
+        tr.step({rid: 1 for rid in ids}, 130.0 if k == 120 else 10.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    gaps = [(f.part, sorted(f.request_ids)) for f in run.findings if f.kind == "gap"]
+    assert gaps == [("core_stall", ids)], text
+
+
 def test_a_step_slowed_by_the_api_processs_gc_names_the_gc(tmp_path: Path) -> None:
     """The slow step is the API process's GC (it took the core's CPU), not a core stall; the
     same step without the pause is the core's."""

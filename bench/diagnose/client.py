@@ -173,7 +173,7 @@ SERVER_TRANSPORT_BYTES = 16 * 1024
 
 
 def _read_stream(reader: _Reader, ask: Ask, seen: Seen, t0: float) -> None:
-    merged = False
+    merged, drained = False, 0
     for event in reader.events():
         now = time.monotonic() - t0
         if event.startswith(b"data: [DONE]"):
@@ -200,8 +200,11 @@ def _read_stream(reader: _Reader, ask: Ask, seen: Seen, t0: float) -> None:
     seen.end_s = time.monotonic() - t0
     seen.num_bytes = reader.num_bytes
     if seen.buffered_bytes is not None:
+        # The rest came at once, none of it merged: the server never waited. (Where the rest
+        # was a few hundred bytes more than the kernel's buffers held, it waited the pause
+        # out: the transport's buffer is no room to finish in.)
         rest = seen.num_bytes - seen.bytes_before_pause
-        seen.ended_in_buffers = rest <= seen.buffered_bytes and not merged
+        seen.ended_in_buffers = rest <= drained and not merged
 
 
 # A token's text is a few bytes; an event with more carries tokens merged while the server

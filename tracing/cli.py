@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from tracing.emit_columns import closes_write
@@ -25,7 +26,7 @@ def add_parser(nouns: Any) -> None:
     trace = nouns.add_parser("trace", help="read the trace store")
     verbs = trace.add_subparsers(dest="verb", required=True)
     show = verbs.add_parser("show", help="one request's spans as a waterfall")
-    show.add_argument("request_id")
+    show.add_argument("request_id", nargs="?")
     show.add_argument("--db", **DB_OPTION)
     show.set_defaults(func=_show)
     top = verbs.add_parser("top", help="the slowest requests and what dominated each")
@@ -34,7 +35,7 @@ def add_parser(nouns: Any) -> None:
     top.add_argument("--by", choices=("e2e", "ttft"), default="e2e")
     top.set_defaults(func=_top)
     why = verbs.add_parser("why", help="one request's time explained, against its run")
-    why.add_argument("request_id")
+    why.add_argument("request_id", nargs="?")
     why.add_argument("--db", **DB_OPTION)
     why.set_defaults(func=_why)
 
@@ -47,9 +48,20 @@ def _highlight(text: str) -> str:
     return f"\033[1;31m{text}\033[0m" if sys.stdout.isatty() else text
 
 
+def _the_request(args: argparse.Namespace) -> None:
+    """The request id, where it came after ``--db`` (which takes several values, so it took
+    the id too): the last of them that is no file or folder."""
+    if args.request_id is None:
+        if len(args.db) > 1 and not Path(args.db[-1]).exists():
+            args.request_id, args.db = args.db[-1], args.db[:-1]
+        else:
+            raise ValueError("give the request id (its x-request-id), before --db or after it")
+
+
 def _show(args: argparse.Namespace) -> int:
     from tracing.store import open_db  # duckdb: `lumen serve` builds this parser before its core
 
+    _the_request(args)
     with open_db(args.db) as con:
         # A completion with several prompts is one engine request per prompt: ID-0, ID-1, ...
         reqs = con.execute(
@@ -134,6 +146,7 @@ def _held(emits: list[tuple[int, int]], closing: list[bool]) -> list[tuple[int, 
 def _why(args: argparse.Namespace) -> int:
     from tracing.diagnose import explain_request, find_request_ids, render_request
 
+    _the_request(args)
     # A completion with several prompts is one engine request per prompt: ID-0, ID-1, ...
     for i, rid in enumerate(find_request_ids(args.db, args.request_id)):
         print(("\n" if i else "") + render_request(*explain_request(args.db, rid)))

@@ -316,6 +316,13 @@ def test_lumen_trace_why(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["trace", "why", "nope", "--db", path]) == 2
     err = capsys.readouterr().err
     assert err.strip() == f"lumen: error: request 'nope' is not in {path}"
+    # The id after --db (which takes several dbs, so it took the id too): the same answer.
+    assert main(["trace", "why", "--db", path, "d2"]) == 0
+    assert capsys.readouterr().out.startswith("d2  ok")
+    assert main(["trace", "show", "--db", path, "d2"]) == 0
+    assert "d2" in capsys.readouterr().out
+    assert main(["trace", "why", "--db", path]) == 2
+    assert "give the request id" in capsys.readouterr().err
 
 
 def test_trace_top_calls_the_queue_wait_core_queue(

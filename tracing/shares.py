@@ -407,7 +407,7 @@ def member_shares(
     # A step far past its expected forward time: that excess is the core stalling.
     stall = net * excess[s] if excess is not None else np.zeros(len(s))
     net = net - stall
-    api_gc, api_lag = (stall * taken[0][s], stall * taken[1][s]) if taken is not None else (0, 0)
+    api_gc, api_lag = stall * (taken[:, s] if taken is not None else np.zeros((2, len(s))))
     stall = stall - api_gc - api_lag
     sched_net, out_net = np.maximum(sched - gs - gram, 0), outp - go
     if phases is not None:
@@ -435,7 +435,7 @@ def member_shares(
         "sampling": sampling,
         "logprobs": logprobs,
         "core_stall": stall,
-        "loop_lag": api_lag + np.zeros(len(s)),
+        "loop_lag": api_lag,
     }
     total: IntArray = sched + exe + outp
     return per_member, total

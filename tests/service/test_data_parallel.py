@@ -122,18 +122,17 @@ def test_two_engines_serve_as_one(
         (first_engine,) = con.execute(
             "SELECT engine FROM requests WHERE request_id = ?", [first_id]
         ).fetchone()
-        (most_queued,) = con.execute(
-            "SELECT request_id FROM requests WHERE list_contains(?, request_id) "
-            "ORDER BY ttft_ns DESC LIMIT 1", [hot_ids],
-        ).fetchone()  # fmt: skip
         ids = [r.headers["x-request-id"] for r in pinned]
         pinned_to = con.execute(
             "SELECT DISTINCT engine FROM requests WHERE list_contains(?, request_id)", [ids]
         ).fetchall()
-        (queued,) = con.execute(
-            "SELECT request_id FROM requests WHERE list_contains(?, request_id) "
-            "ORDER BY ttft_ns DESC LIMIT 1", [ids],
-        ).fetchone()  # fmt: skip
+        most_queued, queued = (
+            con.execute(
+                "SELECT request_id FROM requests WHERE list_contains(?, request_id) "
+                "ORDER BY ttft_ns DESC LIMIT 1", [group],
+            ).fetchone()[0]
+            for group in (hot_ids, ids)
+        )  # fmt: skip
     print(f"\n{len(PROMPTS)} concurrent requests over 2 engines: {split}")
     assert pinned_to == [(1,)]
     print(f"prefix affinity: the first on engine {first_engine}, the 8 sharing it: {hot_rows}")

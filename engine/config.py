@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine import envs, kv_events_config
+from engine import envs, kv_events_config, spec_config
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +119,17 @@ class EngineConfig:
             "publishes them, block hashes vLLM's sha256_cbor (engine/core/kv_events.py)"
         },
     )
+    speculative_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "speculative decoding, as vLLM's flag: JSON with method (ngram: prompt "
+            "lookup over the prompt and the output), num_speculative_tokens (k, required), "
+            "prompt_lookup_min and prompt_lookup_max (default 5 both; one given, the other "
+            "equal). The target verifies the k drafts in one pass: greedy output is exactly "
+            "that of decoding without them, sampled output is distributed as it (rejection "
+            "sampling). Requests under a grammar do not speculate (engine/spec_config.py)"
+        },
+    )
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "token budget of one engine step"}
     )
@@ -201,6 +212,7 @@ class EngineConfig:
             self.resolve_kv_cache_dtype(None)  # raises, saying what is accepted
         check_quantization(self.quantization)
         kv_events_config.parse(self.kv_events_config)  # raises, in one line, on bad JSON
+        spec_config.parse(self.speculative_config)  # likewise
         if self.prefix_caching_hash_algo != "sha256_cbor":
             raise ValueError(
                 "prefix_caching_hash_algo must be sha256_cbor (vLLM's sha256, xxhash and "

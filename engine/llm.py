@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -54,6 +55,8 @@ class LLM:
 
         tracing_names = {f.name for f in dataclasses.fields(TracingConfig)}
         tracing = {k: options.pop(k) for k in list(options) if k in tracing_names}
+        if isinstance(options.get("speculative_config"), dict):  # vLLM's LLM takes a dict
+            options["speculative_config"] = json.dumps(options["speculative_config"])
         path, self.config = resolve_config(EngineConfig(model=model, **options))
         tokenizer = start_loading_tokenizer(self.config.tokenizer or path)  # as the core starts
         self.client = make_client(self.config, path)

@@ -185,6 +185,14 @@ class StepRecord(msgspec.Struct, array_like=True, gc=False):
     logprobs_ns: int = 0
     num_logprobs_rows: int = 0
     max_logprobs: int = 0
+    # Speculative decoding, per req_ids row ([] in a step where no row verified drafts): the
+    # drafts it verified and how many of them the target kept (the row's output tokens are
+    # the kept ones and one more); the proposer's time for the next step's drafts (inside
+    # execute); and whether the rule let rows propose this step (0: it did not).
+    num_drafted: list[int] = msgspec.field(default_factory=list)
+    num_accepted: list[int] = msgspec.field(default_factory=list)
+    propose_ns: int = 0
+    num_spec_tokens: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

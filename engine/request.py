@@ -56,6 +56,7 @@ class Request:
         "received_ns",
         "request_id",
         "sampling_params",
+        "spec_token_ids",
         "status",
         "stop_reason",
     )
@@ -90,6 +91,9 @@ class Request:
         self.block_hashes: list[bytes] = []  # vLLM's sha256_cbor (engine/core/block_hashes.py)
         self.stop_reason: int | None = None
         self.grammar: Any = None  # engine.core.grammar.Grammar, set by the core
+        # Drafts the worker proposed after the last step, verified in the next
+        # (--speculative-config).
+        self.spec_token_ids: list[int] = []
 
     @classmethod
     def from_wire(cls, req: EngineCoreRequest, max_model_len: int) -> Request:

@@ -269,7 +269,13 @@ class EngineCore:
             logprobs_ns=runner_out.logprobs_ns,
             num_logprobs_rows=runner_out.num_logprobs_rows,
             max_logprobs=runner_out.max_logprobs,
+            propose_ns=runner_out.propose_ns,
+            num_spec_tokens=sched.num_spec_tokens,
         )
+        if sched.spec_token_ids:
+            spec, kept = sched.spec_token_ids, runner_out.spec_token_ids
+            step.num_drafted = [len(spec.get(r, ())) for r in sched.req_ids]
+            step.num_accepted = [len(kept.get(r, ())) if r in spec else 0 for r in sched.req_ids]
         return EngineCoreOutputs(outputs, step)
 
     def _grammar_masks(self, sched: SchedulerOutput) -> int:

@@ -153,12 +153,15 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         computed_blocks: list[list[KVCacheBlock]] | None = None,
+        num_lookahead: int = 0,
     ) -> bool:
         """Give the request blocks for ``num_new_tokens`` more tokens; False if too few are free.
 
         ``computed_blocks`` are prefix-cache hits (from ``get_computed_blocks``)
         for a request that holds no blocks yet. Blocks that fell behind a sliding
         group's window are given back first. On False nothing else has changed.
+        ``num_lookahead``: how many of the new tokens are drafts (speculative decoding): they
+        get slots, but no block is cached over them (the target may refuse them).
         """
         rid = request.request_id
         groups = self.req_blocks.get(rid)
@@ -187,7 +190,7 @@ class KVCacheManager:
             if want > len(row):
                 row.extend(self.pool.allocate(want - len(row)))
         if self.enable_caching:
-            self._cache_full_blocks(request, groups, num_total // self.block_size)
+            self._cache_full_blocks(request, groups, (num_total - num_lookahead) // self.block_size)
         return True
 
     def _free_behind_windows(self, request: Request, groups: list[list[KVCacheBlock]]) -> None:

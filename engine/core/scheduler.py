@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 
-from engine import faults
+from engine import faults, spec_config
 from engine.config import EngineConfig
 from engine.core.grammar import GrammarManager
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request_queue import FCFSQueue, PriorityQueue
 from engine.messages import EngineCoreOutput
 from engine.request import Request, RequestStatus
+from engine.spec_config import SpeculativeConfig
 from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,10 @@ class Scheduler:
         self.compiling: list[Request] = []
         self.num_grammars = 0  # requests holding a grammar, compiling or not
         self.grammar_errors: list[tuple[Request, str]] = []
+        # Speculative decoding (--speculative-config): drafts are verified while at most
+        # spec_max_rows requests run.
+        self.speculative: SpeculativeConfig | None = None
+        self.spec_max_rows = 0
 
     @classmethod
     def from_config(
@@ -67,13 +72,17 @@ class Scheduler:
     ) -> Scheduler:  # fmt: skip
         """The scheduler of a core (real or virtual) with ``num_blocks`` KV blocks, in KV
         groups of ``kv_windows`` (engine/kv_layout.py)."""
-        return cls(
+        scheduler = cls(
             KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, kv_windows),
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len,
             policy=config.scheduling_policy,
         )
+        scheduler.speculative = spec_config.parse(config.speculative_config)
+        if scheduler.speculative is not None:
+            scheduler.spec_max_rows = scheduler.speculative.disable_by_batch_size
+        return scheduler
 
     # -- requests in and out -------------------------------------------------
 
@@ -156,10 +165,28 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[str, int] = {}
 
+        # Speculative decoding: the rows that verify drafts this step, and how many drafts the
+        # driver proposes for the next (none while the batch is over the rule's size).
+        spec = out.spec_token_ids
+        if self.speculative is not None and len(self.running) <= self.spec_max_rows:
+            out.num_spec_tokens = self.speculative.num_speculative_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts = request.spec_token_ids
+            if drafts:
+                request.spec_token_ids = []
+                # A decoding row verifies its drafts, as many as the budget and the blocks take.
+                if num_new == 1 and out.num_spec_tokens and budget > 1:
+                    drafts = drafts[: budget - 1]
+                    if self.kv_cache.allocate_slots(request, 1 + len(drafts),
+                                                    num_lookahead=len(drafts)):  # fmt: skip
+                        spec[request.request_id] = drafts
+                        scheduled[request.request_id] = 1 + len(drafts)
+                        budget -= 1 + len(drafts)
+                        i += 1
+                        continue
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self._pick_victim()
                 victim_idx = self.running.index(victim)
@@ -168,6 +195,7 @@ class Scheduler:
                 if victim is request:
                     break
                 budget += scheduled.pop(victim.request_id, 0)
+                spec.pop(victim.request_id, None)
                 if victim_idx < i:
                     i -= 1
             else:
@@ -221,11 +249,25 @@ class Scheduler:
             if request is not None and request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens += len(token_ids)
         outputs = []
+        spec, kept = sched.spec_token_ids, runner.spec_token_ids
         for req_id, token_id in zip(runner.req_ids, runner.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran: its output is dropped
-            finished = request.check_stop(token_id)
+            new_ids = [token_id]
+            if req_id in spec:
+                # Drafts the target refused leave the KV behind them unused: the next step
+                # writes over it.
+                more = kept.get(req_id, ())
+                request.num_computed_tokens -= len(spec[req_id]) - len(more)
+                finished = request.check_stop(token_id)
+                for token in more:
+                    if finished:
+                        break
+                    new_ids.append(token)
+                    finished = request.check_stop(token)
+            else:
+                finished = request.check_stop(token_id)
             if request.grammar is not None and not finished:
                 matcher = request.grammar.matcher
                 # A token the grammar refuses (its mask left nothing, e.g. min_tokens
@@ -233,10 +275,14 @@ class Scheduler:
                 if not matcher.consume_token(token_id) or matcher.is_stopped():
                     request.status = RequestStatus.FINISHED_STOPPED
                     finished = True
+            if not finished and (drafts := runner.draft_token_ids.get(req_id)):
+                # The next step verifies at most what the request may still produce, less one.
+                room = request.max_tokens - request.num_output_tokens - 1
+                request.spec_token_ids = drafts[:room]
             outputs.append(
                 EngineCoreOutput(
                     req_id,
-                    [token_id],
+                    new_ids,
                     runner.logprobs.get(req_id),
                     request.status.finish_reason,
                     request.stop_reason,
@@ -261,6 +307,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         self.running.remove(victim)
+        victim.spec_token_ids = []
         self.num_freed_blocks[FREED_PREEMPT] += self.kv_cache.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -282,14 +329,21 @@ class Scheduler:
                     )
                 )
             out.req_ids.append(req_id)
-            out.token_ids.append(request.all_token_ids[start : start + num_new])
+            drafts = out.spec_token_ids.get(req_id)
+            if drafts:
+                out.token_ids.append(request.all_token_ids[start:] + drafts)
+                num_new -= len(drafts)  # the row still samples: after its last draft
+            else:
+                out.token_ids.append(request.all_token_ids[start : start + num_new])
             out.num_computed_tokens.append(start)
             tables = self.kv_cache.block_tables(req_id)
             out.block_tables.append(tables[0])
             if len(tables) > 1:
                 out.group_block_tables.append(tables[1:])
             out.sample.append(start + num_new == request.num_tokens)
-            if start < request.num_prompt_tokens or num_new > 1:
+            if drafts:
+                out.num_decode_tokens += 1 + len(drafts)  # a decode row with its drafts
+            elif start < request.num_prompt_tokens or num_new > 1:
                 out.num_prefill_tokens += num_new
             else:
                 out.num_decode_tokens += num_new

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import msgspec
 import torch
 
+from engine import spec_config
 from engine.config import EngineConfig
 from engine.executor.base import WorkerDeadError
 from engine.kv_layout import KVLayout
@@ -101,6 +102,7 @@ class MultiprocExecutor:
                 config.resolve_kv_cache_dtype(dtype),
                 config.quantization,
                 KVLayout.of(model_config, not config.disable_hybrid_kv_cache_manager),
+                spec_config.parse(config.speculative_config),
             )
             proc = ctx.Process(
                 target=_run_worker, args=(args, child_end), name=f"lumen-tp{rank}", daemon=False

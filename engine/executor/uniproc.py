@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import spec_config
 from engine.config import EngineConfig
 from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
@@ -26,6 +27,7 @@ class UniProcExecutor:
             model_config, device, dtype, max_model_len, config.block_size, config.seed,
             kv_dtype=config.resolve_kv_cache_dtype(dtype), quantization=config.quantization,
             kv_layout=KVLayout.of(model_config, not config.disable_hybrid_kv_cache_manager),
+            speculative=spec_config.parse(config.speculative_config),
         )  # fmt: skip
         self.runner.owns_process = owns_process
         self.runner.load_model()

@@ -19,6 +19,7 @@ from engine.kv_layout import KVLayout
 from engine.messages import Logprobs
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
+from engine.spec_config import SpeculativeConfig
 
 
 @dataclass
@@ -66,6 +67,11 @@ class SchedulerOutput:
     # (one row of ceil(vocab / 32) int32 words each, bit t = token t allowed), as bytes.
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: bytes = b""
+    # Speculative decoding (engine/worker/spec_decode.py): the drafts each verifying row's
+    # token_ids end with (the row samples at each and after the last), and how many drafts the
+    # driver proposes for the next step (0: none).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_spec_tokens: int = 0
 
     @property
     def num_preemptions(self) -> int:
@@ -90,6 +96,12 @@ class ModelRunnerOutput:
     logprobs_ns: int = 0
     num_logprobs_rows: int = 0
     max_logprobs: int = 0
+    # Speculative decoding: the tokens a verifying row kept after its first (its drafts the
+    # target agreed with, then the target's own); the drafts proposed for the next step; and
+    # the proposer's time.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    propose_ns: int = 0
 
 
 # -- executor -> worker ---------------------------------------------------------
@@ -160,3 +172,4 @@ class WorkerArgs:
     kv_dtype: torch.dtype | None = None  # None: the model's dtype
     quantization: str | None = None
     kv_layout: KVLayout | None = None  # None: every layer in one group
+    speculative: SpeculativeConfig | None = None  # --speculative-config (the driver proposes)

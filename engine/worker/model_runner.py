@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, TypeVar
 
 import numpy as np
@@ -10,13 +11,15 @@ import torch
 from engine.config import GiB
 from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
-from engine.worker import cpu_threads, heap, kv_quant
+from engine.spec_config import SpeculativeConfig
+from engine.worker import cpu_threads, heap, kv_quant, spec_decode
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask, windowed
 from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.decode_cache import DecodeCache
 from engine.worker.layers import Shard
 from engine.worker.llama import LlamaForCausalLM
 from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from engine.worker.ngram import NgramProposer
 from engine.worker.rotary import Rotary
 from engine.worker.sampler import Sampler, SamplingRow, plain_greedy
 
@@ -39,6 +42,7 @@ class ModelRunner:
         kv_dtype: torch.dtype | None = None,
         quantization: str | None = None,
         kv_layout: KVLayout | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.cfg = model_config
         # Which layers share KV blocks (engine/kv_layout.py): the core's own layout.
@@ -46,6 +50,11 @@ class ModelRunner:
         self.shard = shard or Shard()
         # Every rank runs the forward (for the collectives); only rank 0 samples.
         self.is_driver = self.shard.rank == 0
+        # Drafts for the next step (--speculative-config), proposed by the driver.
+        self.proposer = None
+        if speculative is not None and self.is_driver:
+            self.proposer = NgramProposer(speculative.prompt_lookup_min,
+                                          speculative.prompt_lookup_max)  # fmt: skip
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype  # the paged cache's and the mirror's
@@ -162,6 +171,8 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in sched.finished_req_ids:
             self.rows.pop(req_id, None)
+        if self.proposer is not None:
+            self.proposer.drop(sched.finished_req_ids)
         for cache in self.decode_caches:
             cache.drop(sched.finished_req_ids + sched.preempted_req_ids)
         if self.is_driver:
@@ -182,28 +193,78 @@ class ModelRunner:
         )
         if not self.is_driver:  # the head is replicated: only the driver samples
             return ModelRunnerOutput([], [])
-        rows = [self.rows[r] for r in inputs.sample_req_ids]
+        if sched.spec_token_ids:
+            out = self._verify(sched, inputs.sample_req_ids, hidden)
+        else:
+            out = self._sample(sched, inputs.sample_req_ids, hidden)
+        if self.proposer is not None and sched.num_spec_tokens:
+            start = time.perf_counter_ns()
+            out.draft_token_ids = self.proposer.propose(
+                out.req_ids, self.rows, sched.num_spec_tokens
+            )
+            out.propose_ns = time.perf_counter_ns() - start
+        return out
+
+    def _sample(
+        self, sched: SchedulerOutput, sample_req_ids: list[str], hidden: torch.Tensor
+    ) -> ModelRunnerOutput:
+        """One token for each row that samples (no drafts to verify this step)."""
+        assert self.model is not None
+        rows = [self.rows[r] for r in sample_req_ids]
         if rows and not sched.grammar_req_ids and plain_greedy(rows):
             # Only each row's best token is needed: no logits (cpu_greedy_head).
             sampled = self.model.greedy_tokens(hidden).tolist()
             for row, token in zip(rows, sampled):
                 row.output_token_ids.append(token)
-            return ModelRunnerOutput(inputs.sample_req_ids, sampled)
+            return ModelRunnerOutput(sample_req_ids, sampled)
         grammar = None
         if sched.grammar_req_ids:
-            grammar = (inputs.sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask)
+            grammar = (sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask)
         sampled, logprobs = self.sampler(self.model.logits(hidden), rows, grammar)
         for row, token in zip(rows, sampled):
             row.output_token_ids.append(token)
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         return ModelRunnerOutput(
-            inputs.sample_req_ids,
+            sample_req_ids,
             sampled,
-            {r: lp for r, lp in zip(inputs.sample_req_ids, logprobs) if lp is not None},
+            {r: lp for r, lp in zip(sample_req_ids, logprobs) if lp is not None},
             sample_ns=self.sampler.sample_ns,
             logprobs_ns=self.sampler.logprobs_ns,
             num_logprobs_rows=len(asked),
             max_logprobs=max(asked, default=0),
+        )
+
+    def _verify(
+        self, sched: SchedulerOutput, sample_req_ids: list[str], hidden: torch.Tensor
+    ) -> ModelRunnerOutput:
+        """The tokens of each row that samples: a row with drafts keeps those the target
+        agrees with (engine/worker/spec_decode.py) and one more of its own."""
+        assert self.model is not None
+        rows = [self.rows[r] for r in sample_req_ids]
+        drafts = [sched.spec_token_ids.get(r, []) for r in sample_req_ids]
+        if not sched.grammar_req_ids and plain_greedy(rows):
+            targets = self.model.greedy_tokens(hidden).tolist()
+            tokens, logprobs = spec_decode.greedy(targets, drafts), None
+            self.sampler.sample_ns = self.sampler.logprobs_ns = 0
+        else:
+            grammar = None
+            if sched.grammar_req_ids:
+                grammar = (sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask)
+            tokens, logprobs = spec_decode.verify(
+                self.sampler, self.model.logits(hidden), rows, drafts, grammar
+            )
+        for row, new in zip(rows, tokens):
+            row.output_token_ids.extend(new)
+        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        return ModelRunnerOutput(
+            sample_req_ids,
+            [new[0] for new in tokens],
+            {r: lp for r, lp in zip(sample_req_ids, logprobs or ()) if lp is not None},
+            sample_ns=self.sampler.sample_ns,
+            logprobs_ns=self.sampler.logprobs_ns,
+            num_logprobs_rows=len(asked),
+            max_logprobs=max(asked, default=0),
+            spec_token_ids={r: new[1:] for r, new in zip(sample_req_ids, tokens) if len(new) > 1},
         )
 
     def _add_request(self, new: NewRequestData) -> None:
@@ -214,6 +275,8 @@ class ModelRunner:
         self.rows[new.request_id] = SamplingRow(
             new.sampling_params, generator, new.prompt_token_ids, [], new.eos_token_ids
         )
+        if self.proposer is not None:
+            self.proposer.add(new.request_id, new.prompt_token_ids)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
         # Decode rows (a single token after a full prefix) go first, batched.
@@ -245,7 +308,9 @@ class ModelRunner:
             positions.append(np.arange(start, start + n))
             prefill_rows.append((i, row0, n, start))
             if sched.sample[i] and self.is_driver:
-                logits_indices.append(row0 + n - 1)
+                # A row that verifies drafts samples at each of them and after the last.
+                first = row0 + n - 1 - len(sched.spec_token_ids.get(sched.req_ids[i], ()))
+                logits_indices.extend(range(first, row0 + n))
                 sample_req_ids.append(sched.req_ids[i])
         dev = self.device
         positions.insert(0, np.array(decode_starts, dtype=np.int64))

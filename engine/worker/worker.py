@@ -112,6 +112,7 @@ class Worker:
             kv_dtype=args.kv_dtype,
             quantization=args.quantization,
             kv_layout=args.kv_layout,
+            speculative=args.speculative,
         )
         self.runner.owns_process = True  # a worker process of the engine's own
         self.runner.load_model()

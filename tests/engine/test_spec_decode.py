@@ -1,0 +1,207 @@
+"""Speculative decoding in the engine: greedy output identical to decoding without drafts, in
+every scheduling regime; sampled output distributed as the target's (rejection sampling)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampling_params import SamplingParams as Params
+from engine.spec_config import parse
+from engine.worker import spec_decode
+from engine.worker.ngram import NgramIndex
+from engine.worker.sampler import Sampler, SamplingRow
+from tests.engine.test_correctness import SETTINGS, _random_prompts
+
+MAX_TOKENS = 24
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 4, "disable_by_batch_size": 64}  # fmt: skip
+
+
+class ScriptedProposer:
+    """Drafts from the reference output, every third one wrong (a random model repeats nothing
+    that prompt lookup could find): rows keep all, some or none of their drafts. Its interface
+    is the ngram proposer's (engine/worker/ngram.py)."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]]) -> None:
+        self.references = references
+        self.prompts: dict[str, tuple[int, ...]] = {}
+        self.rng = random.Random(0)
+        self.num_proposed = 0
+
+    def add(self, req_id: str, prompt: list[int]) -> None:
+        self.prompts[req_id] = tuple(prompt)
+
+    def drop(self, req_ids: list[str]) -> None:
+        for r in req_ids:
+            self.prompts.pop(r, None)
+
+    def propose(self, req_ids: list[str], rows: dict[str, Any], k: int) -> dict[str, list[int]]:
+        out = {}
+        for r in req_ids:
+            done = len(rows[r].output_token_ids)
+            drafts = list(self.references[self.prompts[r]][done : done + k])
+            drafts = [t if self.rng.random() > 1 / 3 else (t + 1) % 1000 for t in drafts]
+            if drafts:
+                out[r] = drafts
+                self.num_proposed += len(drafts)
+        return out
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llm: LLM) -> dict[int, list[list[int]]]:
+    """Greedy outputs of the prompts of each shared-prefix length, without speculation."""
+    found = {}
+    for shared in {s for _, s in SETTINGS.values()}:
+        prompts = _random_prompts(seed=shared, shared_prefix=shared)
+        outs = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                 SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                                 use_tqdm=False)  # fmt: skip
+        found[shared] = [list(o.outputs[0].token_ids) for o in outs]
+    return found
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_greedy_output_is_the_same_with_drafts(
+    setting: str, tiny_model_path: Path, references: dict[int, list[list[int]]]
+) -> None:
+    options, shared = SETTINGS[setting]
+    prompts = _random_prompts(seed=shared, shared_prefix=shared)
+    expected = references[shared]
+    llm = LLM(str(tiny_model_path), warmup=False, speculative_config=NGRAM, **options)
+    proposer = ScriptedProposer({tuple(p): e for p, e in zip(prompts, expected)})
+    llm.client.core.executor.runner.proposer = proposer
+    llm.step_log = []
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    metrics = llm.get_metrics()
+    llm.shutdown()
+    drafted = sum(sum(s.num_drafted) for s, _ in llm.step_log)
+    accepted = sum(sum(s.num_accepted) for s, _ in llm.step_log)
+    steps = len(llm.step_log)
+    print(f"{setting}: {steps} steps, {drafted} drafts verified, {accepted} kept, {metrics}")
+    for i, (out, ref) in enumerate(zip(outs, expected)):
+        assert list(out.outputs[0].token_ids) == ref, f"prompt {i} differs"
+    assert 0 < accepted < drafted  # some kept, some refused
+    if setting == "preemption":
+        assert metrics["num_preemptions"] > 0
+    if setting == "prefix_cache":
+        assert metrics["num_prefix_hit_tokens"] > 0
+
+
+def test_logprobs_and_penalties_are_the_targets_at_each_kept_token(
+    tiny_model_path: Path, tiny_llm: LLM
+) -> None:
+    """A greedy row with logprobs and a repetition penalty: the same tokens and logprobs as
+    without drafts (the penalty at a draft's position counts the drafts before it)."""
+    prompts = _random_prompts(seed=5)[8:12]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2,
+                            repetition_penalty=1.3)  # fmt: skip
+    plain = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    expected = [list(o.outputs[0].token_ids) for o in plain]
+    llm = LLM(str(tiny_model_path), warmup=False, num_kv_blocks=256, speculative_config=NGRAM)
+    proposer = ScriptedProposer({tuple(p): e for p, e in zip(prompts, expected)})
+    llm.client.core.executor.runner.proposer = proposer
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.shutdown()
+    assert proposer.num_proposed > 0
+    for a, b in zip(plain, outs):
+        assert list(b.outputs[0].token_ids) == list(a.outputs[0].token_ids)
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys()
+            for t in x:
+                assert y[t].logprob == pytest.approx(x[t].logprob, abs=1e-4)
+
+
+# -- rejection sampling, on a small vocabulary --------------------------------------------------
+
+
+def _target(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    scaled = logits / temperature
+    kth = scaled.topk(top_k).values[-1]
+    return scaled.masked_fill(scaled < kth, float("-inf")).softmax(-1)
+
+
+def test_rejection_sampling_keeps_the_targets_distribution() -> None:
+    """Two drafts over a 6-token vocabulary, 20,000 draws: the first token follows p_0, the
+    second (where the first draft was kept) p_1, the third (both kept) p_2, each within a total
+    variation of sqrt(6 / draws) (about twice the noise: 0.017 at 20,000 draws)."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6)
+    drafts = [2, 4]
+    logits[0, 2] += 1.5  # drafts kept about half the time: every position gets draws
+    logits[1, 4] += 1.5
+    params = Params(temperature=0.8, top_k=5, max_tokens=8)
+    sampler = Sampler(torch.device("cpu"), seed=1)
+    row = SamplingRow(params, None, [1], [], frozenset())
+    counts = torch.zeros(3, 6)
+    for _ in range(20_000):
+        (kept,), _ = spec_decode.verify(sampler, logits, [row], [drafts])
+        for j, t in enumerate(kept):
+            counts[j, t] += 1
+    for j in range(3):
+        want = _target(logits[j], 0.8, 5)
+        got = counts[j] / counts[j].sum()
+        tv = 0.5 * float((got - want).abs().sum())
+        print(f"position {j}: {int(counts[j].sum())} draws, total variation {tv:.4f}")
+        assert tv < (6 / counts[j].sum()) ** 0.5
+
+
+def test_greedy_verification_keeps_drafts_up_to_the_first_disagreement() -> None:
+    assert spec_decode.greedy([5, 6, 9, 1], [[5, 6, 7]]) == [[5, 6, 9]]
+    assert spec_decode.greedy([5, 6, 7, 1, 3], [[5, 6, 7], []]) == [[5, 6, 7, 1], [3]]
+    assert spec_decode.greedy([4, 6], [[5]]) == [[4]]
+
+
+# -- the proposer and its configuration ---------------------------------------------------------
+
+
+def test_prompt_lookup_proposes_what_followed_the_longest_match() -> None:
+    index = NgramIndex([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8], lookup_min=2, lookup_max=4)
+    index.extend([1, 2, 3, 4])
+    # 2 3 4 is followed by 5 (after 1 2 3 4) and by 7 (after 9 2 3 4): the longer match wins.
+    assert index.propose(3) == [5, 9, 2]
+    assert NgramIndex([1, 2, 3], 2, 4).propose(3) == []  # no earlier occurrence
+    short = NgramIndex([7, 8, 9, 7, 8], 2, 2)
+    assert short.propose(5) == [9, 7, 8]  # as many as are known
+
+
+@pytest.mark.parametrize(
+    "config, error",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 3}, "not built yet"),
+        ({"method": "lookahead", "num_speculative_tokens": 3}, "unknown method"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "at least 1"),
+        ({"method": "ngram"}, "num_speculative_tokens is required"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 3,
+                "prompt_lookup_min": 4,
+                "prompt_lookup_max": 2,
+            },
+            "prompt_lookup_min 4 is over",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 3, "acceptance": 1}, "not read here"),
+        ({"model": "/some/draft", "num_speculative_tokens": 3}, "draft_model' is not built"),
+    ],
+)
+def test_a_speculative_config_lumen_cannot_honour_is_refused_in_one_line(
+    config: dict[str, Any], error: str
+) -> None:
+    with pytest.raises(ValueError, match=error) as e:
+        parse(json.dumps(config))
+    assert "\n" not in str(e.value)
+
+
+def test_vllms_ngram_defaults() -> None:
+    c = parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert c is not None and (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = parse('{"method": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 3}')
+    assert c is not None and (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 3, 3)

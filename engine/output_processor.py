@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenizers import Tokenizer
 
@@ -95,6 +96,10 @@ class _Parent:
     first_token_ns: int = 0
     last_token_ns: int = 0
     num_generation_tokens: int = 0
+    # Speculative decoding: steps that verified drafts for it, drafts, kept, the most in one
+    # step; and how many steps kept 0, 1, 2, ... drafts (None: it verified none).
+    spec: list[int] | None = None
+    spec_histogram: list[int] | None = None
 
     def finished_stats(self, reason: str, now_ns: int) -> FinishedRequest:
         return FinishedRequest(
@@ -109,8 +114,29 @@ class _Parent:
             finished_ns=now_ns,
         )
 
-    def timing(self) -> dict[str, float]:
-        """The request's instants so far (ns), as RequestOutput.metrics of its final output."""
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        if self.spec is None or self.spec_histogram is None:
+            self.spec, self.spec_histogram = [0, 0, 0, 0], []
+        self.spec[0] += 1
+        self.spec[1] += drafted
+        self.spec[2] += accepted
+        self.spec[3] = max(self.spec[3], drafted)
+        hist = self.spec_histogram
+        hist.extend([0] * (accepted + 1 - len(hist)))
+        hist[accepted] += 1
+
+    def timing(self) -> dict[str, Any]:
+        """The request's instants so far (ns), as RequestOutput.metrics of its final output;
+        with its drafts' counts where it verified any."""
+        if self.spec is not None:
+            return self._instants() | {
+                "spec_steps": self.spec[0], "spec_draft_tokens": self.spec[1],
+                "spec_accepted_tokens": self.spec[2], "spec_histogram": self.spec_histogram,
+                "spec_max_drafts": self.spec[3],
+            }  # fmt: skip
+        return self._instants()
+
+    def _instants(self) -> dict[str, Any]:
         return {
             "arrival_ns": self.arrival_ns,
             "sent_ns": self.sent_ns,
@@ -261,6 +287,10 @@ class OutputProcessor:
             for rid in step.req_ids:
                 if (s := self._sequences.get(rid)) is not None and not s.parent.scheduled_ns:
                     s.parent.scheduled_ns = step.schedule_start_ns
+            if step.num_drafted:  # a step that verified drafts
+                for rid, d, a in zip(step.req_ids, step.num_drafted, step.num_accepted):
+                    if d and (s := self._sequences.get(rid)) is not None:
+                        s.parent.count_drafts(d, a)
         for out in outputs:
             seq = self._sequences.get(out.request_id)
             if seq is None:

@@ -298,6 +298,7 @@ async def _serve_ready(
         tracer=tracer,
         reasoning_parser=config.reasoning_parser,
         per_request_metrics=config.enable_per_request_metrics,
+        spec_metrics=config.per_request_spec_decode_metrics,
         trust_request_chat_template=config.trust_request_chat_template,
     )
     http_timing.install()

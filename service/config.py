@@ -83,6 +83,16 @@ class ServerConfig:
             "made of; a request can ask for it alone with `include_metrics`"
         },
     )
+    per_request_spec_decode_metrics: str | None = field(
+        default=None,
+        metadata={
+            "help": "summary or detailed: a response of one prompt and one sample whose request "
+            "verified drafts (--speculative-config) carries `metrics.speculative_decoding` (a "
+            "stream: in its last chunk, with the usage), as vLLM's flag: steps, drafts, kept, "
+            "draft_acceptance_rate, mean_acceptance_length and acceptance_histogram; detailed "
+            "adds the kept drafts by position"
+        },
+    )
     chat_template: str | None = field(
         default=None,
         metadata={
@@ -137,5 +147,8 @@ class ServerConfig:
         if self.api_key is None and (key := envs.LUMEN_API_KEY.get()):
             object.__setattr__(self, "api_key", key)
         reasoning.check_parser(self.reasoning_parser)
+        if self.per_request_spec_decode_metrics not in (None, "summary", "detailed"):
+            raise ValueError("per_request_spec_decode_metrics must be summary or detailed, not "
+                             f"{self.per_request_spec_decode_metrics!r}")  # fmt: skip
         if self.api_key == "":
             raise ValueError("api_key must not be empty")

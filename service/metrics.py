@@ -259,6 +259,28 @@ class ServerMetrics:
             "logprobs", "lumen:logprobs_seconds", "Computing logprobs, per step whose rows asked.",
             GRAMMAR_BUCKETS,
         )  # fmt: skip
+        # Speculative decoding (--speculative-config), as vLLM's spec_decode_* counters.
+        engine_counter(
+            "spec_drafts", "lumen:spec_decode_num_drafts",
+            "Speculative decoding: rows that verified drafts (one per row per step).",
+        )  # fmt: skip
+        engine_counter(
+            "spec_draft_tokens", "lumen:spec_decode_num_draft_tokens",
+            "Speculative decoding: draft tokens verified.",
+        )  # fmt: skip
+        engine_counter(
+            "spec_accepted_tokens", "lumen:spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens the target kept.",
+        )  # fmt: skip
+        self._spec_per_pos = Counter(
+            "lumen:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: draft "
+            "tokens kept, by their position among a row's drafts (0: the first).",
+            [*e, "position"], registry=r,
+        )  # fmt: skip
+        engine_histogram(
+            "spec_propose", "lumen:spec_decode_propose_seconds", "Speculative decoding: the "
+            "proposer's time for the next step's drafts, per step that proposed.", GRAMMAR_BUCKETS,
+        )  # fmt: skip
         self._mirrored: dict[str, float] = {}  # counter name -> the total already counted
         self.for_engine(0)
 
@@ -333,6 +355,10 @@ class ServerMetrics:
                 e.sampler.observe(step.sample_ns / 1e9)
             if step.logprobs_ns:
                 e.logprobs.observe(step.logprobs_ns / 1e9)
+            if step.propose_ns:
+                e.spec_propose.observe(step.propose_ns / 1e9)
+            if step.num_drafted:
+                e.count_drafts(step.num_drafted, step.num_accepted)
         for seconds, cached in stats.grammar_compiles:
             e.grammar_compile["true" if cached else "false"].observe(seconds)
         if stats.num_prompt_tokens:
@@ -402,7 +428,8 @@ class EngineMetrics:
         "e2e", "engine", "gc_pause_core", "generation_tokens", "grammar_compile", "grammar_mask",
         "grammar_rows", "itl", "kv_usage", "logprobs", "metrics", "num_running", "num_waiting",
         "preemptions", "prefix_hits", "prefix_queries", "prompt_tokens", "queue_time",
-        "request_generation_tokens", "request_prompt_tokens", "sampler", "success", "tpot",
+        "request_generation_tokens", "request_prompt_tokens", "sampler", "spec_accepted_tokens",
+        "spec_draft_tokens", "spec_drafts", "spec_per_pos", "spec_propose", "success", "tpot",
         "ttft",
     )  # fmt: skip
     # Each engine's children (set from ServerMetrics' families in __init__).
@@ -422,6 +449,10 @@ class EngineMetrics:
     grammar_rows: Any
     sampler: Any
     logprobs: Any
+    spec_drafts: Any
+    spec_draft_tokens: Any
+    spec_accepted_tokens: Any
+    spec_propose: Any
 
     def __init__(
         self, metrics: ServerMetrics, engine: str, running: _Twin, waiting: _Twin, usage: _Twin
@@ -436,6 +467,25 @@ class EngineMetrics:
             k: metrics._grammar_compile.labels(model, engine, k) for k in ("false", "true")
         }
         self.gc_pause_core = metrics._gc_pause.labels(model, engine, "core")
+        self.spec_per_pos: list[Any] = []  # by position, grown as drafts reach it
+
+    def count_drafts(self, drafted: list[int], accepted: list[int]) -> None:
+        """One step's rows: drafts verified and kept (a row's kept drafts are its first ones)."""
+        rows = tokens = kept = 0
+        for d, a in zip(drafted, accepted):
+            if not d:
+                continue
+            rows, tokens, kept = rows + 1, tokens + d, kept + a
+            while len(self.spec_per_pos) < d:
+                position = str(len(self.spec_per_pos))
+                child = self.metrics._spec_per_pos.labels(self.metrics.model_name, self.engine,
+                                                          position)  # fmt: skip
+                self.spec_per_pos.append(child)
+            for j in range(a):
+                self.spec_per_pos[j].inc()
+        self.spec_drafts.inc(rows)
+        self.spec_draft_tokens.inc(tokens)
+        self.spec_accepted_tokens.inc(kept)
 
     def record(self, stats: IterationStats) -> None:
         self.metrics.record(stats, self)

@@ -32,7 +32,7 @@ PARTS = ("receive", "frontend", "step_in_flight", "queue", "prefill", "delivery"
 
 
 def request_metrics(
-    timings: Sequence[tuple[str, dict[str, float]]],
+    timings: Sequence[tuple[str, dict[str, Any]]],
     *,
     http_start_ns: int,
     handler_ns: int,
@@ -86,3 +86,28 @@ def server_timing_header(metrics: dict[str, Any]) -> str:
 
 def _ms(ns: float) -> float:
     return round(ns / 1e6, 3)
+
+
+def spec_decode_metrics(timing: dict[str, Any], *, detailed: bool) -> dict[str, Any] | None:
+    """``metrics.speculative_decoding`` of a request whose steps verified drafts (None: it
+    verified none), from its final output's counts (engine/output_processor.py). A step that
+    verifies k drafts and keeps a of them gives a + 1 tokens: ``mean_acceptance_length`` is
+    that, averaged over its steps that verified drafts; ``acceptance_histogram[a]`` counts the
+    steps that kept a."""
+    steps = timing.get("spec_steps")
+    if not steps:
+        return None
+    drafted, kept = timing["spec_draft_tokens"], timing["spec_accepted_tokens"]
+    hist = list(timing["spec_histogram"])
+    out: dict[str, Any] = {
+        "num_spec_steps": steps,
+        "num_draft_tokens": drafted,
+        "num_accepted_tokens": kept,
+        "draft_acceptance_rate": round(kept / drafted, 4) if drafted else None,
+        "mean_acceptance_length": round(1 + kept / steps, 4),
+        "acceptance_histogram": hist,
+    }
+    if detailed:  # kept drafts are each step's first ones: position j kept where a > j
+        positions = int(timing.get("spec_max_drafts") or len(hist) - 1)
+        out["accepted_per_position"] = [sum(hist[j + 1 :]) for j in range(positions)]
+    return out

@@ -29,7 +29,7 @@ from service.lifecycle import Lifecycle
 from service.metrics import ServerMetrics
 from service.prepared import Prepared, as_prompts, max_tokens_for, pinned_engine
 from service.protocol import ChatCompletionRequest, CompletionRequest
-from service.request_metrics import request_metrics, server_timing_header
+from service.request_metrics import request_metrics, server_timing_header, spec_decode_metrics
 from service.responses import Choice, ReplyStream, ResponseHead
 from service.streaming import DONE, ClientGone, EventStream, sse, until_disconnect
 from tracing.recorder import Tracer
@@ -54,8 +54,10 @@ class Serving:
         reasoning_parser: str | None = None,
         per_request_metrics: bool = False,
         trust_request_chat_template: bool = False,
+        spec_metrics: str | None = None,
     ) -> None:
         self.engine = engine
+        self.spec_metrics = spec_metrics
         self.trust_request_chat_template = trust_request_chat_template
         self.per_request_metrics = per_request_metrics
         self.lifecycle = lifecycle
@@ -65,6 +67,11 @@ class Serving:
         self.admission = admission
         self.model_name = model_name
         self.stall_timeout = stall_timeout
+
+    def _spec_figures(
+        self, prep: Prepared, timings: list[tuple[str, dict[str, Any]]]
+    ) -> dict[str, Any] | None:
+        return _spec_figures_of(self.spec_metrics, prep, timings)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -221,7 +228,7 @@ class Serving:
     async def _complete(self, prep: Prepared, request: Request) -> Response:
         head, n = prep.head, prep.params.n
         choices: defaultdict[int, Choice] = defaultdict(Choice)
-        timings: list[tuple[str, dict[str, float]]] = []
+        timings: list[tuple[str, dict[str, Any]]] = []
 
         async def collect() -> None:
             async with contextlib.aclosing(self._generate(prep)) as outputs:
@@ -256,6 +263,8 @@ class Serving:
         figures = _metrics(prep, timings, num_tokens)
         if prep.include_metrics:
             body["metrics"] = figures
+        if (spec := self._spec_figures(prep, timings)) is not None:
+            body.setdefault("metrics", {})["speculative_decoding"] = spec
         return Response(_encode(body), media_type="application/json",
                         headers={"Server-Timing": server_timing_header(figures)})  # fmt: skip
 
@@ -263,7 +272,7 @@ class Serving:
         head, n = prep.head, prep.params.n
         num_completion_tokens = 0
         offsets: defaultdict[int, int] = defaultdict(int)
-        timings: list[tuple[str, dict[str, float]]] = []
+        timings: list[tuple[str, dict[str, Any]]] = []
         facts = prep.ctx.http
         streams: dict[int, ReplyStream] = {}  # per choice, where tools or reasoning are in play
         done: set[int] = set()  # choices that finished
@@ -332,12 +341,15 @@ class Serving:
                         yield batch[0] if len(batch) == 1 else b"".join(batch)
                     if not facts.first_delivered_ns and any(c.token_ids for c in out.outputs):
                         facts.first_delivered_ns = time.time_ns()  # the transport took it
-            if head.include_usage or prep.include_metrics:
+            spec = self._spec_figures(prep, timings)
+            if head.include_usage or prep.include_metrics or spec is not None:
                 last = head.usage_chunk(prep.num_prompt_tokens, num_completion_tokens)
                 if not head.include_usage:
                     del last["usage"]
                 if prep.include_metrics:
                     last["metrics"] = _metrics(prep, timings, num_completion_tokens)
+                if spec is not None:
+                    last.setdefault("metrics", {})["speculative_decoding"] = spec
                 tail.append(sse(_encode(last)))
             tail.append(DONE)
             yield b"".join(tail)
@@ -447,8 +459,18 @@ def _dead(e: EngineDeadError) -> tuple[str, str]:
     return f"the engine died: {e}", "engine_dead"
 
 
+def _spec_figures_of(
+    mode: str | None, prep: Prepared, timings: list[tuple[str, dict[str, Any]]]
+) -> dict[str, Any] | None:
+    """``metrics.speculative_decoding`` (--per-request-spec-decode-metrics): for one prompt
+    and one sample that verified drafts, as vLLM gives it; else None."""
+    if mode is None or prep.params.n > 1 or len(timings) != 1:
+        return None
+    return spec_decode_metrics(timings[0][1], detailed=mode == "detailed")
+
+
 def _metrics(
-    prep: Prepared, timings: list[tuple[str, dict[str, float]]], num_tokens: int
+    prep: Prepared, timings: list[tuple[str, dict[str, Any]]], num_tokens: int
 ) -> dict[str, Any]:
     ctx = prep.ctx
     return request_metrics(

@@ -124,6 +124,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
     (9, "the KV cache's groups and windows, and what it held", lambda c: _add_columns(c, 9)),
     (10, "data-parallel engines: each request's and restart's", lambda c: _add_columns(c, 10)),
     (11, "why the balancing sent a request to its engine", lambda c: _add_columns(c, 11)),
+    (12, "speculative decoding: drafts verified and kept per step", lambda c: _add_columns(c, 12)),
 ]
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

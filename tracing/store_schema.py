@@ -214,6 +214,21 @@ STEP_ROWS: list[Row] = [
     ("logprobs_ns", "BIGINT", "logprobs"),
     ("logprobs_rows", "INTEGER", "rows that asked for logprobs"),
     ("max_logprobs", "INTEGER", "the most logprobs a row asked per token"),
+    # Migration 12: speculative decoding (--speculative-config).
+    (
+        "num_drafted",
+        "INTEGER[]",
+        "drafts each request verified, per request_ids row (null: no row verified any); its "
+        "tokens in num_scheduled are 1 + these",
+    ),
+    (
+        "num_accepted",
+        "INTEGER[]",
+        "of them kept (the request's output tokens this step: these + 1); the rest were "
+        "thrown away, never output",
+    ),
+    ("propose_ns", "BIGINT", "the proposer's time for the next step's drafts (inside execute)"),
+    ("spec_tokens", "INTEGER", "drafts a request could propose this step (0: the rule said none)"),
 ]
 RUN_ROWS: list[Row] = [
     ("run_id", "VARCHAR", "the run: one server (or LLM) start"),
@@ -336,7 +351,7 @@ TABLE_DOCS: dict[str, tuple[str, list[Row]]] = {
 }
 
 
-SCHEMA_VERSION = 11  # the last migration (tracing/store.py MIGRATIONS)
+SCHEMA_VERSION = 12  # the last migration (tracing/store.py MIGRATIONS)
 
 
 def _from(columns: dict[str, str], first: str, last: str) -> list[str]:
@@ -373,6 +388,7 @@ ADDED_IN = {
         "runs": _from(RUN_COLUMNS, "data_parallel_size", "data_parallel_size"),
     },
     11: {"requests": _from(REQUEST_COLUMNS, "routed", "routed")},
+    12: {"steps": _from(STEP_COLUMNS, "num_drafted", "spec_tokens")},
 }
 
 

@@ -69,6 +69,7 @@ def _add_bench_verbs(bench: argparse.ArgumentParser) -> None:
         precision,
         prefill,
         scheduler,
+        spec,
         structured,
         throughput,
         tracing_overhead,
@@ -88,6 +89,7 @@ def _add_bench_verbs(bench: argparse.ArgumentParser) -> None:
     precision.add_parser(bench_verbs)
     one_stream.add_parser(bench_verbs)
     structured.add_parser(bench_verbs)
+    spec.add_parser(bench_verbs)
     bench_diagnose.add_parser(bench_verbs)
 
 

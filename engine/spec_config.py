@@ -13,10 +13,11 @@ NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp"
 # vLLM's fields that Lumen reads; a known vLLM field that changes nothing here is refused by name.
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
           "disable_by_batch_size")  # fmt: skip
-# Lumen's default for disable_by_batch_size (vLLM has none): see DEFAULT_MAX_ROWS's figures in
-# docs/benchmarks.md. A verifying row runs k + 1 tokens through the target; past a few rows the
-# step's cost grows with them and speculation loses.
-DEFAULT_MAX_ROWS = 4
+# Lumen's default for disable_by_batch_size (vLLM has none). A verifying row runs k + 1 tokens
+# through the target, on the chunked-prefill path: SmolLM2 fp32 on 2 CPU cores, k = 4, gave
+# 1.70x / 1.26x / 0.85x off's tok/s on a copy-heavy task at 1 / 2 / 4 streams, and 1.23x /
+# 0.97x / 0.75x on an open one (docs/benchmarks.md).
+DEFAULT_MAX_ROWS = 2
 MAX_SPECULATIVE_TOKENS = 16
 
 

@@ -117,6 +117,13 @@ LUMEN_CPU_DECODE_LAYER = EnvVar(
     "calls, where the model and the step allow; engine/worker/cpu_decode_layer.py) or off "
     "(op by op, int4's one-call layers included)",
 )
+LUMEN_VERIFY_AS_DECODE = EnvVar(
+    "LUMEN_VERIFY_AS_DECODE",
+    "auto",
+    "speculative decoding on CPU: auto (a request verifying k drafts runs as k + 1 decode rows "
+    "of its slot in the decode mirror, where its native attention serves every KV group and "
+    "no layer has a sliding window) or off (as a prefill chunk, op by op)",
+)
 
 LUMEN_AUTOTUNE = EnvVar(
     "LUMEN_AUTOTUNE",
@@ -145,7 +152,8 @@ ALL = (
     LUMEN_HOME, LUMEN_DEVICE, LUMEN_API_KEY, LUMEN_DEBUG_DELAY, LUMEN_DEBUG_GC, LUMEN_CPU_MATMUL,
     LUMEN_CPU_ATTENTION, LUMEN_CPU_GREEDY_HEAD, LUMEN_CPU_THREADS, LUMEN_CPU_INT8,
     LUMEN_CPU_INT4, LUMEN_CPU_GGUF, LUMEN_CPU_INT4_LAYER, LUMEN_CPU_F32_LAYER,
-    LUMEN_CPU_DECODE_LAYER, LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR, LUMEN_TOKENIZER_DIR, LUMEN_GC,
+    LUMEN_CPU_DECODE_LAYER, LUMEN_VERIFY_AS_DECODE, LUMEN_AUTOTUNE, LUMEN_AUTOTUNE_DIR,
+    LUMEN_TOKENIZER_DIR, LUMEN_GC,
 )  # fmt: skip
 
 

@@ -245,12 +245,19 @@ class DecodeCache:
             self.length[dst] = n  # the source is freed below, with the row's old slot
         fills = []
         bs = self.block_size
+        prev = None
         for req_id, slot, start, table in zip(req_ids, slots, starts, tables):
+            if req_id == prev:  # a request verifying drafts: its next row, one position on
+                self.length[slot] = start + 1
+                continue
+            prev = req_id
             old = self.slot_of.get(req_id)
             if old is not None and old != slot:
                 self.length[old] = 0  # left behind: free
             self.slot_of[req_id] = slot
-            if self.length[slot] != start:
+            # A slot past the row (drafts its last step refused, outside a ring) holds the
+            # request's own keys before it: the row writes over the rest.
+            if self.length[slot] != start and not (self.length[slot] > start and not self.ring):
                 # A ring needs only the window's keys before this one; other slots, all.
                 first = max(0, start - self.window + 1) if self.ring else 0
                 blocks = table[first // bs : -(-start // bs)]
@@ -316,19 +323,25 @@ class DecodeCache:
     def _assign(self, req_ids: list[str], starts: list[int]) -> tuple[list[int], list[Move]]:
         """A slot per row, packed into [0, rows) where possible, so attention reads no
         finished request's slot; a row above that moves down (its valid part copied)."""
-        nd = len(req_ids)
+        nd = len(dict.fromkeys(req_ids))  # a request verifying drafts has a row a position
         taken = set(self.slot_of.values())
         low_free = [s for s in range(nd) if s not in taken]
         low_free.reverse()  # pop() gives the lowest
         slots, moves = [], []
+        prev = None
         for req_id, start in zip(req_ids, starts):
+            if req_id == prev:  # the same request's next row: its slot
+                slots.append(slots[-1])
+                continue
+            prev = req_id
             old = self.slot_of.get(req_id)
             if old is not None and (old < nd or not low_free):
                 slot = old
             elif low_free:
                 slot = low_free.pop()
-                if old is not None and self.length[old] == start:
-                    moves.append((old, slot, start))
+                valid = self.length[old] if old is not None else -1
+                if valid == start or (valid > start and not self.ring):
+                    moves.append((old, slot, start))  # type: ignore[arg-type]
             else:
                 slot = next(s for s in itertools.count(nd) if s not in taken)
             taken.add(slot)

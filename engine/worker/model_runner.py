@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from engine import envs
 from engine.config import GiB
 from engine.kv_layout import KVLayout
 from engine.model_config import ModelConfig
@@ -63,6 +64,9 @@ class ModelRunner:
         self.model: LlamaForCausalLM | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_caches: list[DecodeCache] = []  # one per KV group (CPU only)
+        # Rows verifying drafts run as decode rows (set with the KV cache: the mirror's native
+        # attention, no sliding window).
+        self.verify_as_decode = False
         self.rotary = Rotary(model_config, max_model_len, device)
         self.sampler = Sampler(device, seed)
         self.rows: dict[str, SamplingRow] = {}
@@ -131,6 +135,13 @@ class ModelRunner:
                 for g, window in enumerate(layout.windows)
             ]  # fmt: skip
 
+        self.verify_as_decode = (
+            bool(self.decode_caches)
+            and all(c.native is not None and not c.window and not c.ring
+                    for c in self.decode_caches)
+            and not self.cfg.sliding_window
+            and envs.LUMEN_VERIFY_AS_DECODE.get() != "off"
+        )  # fmt: skip
         if self.device.type == "cpu":
             if self.owns_process:  # before the threads' timing, which steps the model
                 heap.fix_mmap_threshold()
@@ -279,11 +290,15 @@ class ModelRunner:
             self.proposer.add(new.request_id, new.prompt_token_ids)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
-        # Decode rows (a single token after a full prefix) go first, batched.
+        # Decode rows (a single token after a full prefix) go first, batched. A row verifying
+        # drafts runs as a decode row a token where the mirror's native attention allows it
+        # (rows of one slot at consecutive positions), else as a prefill chunk.
+        spec = sched.spec_token_ids if self.verify_as_decode else {}
         order = sorted(
             range(len(sched.req_ids)),
-            key=lambda i: not (len(sched.token_ids[i]) == 1 and sched.num_computed_tokens[i] > 0),
-        )
+            key=lambda i: not ((len(sched.token_ids[i]) == 1 and sched.num_computed_tokens[i] > 0)
+                               or sched.req_ids[i] in spec),
+        )  # fmt: skip
         token_ids: list[int] = []
         positions: list[np.ndarray] = []
         logits_indices: list[int] = []
@@ -304,6 +319,15 @@ class ModelRunner:
                 if sched.sample[i] and self.is_driver:
                     logits_indices.append(row0)
                     sample_req_ids.append(sched.req_ids[i])
+                continue
+            if spec and sched.req_ids[i] in spec:
+                rid = sched.req_ids[i]
+                decode_rows.extend([i] * n)
+                decode_starts.extend(range(start, start + n))
+                decode_req_ids.extend([rid] * n)
+                if self.is_driver:
+                    logits_indices.extend(range(row0, row0 + n))
+                    sample_req_ids.append(rid)
                 continue
             positions.append(np.arange(start, start + n))
             prefill_rows.append((i, row0, n, start))

@@ -67,14 +67,20 @@ def references(tiny_llm: LLM) -> dict[int, list[list[int]]]:
     return found
 
 
+@pytest.mark.parametrize("path", ["decode", "chunk"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_output_is_the_same_with_drafts(
-    setting: str, tiny_model_path: Path, references: dict[int, list[list[int]]]
-) -> None:
+    setting: str, path: str, tiny_model_path: Path, references: dict[int, list[list[int]]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Each verifying row as decode rows of its slot in the decode mirror, and as a prefill
+    chunk (LUMEN_VERIFY_AS_DECODE=off)."""
     options, shared = SETTINGS[setting]
     prompts = _random_prompts(seed=shared, shared_prefix=shared)
     expected = references[shared]
+    monkeypatch.setenv("LUMEN_VERIFY_AS_DECODE", "auto" if path == "decode" else "off")
     llm = LLM(str(tiny_model_path), warmup=False, speculative_config=NGRAM, **options)
+    assert llm.client.core.executor.runner.verify_as_decode == (path == "decode")
     proposer = ScriptedProposer({tuple(p): e for p, e in zip(prompts, expected)})
     llm.client.core.executor.runner.proposer = proposer
     llm.step_log = []

@@ -207,8 +207,9 @@ static int64_t segments(int64_t pairs, int64_t max_n, int threads) {
    pointer (and the prefetch's, PREFETCH_ROWS ahead) moved to the next chunk at a chunk's
    start: a loop over the chunks, with a loop over each one's rows, read 20-26% slower (a Xeon,
    16 and 64 rows at 128 and 512 positions). A task is a pair's part [lo, hi) of its positions
-   (all of them where the pairs are not split); the part holding the new row's place writes it
-   first.
+   (all of them where the pairs are not split). Every row's new K and V are written before any
+   row attends, so several rows of one slot at consecutive positions (a request verifying its
+   drafts, engine/worker/spec_decode.py) each see the rows before theirs.
 
    ring > 0: the mirror is a sliding window's ring (engine/worker/decode_cache.py) of ring
    places, as long as the window: position p lies at place p % ring, and row r attends to the
@@ -232,6 +233,16 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new,    
     {                                                                                      \
         float *s = malloc(sizeof(float) * GROUP * max_n);                                  \
         if (!s) failed = 1;                                                                \
+        /* every row's K and V first (the loop's end waits for all): rows of one slot at    \
+           consecutive positions (a request verifying drafts) each read the ones before */ \
+        _Pragma("omp for schedule(static)")                                                \
+        for (int64_t pair = 0; pair < pairs; pair++) {                                     \
+            const int64_t r = pair / kvh, h = pair % kvh, p_ = positions[r];               \
+            const int64_t off = slots[r] * slot_stride + h * head_stride;                  \
+            const int64_t at = ring ? p_ % ring : p_;                                      \
+            PUT_ROW(k_new + pair * DIM, k[at / CHUNK] + off + (at % CHUNK) * ROWLEN);      \
+            PUT_ROW(v_new + pair * DIM, v[at / CHUNK] + off + (at % CHUNK) * ROWLEN);      \
+        }                                                                                  \
         _Pragma("omp for schedule(static)")                                                \
         for (int64_t task = 0; task < pairs * seg; task++) {                               \
             if (!s) continue;                                                              \
@@ -242,10 +253,7 @@ int NAME(const float *q, float *out, const float *k_new, const float *v_new,    
             const int64_t off = slots[r] * slot_stride + h * head_stride;                  \
             const int64_t chunks = (n + CHUNK - 1) / CHUNK, last = ring ? p_ % ring : n - 1; \
             const float *qh = q + pair * GROUP * DIM;                                      \
-            if (lo <= last && last < hi) {                                                 \
-                PUT_ROW(k_new + pair * DIM, k[last / CHUNK] + off + (last % CHUNK) * ROWLEN); \
-                PUT_ROW(v_new + pair * DIM, v[last / CHUNK] + off + (last % CHUNK) * ROWLEN); \
-            }                                                                              \
+            (void)last;                                                                    \
             /* the row PREFETCH_ROWS past lo, where the walk has one */                    \
             const int64_t ahead = lo + (LEAD), at = (ahead % CHUNK) * ROWLEN;               \
             const int fits = ahead < chunks * CHUNK;                                       \

@@ -14,10 +14,10 @@ NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp"
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
           "disable_by_batch_size")  # fmt: skip
 # Lumen's default for disable_by_batch_size (vLLM has none). A verifying row runs k + 1 tokens
-# through the target, on the chunked-prefill path: SmolLM2 fp32 on 2 CPU cores, k = 4, gave
-# 1.70x / 1.26x / 0.85x off's tok/s on a copy-heavy task at 1 / 2 / 4 streams, and 1.23x /
-# 0.97x / 0.75x on an open one (docs/benchmarks.md).
-DEFAULT_MAX_ROWS = 2
+# through the target: SmolLM2 fp32 on 2 CPU cores, k = 4, gave 2.02x / 1.91x / 1.20x / 1.17x
+# off's tok/s on a copy-heavy task at 1 / 2 / 4 / 8 streams, and 1.51x / 1.56x / 1.05x / 0.96x
+# on an open one (docs/benchmarks.md): past 4 rows the open task loses.
+DEFAULT_MAX_ROWS = 4
 MAX_SPECULATIVE_TOKENS = 16
 
 

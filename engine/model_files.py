@@ -13,7 +13,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import envs, gguf_files
+from engine import envs, gguf_files, spec_config
 from engine.config import EngineConfig
 from engine.model_config import ModelConfig
 
@@ -91,6 +91,12 @@ def resolve_config(config: EngineConfig, *, log=print) -> tuple[str, EngineConfi
     if config.tokenizer is not None:
         tokenizer = resolve_tokenizer(config.tokenizer, path, log=log)
         config = dataclasses.replace(config, tokenizer=tokenizer)
+    spec = spec_config.parse(config.speculative_config)
+    if spec is not None and spec.model is not None:  # a draft model: its folder, checked
+        draft = resolve_model(spec.model, log=log)
+        spec_config.check_draft(spec, draft, Path(path))
+        spec = dataclasses.replace(spec, model=str(draft))
+        config = dataclasses.replace(config, speculative_config=spec.to_json())
     return path, config
 
 

@@ -1,18 +1,21 @@
 """``--speculative-config``: vLLM's SpeculativeConfig, the fields Lumen reads and their defaults,
-checked where the engine's options are (the proposer: engine/worker/ngram.py; verification:
-engine/worker/spec_decode.py; the scheduler's rule: engine/core/scheduler.py)."""
+checked where the engine's options are (the proposers: engine/worker/ngram.py and
+engine/worker/draft.py; verification: engine/worker/spec_decode.py; the scheduler's rule:
+engine/core/scheduler.py)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 # Built here. vLLM's other methods are named apart, so a user bringing one hears what is missing.
-METHODS = ("ngram",)
-NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+METHODS = ("ngram", "draft_model")
+NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 # vLLM's fields that Lumen reads; a known vLLM field that changes nothing here is refused by name.
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-          "disable_by_batch_size")  # fmt: skip
+          "quantization", "disable_by_batch_size")  # fmt: skip
+DRAFT_QUANTIZATIONS = ("int8", "int4")
 # Lumen's default for disable_by_batch_size (vLLM has none). A verifying row runs k + 1 tokens
 # through the target: SmolLM2 fp32 on 2 CPU cores, k = 4, gave 2.02x / 1.91x / 1.20x / 1.17x
 # off's tok/s on a copy-heavy task at 1 / 2 / 4 / 8 streams, and 1.51x / 1.56x / 1.05x / 0.96x
@@ -25,14 +28,27 @@ MAX_SPECULATIVE_TOKENS = 16
 class SpeculativeConfig:
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int | None = None  # ngram's
+    prompt_lookup_min: int | None = None
     # Requests verify drafts only in steps that start with at most this many running (vLLM's
     # field: speculation stops for a larger batch).
     disable_by_batch_size: int = DEFAULT_MAX_ROWS
+    # draft_model: the draft's checkpoint (a folder once resolved), and how to quantize it on
+    # load (None: as it is): the target's own folder with int4 is the self-draft.
+    model: str | None = None
+    quantization: str | None = None
 
     def to_json(self) -> str:
-        return json.dumps(self.__dict__)
+        return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
+
+    @property
+    def needs_kv(self) -> bool:
+        """The proposer keeps KV of its own at the request's positions (a draft model)."""
+        return self.method == "draft_model"
+
+
+def _err(message: str) -> ValueError:
+    return ValueError(f"--speculative-config: {message}")
 
 
 def parse(value: str | dict[str, object] | None) -> SpeculativeConfig | None:
@@ -44,32 +60,25 @@ def parse(value: str | dict[str, object] | None) -> SpeculativeConfig | None:
         try:
             raw = json.loads(value)
         except json.JSONDecodeError as e:
-            raise ValueError(f"--speculative-config is not JSON ({e.msg}): {value!r}") from None
+            raise _err(f"not JSON ({e.msg}): {value!r}") from None
     else:
         raw = dict(value)
     if not isinstance(raw, dict):
-        raise ValueError(f"--speculative-config must be a JSON object, not {value!r}")
+        raise _err(f"must be a JSON object, not {value!r}")
     unknown = sorted(set(raw) - set(FIELDS))
     if unknown:
-        raise ValueError(f"--speculative-config: field(s) {', '.join(unknown)} not read here; "
-                         f"Lumen reads {', '.join(FIELDS)}")  # fmt: skip
+        raise _err(f"field(s) {', '.join(unknown)} not read here; Lumen reads {', '.join(FIELDS)}")
+    model = raw.get("model")
     method = raw.get("method")
-    if method is None:
-        # vLLM: a draft model's path alone means draft_model; "[ngram]" was the old spelling.
-        model = raw.get("model")
+    if method is None:  # vLLM: a draft model's path alone means draft_model
         method = "ngram" if model in (None, "[ngram]") else "draft_model"
     if method == "[ngram]":
         method = "ngram"
     if method in NOT_BUILT:
-        raise ValueError(f"--speculative-config: method {method!r} is not built yet; built: "
-                         f"{', '.join(METHODS)} (prompt lookup)")  # fmt: skip
+        raise _err(f"method {method!r} is not built yet; built: {', '.join(METHODS)}")
     if method not in METHODS:
-        raise ValueError(f"--speculative-config: unknown method {method!r}; built: "
-                         f"{', '.join(METHODS)}; vLLM's others: "
-                         f"{', '.join(NOT_BUILT)}")  # fmt: skip
-    if raw.get("model") not in (None, "[ngram]"):
-        raise ValueError("--speculative-config: ngram takes no model (it looks up the prompt "
-                         f"and the output), not {raw['model']!r}")  # fmt: skip
+        raise _err(f"unknown method {method!r}; built: {', '.join(METHODS)}; vLLM's others: "
+                   f"{', '.join(NOT_BUILT)}")  # fmt: skip
     k = raw.get("num_speculative_tokens")
     max_rows = raw.get("disable_by_batch_size")
     max_rows = DEFAULT_MAX_ROWS if max_rows is None else max_rows
@@ -78,14 +87,29 @@ def parse(value: str | dict[str, object] | None) -> SpeculativeConfig | None:
                ("prompt_lookup_max", lookup_max), ("disable_by_batch_size", max_rows))  # fmt: skip
     for name, v in checked:
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"--speculative-config: {name} must be an integer of at least 1, "
-                             f"not {v!r}")  # fmt: skip
+            raise _err(f"{name} must be an integer of at least 1, not {v!r}")
     if k is None:
-        raise ValueError("--speculative-config: num_speculative_tokens is required (vLLM's "
-                         "ngram requires it too), e.g. 3")  # fmt: skip
+        raise _err("num_speculative_tokens is required (vLLM requires it too), e.g. 3")
     if k > MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"--speculative-config: num_speculative_tokens {k} is over "
-                         f"{MAX_SPECULATIVE_TOKENS}")  # fmt: skip
+        raise _err(f"num_speculative_tokens {k} is over {MAX_SPECULATIVE_TOKENS}")
+    quantization = raw.get("quantization")
+    if method == "draft_model":
+        if not isinstance(model, str) or not model:
+            raise _err(
+                "draft_model needs model: the draft's folder, GGUF file or packaged "
+                "name (the target's own with quantization int4 drafts for itself)"
+            )
+        if lookup_min is not None or lookup_max is not None:
+            raise _err("prompt_lookup_min and prompt_lookup_max are ngram's, not draft_model's")
+        if quantization is not None and quantization not in DRAFT_QUANTIZATIONS:
+            raise _err(f"quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)} (the "
+                       f"draft quantized on load) or unset, not {quantization!r}")  # fmt: skip
+        return SpeculativeConfig(method, k, disable_by_batch_size=max_rows, model=model,
+                                 quantization=quantization)  # fmt: skip
+    if model not in (None, "[ngram]"):
+        raise _err(f"ngram takes no model (it looks up the prompt and the output), not {model!r}")
+    if quantization is not None:
+        raise _err("quantization is draft_model's (ngram has no weights)")
     # vLLM's defaults: neither given, both 5; one given, the other equal to it.
     if lookup_min is None and lookup_max is None:
         lookup_min = lookup_max = 5
@@ -93,6 +117,21 @@ def parse(value: str | dict[str, object] | None) -> SpeculativeConfig | None:
     lookup_max = lookup_max if lookup_max is not None else lookup_min
     assert lookup_min is not None and lookup_max is not None
     if lookup_min > lookup_max:
-        raise ValueError(f"--speculative-config: prompt_lookup_min {lookup_min} is over "
-                         f"prompt_lookup_max {lookup_max}")  # fmt: skip
+        raise _err(f"prompt_lookup_min {lookup_min} is over prompt_lookup_max {lookup_max}")
     return SpeculativeConfig(method, k, lookup_max, lookup_min, max_rows)
+
+
+def check_draft(config: SpeculativeConfig, draft: Path, target: Path) -> None:
+    """A draft model proposes the target's token ids: the same vocabulary and tokenizer."""
+    from engine.model_config import ModelConfig
+
+    d, t = ModelConfig.from_path(draft), ModelConfig.from_path(target)
+    if d.vocab_size != t.vocab_size:
+        raise _err(
+            f"the draft's vocabulary ({d.vocab_size} tokens, {draft}) is not the "
+            f"target's ({t.vocab_size}): a draft shares the target's tokenizer"
+        )
+    mine, theirs = draft / "tokenizer.json", target / "tokenizer.json"
+    if mine.is_file() and theirs.is_file() and mine.read_bytes() != theirs.read_bytes():
+        raise _err(f"the draft's tokenizer ({mine}) is not the target's ({theirs}): a draft "
+                   "must share the target's tokenizer")  # fmt: skip

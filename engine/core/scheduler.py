@@ -170,6 +170,8 @@ class Scheduler:
         spec = out.spec_token_ids
         if self.speculative is not None and len(self.running) <= self.spec_max_rows:
             out.num_spec_tokens = self.speculative.num_speculative_tokens
+        # A draft model writes its KV at the k positions past a request's tokens: slots for them.
+        ahead = out.num_spec_tokens if self.speculative and self.speculative.needs_kv else 0
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -180,14 +182,14 @@ class Scheduler:
                 # A decoding row verifies its drafts, as many as the budget and the blocks take.
                 if num_new == 1 and out.num_spec_tokens and budget > 1:
                     drafts = drafts[: budget - 1]
-                    if self.kv_cache.allocate_slots(request, 1 + len(drafts),
-                                                    num_lookahead=len(drafts)):  # fmt: skip
+                    if self.kv_cache.allocate_slots(request, 1 + len(drafts) + ahead,
+                                                    num_lookahead=len(drafts) + ahead):  # fmt: skip
                         spec[request.request_id] = drafts
                         scheduled[request.request_id] = 1 + len(drafts)
                         budget -= 1 + len(drafts)
                         i += 1
                         continue
-            while not self.kv_cache.allocate_slots(request, num_new):
+            while not self.kv_cache.allocate_slots(request, num_new + ahead, num_lookahead=ahead):
                 victim = self._pick_victim()
                 victim_idx = self.running.index(victim)
                 self._preempt(victim)
@@ -221,7 +223,7 @@ class Scheduler:
             # A waiting request has nothing computed (preemption resets it).
             hits, num_hit = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, hits):
+            if not self.kv_cache.allocate_slots(request, num_new + ahead, hits, ahead):
                 out.wait_reason = "kv_blocks"
                 break
             self.waiting.pop()

@@ -258,8 +258,9 @@ class DecodeCache:
             # A slot past the row (drafts its last step refused, outside a ring) holds the
             # request's own keys before it: the row writes over the rest.
             if self.length[slot] != start and not (self.length[slot] > start and not self.ring):
-                # A ring needs only the window's keys before this one; other slots, all.
-                first = max(0, start - self.window + 1) if self.ring else 0
+                # A ring needs only the window's keys before this one; another slot, those past
+                # what it holds (its own keys, valid: a request's tokens never change).
+                first = max(0, start - self.window + 1) if self.ring else self.length[slot]
                 blocks = table[first // bs : -(-start // bs)]
                 ids = torch.tensor(blocks, dtype=torch.long, device=self.device)
                 fills.append((slot, start, ids, first))
@@ -340,8 +341,8 @@ class DecodeCache:
             elif low_free:
                 slot = low_free.pop()
                 valid = self.length[old] if old is not None else -1
-                if valid == start or (valid > start and not self.ring):
-                    moves.append((old, slot, start))  # type: ignore[arg-type]
+                if old is not None and (valid == start or (valid > start and not self.ring)):
+                    moves.append((old, slot, start))
             else:
                 slot = next(s for s in itertools.count(nd) if s not in taken)
             taken.add(slot)

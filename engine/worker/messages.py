@@ -72,6 +72,9 @@ class SchedulerOutput:
     # driver proposes for the next step (0: none).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_spec_tokens: int = 0
+    # A draft model's own step (engine/worker/draft.py): rows with spec_token_ids end with
+    # tokens already known, not drafts: they run as those rows do and sample after the last.
+    spec_catch_up: bool = False
 
     @property
     def num_preemptions(self) -> int:

@@ -17,6 +17,7 @@ from engine.worker import cpu_threads, heap, kv_quant, spec_decode
 from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask, windowed
 from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.decode_cache import DecodeCache
+from engine.worker.draft import DraftProposer
 from engine.worker.layers import Shard
 from engine.worker.llama import LlamaForCausalLM
 from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -52,10 +53,8 @@ class ModelRunner:
         # Every rank runs the forward (for the collectives); only rank 0 samples.
         self.is_driver = self.shard.rank == 0
         # Drafts for the next step (--speculative-config), proposed by the driver.
-        self.proposer = None
-        if speculative is not None and self.is_driver:
-            self.proposer = NgramProposer(speculative.prompt_lookup_min,
-                                          speculative.prompt_lookup_max)  # fmt: skip
+        self.proposer: NgramProposer | DraftProposer | None = None
+        self.speculative = speculative if self.is_driver else None
         self.device = device
         self.dtype = dtype
         self.kv_dtype = kv_dtype or dtype  # the paged cache's and the mirror's
@@ -68,6 +67,7 @@ class ModelRunner:
         # attention, no sliding window).
         self.verify_as_decode = False
         self.rotary = Rotary(model_config, max_model_len, device)
+        self.max_model_len = max_model_len
         self.sampler = Sampler(device, seed)
         self.rows: dict[str, SamplingRow] = {}
         # Set where this runner's process is the engine's own (not a user's): then it may
@@ -84,6 +84,14 @@ class ModelRunner:
         model.load_weights(self.cfg.path)
         if self.quantization is not None:
             model.quantize_weights(self.quantization)
+        spec = self.speculative
+        if spec is not None and spec.method == "ngram":
+            assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        elif spec is not None:
+            self.proposer = DraftProposer(spec, self.cfg, self.layout, self.device, self.dtype,
+                                          self.max_model_len, self.block_size,
+                                          self.kv_dtype)  # fmt: skip
         if self.device.type == "cpu":
             model.pack_weights()
             if self.is_driver:  # only the driver samples: no copy or timing on other ranks
@@ -94,23 +102,34 @@ class ModelRunner:
         """Bytes of one block on this rank: ``block_size`` tokens of one KV group's layers,
         of this rank's share of the KV heads."""
         per_layer = self.cfg.kv_bytes_per_token(self.kv_dtype) // self.cfg.num_layers
-        return self.block_size * per_layer * self.layout.group_size // self.shard.size
+        own = self.block_size * per_layer * self.layout.group_size // self.shard.size
+        # A draft model's KV lies in a pool of as many blocks (engine/worker/draft.py).
+        return own + (self.proposer.block_bytes() if isinstance(self.proposer, DraftProposer)
+                      else 0)  # fmt: skip
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(
+        self, num_blocks: int, shared: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    ) -> None:
+        """The paged KV pool of ``num_blocks`` blocks (``shared``: another runner's, of the
+        same shape: a self-draft's, engine/worker/draft.py), and the CPU decode mirrors."""
         num_kv_heads = self.cfg.num_kv_heads // self.shard.size
         # An 8-bit cache's rows hold their codes and a scale (kv_quant.py).
         row = kv_quant.row_width(self.cfg.head_dim, self.kv_dtype)
         stored = kv_quant.storage_dtype(self.kv_dtype)
         shape = (num_blocks, self.block_size, num_kv_heads, row)
-        if self.device.type == "cpu":
-            _check_fits_in_memory(num_blocks * self.block_bytes() * self.shard.size)
-        # Zeroed: padded reads are masked, but a masked NaN would still poison P @ V. One
-        # pair per place in a KV group: layer l uses its group's blocks of pair layer_slot[l].
-        pairs = [
-            (_zeros(shape, stored, self.device), _zeros(shape, stored, self.device))
-            for _ in range(self.layout.group_size)
-        ]
-        self.kv_caches = [pairs[j] for j in self.layout.layer_slot]
+        if shared is not None:
+            self.kv_caches = shared
+        else:
+            if self.device.type == "cpu":
+                _check_fits_in_memory(num_blocks * self.block_bytes() * self.shard.size)
+            # Zeroed: padded reads are masked, but a masked NaN would still poison P @ V. One
+            # pair per place in a KV group: layer l uses its group's blocks of pair
+            # layer_slot[l].
+            pairs = [
+                (_zeros(shape, stored, self.device), _zeros(shape, stored, self.device))
+                for _ in range(self.layout.group_size)
+            ]
+            self.kv_caches = [pairs[j] for j in self.layout.layer_slot]
 
         if self.device.type == "cpu":
             # On CPU, gathering blocks for decode costs as much as attention
@@ -142,6 +161,8 @@ class ModelRunner:
             and not self.cfg.sliding_window
             and envs.LUMEN_VERIFY_AS_DECODE.get() != "off"
         )  # fmt: skip
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.init_kv_cache(num_blocks, self.kv_caches)
         if self.device.type == "cpu":
             if self.owns_process:  # before the threads' timing, which steps the model
                 heap.fix_mmap_threshold()
@@ -177,13 +198,15 @@ class ModelRunner:
     def release_kv_cache(self) -> None:
         self.kv_caches = []
         self.decode_caches = []
+        if isinstance(self.proposer, DraftProposer):
+            self.proposer.release_kv_cache()
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in sched.finished_req_ids:
             self.rows.pop(req_id, None)
         if self.proposer is not None:
-            self.proposer.drop(sched.finished_req_ids)
+            self.proposer.drop(sched.finished_req_ids, sched.preempted_req_ids)
         for cache in self.decode_caches:
             cache.drop(sched.finished_req_ids + sched.preempted_req_ids)
         if self.is_driver:
@@ -204,14 +227,14 @@ class ModelRunner:
         )
         if not self.is_driver:  # the head is replicated: only the driver samples
             return ModelRunnerOutput([], [])
-        if sched.spec_token_ids:
+        if sched.spec_token_ids and not sched.spec_catch_up:
             out = self._verify(sched, inputs.sample_req_ids, hidden)
         else:
             out = self._sample(sched, inputs.sample_req_ids, hidden)
         if self.proposer is not None and sched.num_spec_tokens:
             start = time.perf_counter_ns()
             out.draft_token_ids = self.proposer.propose(
-                out.req_ids, self.rows, sched.num_spec_tokens
+                out.req_ids, self.rows, sched.num_spec_tokens, sched
             )
             out.propose_ns = time.perf_counter_ns() - start
         return out
@@ -326,14 +349,19 @@ class ModelRunner:
                 decode_starts.extend(range(start, start + n))
                 decode_req_ids.extend([rid] * n)
                 if self.is_driver:
-                    logits_indices.extend(range(row0, row0 + n))
+                    if sched.spec_catch_up:  # known tokens: only the last one's next
+                        logits_indices.append(row0 + n - 1)
+                    else:
+                        logits_indices.extend(range(row0, row0 + n))
                     sample_req_ids.append(rid)
                 continue
             positions.append(np.arange(start, start + n))
             prefill_rows.append((i, row0, n, start))
             if sched.sample[i] and self.is_driver:
                 # A row that verifies drafts samples at each of them and after the last.
-                first = row0 + n - 1 - len(sched.spec_token_ids.get(sched.req_ids[i], ()))
+                first = row0 + n - 1
+                if not sched.spec_catch_up:
+                    first -= len(sched.spec_token_ids.get(sched.req_ids[i], ()))
                 logits_indices.extend(range(first, row0 + n))
                 sample_req_ids.append(sched.req_ids[i])
         dev = self.device

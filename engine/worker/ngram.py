@@ -69,12 +69,14 @@ class NgramProposer:
         self.indexes[req_id] = NgramIndex(prompt, self.lookup_min, self.lookup_max)
         self.num_prompt[req_id] = len(prompt)
 
-    def drop(self, req_ids: list[str]) -> None:
+    def drop(self, req_ids: list[str], preempted: list[str] = ()) -> None:  # type: ignore[assignment]
         for req_id in req_ids:
             self.indexes.pop(req_id, None)
             self.num_prompt.pop(req_id, None)
 
-    def propose(self, req_ids: list[str], rows: dict[str, Any], k: int) -> dict[str, list[int]]:
+    def propose(
+        self, req_ids: list[str], rows: dict[str, Any], k: int, sched: object = None
+    ) -> dict[str, list[int]]:
         """Up to ``k`` drafts for each of ``req_ids`` (rows that sampled this step) that has
         any; ``rows``: the runner's SamplingRow of each request (its output so far). A request
         under a grammar gets none (the core does not verify drafts against its grammar)."""

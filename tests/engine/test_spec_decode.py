@@ -38,11 +38,13 @@ class ScriptedProposer:
     def add(self, req_id: str, prompt: list[int]) -> None:
         self.prompts[req_id] = tuple(prompt)
 
-    def drop(self, req_ids: list[str]) -> None:
+    def drop(self, req_ids: list[str], preempted: list[str] = ()) -> None:  # type: ignore[assignment]
         for r in req_ids:
             self.prompts.pop(r, None)
 
-    def propose(self, req_ids: list[str], rows: dict[str, Any], k: int) -> dict[str, list[int]]:
+    def propose(
+        self, req_ids: list[str], rows: dict[str, Any], k: int, sched: object = None
+    ) -> dict[str, list[int]]:
         out = {}
         for r in req_ids:
             done = len(rows[r].output_token_ids)

@@ -1,0 +1,176 @@
+"""The ``draft_model`` proposer: a second checkpoint of the target's tokenizer (or the target's
+own, quantized on load: the self-draft), run by the driver beside the target, greedy.
+
+The draft keeps KV of its own in a pool of as many blocks as the target's, addressed by the
+target's block tables: position p of a request lies in the same block id and place in both
+pools, so the scheduler's tables serve it and nothing else is allocated per request (the
+scheduler gives a speculating step's rows k slots past their tokens for the draft's, the
+``needs_kv`` lookahead). A request's draft KV is valid up to ``known[request]``:
+
+- after the target sampled the request's token at position L, the draft runs the tokens it has
+  not seen (the whole prompt on its first step; then 1, or 2 when every draft was kept) and
+  takes its argmax as d1, then k - 1 steps of one row (d1 at L + 1, ...) for d2 .. dk;
+- the target keeps a of the drafts: positions up to L + a hold tokens the draft fed itself, so
+  ``known`` falls back to the new last position, whose token the next round feeds.
+
+The self-draft (the target's own checkpoint, quantized on load) shares the target's pool
+instead: it reads the target's exact KV before the last token and writes its own only past it.
+
+A greedy draft puts all its mass on its draft, so verification's rejection sampling
+(engine/worker/spec_decode.py) keeps the target's distribution exactly. Rows run the draft
+runner's own decode path (its decode mirror and fused layers on CPU), as a decode batch of its
+own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.kv_layout import KVLayout
+from engine.model_config import ModelConfig
+from engine.sampling_params import SamplingParams
+from engine.spec_config import SpeculativeConfig
+from engine.worker.messages import NewRequestData, SchedulerOutput
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+# A catch-up of at most this many tokens (one, or two after every draft was kept) runs as decode
+# rows of the request's slot in the draft's decode mirror; more (a prompt) as a prefill chunk.
+CATCH_UP_ROWS = 4
+
+
+class DraftProposer:
+    def __init__(
+        self,
+        spec: SpeculativeConfig,
+        target: ModelConfig,
+        layout: KVLayout,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_model_len: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+    ) -> None:
+        from engine.worker.model_runner import ModelRunner  # it builds this proposer
+
+        assert spec.model is not None
+        cfg = ModelConfig.from_path(spec.model)
+        own = KVLayout.of(cfg, len(layout.windows) > 1)
+        if own.windows != layout.windows or own.layer_group != layout.layer_group:
+            raise ValueError(
+                f"--speculative-config: the draft's KV layout (sliding windows {own.windows}) is "
+                f"not the target's ({layout.windows}): its KV shares the target's block tables"
+            )
+        if cfg.vocab_size != target.vocab_size:
+            raise ValueError("--speculative-config: the draft's vocabulary is not the target's")
+        self.runner = ModelRunner(cfg, device, dtype, max_model_len, block_size,
+                                  kv_dtype=kv_dtype, quantization=spec.quantization,
+                                  kv_layout=own)  # fmt: skip
+        self.runner.load_model()
+        # The target's own checkpoint (quantized or not): its KV has the target's shape, so it
+        # reads the target's pool, whose positions the target computed are exact, and writes
+        # its drafts' KV at the positions past them, which the target's verifying pass writes
+        # over. No pool of its own, no prompt to run again: it feeds each request's last token.
+        self.shared = Path(spec.model).resolve() == Path(target.path).resolve()
+        self.known: dict[str, int] = {}  # request -> positions whose draft KV is valid
+        self._step = 0
+
+    def block_bytes(self) -> int:
+        return 0 if self.shared else self.runner.block_bytes()
+
+    def init_kv_cache(
+        self, num_blocks: int, target: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> None:
+        self.runner.init_kv_cache(num_blocks, target if self.shared else None)
+
+    def release_kv_cache(self) -> None:
+        self.runner.release_kv_cache()
+
+    def add(self, req_id: str, prompt: list[int]) -> None:
+        self.known[req_id] = 0
+
+    def drop(self, finished: list[str], preempted: list[str] = ()) -> None:  # type: ignore[assignment]
+        """Finished requests leave; preempted ones lose their blocks (so their draft KV)."""
+        for r in finished:
+            self.known.pop(r, None)
+        for r in preempted:
+            if r in self.known:
+                self.known[r] = 0
+        if finished or preempted:
+            self.runner.execute_model(
+                SchedulerOutput(
+                    step_id=-1, finished_req_ids=list(finished), preempted_req_ids=list(preempted)
+                )
+            )
+
+    def propose(
+        self, req_ids: list[str], rows: dict[str, Any], k: int, sched: SchedulerOutput
+    ) -> dict[str, list[int]]:
+        """k drafts for each of ``req_ids`` (rows the target sampled this step), from their
+        tokens so far (``rows``: the target's SamplingRow of each) and the step's block tables."""
+        at = {rid: i for i, rid in enumerate(sched.req_ids)}
+        out: dict[str, list[int]] = {}
+        first = SchedulerOutput(step_id=self._next())
+        last: dict[str, int] = {}  # request -> its last position
+        for rid in req_ids:
+            row = rows.get(rid)
+            i = at.get(rid)
+            if row is None or i is None or row.params.structured_outputs is not None:
+                continue
+            if rid not in self.runner.rows:
+                first.new_requests.append(NewRequestData(rid, row.prompt_token_ids, GREEDY,
+                                                         frozenset()))  # fmt: skip
+            n_prompt = len(row.prompt_token_ids)
+            end = n_prompt + len(row.output_token_ids)  # the tokens known; the last at end - 1
+            start = end - 1 if self.shared else min(self.known.get(rid, 0), end - 1)
+            if start < n_prompt:
+                tokens = row.prompt_token_ids[start:] + row.output_token_ids
+            else:
+                tokens = row.output_token_ids[start - n_prompt :]
+            self._row(first, sched, i, rid, tokens, start)
+            last[rid] = end - 1
+        if not first.req_ids:
+            return out
+        drafts = self._run(first)
+        for rid, token in drafts.items():
+            out[rid] = [token]
+            self.known[rid] = last[rid] + 1
+        for j in range(1, k):
+            step = SchedulerOutput(step_id=self._next())
+            for rid in out:
+                self._row(step, sched, at[rid], rid, [out[rid][-1]], last[rid] + j)
+            for rid, token in self._run(step).items():
+                out[rid].append(token)
+                self.known[rid] = last[rid] + j + 1
+        return out
+
+    def _row(
+        self, step: SchedulerOutput, sched: SchedulerOutput, i: int, rid: str, tokens: list[int],
+        start: int,
+    ) -> None:  # fmt: skip
+        step.req_ids.append(rid)
+        step.token_ids.append(tokens)
+        if 1 < len(tokens) <= CATCH_UP_ROWS:  # a few tokens: as decode rows of its slot
+            step.spec_token_ids[rid] = tokens[1:]
+            step.spec_catch_up = True
+        step.num_computed_tokens.append(start)
+        step.block_tables.append(sched.block_tables[i])
+        if sched.group_block_tables:
+            step.group_block_tables.append(sched.group_block_tables[i])
+        step.sample.append(True)
+        if len(tokens) > 1:
+            step.num_prefill_tokens += len(tokens)
+        else:
+            step.num_decode_tokens += 1
+
+    def _run(self, step: SchedulerOutput) -> dict[str, int]:
+        result = self.runner.execute_model(step)
+        for rid in result.req_ids:  # a greedy row's tokens: nothing reads them (no penalties)
+            self.runner.rows[rid].output_token_ids.clear()
+        return dict(zip(result.req_ids, result.sampled_token_ids))
+
+    def _next(self) -> int:
+        self._step += 1
+        return self._step

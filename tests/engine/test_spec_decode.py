@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,14 @@ class ScriptedProposer:
 
 
 @pytest.fixture(scope="module")
+def draft_copy(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's files in another folder: a draft_model of its own (own KV pool)."""
+    folder = tmp_path_factory.mktemp("draft") / "tiny-copy"
+    shutil.copytree(tiny_model_path, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def references(tiny_llm: LLM) -> dict[int, list[list[int]]]:
     """Greedy outputs of the prompts of each shared-prefix length, without speculation."""
     found = {}
@@ -69,22 +78,33 @@ def references(tiny_llm: LLM) -> dict[int, list[list[int]]]:
     return found
 
 
+@pytest.mark.parametrize("proposer", ["scripted", "self_draft", "draft_model"])
 @pytest.mark.parametrize("path", ["decode", "chunk"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_output_is_the_same_with_drafts(
-    setting: str, path: str, tiny_model_path: Path, references: dict[int, list[list[int]]],
-    monkeypatch: pytest.MonkeyPatch,
+    setting: str, path: str, proposer: str, tiny_model_path: Path, draft_copy: Path,
+    references: dict[int, list[list[int]]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """Each verifying row as decode rows of its slot in the decode mirror, and as a prefill
-    chunk (LUMEN_VERIFY_AS_DECODE=off)."""
+    chunk (LUMEN_VERIFY_AS_DECODE=off); drafts scripted (some wrong), from the model's own
+    weights in int8 (the self-draft: the target's KV pool), and from a draft checkpoint of its
+    own (here the same weights in another folder, in int8: a KV pool of its own)."""
     options, shared = SETTINGS[setting]
     prompts = _random_prompts(seed=shared, shared_prefix=shared)
     expected = references[shared]
     monkeypatch.setenv("LUMEN_VERIFY_AS_DECODE", "auto" if path == "decode" else "off")
-    llm = LLM(str(tiny_model_path), warmup=False, speculative_config=NGRAM, **options)
-    assert llm.client.core.executor.runner.verify_as_decode == (path == "decode")
-    proposer = ScriptedProposer({tuple(p): e for p, e in zip(prompts, expected)})
-    llm.client.core.executor.runner.proposer = proposer
+    spec: dict[str, Any] = NGRAM
+    if proposer != "scripted":
+        draft = tiny_model_path if proposer == "self_draft" else draft_copy
+        spec = {"method": "draft_model", "model": str(draft), "quantization": "int8",
+                "num_speculative_tokens": 3, "disable_by_batch_size": 64}  # fmt: skip
+    llm = LLM(str(tiny_model_path), warmup=False, speculative_config=spec, **options)
+    runner = llm.client.core.executor.runner
+    assert runner.verify_as_decode == (path == "decode")
+    if proposer == "scripted":
+        runner.proposer = ScriptedProposer({tuple(p): e for p, e in zip(prompts, expected)})
+    else:
+        assert runner.proposer.shared == (proposer == "self_draft")
     llm.step_log = []
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -96,7 +116,7 @@ def test_greedy_output_is_the_same_with_drafts(
     print(f"{setting}: {steps} steps, {drafted} drafts verified, {accepted} kept, {metrics}")
     for i, (out, ref) in enumerate(zip(outs, expected)):
         assert list(out.outputs[0].token_ids) == ref, f"prompt {i} differs"
-    assert 0 < accepted < drafted  # some kept, some refused
+    assert 0 < accepted < drafted or (proposer != "scripted" and accepted > 0)
     if setting == "preemption":
         assert metrics["num_preemptions"] > 0
     if setting == "prefix_cache":
@@ -197,7 +217,10 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match() -> None:
             "prompt_lookup_min 4 is over",
         ),
         ({"method": "ngram", "num_speculative_tokens": 3, "acceptance": 1}, "not read here"),
-        ({"model": "/some/draft", "num_speculative_tokens": 3}, "draft_model' is not built"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "draft_model needs model"),
+        ({"model": "x", "num_speculative_tokens": 3, "quantization": "int3"}, "quantization must"),
+        ({"method": "ngram", "num_speculative_tokens": 3, "quantization": "int4"}, "no weights"),
+        ({"model": "x", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, "are ngram's"),
     ],
 )
 def test_a_speculative_config_lumen_cannot_honour_is_refused_in_one_line(
@@ -206,6 +229,31 @@ def test_a_speculative_config_lumen_cannot_honour_is_refused_in_one_line(
     with pytest.raises(ValueError, match=error) as e:
         parse(json.dumps(config))
     assert "\n" not in str(e.value)
+
+
+def test_a_draft_that_is_not_there_or_speaks_another_tokenizer_is_refused_at_start(
+    tiny_model_path: Path, draft_copy: Path, tmp_path: Path
+) -> None:
+    from engine.config import EngineConfig
+    from engine.model_files import resolve_config
+
+    def start(draft: Path) -> None:
+        spec = {"model": str(draft), "num_speculative_tokens": 2}
+        resolve_config(
+            EngineConfig(model=str(tiny_model_path), speculative_config=json.dumps(spec))
+        )
+
+    with pytest.raises(ValueError, match="not found"):
+        start(tmp_path / "nowhere")
+    other = tmp_path / "other-tokenizer"
+    shutil.copytree(draft_copy, other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    tokenizer["added_tokens"] = tokenizer.get("added_tokens", [])[:1]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match=r"tokenizer .* is not the target's") as e:
+        start(other)
+    assert "\n" not in str(e.value)
+    start(draft_copy)  # the same files elsewhere: taken
 
 
 def test_vllms_ngram_defaults() -> None:

@@ -93,7 +93,10 @@ def resolve_config(config: EngineConfig, *, log=print) -> tuple[str, EngineConfi
         config = dataclasses.replace(config, tokenizer=tokenizer)
     spec = spec_config.parse(config.speculative_config)
     if spec is not None and spec.model is not None:  # a draft model: its folder, checked
-        draft = resolve_model(spec.model, log=log)
+        try:
+            draft = resolve_model(spec.model, log=log)
+        except ValueError as e:
+            raise ValueError(f"--speculative-config: the draft {e}") from None
         spec_config.check_draft(spec, draft, Path(path))
         spec = dataclasses.replace(spec, model=str(draft))
         config = dataclasses.replace(config, speculative_config=spec.to_json())

@@ -28,7 +28,17 @@ from typing import NamedTuple
 import numpy as np
 
 from tracing import diagnose_load as load
-from tracing import engine_split, failures, render, settings, shares, step_members, verdict, why
+from tracing import (
+    engine_split,
+    failures,
+    render,
+    settings,
+    shares,
+    speculation,
+    step_members,
+    verdict,
+    why,
+)
 from tracing.diagnose_load import RequestFacts
 from tracing.diagnosis import (
     DECODE_PARTS,
@@ -204,7 +214,9 @@ def explain_request(db_path: DbPath, request_id: str) -> tuple[RequestDiagnosis,
         phase: {part: stat.median_ns for part, stat in stats.items()}
         for phase, stats in run.parts.items()
     }
-    return req, why.explain(req, run)
+    with open_db(db_path, timeout=10) as con:
+        spec = speculation.sentences(con, run_id, request_id)
+    return req, why.explain(req, run) + spec
 
 
 def render_run(diag: RunDiagnosis) -> str:

@@ -13,6 +13,7 @@ import pytest
 from engine import LLM, SamplingParams
 from replay.server import metric
 from tests.helpers.server import LumenServer
+from tracing.diagnose import explain_request
 
 # Prompt lookup of one token: a random model's output repeats tokens of a long prompt of its own
 # output now and then, so drafts are proposed (and mostly refused) on the tiny model.
@@ -74,3 +75,12 @@ def test_speculation_through_a_server(
         per_pos = metric(samples, "lumen:spec_decode_num_accepted_tokens_per_pos_total")
         print(f"/metrics: {drafts} drafts, {tokens} draft tokens, {kept} kept")
         assert drafts >= 2 * spec["num_spec_steps"] and tokens >= drafts and kept == per_pos
+        request_id = r.id
+    # `lumen trace why` tells the request's drafts, kept and thrown away.
+    _, sentences = explain_request(server.trace_db, request_id)
+    told = next(s for s in sentences if s.startswith("Speculative decoding:"))
+    print(told)
+    assert (f"{spec['num_spec_steps']} of its steps verified {spec['num_draft_tokens']} drafts "
+            f"and kept {spec['num_accepted_tokens']}") in told  # fmt: skip
+    if spec["draft_acceptance_rate"] <= 0.3:
+        assert any(s.startswith("Low acceptance") for s in sentences)

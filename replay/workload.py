@@ -160,7 +160,8 @@ def synthetic_prompt(
 # files, the process layout, sockets) belongs to the machine that replays.
 REPLAYED_OPTIONS = ("dtype", "kv_cache_dtype", "quantization", "block_size",
                     "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
-                    "scheduling_policy", "seed", "warmup", "stream_interval")  # fmt: skip
+                    "scheduling_policy", "seed", "warmup", "stream_interval",
+                    "speculative_config")  # fmt: skip
 
 
 def is_server_recording(db: str, run_id: str | None = None) -> bool:
@@ -206,6 +207,16 @@ def replay_config(
             run_id = latest_run(con)
     recorded = recorded_config(db, run_id)
     config = EngineConfig(**{**recorded, **given, **fixed})
+    if config.speculative_config and "speculative_config" in given:
+        with open_db(db, timeout=10) as con:
+            row = con.execute("SELECT trace_prompts FROM runs WHERE run_id = ?",
+                              [run_id]).fetchone()  # fmt: skip
+        if row is None or row[0] != "tokens":
+            raise ValueError(
+                "--speculative-config: what speculation does depends on the text, and this "
+                f"recording kept its prompts as {row[0] if row else 'nothing'!s}, not their "
+                "token ids: record with --trace-prompts tokens to replay it with speculation"
+            )
     shown = ("model", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size",
              "max_model_len", "enable_prefix_caching", "scheduling_policy")  # fmt: skip
     cells = []
@@ -214,7 +225,8 @@ def replay_config(
         source = "flag" if name in given else "recorded" if name in recorded else "default"
         value = Path(value).name if name == "model" and value else value
         cells.append(f"{name} {'auto' if value is None else value} ({source})")
-    for name in ("dtype", "kv_cache_dtype", "quantization", "stream_interval"):
+    for name in ("dtype", "kv_cache_dtype", "quantization", "stream_interval",
+                 "speculative_config"):  # fmt: skip
         value = getattr(config, name)  # shown where not the default
         if value not in (None, "auto", 1):
             source = "flag" if name in given else "recorded" if name in recorded else "replay"

@@ -296,14 +296,19 @@ _REQUEST_OF_CORE_ID = """
 
 
 def _memberships(con: duckdb.DuckDBPyConnection, run_id: str, column: str) -> Memberships:
-    """Per step and request row: the tokens it was scheduled (``request_ids``), or the rows the
-    step preempted (``preempted_request_ids``, tokens 0); in the step's own order."""
+    """Per step and request row: the tokens it was scheduled (``request_ids``; a row verifying
+    drafts counts its one token, as the decode row it is: its drafts are its decode's cost), or
+    the rows the step preempted (``preempted_request_ids``, tokens 0); in the step's own order."""
     tokens = "unnest(num_scheduled)" if column == "request_ids" else "0"
+    drafted = "0"
+    if column == "request_ids" and "num_drafted" in _columns(con, "steps"):
+        drafted = "unnest(num_drafted)"
     cur = con.execute(
         f"""
         WITH run_requests AS (SELECT DISTINCT request_id FROM requests WHERE run_id = $run),
         step_core_ids AS (
-            SELECT step_id, unnest({column}) AS core_id, {tokens} AS tokens,
+            SELECT step_id, unnest({column}) AS core_id,
+                {tokens} - coalesce({drafted}, 0) AS tokens,
                 unnest(range(len({column}))) AS position
             FROM steps WHERE run_id = $run AND len({column}) > 0
         ),

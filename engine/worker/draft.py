@@ -52,6 +52,7 @@ class DraftProposer:
         max_model_len: int,
         block_size: int,
         kv_dtype: torch.dtype,
+        tensor_parallel: int = 1,
     ) -> None:
         from engine.worker.model_runner import ModelRunner  # it builds this proposer
 
@@ -73,7 +74,10 @@ class DraftProposer:
         # reads the target's pool, whose positions the target computed are exact, and writes
         # its drafts' KV at the positions past them, which the target's verifying pass writes
         # over. No pool of its own, no prompt to run again: it feeds each request's last token.
-        self.shared = Path(spec.model).resolve() == Path(target.path).resolve()
+        # (Under tensor parallelism the driver's pool holds its share of the heads: the draft,
+        # unsharded, keeps a pool of its own.)
+        self.shared = (Path(spec.model).resolve() == Path(target.path).resolve()
+                       and tensor_parallel == 1)  # fmt: skip
         self.known: dict[str, int] = {}  # request -> positions whose draft KV is valid
         self._step = 0
 

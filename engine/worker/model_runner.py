@@ -91,7 +91,7 @@ class ModelRunner:
         elif spec is not None:
             self.proposer = DraftProposer(spec, self.cfg, self.layout, self.device, self.dtype,
                                           self.max_model_len, self.block_size,
-                                          self.kv_dtype)  # fmt: skip
+                                          self.kv_dtype, self.shard.size)  # fmt: skip
         if self.device.type == "cpu":
             model.pack_weights()
             if self.is_driver:  # only the driver samples: no copy or timing on other ranks

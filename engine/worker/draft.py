@@ -42,20 +42,18 @@ CATCH_UP_ROWS = 4
 
 
 class DraftProposer:
-    def __init__(
-        self,
-        spec: SpeculativeConfig,
-        target: ModelConfig,
-        layout: KVLayout,
-        device: torch.device,
-        dtype: torch.dtype,
-        max_model_len: int,
-        block_size: int,
-        kv_dtype: torch.dtype,
-        tensor_parallel: int = 1,
-    ) -> None:
-        from engine.worker.model_runner import ModelRunner  # it builds this proposer
+    def __init__(self, runner: Any, shared: bool) -> None:
+        """``runner``: the draft's ModelRunner, its weights loaded (``check`` gives its config);
+        ``shared``: it reads and writes the target's KV pool (the self-draft)."""
+        self.runner = runner
+        self.shared = shared
+        self.known: dict[str, int] = {}  # request -> positions whose draft KV is valid
+        self._step = 0
 
+    @staticmethod
+    def check(spec: SpeculativeConfig, target: ModelConfig, layout: KVLayout) -> ModelConfig:
+        """The draft's config, where it can draft for ``target`` (its KV addressed by the same
+        block tables: the same layout of KV groups)."""
         assert spec.model is not None
         cfg = ModelConfig.from_path(spec.model)
         own = KVLayout.of(cfg, len(layout.windows) > 1)
@@ -66,20 +64,19 @@ class DraftProposer:
             )
         if cfg.vocab_size != target.vocab_size:
             raise ValueError("--speculative-config: the draft's vocabulary is not the target's")
-        self.runner = ModelRunner(cfg, device, dtype, max_model_len, block_size,
-                                  kv_dtype=kv_dtype, quantization=spec.quantization,
-                                  kv_layout=own)  # fmt: skip
-        self.runner.load_model()
-        # The target's own checkpoint (quantized or not): its KV has the target's shape, so it
-        # reads the target's pool, whose positions the target computed are exact, and writes
-        # its drafts' KV at the positions past them, which the target's verifying pass writes
-        # over. No pool of its own, no prompt to run again: it feeds each request's last token.
-        # (Under tensor parallelism the driver's pool holds its share of the heads: the draft,
-        # unsharded, keeps a pool of its own.)
-        self.shared = (Path(spec.model).resolve() == Path(target.path).resolve()
-                       and tensor_parallel == 1)  # fmt: skip
-        self.known: dict[str, int] = {}  # request -> positions whose draft KV is valid
-        self._step = 0
+        return cfg
+
+    @staticmethod
+    def shares_pool(spec: SpeculativeConfig, target: ModelConfig, tensor_parallel: int) -> bool:
+        """The target's own checkpoint (quantized or not): its KV has the target's shape, so it
+        reads the target's pool, whose positions the target computed are exact, and writes its
+        drafts' KV at the positions past them, which the target's verifying pass writes over.
+        No pool of its own, no prompt to run again: it feeds each request's last token. (Under
+        tensor parallelism the driver's pool holds its share of the heads: the draft, unsharded,
+        keeps a pool of its own.)"""
+        assert spec.model is not None
+        same = Path(spec.model).resolve() == Path(target.path).resolve()
+        return same and tensor_parallel == 1
 
     def block_bytes(self) -> int:
         return 0 if self.shared else self.runner.block_bytes()

@@ -89,9 +89,13 @@ class ModelRunner:
             assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec is not None:
-            self.proposer = DraftProposer(spec, self.cfg, self.layout, self.device, self.dtype,
-                                          self.max_model_len, self.block_size,
-                                          self.kv_dtype, self.shard.size)  # fmt: skip
+            draft = ModelRunner(DraftProposer.check(spec, self.cfg, self.layout), self.device,
+                                self.dtype, self.max_model_len, self.block_size,
+                                kv_dtype=self.kv_dtype, quantization=spec.quantization,
+                                kv_layout=self.layout)  # fmt: skip
+            draft.load_model()
+            shared = DraftProposer.shares_pool(spec, self.cfg, self.shard.size)
+            self.proposer = DraftProposer(draft, shared)
         if self.device.type == "cpu":
             model.pack_weights()
             if self.is_driver:  # only the driver samples: no copy or timing on other ranks

@@ -34,10 +34,25 @@ class IncrementalDetokenizer:
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.include_stop = include_stop_str_in_output
         self.text = ""
+        # Of the last update's tokens, how many the text took: fewer where a stop string ended
+        # the text before the last (several tokens a step, speculative decoding's).
+        self.num_used = 0
 
     def update(self, token_ids: list[int]) -> str | None:
-        """Add tokens to the text; returns the stop string if one matched (text is cut there)."""
+        """Add tokens to the text; returns the stop string if one matched (text is cut there,
+        and ``num_used`` says how many of the tokens it took: as one token at a time would)."""
         start = len(self.text)
+        self.num_used = len(token_ids)
+        if self.stop and len(token_ids) > 1:
+            for i, token_id in enumerate(token_ids):
+                before = len(self.text)
+                piece = self.stream.step(self.tokenizer, token_id)
+                if piece:
+                    self.text += piece
+                    if (found := self._check_stop(before)) is not None:
+                        self.num_used = i + 1
+                        return found
+            return None
         for token_id in token_ids:
             piece = self.stream.step(self.tokenizer, token_id)
             if piece:

@@ -299,10 +299,13 @@ class OutputProcessor:
                 streamed[seq.parent.request_id] = seq.parent
             if stats is not None:
                 self._count(seq.parent, out, stats)
-            seq.token_ids.extend(out.new_token_ids)
+            new_ids = out.new_token_ids
+            stop_str = seq.detokenizer.update(new_ids)
+            if (used := seq.detokenizer.num_used) < len(new_ids):  # a stop string before the last
+                new_ids = new_ids[:used]
+            seq.token_ids.extend(new_ids)
             if out.new_logprobs is not None and seq.logprobs is not None:
-                self._add_logprobs(seq, out.new_logprobs)
-            stop_str = seq.detokenizer.update(out.new_token_ids)
+                self._add_logprobs(seq, out.new_logprobs, len(new_ids))
             parent = seq.parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if stop_str is not None:
@@ -381,9 +384,10 @@ class OutputProcessor:
             stats.itls_s.append((now - parent.last_token_ns) / 1e9)
         parent.last_token_ns = now
 
-    def _add_logprobs(self, seq: _Sequence, lp: Logprobs) -> None:
+    def _add_logprobs(self, seq: _Sequence, lp: Logprobs, num: int) -> None:
+        """The first ``num`` tokens' logprobs (those the output keeps)."""
         assert seq.logprobs is not None
-        for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+        for ids, values, rank in zip(lp.token_ids[:num], lp.logprobs[:num], lp.ranks[:num]):
             entry = {}
             for j, (tid, value) in enumerate(zip(ids, values)):
                 if tid in entry:

@@ -9,7 +9,7 @@ from engine.config import EngineConfig
 from engine.core.grammar import GrammarManager
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request_queue import FCFSQueue, PriorityQueue
-from engine.messages import EngineCoreOutput
+from engine.messages import EngineCoreOutput, Logprobs
 from engine.request import Request, RequestStatus
 from engine.spec_config import SpeculativeConfig
 from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -281,11 +281,16 @@ class Scheduler:
                 # The next step verifies at most what the request may still produce, less one.
                 room = request.max_tokens - request.num_output_tokens - 1
                 request.spec_token_ids = drafts[:room]
+            logprobs = runner.logprobs.get(req_id)
+            if logprobs is not None and len(logprobs.ranks) > len(new_ids):  # ended mid-way
+                n = len(new_ids)
+                logprobs = Logprobs(logprobs.token_ids[:n], logprobs.logprobs[:n],
+                                    logprobs.ranks[:n])  # fmt: skip
             outputs.append(
                 EngineCoreOutput(
                     req_id,
                     new_ids,
-                    runner.logprobs.get(req_id),
+                    logprobs,
                     request.status.finish_reason,
                     request.stop_reason,
                     request.num_cached_tokens,

@@ -225,7 +225,11 @@ class DecodeCache:
     def plan(
         self, req_ids: list[str], starts: list[int], tables: list[list[int]]
     ) -> DecodePlan | None:
-        """Slots for this step's decode rows, or None (use the gather path) when over budget."""
+        """Slots for this step's decode rows, or None (use the gather path) when over budget.
+        The step's forward runs the plan's moves and fills (``mirror``, every layer) before the
+        next plan: a slot's ``length`` positions are then its request's, and a later plan fills
+        only past them. Rows of one request at consecutive positions (a request verifying
+        drafts) share its slot."""
         slots, moves = self._assign(req_ids, starts)
         used = max(slots) + 1
         # Attention reads positions [0, span) only; the mirror grows a chunk at a time (a

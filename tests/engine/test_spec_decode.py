@@ -78,8 +78,11 @@ def references(tiny_llm: LLM) -> dict[int, list[list[int]]]:
     return found
 
 
-@pytest.mark.parametrize("proposer", ["scripted", "self_draft", "draft_model"])
-@pytest.mark.parametrize("path", ["decode", "chunk"])
+@pytest.mark.parametrize(
+    "proposer, path",
+    [("scripted", "decode"), ("scripted", "chunk"), ("self_draft", "decode"),
+     ("draft_model", "decode")],
+)  # fmt: skip
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_greedy_output_is_the_same_with_drafts(
     setting: str, path: str, proposer: str, tiny_model_path: Path, draft_copy: Path,
@@ -145,6 +148,35 @@ def test_logprobs_and_penalties_are_the_targets_at_each_kept_token(
             assert x.keys() == y.keys()
             for t in x:
                 assert y[t].logprob == pytest.approx(x[t].logprob, abs=1e-4)
+
+
+def test_a_stop_inside_a_steps_kept_drafts_ends_the_output_where_one_token_a_step_would(
+    tiny_model_path: Path, tiny_llm: LLM
+) -> None:
+    """A stop string, a stop token and EOS-like ends met among a step's kept drafts: the same
+    text, token ids and logprobs as without drafts (the tokens after the stop are dropped)."""
+    prompts = _random_prompts(seed=7)[4:8]
+    plain = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
+    ref = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], plain, use_tqdm=False)
+    expected = [list(o.outputs[0].token_ids) for o in ref]
+    text = ref[0].outputs[0].text
+    stop_string = text[len(text) // 2 : len(text) // 2 + 3]
+    stop_token = expected[1][9]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1,
+                            stop=[stop_string], stop_token_ids=[stop_token])  # fmt: skip
+    want = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm = LLM(str(tiny_model_path), warmup=False, num_kv_blocks=256, speculative_config=NGRAM)
+    proposer = ScriptedProposer({tuple(p): e for p, e in zip(prompts, expected)})
+    proposer.rng.random = lambda: 1.0  # every draft right: stops fall inside kept drafts
+    llm.client.core.executor.runner.proposer = proposer
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.shutdown()
+    assert any(o.outputs[0].finish_reason == "stop" for o in want)
+    for a, b in zip(want, got):
+        x, y = a.outputs[0], b.outputs[0]
+        assert (y.text, list(y.token_ids), y.finish_reason) == (x.text, list(x.token_ids),
+                                                                 x.finish_reason)  # fmt: skip
+        assert len(y.logprobs) == len(x.logprobs) == len(x.token_ids)
 
 
 # -- rejection sampling, on a small vocabulary --------------------------------------------------

@@ -222,7 +222,11 @@ def test_a_longer_context_adds_a_chunk_and_moves_nothing() -> None:
     cache = DecodeCache(2, KVH, D, BS, torch.float32, torch.device("cpu"), 1 << 24, chunk=CHUNK)
     k_cache = torch.randn(BLOCKS, BS, KVH, D)
     table = list(range(10))
-    assert cache.plan(["a"], [5], [table]) is not None
+    first = cache.plan(["a"], [5], [table])
+    assert first is not None
+    # Its fills, and its row's own key at position 5, as the step's forward writes them.
+    kb, _ = first.mirror(0, k_cache, k_cache)
+    kb.write(0, 5, k_cache[table].flatten(0, 1)[5:6].transpose(0, 1))
     before = [p.data_ptr() for layer in cache.k + cache.v for p in layer.parts]
     assert cache.width == CHUNK and len(before) == 2 * 2
     plan = cache.plan(["a"], [3 * CHUNK + 1], [table])  # a context past three chunks

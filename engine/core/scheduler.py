@@ -277,8 +277,14 @@ class Scheduler:
                 if not matcher.consume_token(token_id) or matcher.is_stopped():
                     request.status = RequestStatus.FINISHED_STOPPED
                     finished = True
-            if not finished and (drafts := runner.draft_token_ids.get(req_id)):
+            if (
+                not finished
+                and request.grammar is None
+                and (drafts := runner.draft_token_ids.get(req_id))
+            ):
                 # The next step verifies at most what the request may still produce, less one.
+                # (A request under a grammar takes none: the grammar is not advanced through
+                # drafts.)
                 room = request.max_tokens - request.num_output_tokens - 1
                 request.spec_token_ids = drafts[:room]
             logprobs = runner.logprobs.get(req_id)

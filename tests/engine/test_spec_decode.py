@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,34 @@ def test_a_stop_inside_a_steps_kept_drafts_ends_the_output_where_one_token_a_ste
         assert (y.text, list(y.token_ids), y.finish_reason) == (x.text, list(x.token_ids),
                                                                  x.finish_reason)  # fmt: skip
         assert len(y.logprobs) == len(x.logprobs) == len(x.token_ids)
+
+
+def test_a_request_under_a_grammar_does_not_speculate_and_conforms(tiny_model_path: Path) -> None:
+    """Beside a request that verifies drafts, one under a regex grammar gets none (the core
+    does not advance a grammar through drafts) and its output matches the regex."""
+    from engine.sampling_params import StructuredOutputsParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 2, "disable_by_batch_size": 8}  # fmt: skip
+    llm = LLM(str(tiny_model_path), warmup=False, num_kv_blocks=256, speculative_config=spec)
+    prompts = _random_prompts(seed=3)[6:8]
+    free = _random_prompts(seed=3)[6]
+    llm.client.core.executor.runner.proposer = ScriptedProposer(
+        {tuple(p): list(range(1000, 1100)) for p in prompts}
+    )  # drafts for every row that asks: only the plain one may get them
+    regex = StructuredOutputsParams(regex="[0-9]{3,8}")
+    grammar = SamplingParams(temperature=0, max_tokens=12, structured_outputs=regex)
+    llm.step_log = []
+    both = [SamplingParams(temperature=0, max_tokens=12), grammar]
+    outs = llm.generate([{"prompt_token_ids": free}, {"prompt_token_ids": prompts[1]}], both,
+                        use_tqdm=False)  # fmt: skip
+    llm.shutdown()
+    assert re.fullmatch("[0-9]{3,8}", outs[1].outputs[0].text)
+    drafted: dict[str, int] = {}
+    for step, _ in llm.step_log:
+        for rid, d in zip(step.req_ids, step.num_drafted or [0] * len(step.req_ids)):
+            drafted[rid] = drafted.get(rid, 0) + d
+    assert drafted[outs[0].request_id] > 0 and drafted[outs[1].request_id] == 0
 
 
 # -- rejection sampling, on a small vocabulary --------------------------------------------------

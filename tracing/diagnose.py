@@ -448,11 +448,11 @@ def _ttft_parts(
 # A StepShare's parts, as each phase takes them.
 _STEP_KEYS_TTFT = (
     "own_prefill", "neighbour_prefill", "decode", "schedule", "output", "gc", "grammar_mask",
-    "sampling", "logprobs", "core_stall", "loop_lag",
+    "sampling", "logprobs", "speculation", "core_stall", "loop_lag",
 )  # fmt: skip
 _STEP_KEYS_DECODE = (
     "decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask", "sampling",
-    "logprobs", "core_stall", "loop_lag",
+    "logprobs", "speculation", "core_stall", "loop_lag",
 )  # fmt: skip
 
 

@@ -225,9 +225,21 @@ def load_requests(con: duckdb.DuckDBPyConnection, run_id: str) -> list[RequestFa
 
 def _step_rows(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, Any]]:
     have = _columns(con, "steps")
+    # Speculative decoding thrown away, inside execute: the refused drafts' share of the forward
+    # (their tokens over the step's) and of the proposer's time that made the step's drafts
+    # (their count over the drafts'). Kept drafts' cost is decode's: it bought their tokens.
+    spec = "0"
+    if "num_drafted" in have:
+        spec = """coalesce((coalesce(list_sum(s.num_drafted), 0)
+                           - coalesce(list_sum(s.num_accepted), 0))
+            * ((s.execute_end_ns - s.execute_start_ns - coalesce(s.sample_ns, 0)
+                - coalesce(s.logprobs_ns, 0) - coalesce(s.propose_ns, 0))
+               / greatest(s.num_scheduled_tokens, 1)
+               + coalesce(s.propose_ns, 0) / greatest(list_sum(s.num_drafted), 1)), 0)"""
     cur = con.execute(
         f"""
-        SELECT {_select(have, STEP_COLUMNS, "s")}, coalesce(len(s.request_ids), 0) AS num_rows
+        SELECT {_select(have, STEP_COLUMNS, "s")}, coalesce(len(s.request_ids), 0) AS num_rows,
+            ({spec})::BIGINT AS spec_ns
         FROM steps s WHERE s.run_id = ? ORDER BY s.step_id, s.schedule_start_ns
         """,
         [run_id],
@@ -258,6 +270,7 @@ def _step_facts(s: dict[str, Any]) -> StepFacts:
         grammar_mask_ns=s["grammar_mask_ns"] or 0,
         sample_ns=s["sample_ns"] or 0,
         logprobs_ns=s["logprobs_ns"] or 0,
+        spec_ns=s["spec_ns"] or 0,
         logprobs_rows=s["logprobs_rows"] or 0,
         max_logprobs=s["max_logprobs"] or 0,
     )
@@ -280,6 +293,7 @@ def _step_times(rows: list[dict[str, Any]]) -> StepTimes:
         grammar_mask_ns=col("grammar_mask_ns"),
         sample_ns=col("sample_ns"),
         logprobs_ns=col("logprobs_ns"),
+        spec_ns=col("spec_ns"),
     )
 
 

@@ -133,6 +133,9 @@ class StepFacts:
     logprobs_ns: int = 0
     logprobs_rows: int = 0
     max_logprobs: int = 0
+    # Speculative decoding's part of execute: the proposer's time and the refused drafts'
+    # share of the forward (tracing/diagnose_load.py).
+    spec_ns: int = 0
 
     @property
     def full_rows(self) -> int:
@@ -143,7 +146,8 @@ class StepFacts:
     def forward_ns(self) -> int:
         """The model's forward: execute less the sampler, logprobs and the core's GC pauses
         in the step (where in the step they fell is not recorded: the forward is most of it)."""
-        return max(self.execute_ns - self.sample_ns - self.logprobs_ns - self.gc_pause_ns, 0)
+        return max(self.execute_ns - self.sample_ns - self.logprobs_ns - self.spec_ns
+                   - self.gc_pause_ns, 0)  # fmt: skip
 
 
 @dataclass

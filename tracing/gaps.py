@@ -54,7 +54,7 @@ GAP_FACTOR = 4.0  # a gap is long at this many times its request's median gap (a
 MAX_GAPS = 20  # long gaps cut per request, longest first
 DECODE_PARTS = phase_labels("decode")  # a gap's parts are the decode phase's
 _STEP_PARTS = ("decode", "neighbour_prefill", "core_stall", "schedule", "output", "gc",
-               "grammar_mask", "sampling", "logprobs", "loop_lag")  # fmt: skip
+               "grammar_mask", "sampling", "logprobs", "speculation", "loop_lag")  # fmt: skip
 
 
 @dataclass

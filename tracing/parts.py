@@ -36,6 +36,7 @@ _MASKS = "structured outputs' token masks in the steps it shared"
 _OUTPUT = "output building and sending in the core"
 _SAMPLING = "the sampler in the steps it shared (full logits)"
 _LOGPROBS = "logprobs in the steps it shared"
+_SPECULATION = "speculative decoding: drafts the model refused"
 _EMIT = "IPC back, detokenize and emit"
 _DELIVERY = "delivery to the client (its socket accepting the bytes)"
 _UNEXPLAINED = "time between recorded boundaries that no record explains"
@@ -199,6 +200,17 @@ PARTS: tuple[Part, ...] = (
         "step waits for the rows that asked",
         "the logprobs part of its steps' execute (`steps.logprobs_ns`, for "
         "`steps.logprobs_rows` rows, at most `steps.max_logprobs` per token)",
+        "worker.execute",
+    ),
+    Part(
+        "speculation", _SPECULATION, _SPECULATION,
+        "proposing and verifying drafts the model refused, in the steps it shared",
+        "a proposer closer to the model (a draft model for open text, ngram for answers that "
+        "copy the prompt), a smaller num_speculative_tokens, or a lower disable_by_batch_size "
+        "(--speculative-config); every row of a step waits for the proposer",
+        "the refused drafts' share of its steps' forward (their tokens, `steps.num_drafted` "
+        "less `steps.num_accepted`, over the step's) and of the proposer's time "
+        "(`steps.propose_ns`, their count over the drafts'); kept drafts' cost is decode's",
         "worker.execute",
     ),
     Part(

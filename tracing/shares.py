@@ -85,6 +85,8 @@ class StepTimes:
     grammar_mask_ns: IntArray
     sample_ns: IntArray  # inside execute: the sampler, then logprobs; the rest is the forward
     logprobs_ns: IntArray
+    # Inside execute too: speculative decoding's proposer and refused drafts (diagnose_load).
+    spec_ns: IntArray
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class StepShare:
     grammar_mask: float
     sampling: float
     logprobs: float
+    speculation: float  # speculative decoding's proposer and refused drafts in its steps
     core_stall: float  # its share of its steps' forward past their time (stall_excess)
     loop_lag: float  # ... where the API process's event loop lagged meanwhile (api_taken)
     total: int  # the clipped schedule, execute and output intervals
@@ -160,7 +163,8 @@ class InFlight:
 
     def __init__(self, steps: StepTimes, weights: StepWeights) -> None:
         busy = (steps.prefill_tokens + steps.decode_tokens) > 0
-        sampler = steps.sample_ns + steps.logprobs_ns  # named on their own, not an outlier
+        # Named on their own, not an outlier: the sampler, logprobs, speculation.
+        sampler = steps.sample_ns + steps.logprobs_ns + steps.spec_ns
         executed = np.maximum(steps.execute_end_ns - steps.execute_start_ns - sampler, 0)
         if weights.fitted:
             expected = weights.a + weights.b * steps.prefill_tokens + weights.c * steps.rows
@@ -239,7 +243,7 @@ def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> 
         return np.zeros(len(steps.step_id))
     gc = _gc_inside(steps, core_gc)[1]
     forward = (steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns
-               - steps.logprobs_ns - gc)  # fmt: skip
+               - steps.logprobs_ns - steps.spec_ns - gc)  # fmt: skip
     prefill = weights.b * steps.prefill_tokens
     expected = weights.a + prefill + weights.c * steps.rows + weights.full_extra(full_rows(steps))
     factor = np.where(prefill >= MIN_CAUSE_NS, OUTLIER_FACTOR * PREFILL_SLACK, OUTLIER_FACTOR)
@@ -255,7 +259,8 @@ def api_taken(steps: StepTimes, excess: FloatArray, api: Pauses) -> FloatArray:
     client, the API process and the core share the machine's cores), split between the two by
     their time in it. The rule slow_steps names such a step's cause by."""
     out: FloatArray = np.zeros((2, len(steps.step_id)))
-    forward = steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns - steps.logprobs_ns
+    forward = (steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns
+               - steps.logprobs_ns - steps.spec_ns)  # fmt: skip
     for i in np.flatnonzero(excess > 0):
         a, b = int(steps.execute_start_ns[i]), int(steps.execute_end_ns[i])
         gc, lag = api.gc.within(a, b), api.lag.within(a, b)
@@ -291,7 +296,8 @@ def stall_spans(
 ) -> list[tuple[int, int]]:
     """Each stalled step's forward past its expected time, and (``phases``, phase_stalls) its
     schedule and output phases past their median, as instants (each at its phase's end)."""
-    forward = steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns - steps.logprobs_ns
+    forward = (steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns
+               - steps.logprobs_ns - steps.spec_ns)  # fmt: skip
     past = steps.execute_start_ns + (forward * (1.0 - excess)).astype(np.int64)
     ended = steps.execute_start_ns + forward
     spans = [(int(x), int(y)) for x, y, k in zip(past, ended, excess > 0) if k]
@@ -399,7 +405,11 @@ def member_shares(
     logprobs = np.minimum(
         net_all * np.minimum(steps.logprobs_ns[s] / full, 1.0), net_all - sampling
     )
-    net = net_all - sampling - logprobs
+    # Speculative decoding's proposer and refused drafts (diagnose_load's spec_ns): every row's.
+    speculation = np.minimum(
+        net_all * np.minimum(steps.spec_ns[s] / full, 1.0), net_all - sampling - logprobs
+    )
+    net = net_all - sampling - logprobs - speculation
     # A step on the full logits: what they cost its forward over the greedy head, every row's.
     extra = weights.full_extra(full_rows(steps)[s])
     head = net * np.minimum(extra / (cost + extra), 1.0)
@@ -434,6 +444,7 @@ def member_shares(
         "grammar_mask": np.minimum(gram, sched - gs),
         "sampling": sampling,
         "logprobs": logprobs,
+        "speculation": speculation,
         "core_stall": stall,
         "loop_lag": api_lag,
     }

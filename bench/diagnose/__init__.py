@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from bench.common import check_json_path, machine, write_json
-from bench.diagnose.scenarios import CAUSES, PROFILES, Group, Run, make_group
+from bench.diagnose.scenarios import CAUSES, PROFILES, RANDOM_DRAFT, Group, Run, make_group
 
 DEFAULT_MODELS = "tiny:3,smollm2:1,gemma3:1"
 MODEL_NAMES = {"smollm2": None, "gemma3": "gemma-3-270m"}  # for resolve_model
@@ -130,12 +130,20 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else tmp
     out.mkdir(parents=True, exist_ok=True)
     paths = _models(sorted({m for _, m, _ in groups}), tmp)
+    draft = tmp / "random-draft"
+    if any("speculation" in causes for _, _, causes in groups):
+        from bench.tiny_model import build_tiny_llama
+        from engine.model_files import resolve_model
+
+        build_tiny_llama(draft, resolve_model(None), seed=1)
     matrix = Matrix()
     started = time.monotonic()
     details: list[dict[str, Any]] = []
     try:
         for n, (seed, model, causes) in enumerate(groups, 1):
             group = make_group(seed, model, causes)
+            for r in group.primitives:  # the speculation primitive's draft, where it is
+                r.flags = [f.replace(RANDOM_DRAFT, str(draft)) for f in r.flags]
             where = f"seed={seed} model={model} causes={','.join(causes)}"
             print(f"[{n}/{len(groups)}] group {seed}:{model}:{','.join(causes)} "
                   f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip

@@ -12,6 +12,7 @@ group's seed, so a group is replayed exactly (the same requests, flags and momen
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,8 +24,11 @@ from bench.diagnose.client import Ask
 # The causes a primitive provokes, in the order the matrix lists them.
 CAUSES = (
     "prefill", "max_num_seqs", "kv_blocks", "token_budget", "api_cpu", "grammar", "logprobs",
-    "penalties", "slow_reader", "cancel", "crash", "hang", "gc", "imbalance",
+    "penalties", "slow_reader", "cancel", "crash", "hang", "gc", "imbalance", "speculation",
 )  # fmt: skip
+# The speculation primitive's draft: a random model of SmolLM2's tokenizer (the tiny model's
+# shape, another seed), its folder put in place of this by the bench (diagnose._models).
+RANDOM_DRAFT = "@random-draft"
 
 
 @dataclass(frozen=True)
@@ -283,10 +287,25 @@ def _imbalance(rng: np.random.Generator, p: Profile, asks: list[Ask], d: float) 
                magnitude={"prefix_affinity": bound})  # fmt: skip
 
 
+def _speculation(rng: np.random.Generator, p: Profile, asks: list[Ask], d: float) -> Run:
+    # Drafts the model refuses: a random draft model where the model has SmolLM2's tokenizer,
+    # prompt lookup of one token on Gemma 3 (the base prompts are random token ids). Every step
+    # may speculate (disable_by_batch_size over the load's streams).
+    k = int(rng.integers(3, 9))
+    if p.name == "gemma3":
+        spec: dict[str, Any] = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    else:
+        spec = {"method": "draft_model", "model": RANDOM_DRAFT}
+    spec |= {"num_speculative_tokens": k, "disable_by_batch_size": 64}
+    return Run("speculation", asks, ["--speculative-config", json.dumps(spec)],
+               magnitude={"method": spec["method"], "k": k})  # fmt: skip
+
+
 PRIMITIVES: dict[str, Callable[[np.random.Generator, Profile, list[Ask], float], Run]] = {
     "prefill": _prefill, "max_num_seqs": _max_num_seqs, "kv_blocks": _kv_blocks,
     "token_budget": _token_budget, "api_cpu": _api_cpu, "grammar": _grammar,
     "logprobs": _logprobs, "penalties": _penalties, "slow_reader": _slow_reader,
     "cancel": _cancel, "crash": _crash, "hang": _hang, "gc": _gc, "imbalance": _imbalance,
+    "speculation": _speculation,
 }  # fmt: skip
 assert tuple(PRIMITIVES) == CAUSES

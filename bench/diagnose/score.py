@@ -68,6 +68,7 @@ PART_CAUSE = {
     "grammar_mask": "grammar", "grammar_compile": "grammar", "logprobs": "logprobs",
     "delivery": "slow_reader", "gc": "gc", "crash": "crash", "hang": "hang",
     "client": "cancel", "core_stall": "hang", "imbalance": "imbalance",
+    "speculation": "speculation",
 }  # fmt: skip
 EXPECTED = {"own_prefill", "decode", "step_in_flight"}
 REFUSED = "invalid_request_error"  # a request the server refused (400): the generator's error

@@ -51,20 +51,23 @@ class DraftProposer:
         self._step = 0
 
     @staticmethod
-    def check(spec: SpeculativeConfig, target: ModelConfig, layout: KVLayout) -> ModelConfig:
-        """The draft's config, where it can draft for ``target`` (its KV addressed by the same
-        block tables: the same layout of KV groups)."""
+    def check(
+        spec: SpeculativeConfig, target: ModelConfig, layout: KVLayout
+    ) -> tuple[ModelConfig, KVLayout]:
+        """The draft's config and KV layout, where it can draft for ``target``: its KV is
+        addressed by the target's block tables, so it has the same KV groups (their windows),
+        whatever its depth."""
         assert spec.model is not None
         cfg = ModelConfig.from_path(spec.model)
         own = KVLayout.of(cfg, len(layout.windows) > 1)
-        if own.windows != layout.windows or own.layer_group != layout.layer_group:
+        if own.windows != layout.windows:
             raise ValueError(
                 f"--speculative-config: the draft's KV layout (sliding windows {own.windows}) is "
                 f"not the target's ({layout.windows}): its KV shares the target's block tables"
             )
         if cfg.vocab_size != target.vocab_size:
             raise ValueError("--speculative-config: the draft's vocabulary is not the target's")
-        return cfg
+        return cfg, own
 
     @staticmethod
     def shares_pool(spec: SpeculativeConfig, target: ModelConfig, tensor_parallel: int) -> bool:

@@ -89,10 +89,10 @@ class ModelRunner:
             assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec is not None:
-            draft = ModelRunner(DraftProposer.check(spec, self.cfg, self.layout), self.device,
-                                self.dtype, self.max_model_len, self.block_size,
-                                kv_dtype=self.kv_dtype, quantization=spec.quantization,
-                                kv_layout=self.layout)  # fmt: skip
+            cfg, layout = DraftProposer.check(spec, self.cfg, self.layout)
+            draft = ModelRunner(cfg, self.device, self.dtype, self.max_model_len,
+                                self.block_size, kv_dtype=self.kv_dtype,
+                                quantization=spec.quantization, kv_layout=layout)  # fmt: skip
             draft.load_model()
             shared = DraftProposer.shares_pool(spec, self.cfg, self.shard.size)
             self.proposer = DraftProposer(draft, shared)

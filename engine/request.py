@@ -56,6 +56,8 @@ class Request:
         "received_ns",
         "request_id",
         "sampling_params",
+        "spec_pause",
+        "spec_rate",
         "spec_token_ids",
         "status",
         "stop_reason",
@@ -94,6 +96,11 @@ class Request:
         # Drafts the worker proposed after the last step, verified in the next
         # (--speculative-config).
         self.spec_token_ids: list[int] = []
+        # The share of its drafts the model kept, averaged over its verifying steps (each
+        # halving the weight of the ones before), and the steps it still sits out after that
+        # share fell under the scheduler's bar (engine/core/scheduler.py SPEC_MIN_RATE).
+        self.spec_rate = 1.0
+        self.spec_pause = 0
 
     @classmethod
     def from_wire(cls, req: EngineCoreRequest, max_model_len: int) -> Request:

@@ -16,6 +16,11 @@ from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerO
 
 logger = logging.getLogger(__name__)
 FREED_FINISH, FREED_ABORT, FREED_PREEMPT = 0, 1, 2
+# Speculative decoding's rule per request: one whose drafts the model keeps under SPEC_MIN_RATE
+# (averaged over its verifying steps, each halving the weight of those before) proposes none for
+# SPEC_PAUSE_STEPS steps, then tries again from SPEC_RETRY_RATE. Refused drafts cost their
+# share of the verifying pass and of the proposer: a proposer that misses wastes them each step.
+SPEC_MIN_RATE, SPEC_PAUSE_STEPS, SPEC_RETRY_RATE = 0.2, 16, 0.5
 
 
 class Scheduler:
@@ -176,6 +181,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.spec_pause and out.num_spec_tokens:
+                out.spec_paused.append(request.request_id)  # the driver proposes none for it
             drafts = request.spec_token_ids
             if drafts:
                 request.spec_token_ids = []
@@ -262,6 +269,9 @@ class Scheduler:
                 # writes over it.
                 more = kept.get(req_id, ())
                 request.num_computed_tokens -= len(spec[req_id]) - len(more)
+                request.spec_rate = (request.spec_rate + len(more) / len(spec[req_id])) / 2
+                if request.spec_rate < SPEC_MIN_RATE:
+                    request.spec_pause, request.spec_rate = SPEC_PAUSE_STEPS, SPEC_RETRY_RATE
                 finished = request.check_stop(token_id)
                 for token in more:
                     if finished:
@@ -277,7 +287,9 @@ class Scheduler:
                 if not matcher.consume_token(token_id) or matcher.is_stopped():
                     request.status = RequestStatus.FINISHED_STOPPED
                     finished = True
-            if (
+            if request.spec_pause and sched.num_spec_tokens:
+                request.spec_pause -= 1  # a step sat out
+            elif (
                 not finished
                 and request.grammar is None
                 and (drafts := runner.draft_token_ids.get(req_id))

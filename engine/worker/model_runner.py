@@ -237,8 +237,12 @@ class ModelRunner:
             out = self._sample(sched, inputs.sample_req_ids, hidden)
         if self.proposer is not None and sched.num_spec_tokens:
             start = time.perf_counter_ns()
+            req_ids = out.req_ids
+            if sched.spec_paused:
+                paused = set(sched.spec_paused)
+                req_ids = [r for r in req_ids if r not in paused]
             out.draft_token_ids = self.proposer.propose(
-                out.req_ids, self.rows, sched.num_spec_tokens, sched
+                req_ids, self.rows, sched.num_spec_tokens, sched
             )
             out.propose_ns = time.perf_counter_ns() - start
         return out

@@ -458,3 +458,30 @@ def test_random_workloads_run_to_completion(w: Workload) -> None:
     last = sched.schedule()
     assert last.req_ids == []
     assert reported_finished | set(last.finished_req_ids) == ever_scheduled
+
+
+def test_a_request_whose_drafts_are_refused_sits_out_speculation_then_tries_again() -> None:
+    """Drafts scheduled after the last token, refused (kept share averaged, each step halving
+    the weight of those before): under SPEC_MIN_RATE the request proposes none for
+    SPEC_PAUSE_STEPS steps, then verifies drafts again."""
+    from engine.core.scheduler import SPEC_PAUSE_STEPS
+    from engine.spec_config import parse
+
+    sched = make_scheduler(block_size=4)
+    sched.speculative = parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    sched.spec_max_rows = 4
+    r = make_request(8, max_tokens=200, request_id="a")
+    sched.add_request(r)
+    verified = []
+    for _ in range(40):
+        out = sched.schedule()
+        verified.append(len(out.spec_token_ids.get("a", ())))
+        assert ("a" in out.spec_paused) == (r.spec_pause > 0)
+        runner = ModelRunnerOutput(["a"], [7], draft_token_ids={"a": [1, 2, 3]})  # never kept
+        sched.update_from_output(out, runner)
+        assert r.num_computed_tokens == r.num_tokens - 1  # refused drafts rewound
+    print(f"drafts verified per step: {verified}")
+    first = verified.index(0, 1)  # the first step after prefill has none yet
+    assert verified[1:first] == [3] * (first - 1) and first <= 5
+    assert verified[first : first + SPEC_PAUSE_STEPS] == [0] * SPEC_PAUSE_STEPS
+    assert verified[first + SPEC_PAUSE_STEPS + 1] == 3  # tried again

@@ -322,3 +322,36 @@ def test_vllms_ngram_defaults() -> None:
     assert c is not None and (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
     c = parse('{"method": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 3}')
     assert c is not None and (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 3, 3)
+
+
+@pytest.mark.e2e
+def test_smollm2_speaks_the_same_with_each_proposer(default_model_path: Path) -> None:
+    """SmolLM2 fp32, greedy, a copy-heavy and an open prompt, alone and batched: the same tokens
+    without drafts, with prompt lookup and with its own weights in int4 drafting."""
+    from bench.spec import TASKS
+
+    path = str(default_model_path)
+    messages = [[{"role": "user", "content": TASKS[t]}] for t in ("copy", "story")]
+    params = SamplingParams(temperature=0, max_tokens=96)
+    off = LLM(path, num_kv_blocks=128)
+    want = [list(o.outputs[0].token_ids) for o in off.chat(messages, params, use_tqdm=False)]
+    alone = [list(off.chat([m], params, use_tqdm=False)[0].outputs[0].token_ids) for m in messages]
+    off.shutdown()
+    assert alone == want
+    for spec in (
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+         "prompt_lookup_max": 5},
+        {"method": "draft_model", "model": path, "quantization": "int4",
+         "num_speculative_tokens": 4},
+    ):  # fmt: skip
+        llm = LLM(path, num_kv_blocks=128, speculative_config=spec)
+        llm.step_log = []
+        got = [list(o.outputs[0].token_ids) for o in llm.chat(messages, params, use_tqdm=False)]
+        one = [list(llm.chat([m], params, use_tqdm=False)[0].outputs[0].token_ids)
+               for m in messages]  # fmt: skip
+        drafted = sum(sum(s.num_drafted) for s, _ in llm.step_log)
+        kept = sum(sum(s.num_accepted) for s, _ in llm.step_log)
+        llm.shutdown()
+        print(f"{spec['method']}: {drafted} drafts verified, {kept} kept")
+        assert got == want and one == want
+        assert kept > 0

@@ -188,11 +188,12 @@ class StepRecord(msgspec.Struct, array_like=True, gc=False):
     # Speculative decoding, per req_ids row ([] in a step where no row verified drafts): the
     # drafts it verified and how many of them the target kept (the row's output tokens are
     # the kept ones and one more); the proposer's time for the next step's drafts (inside
-    # execute); and whether the rule let rows propose this step (0: it did not).
+    # execute); and the drafts the rule let a request propose this step (0: none, by the
+    # batch-size rule; -1: no speculative decoding).
     num_drafted: list[int] = msgspec.field(default_factory=list)
     num_accepted: list[int] = msgspec.field(default_factory=list)
     propose_ns: int = 0
-    num_spec_tokens: int = 0
+    num_spec_tokens: int = -1
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

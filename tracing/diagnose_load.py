@@ -174,6 +174,7 @@ STEP_COLUMNS = [
     "logprobs_ns",
     "logprobs_rows",
     "max_logprobs",
+    "spec_tokens",
 ]
 
 
@@ -228,8 +229,10 @@ def _step_rows(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, An
     # Speculative decoding thrown away, inside execute: the refused drafts' share of the forward
     # (their tokens over the step's) and of the proposer's time that made the step's drafts
     # (their count over the drafts'). Kept drafts' cost is decode's: it bought their tokens.
-    spec = "0"
+    spec, drafts = "0", "0 AS drafted, 0 AS kept"
     if "num_drafted" in have:
+        drafts = ("coalesce(list_sum(s.num_drafted), 0) AS drafted, "
+                  "coalesce(list_sum(s.num_accepted), 0) AS kept")  # fmt: skip
         spec = """coalesce((coalesce(list_sum(s.num_drafted), 0)
                            - coalesce(list_sum(s.num_accepted), 0))
             * ((s.execute_end_ns - s.execute_start_ns - coalesce(s.sample_ns, 0)
@@ -239,7 +242,7 @@ def _step_rows(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, An
     cur = con.execute(
         f"""
         SELECT {_select(have, STEP_COLUMNS, "s")}, coalesce(len(s.request_ids), 0) AS num_rows,
-            ({spec})::BIGINT AS spec_ns
+            ({spec})::BIGINT AS spec_ns, {drafts}
         FROM steps s WHERE s.run_id = ? ORDER BY s.step_id, s.schedule_start_ns
         """,
         [run_id],
@@ -271,6 +274,9 @@ def _step_facts(s: dict[str, Any]) -> StepFacts:
         sample_ns=s["sample_ns"] or 0,
         logprobs_ns=s["logprobs_ns"] or 0,
         spec_ns=s["spec_ns"] or 0,
+        drafted=s["drafted"] or 0,
+        kept=s["kept"] or 0,
+        spec_tokens=-1 if s["spec_tokens"] is None else s["spec_tokens"],
         logprobs_rows=s["logprobs_rows"] or 0,
         max_logprobs=s["max_logprobs"] or 0,
     )

@@ -136,6 +136,9 @@ class StepFacts:
     # Speculative decoding's part of execute: the proposer's time and the refused drafts'
     # share of the forward (tracing/diagnose_load.py).
     spec_ns: int = 0
+    drafted: int = 0  # drafts its rows verified, and of them kept
+    kept: int = 0
+    spec_tokens: int = -1  # drafts a request could propose in it (0: the rule let none; -1: off)
 
     @property
     def full_rows(self) -> int:

@@ -228,7 +228,12 @@ STEP_ROWS: list[Row] = [
         "thrown away, never output",
     ),
     ("propose_ns", "BIGINT", "the proposer's time for the next step's drafts (inside execute)"),
-    ("spec_tokens", "INTEGER", "drafts a request could propose this step (0: the rule said none)"),
+    (
+        "spec_tokens",
+        "INTEGER",
+        "drafts a request could propose this step (0: the batch-size rule let none; null: no "
+        "speculative decoding)",
+    ),
 ]
 RUN_ROWS: list[Row] = [
     ("run_id", "VARCHAR", "the run: one server (or LLM) start"),

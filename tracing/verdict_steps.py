@@ -57,6 +57,7 @@ def step_findings(run: RunDiagnosis, said: list[Finding]) -> list[Finding]:
     out += _cpu(run, busy, named)
     out += _growth(busy, coef)
     out += _priced_by_prior(busy, fit)
+    out += _speculation(busy)
     out += _pauses(run)
     return out
 
@@ -236,6 +237,27 @@ def _priced_by_prior(busy: list[StepFacts], fit: StepFit | None) -> list[Finding
             f"A prefill token is priced from the warm-up ({coef[1] / 1e3:,.0f} us a token on this "
             "machine and model): the run's own prefills are too few or too short to price one."
         )
+    return [Finding("info", text, section="steps")]
+
+
+def _speculation(busy: list[StepFacts]) -> list[Finding]:
+    """Speculative decoding over the run: drafts verified and kept, and the steps the batch-size
+    rule (disable_by_batch_size) kept from proposing (information; the refused drafts' cost is
+    the speculation part's)."""
+    if not any(s.spec_tokens >= 0 for s in busy):
+        return []  # no speculative decoding
+    verifying = [s for s in busy if s.drafted]
+    drafted, kept = sum(s.drafted for s in verifying), sum(s.kept for s in verifying)
+    share = f" and kept {kept:,} ({kept / drafted:.0%})" if drafted else ""
+    text = (f"Speculative decoding: {count(len(verifying), 'step')} verified "
+            f"{drafted:,} drafts{share}." if verifying
+            else "Speculative decoding: no step verified drafts.")  # fmt: skip
+    stopped = [s for s in busy if s.spec_tokens == 0]
+    if stopped:
+        most = max(s.running for s in stopped)
+        text += (f" The batch-size rule (disable_by_batch_size) let no request propose in "
+                 f"{count(len(stopped), 'step')} of {len(busy):,}, with up to {most} "
+                 "running.")  # fmt: skip
     return [Finding("info", text, section="steps")]
 
 

@@ -270,7 +270,7 @@ class EngineCore:
             num_logprobs_rows=runner_out.num_logprobs_rows,
             max_logprobs=runner_out.max_logprobs,
             propose_ns=runner_out.propose_ns,
-            num_spec_tokens=sched.num_spec_tokens,
+            num_spec_tokens=sched.num_spec_tokens if scheduler.speculative is not None else -1,
         )
         if sched.spec_token_ids:
             spec, kept = sched.spec_token_ids, runner_out.spec_token_ids

@@ -51,6 +51,15 @@ def test_speculation_replays_as_recorded_or_as_asked(
     assert main(["run", str(plain), "--out", str(again), "--speculative-config", spec]) == 0
     assert _drafts(again)[0] > 0  # what speculation would have done to it
 
+    # The run's report says what speculation did, and when the batch-size rule stopped it.
+    assert main(["report", str(recorded)]) == 0
+    assert "Speculative decoding: " in capsys.readouterr().out
+    busy = tmp_path / "busy.db"
+    _record(tiny_model_path, busy, "tokens", {**self_draft, "disable_by_batch_size": 2})
+    assert main(["report", str(busy)]) == 0
+    said = " ".join(capsys.readouterr().out.split())  # the report wraps its lines
+    assert "The batch-size rule (disable_by_batch_size) let no request propose in" in said
+
     hashed = tmp_path / "hashed.db"
     _record(tiny_model_path, hashed, "hashes", None)
     assert main(["run", str(hashed), "--out", str(tmp_path / "x.db"),

@@ -128,6 +128,8 @@ class DraftProposer:
                                                          frozenset()))  # fmt: skip
             n_prompt = len(row.prompt_token_ids)
             end = n_prompt + len(row.output_token_ids)  # the tokens known; the last at end - 1
+            if end >= self.runner.max_model_len:
+                continue  # no position left for a draft
             start = end - 1 if self.shared else min(self.known.get(rid, 0), end - 1)
             if start < n_prompt:
                 tokens = row.prompt_token_ids[start:] + row.output_token_ids
@@ -144,7 +146,11 @@ class DraftProposer:
         for j in range(1, k):
             step = SchedulerOutput(step_id=self._next())
             for rid in out:
-                self._row(step, sched, at[rid], rid, [out[rid][-1]], last[rid] + j)
+                # A draft's position is in the context: draft j lies at last + j + 1.
+                if last[rid] + j + 1 < self.runner.max_model_len:
+                    self._row(step, sched, at[rid], rid, [out[rid][-1]], last[rid] + j)
+            if not step.req_ids:
+                break
             for rid, token in self._run(step).items():
                 out[rid].append(token)
                 self.known[rid] = last[rid] + j + 1

@@ -208,6 +208,23 @@ def test_a_request_under_a_grammar_does_not_speculate_and_conforms(tiny_model_pa
     assert drafted[outs[0].request_id] > 0 and drafted[outs[1].request_id] == 0
 
 
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_a_request_that_fills_the_context_speculates_to_its_end(
+    tiny_model_path: Path, method: str
+) -> None:
+    """No draft past max_model_len: a 50-token prompt in a 64-token context ends at its 14th
+    token (finish length), as without drafts."""
+    spec: dict[str, Any] = {"num_speculative_tokens": 5, "method": method}
+    spec |= ({"model": str(tiny_model_path), "quantization": "int8"} if method == "draft_model"
+             else {"prompt_lookup_min": 1, "prompt_lookup_max": 2})  # fmt: skip
+    llm = LLM(str(tiny_model_path), warmup=False, num_kv_blocks=64, max_model_len=64,
+              speculative_config=spec)  # fmt: skip
+    out = llm.generate([{"prompt_token_ids": list(range(100, 150))}],
+                       SamplingParams(temperature=0, max_tokens=100), use_tqdm=False)  # fmt: skip
+    llm.shutdown()
+    assert (len(out[0].outputs[0].token_ids), out[0].outputs[0].finish_reason) == (14, "length")
+
+
 # -- rejection sampling, on a small vocabulary --------------------------------------------------
 
 

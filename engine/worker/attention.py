@@ -198,3 +198,24 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, batch: int) -> torc
     # indexing (cache[block_tables]) was 4x slower on CPU.
     blocks = cache.index_select(0, block_tables.view(-1))  # [B * max_blocks, bs, KVH, D]
     return blocks.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def chunk_with_context(
+    row0: int, n: int, start: int, table: list[int],
+    masks: dict[tuple[int, ...], torch.Tensor] | None, block_size: int, dtype: torch.dtype,
+    device: torch.device,
+) -> PrefillChunk:  # fmt: skip
+    """A prefill chunk of ``n`` tokens (flat rows from ``row0``) over ``start`` cached tokens
+    in the blocks of ``table``, its causal mask from the step's ``masks`` (built once a step,
+    keyed by (start, n)); None: no mask (a window's replaces it)."""
+    ctx = start + n
+    num_blocks = -(-ctx // block_size)
+    mask = None
+    if masks is not None:
+        mask = masks.get((start, n))
+        if mask is None:
+            q_pos = torch.arange(start, ctx, device=device).unsqueeze(1)
+            visible = torch.arange(ctx, device=device).unsqueeze(0) <= q_pos
+            mask = masks[(start, n)] = additive_mask(visible, dtype)
+    block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=device)
+    return PrefillChunk(row0, row0 + n, start, block_table, mask)

@@ -3,18 +3,24 @@
 from __future__ import annotations
 
 import time
-from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from engine import envs
-from engine.config import GiB
 from engine.kv_layout import KVLayout
+from engine.messages import Logprobs
 from engine.model_config import ModelConfig
 from engine.spec_config import SpeculativeConfig
 from engine.worker import cpu_threads, heap, kv_quant, spec_decode
-from engine.worker.attention import AttentionMetadata, PrefillChunk, additive_mask, windowed
+from engine.worker.allocation import check_fits_in_memory, materialize, zeros
+from engine.worker.attention import (
+    AttentionMetadata,
+    PrefillChunk,
+    additive_mask,
+    chunk_with_context,
+    windowed,
+)
 from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.decode_cache import DecodeCache
 from engine.worker.draft import DraftProposer
@@ -125,12 +131,12 @@ class ModelRunner:
             self.kv_caches = shared
         else:
             if self.device.type == "cpu":
-                _check_fits_in_memory(num_blocks * self.block_bytes() * self.shard.size)
+                check_fits_in_memory(num_blocks * self.block_bytes() * self.shard.size)
             # Zeroed: padded reads are masked, but a masked NaN would still poison P @ V. One
             # pair per place in a KV group: layer l uses its group's blocks of pair
             # layer_slot[l].
             pairs = [
-                (_zeros(shape, stored, self.device), _zeros(shape, stored, self.device))
+                (zeros(shape, stored, self.device), zeros(shape, stored, self.device))
                 for _ in range(self.layout.group_size)
             ]
             self.kv_caches = [pairs[j] for j in self.layout.layer_slot]
@@ -259,22 +265,11 @@ class ModelRunner:
             for row, token in zip(rows, sampled):
                 row.output_token_ids.append(token)
             return ModelRunnerOutput(sample_req_ids, sampled)
-        grammar = None
-        if sched.grammar_req_ids:
-            grammar = (sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask)
+        grammar = _grammar(sched, sample_req_ids)
         sampled, logprobs = self.sampler(self.model.logits(hidden), rows, grammar)
         for row, token in zip(rows, sampled):
             row.output_token_ids.append(token)
-        asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        return ModelRunnerOutput(
-            sample_req_ids,
-            sampled,
-            {r: lp for r, lp in zip(sample_req_ids, logprobs) if lp is not None},
-            sample_ns=self.sampler.sample_ns,
-            logprobs_ns=self.sampler.logprobs_ns,
-            num_logprobs_rows=len(asked),
-            max_logprobs=max(asked, default=0),
-        )
+        return self._output(sample_req_ids, rows, sampled, logprobs)
 
     def _verify(
         self, sched: SchedulerOutput, sample_req_ids: list[str], hidden: torch.Tensor
@@ -284,29 +279,30 @@ class ModelRunner:
         assert self.model is not None
         rows = [self.rows[r] for r in sample_req_ids]
         drafts = [sched.spec_token_ids.get(r, []) for r in sample_req_ids]
-        if not sched.grammar_req_ids and plain_greedy(rows):
-            targets = self.model.greedy_tokens(hidden).tolist()
-            tokens, logprobs = spec_decode.greedy(targets, drafts), None
-            self.sampler.sample_ns = self.sampler.logprobs_ns = 0
-        else:
-            grammar = None
-            if sched.grammar_req_ids:
-                grammar = (sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask)
-            tokens, logprobs = spec_decode.verify(
-                self.sampler, self.model.logits(hidden), rows, drafts, grammar
-            )
+        tokens, logprobs = spec_decode.kept_tokens(
+            self.model, self.sampler, hidden, rows, drafts, _grammar(sched, sample_req_ids)
+        )
         for row, new in zip(rows, tokens):
             row.output_token_ids.extend(new)
+        out = self._output(sample_req_ids, rows, [new[0] for new in tokens], logprobs)
+        out.spec_token_ids = {r: new[1:] for r, new in zip(sample_req_ids, tokens) if len(new) > 1}
+        return out
+
+    def _output(
+        self, req_ids: list[str], rows: list[SamplingRow], first: list[int],
+        logprobs: list[Logprobs | None],
+    ) -> ModelRunnerOutput:  # fmt: skip
+        """What the sampler's path returns: the rows' first new tokens, their logprobs, and
+        the sampler's share of the step."""
         asked = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         return ModelRunnerOutput(
-            sample_req_ids,
-            [new[0] for new in tokens],
-            {r: lp for r, lp in zip(sample_req_ids, logprobs or ()) if lp is not None},
+            req_ids,
+            first,
+            {r: lp for r, lp in zip(req_ids, logprobs) if lp is not None},
             sample_ns=self.sampler.sample_ns,
             logprobs_ns=self.sampler.logprobs_ns,
             num_logprobs_rows=len(asked),
             max_logprobs=max(asked, default=0),
-            spec_token_ids={r: new[1:] for r, new in zip(sample_req_ids, tokens) if len(new) > 1},
         )
 
     def _add_request(self, new: NewRequestData) -> None:
@@ -420,8 +416,10 @@ class ModelRunner:
                 # A chunk past its group's own window gets the window's mask below: no
                 # whole-context mask for it (at 8K context, 64 MB a 2,048-token chunk).
                 whole = not own or start + n <= own
-                prefills.append(self._chunk_with_context(
-                    row0, n, start, tables[i], rows.masks if whole else None))  # fmt: skip
+                prefills.append(chunk_with_context(
+                    row0, n, start, tables[i], rows.masks if whole else None, bs, self.dtype,
+                    dev,
+                ))  # fmt: skip
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
             num_decodes=len(decode_tables),
@@ -455,24 +453,14 @@ class ModelRunner:
             meta.local = local
         return meta
 
-    def _chunk_with_context(
-        self, row0: int, n: int, start: int, table: list[int],
-        masks: dict[tuple[int, ...], torch.Tensor] | None,
-    ) -> PrefillChunk:  # fmt: skip
-        """A prefill chunk over ``start`` cached tokens, its causal mask from the step's
-        ``masks`` (built once a step); None: no mask (a window's replaces it)."""
-        ctx = start + n
-        num_blocks = -(-ctx // self.block_size)
-        dev = self.device
-        mask = None
-        if masks is not None:
-            mask = masks.get((start, n))
-            if mask is None:
-                q_pos = torch.arange(start, ctx, device=dev).unsqueeze(1)
-                visible = torch.arange(ctx, device=dev).unsqueeze(0) <= q_pos
-                mask = masks[(start, n)] = additive_mask(visible, self.dtype)
-        block_table = torch.tensor(table[:num_blocks], dtype=torch.long, device=dev)
-        return PrefillChunk(row0, row0 + n, start, block_table, mask)
+
+def _grammar(
+    sched: SchedulerOutput, sample_req_ids: list[str]
+) -> tuple[list[str], list[str], bytes] | None:
+    """The sampler's grammar argument: the rows, those under a grammar and their masks."""
+    if not sched.grammar_req_ids:
+        return None
+    return sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask
 
 
 class _Rows:
@@ -510,61 +498,3 @@ class _StepInputs:
         self.meta = meta
         self.logits_indices = logits_indices
         self.sample_req_ids = sample_req_ids
-
-
-M = TypeVar("M", bound=torch.nn.Module)
-
-
-def materialize(model: M, device: torch.device, dtype: torch.dtype) -> M:
-    """``model.to_empty(device=device).to(dtype)`` for a model built on the meta device,
-    without torch's Python decompositions: ``empty_like`` of a meta tensor runs them, and
-    their first use imports sympy (0.8 s of every engine start on 2 cores). Floating-point
-    parameters and buffers take ``dtype``, the others keep theirs; a tensor two modules
-    share stays shared."""
-    fresh: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        tables: tuple[dict[str, Any], ...] = (module._parameters, module._buffers)
-        for table in tables:
-            for name, old in table.items():
-                if old is None:
-                    continue
-                if id(old) not in fresh:
-                    kind = dtype if old.is_floating_point() else old.dtype
-                    new = torch.empty(old.shape, dtype=kind, device=device)
-                    if isinstance(old, torch.nn.Parameter):
-                        new = torch.nn.Parameter(new, requires_grad=old.requires_grad)
-                    fresh[id(old)] = new
-                table[name] = fresh[id(old)]
-    return model
-
-
-ALIGN = 64  # bytes: the KV pool's start, as torch's own allocations are aligned
-
-
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed KV tensor. On CPU, from calloc (numpy's zeros): the kernel maps zero pages and
-    fills each on its first write, so the default 4 GiB pool costs neither start-up time
-    (torch.zeros wrote every byte: 1.3-2.1 s on 2 cores) nor memory until it is used. A page's
-    first write costs about 0.35 ms per MB more, once: 2 ms of a 128-token SmolLM2 prefill."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    raw = np.zeros(nbytes + ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(shape)
-
-
-def _check_fits_in_memory(nbytes: int) -> None:
-    """Refuse a KV pool larger than the memory available now (Linux's MemAvailable): its pages
-    are taken as it fills, and a pool that cannot fit would end the engine mid-serving."""
-    try:
-        with open("/proc/meminfo") as f:
-            line = next(ln for ln in f if ln.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return  # not Linux: nothing to check against
-    available = int(line.split()[1]) * 1024
-    if nbytes > available:
-        raise ValueError(
-            f"the KV cache needs {nbytes / GiB:.1f} GiB, more than the {available / GiB:.1f} GiB "
-            "of memory available: lower --kv-cache-memory-bytes or --num-kv-blocks"
-        )

@@ -21,11 +21,18 @@ the target's, at the positions of the tokens kept.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
 from engine.messages import Logprobs
-from engine.worker.sampler import Sampler, SamplingRow, _top_k_top_p_min_p, argmax
+from engine.worker.sampler import (
+    Sampler,
+    SamplingRow,
+    _top_k_top_p_min_p,
+    argmax,
+    plain_greedy,
+)
 
 
 def greedy(targets: list[int], drafts: list[list[int]]) -> list[list[int]]:
@@ -40,6 +47,23 @@ def greedy(targets: list[int], drafts: list[list[int]]) -> list[list[int]]:
         out.append(t[: kept + 1])
         at += len(d) + 1
     return out
+
+
+def kept_tokens(
+    model: Any,
+    sampler: Sampler,
+    hidden: torch.Tensor,
+    rows: list[SamplingRow],
+    drafts: list[list[int]],
+    grammar: tuple[list[str], list[str], bytes] | None,
+) -> tuple[list[list[int]], list[Logprobs | None]]:
+    """Each row's kept tokens and logprobs, from the model's final hidden states at every
+    position the rows sample (``len(d) + 1`` a row): plain greedy rows through the model's
+    greedy head (no logits), the others through ``verify``."""
+    if grammar is None and plain_greedy(rows):
+        sampler.sample_ns = sampler.logprobs_ns = 0
+        return greedy(model.greedy_tokens(hidden).tolist(), drafts), [None] * len(rows)
+    return verify(sampler, model.logits(hidden), rows, drafts, grammar)
 
 
 def verify(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker.model_runner import materialize
+from engine.worker.allocation import materialize
 
 
 def test_storage_is_real_typed_and_still_shared() -> None:

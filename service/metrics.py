@@ -7,7 +7,6 @@ scrape.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -16,12 +15,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from engine.kv_layout import kv_capacity
 from engine.messages import EngineStats
 from engine.stats import IterationStats
+from service.engine_metrics import EngineMetrics, Twin, observe_all
 from tracing.spans import BOUNDARIES
 
 if TYPE_CHECKING:
     from tracing.recorder import TracerStats
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
 REJECT_REASONS = ("queue_full", "queue_timeout", "engine_dead", "engine_restarting",
                   "shutting_down")  # fmt: skip
 # The server's lifecycle (service/lifecycle.py): lumen:engine_state is 1 for the current one.
@@ -85,8 +84,8 @@ class ServerMetrics:
         # The gauges of each engine's state (label ``engine``: its data-parallel rank) that a
         # router reads (llm-d's scheduler, the Gateway API Inference Extension's endpoint
         # picker), also under vLLM's own names and labels, set together with Lumen's.
-        def for_routers(name: str, doc: str) -> _Twin:
-            return _Twin(
+        def for_routers(name: str, doc: str) -> Twin:
+            return Twin(
                 Gauge(f"lumen:{name}", doc, [*m, "engine"], registry=r),
                 Gauge(f"vllm:{name}", f"{doc} vLLM's name, for routers.", [*m, "engine"],
                       registry=r),
@@ -101,7 +100,7 @@ class ServerMetrics:
         # vLLM's cache_config_info (its label names, four of its CacheConfig's fields, and the
         # engine's index), and what it holds in tokens and requests.
         info = ["block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "engine"]
-        self.cache_info = _Twin(
+        self.cache_info = Twin(
             Gauge("lumen:cache_config_info",
                   "The KV cache's configuration (labels; the value is 1).", info, registry=r),
             Gauge("vllm:cache_config_info", "The KV cache's configuration (labels; the value "
@@ -334,52 +333,7 @@ class ServerMetrics:
 
     def record(self, stats: IterationStats, engine: EngineMetrics | None = None) -> None:
         """One output batch of engine ``engine`` (None: engine 0)."""
-        e = engine or self.for_engine(0)
-        if stats.step is not None:
-            step = stats.step
-            e.num_running.set(step.num_running)
-            e.num_waiting.set(step.num_waiting)
-            if step.num_kv_blocks_total:
-                e.kv_usage.set(step.num_kv_blocks_used / step.num_kv_blocks_total)
-            if step.num_preemptions:
-                e.preemptions.inc(step.num_preemptions)
-            if step.num_prefix_query_tokens:
-                e.prefix_queries.inc(step.num_prefix_query_tokens)
-                e.prefix_hits.inc(step.num_prefix_hit_tokens)
-            for _, duration_ns, _ in step.gc_pauses:
-                e.gc_pause_core.observe(duration_ns / 1e9)
-            if step.num_grammar_rows:
-                e.grammar_mask.observe(step.grammar_mask_ns / 1e9)
-                e.grammar_rows.inc(step.num_grammar_rows)
-            if step.sample_ns:
-                e.sampler.observe(step.sample_ns / 1e9)
-            if step.logprobs_ns:
-                e.logprobs.observe(step.logprobs_ns / 1e9)
-            if step.propose_ns:
-                e.spec_propose.observe(step.propose_ns / 1e9)
-            if step.num_drafted:
-                e.count_drafts(step.num_drafted, step.num_accepted)
-        for seconds, cached in stats.grammar_compiles:
-            e.grammar_compile["true" if cached else "false"].observe(seconds)
-        if stats.num_prompt_tokens:
-            e.prompt_tokens.inc(stats.num_prompt_tokens)
-        if stats.num_generation_tokens:
-            e.generation_tokens.inc(stats.num_generation_tokens)
-        for v in stats.ttfts_s:
-            e.ttft.observe(v)
-        if stats.itls_s:
-            observe_all(e.itl, stats.itls_s)
-        for f in stats.finished:
-            e.success[f.finish_reason].inc()
-            e.e2e.observe((f.finished_ns - f.arrival_ns) / 1e9)
-            if f.first_token_ns and f.num_generation_tokens > 1:
-                e.tpot.observe(
-                    (f.finished_ns - f.first_token_ns) / 1e9 / (f.num_generation_tokens - 1)
-                )
-            if f.scheduled_ns and f.queued_ns:
-                e.queue_time.observe(max(0, f.scheduled_ns - f.queued_ns) / 1e9)
-            e.request_prompt_tokens.observe(f.num_prompt_tokens)
-            e.request_generation_tokens.observe(f.num_generation_tokens)
+        (engine or self.for_engine(0)).record(stats)
 
     def set_engine_stats(self, s: EngineStats, rank: int = 0) -> None:
         """Fresh gauges of engine ``rank`` at scrape time (the last step's go stale when idle)."""
@@ -402,106 +356,3 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def observe_all(histogram: Any, values: Sequence[float]) -> None:
-    """``histogram.observe(v)`` for each value, counted per bucket first: one increment per
-    bucket touched, not one observe (a lock and a bucket search) per value. A batch's
-    inter-token latencies are one per streamed token and mostly fall in one bucket. It reads
-    prometheus_client's Histogram internals (``_upper_bounds``, ``_buckets``, ``_sum``);
-    tests/service/test_metrics.py holds it to ``observe``."""
-    bounds = histogram._upper_bounds  # ascending, the last +Inf
-    counts: dict[int, int] = {}
-    for v in values:
-        i = bisect_left(bounds, v)  # the first bound >= v, as observe's `v <= bound`
-        counts[i] = counts.get(i, 0) + 1
-    histogram._sum.inc(sum(values))
-    for i, n in counts.items():
-        histogram._buckets[i].inc(n)
-
-
-class EngineMetrics:
-    """One engine's series (its gauges, and its children of every metric its outputs count),
-    and the stat logger its AsyncLLM reports to (``record``)."""
-
-    __slots__ = (
-        "e2e", "engine", "gc_pause_core", "generation_tokens", "grammar_compile", "grammar_mask",
-        "grammar_rows", "itl", "kv_usage", "logprobs", "metrics", "num_running", "num_waiting",
-        "preemptions", "prefix_hits", "prefix_queries", "prompt_tokens", "queue_time",
-        "request_generation_tokens", "request_prompt_tokens", "sampler", "spec_accepted_tokens",
-        "spec_draft_tokens", "spec_drafts", "spec_per_pos", "spec_propose", "success", "tpot",
-        "ttft",
-    )  # fmt: skip
-    # Each engine's children (set from ServerMetrics' families in __init__).
-    preemptions: Any
-    prefix_queries: Any
-    prefix_hits: Any
-    prompt_tokens: Any
-    generation_tokens: Any
-    ttft: Any
-    itl: Any
-    e2e: Any
-    tpot: Any
-    queue_time: Any
-    request_prompt_tokens: Any
-    request_generation_tokens: Any
-    grammar_mask: Any
-    grammar_rows: Any
-    sampler: Any
-    logprobs: Any
-    spec_drafts: Any
-    spec_draft_tokens: Any
-    spec_accepted_tokens: Any
-    spec_propose: Any
-
-    def __init__(
-        self, metrics: ServerMetrics, engine: str, running: _Twin, waiting: _Twin, usage: _Twin
-    ) -> None:
-        self.metrics, self.engine = metrics, engine
-        self.num_running, self.num_waiting, self.kv_usage = running, waiting, usage
-        model = metrics.model_name
-        for key, family in metrics._engine_families.items():
-            setattr(self, key, family.labels(model, engine))
-        self.success = {k: metrics._success.labels(model, engine, k) for k in FINISH_REASONS}
-        self.grammar_compile = {
-            k: metrics._grammar_compile.labels(model, engine, k) for k in ("false", "true")
-        }
-        self.gc_pause_core = metrics._gc_pause.labels(model, engine, "core")
-        self.spec_per_pos: list[Any] = []  # by position, grown as drafts reach it
-
-    def count_drafts(self, drafted: list[int], accepted: list[int]) -> None:
-        """One step's rows: drafts verified and kept (a row's kept drafts are its first ones)."""
-        rows = tokens = kept = 0
-        for d, a in zip(drafted, accepted):
-            if not d:
-                continue
-            rows, tokens, kept = rows + 1, tokens + d, kept + a
-            while len(self.spec_per_pos) < d:
-                position = str(len(self.spec_per_pos))
-                child = self.metrics._spec_per_pos.labels(self.metrics.model_name, self.engine,
-                                                          position)  # fmt: skip
-                self.spec_per_pos.append(child)
-            for j in range(a):
-                self.spec_per_pos[j].inc()
-        self.spec_drafts.inc(rows)
-        self.spec_draft_tokens.inc(tokens)
-        self.spec_accepted_tokens.inc(kept)
-
-    def record(self, stats: IterationStats) -> None:
-        self.metrics.record(stats, self)
-
-
-class _Twin:
-    """Two gauges set together: Lumen's, and the same figure under vLLM's name."""
-
-    __slots__ = ("lumen", "vllm")
-
-    def __init__(self, lumen: Any, vllm: Any) -> None:
-        self.lumen, self.vllm = lumen, vllm
-
-    def set(self, value: float) -> None:
-        self.lumen.set(value)
-        self.vllm.set(value)
-
-    def labels(self, *values: str) -> _Twin:
-        return _Twin(self.lumen.labels(*values), self.vllm.labels(*values))

@@ -181,8 +181,6 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if request.spec_pause and out.num_spec_tokens:
-                out.spec_paused.append(request.request_id)  # the driver proposes none for it
             drafts = request.spec_token_ids
             if drafts:
                 request.spec_token_ids = []
@@ -354,6 +352,8 @@ class Scheduler:
                     )
                 )
             out.req_ids.append(req_id)
+            if out.num_spec_tokens and (request.spec_pause or request.grammar is not None):
+                out.no_drafts.append(req_id)  # the driver proposes none for it
             drafts = out.spec_token_ids.get(req_id)
             if drafts:
                 out.token_ids.append(request.all_token_ids[start:] + drafts)

@@ -51,12 +51,10 @@ class DraftProposer:
         self._step = 0
 
     @staticmethod
-    def check(
-        spec: SpeculativeConfig, target: ModelConfig, layout: KVLayout
-    ) -> tuple[ModelConfig, KVLayout]:
-        """The draft's config and KV layout, where it can draft for ``target``: its KV is
-        addressed by the target's block tables, so it has the same KV groups (their windows),
-        whatever its depth."""
+    def check(spec: SpeculativeConfig, layout: KVLayout) -> tuple[ModelConfig, KVLayout]:
+        """The draft's config and KV layout, where it can draft for a target of ``layout``: its
+        KV is addressed by the target's block tables, so it has the same KV groups (their
+        windows), whatever its depth."""
         assert spec.model is not None
         cfg = ModelConfig.from_path(spec.model)
         own = KVLayout.of(cfg, len(layout.windows) > 1)
@@ -65,9 +63,7 @@ class DraftProposer:
                 f"--speculative-config: the draft's KV layout (sliding windows {own.windows}) is "
                 f"not the target's ({layout.windows}): its KV shares the target's block tables"
             )
-        if cfg.vocab_size != target.vocab_size:
-            raise ValueError("--speculative-config: the draft's vocabulary is not the target's")
-        return cfg, own
+        return cfg, own  # (its vocabulary and tokenizer: spec_config.check_draft, at start)
 
     @staticmethod
     def shares_pool(spec: SpeculativeConfig, target: ModelConfig, tensor_parallel: int) -> bool:
@@ -121,7 +117,7 @@ class DraftProposer:
         for rid in req_ids:
             row = rows.get(rid)
             i = at.get(rid)
-            if row is None or i is None or row.params.structured_outputs is not None:
+            if row is None or i is None:
                 continue
             if rid not in self.runner.rows:
                 first.new_requests.append(NewRequestData(rid, row.prompt_token_ids, GREEDY,

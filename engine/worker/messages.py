@@ -72,8 +72,9 @@ class SchedulerOutput:
     # driver proposes for the next step (0: none).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_spec_tokens: int = 0
-    # Requests the driver proposes no drafts for this step (their drafts kept too few lately).
-    spec_paused: list[str] = field(default_factory=list)
+    # Requests the driver proposes no drafts for this step: under a grammar, or sitting out
+    # after their drafts kept too few (engine/core/scheduler.py).
+    no_drafts: list[str] = field(default_factory=list)
     # A draft model's own step (engine/worker/draft.py): rows with spec_token_ids end with
     # tokens already known, not drafts: they run as those rows do and sample after the last.
     spec_catch_up: bool = False

@@ -95,7 +95,7 @@ class ModelRunner:
             assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         elif spec is not None:
-            cfg, layout = DraftProposer.check(spec, self.cfg, self.layout)
+            cfg, layout = DraftProposer.check(spec, self.layout)
             draft = ModelRunner(cfg, self.device, self.dtype, self.max_model_len,
                                 self.block_size, kv_dtype=self.kv_dtype,
                                 quantization=spec.quantization, kv_layout=layout)  # fmt: skip
@@ -244,9 +244,9 @@ class ModelRunner:
         if self.proposer is not None and sched.num_spec_tokens:
             start = time.perf_counter_ns()
             req_ids = out.req_ids
-            if sched.spec_paused:
-                paused = set(sched.spec_paused)
-                req_ids = [r for r in req_ids if r not in paused]
+            if sched.no_drafts:
+                skip = set(sched.no_drafts)
+                req_ids = [r for r in req_ids if r not in skip]
             out.draft_token_ids = self.proposer.propose(
                 req_ids, self.rows, sched.num_spec_tokens, sched
             )

@@ -78,12 +78,11 @@ class NgramProposer:
         self, req_ids: list[str], rows: dict[str, Any], k: int, sched: object = None
     ) -> dict[str, list[int]]:
         """Up to ``k`` drafts for each of ``req_ids`` (rows that sampled this step) that has
-        any; ``rows``: the runner's SamplingRow of each request (its output so far). A request
-        under a grammar gets none (the core does not verify drafts against its grammar)."""
+        any; ``rows``: the runner's SamplingRow of each request (its output so far)."""
         out: dict[str, list[int]] = {}
         for req_id in req_ids:
             index, row = self.indexes.get(req_id), rows.get(req_id)
-            if index is None or row is None or row.params.structured_outputs is not None:
+            if index is None or row is None:
                 continue
             have = len(index.tokens) - self.num_prompt[req_id]
             index.extend(row.output_token_ids[have:])

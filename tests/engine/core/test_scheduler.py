@@ -476,7 +476,7 @@ def test_a_request_whose_drafts_are_refused_sits_out_speculation_then_tries_agai
     for _ in range(40):
         out = sched.schedule()
         verified.append(len(out.spec_token_ids.get("a", ())))
-        assert ("a" in out.spec_paused) == (r.spec_pause > 0)
+        assert ("a" in out.no_drafts) == (r.spec_pause > 0)
         runner = ModelRunnerOutput(["a"], [7], draft_token_ids={"a": [1, 2, 3]})  # never kept
         sched.update_from_output(out, runner)
         assert r.num_computed_tokens == r.num_tokens - 1  # refused drafts rewound

@@ -89,7 +89,7 @@ class Sampler:
         raw = logits
         if grammar is not None:
             logits = self.apply_grammar(logits, *grammar)
-        logits = self._apply_penalties(logits, rows)
+        logits = self.apply_penalties(logits, rows)
         greedy = [r.params.greedy for r in rows]
         # The common all-greedy batch skips the sampling machinery.
         sampled = argmax(logits) if all(greedy) else self._sample(logits, rows, greedy)
@@ -101,7 +101,7 @@ class Sampler:
             self.sample_ns = int(events[0].elapsed_time(events[1]) * 1e6)
         else:
             self.sample_ns = sampled_at - start
-        logprobs = self._logprobs(raw, rows, sampled)
+        logprobs = self.logprobs_of(raw, rows, sampled)
         self.logprobs_ns = time.perf_counter_ns() - sampled_at
         return sampled_ids, logprobs
 
@@ -131,7 +131,7 @@ class Sampler:
             self._shifts = torch.arange(32, dtype=torch.int32, device=device)
         return self._shifts
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         cloned = False
         vocab = logits.shape[-1]
         for i, row in enumerate(rows):
@@ -174,7 +174,7 @@ class Sampler:
             device=self.device,
         )
         logits = logits / temps.unsqueeze(1)
-        logits = _top_k_top_p_min_p(logits, rows)
+        logits = top_k_top_p_min_p(logits, rows)
         probs = logits.softmax(dim=-1)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets
         # each seeded request consume only its own generator. E = -log(U), U uniform: 5x
@@ -190,7 +190,7 @@ class Sampler:
         random_ids = argmax(probs / noise)
         return torch.where(torch.tensor(greedy, device=self.device), greedy_ids, random_ids)
 
-    def _logprobs(
+    def logprobs_of(
         self, raw: torch.Tensor, rows: list[SamplingRow], sampled: torch.Tensor
     ) -> list[Logprobs | None]:
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
@@ -217,7 +217,7 @@ def _exponential(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     return u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_()
 
 
-def _top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def top_k_top_p_min_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     vocab = logits.shape[-1]
     top_k = [r.params.top_k if r.params.top_k > 0 else vocab for r in rows]
     top_p = [r.params.top_p for r in rows]

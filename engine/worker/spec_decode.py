@@ -29,9 +29,9 @@ from engine.messages import Logprobs
 from engine.worker.sampler import (
     Sampler,
     SamplingRow,
-    _top_k_top_p_min_p,
     argmax,
     plain_greedy,
+    top_k_top_p_min_p,
 )
 
 
@@ -95,13 +95,13 @@ def verify(
         # A row's positions in the logits: a grammar row has one (it has no drafts).
         flat = [rid for rid, d in zip(req_ids, drafts) for _ in range(len(d) + 1)]
         logits = sampler.apply_grammar(logits, flat, grammar_ids, bitmask)
-    logits = sampler._apply_penalties(logits, expanded)
+    logits = sampler.apply_penalties(logits, expanded)
     best = argmax(logits).tolist()
     probs = None
     if not all(r.params.greedy for r in rows):
         temps = torch.tensor([1.0 if r.params.greedy else r.params.temperature for r in expanded],
                              device=logits.device)  # fmt: skip
-        probs = _top_k_top_p_min_p(logits / temps.unsqueeze(1), expanded).softmax(dim=-1)
+        probs = top_k_top_p_min_p(logits / temps.unsqueeze(1), expanded).softmax(dim=-1)
     out: list[list[int]] = []
     at = 0
     for row, d in zip(rows, drafts):
@@ -157,7 +157,7 @@ def _logprobs(
     out: list[Logprobs | None] = [None] * len(drafts)
     if not where:
         return out
-    each = sampler._logprobs(raw[where], [expanded[i] for i in where],
+    each = sampler.logprobs_of(raw[where], [expanded[i] for i in where],
                              torch.tensor(sampled, device=raw.device))  # fmt: skip
     at = i = 0
     for r, (d, kept) in enumerate(zip(drafts, tokens)):

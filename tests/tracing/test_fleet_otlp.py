@@ -296,7 +296,7 @@ def test_a_sampled_window_is_weighed_back(fleet, tmp_path: Path) -> None:
     assert "A sampled window" in " ".join(report.split())
     served = [(t / 1e9, w) for _, w, t in rows if t is not None]
     p90 = percentiles([v for v, _ in served], [w for _, w in served])["p90"]
-    assert f"{p90 * 1e3:.1f}" in report
+    assert f"{p90 * 1e3:,.1f}" in report  # as the report writes it: 1,619.5
 
 
 def test_weighing_counts_requests_not_their_prompts_and_not_those_in_flight() -> None:

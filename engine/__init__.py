@@ -8,18 +8,26 @@ from engine.version import __version__
 
 if TYPE_CHECKING:
     from engine.llm import LLM
+    from engine.lora import LoRARequest
     from engine.outputs import CompletionOutput, Logprob, RequestOutput
     from engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
-    "LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams",
-    "StructuredOutputsParams", "__version__",
+    "LLM",
+    "CompletionOutput",
+    "LoRARequest",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "__version__",
 ]  # fmt: skip
 
 _LAZY = {
     "LLM": "engine.llm",
     "CompletionOutput": "engine.outputs",
     "Logprob": "engine.outputs",
+    "LoRARequest": "engine.lora",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
     "StructuredOutputsParams": "engine.sampling_params",

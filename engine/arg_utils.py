@@ -33,7 +33,11 @@ def add_options(
         typ = _base_type(hints[f.name])
         help_text = f.metadata.get("help", "")
         default = argparse.SUPPRESS if only_given else f.default
-        if typ is bool and f.name.startswith("no_"):
+        if get_origin(typ) is tuple:  # a list of values, as vLLM's nargs="+" flags
+            group.add_argument(
+                flag, nargs="+", default=default, help=help_text, metavar=f.name.upper()
+            )
+        elif typ is bool and f.name.startswith("no_"):
             group.add_argument(flag, action="store_true", help=help_text, default=default)
         elif typ is bool:
             group.add_argument(
@@ -53,7 +57,7 @@ def add_engine_options(
 
 def options(cls: type, args: argparse.Namespace, *, skip: tuple[str, ...] = ()) -> dict[str, Any]:
     return {
-        f.name: getattr(args, f.name)
+        f.name: tuple(v) if isinstance(v := getattr(args, f.name), list) else v
         for f in dataclasses.fields(cls)
         if f.name not in skip and hasattr(args, f.name)
     }
@@ -80,6 +84,8 @@ def option_flags(config: Any, *, skip: tuple[str, ...] = ()) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, tuple):
+            flags += [flag, *map(str, value)]
         elif value is not None:
             flags += [flag, str(value)]
     return flags

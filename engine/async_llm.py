@@ -24,6 +24,7 @@ from engine.errors import (
     RequestAbortedError,
 )
 from engine.frontend import Frontend, FrontendObserver
+from engine.lora import LoRARequest
 from engine.messages import EngineCoreRequest, EngineInfo, EngineStats, UtilityMethod
 from engine.model_files import resolve_config
 from engine.mp_client import STARTUP_TIMEOUT_S, AsyncMPClient, CoreProcess
@@ -175,9 +176,11 @@ class AsyncLLM:
     def apply_chat_template(self, messages: list[dict], **options: Any) -> list[int]:
         return self.processor.apply_chat_template(messages, **options)
 
-    def prepare(self, prompt: PromptType, params: SamplingParams) -> PreparedPrompt:
+    def prepare(
+        self, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None = None
+    ) -> PreparedPrompt:
         """Tokenize and validate (ValueError): the one check a prepared prompt gets."""
-        return self.processor.prepare(prompt, params)
+        return self.processor.prepare(prompt, params, lora_request)
 
     async def generate(
         self,
@@ -276,6 +279,7 @@ class AsyncLLM:
             request_id, prompt.text, prompt.prompt_token_ids, prompt.params,
             priority=sub.priority, arrival_ns=sub.arrival_ns, stream=sub.stream,
             stream_deltas=sub.stream, attempt=stream.attempt, routed=sub.routed,
+            lora_request=prompt.lora_request,
         )  # fmt: skip
 
     async def _send(self, requests: list[EngineCoreRequest]) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine import envs, kv_events_config, spec_config
+from engine.lora import LoraSettings
 
 if TYPE_CHECKING:
     import torch
@@ -130,6 +131,31 @@ class EngineConfig:
             "sampling). Requests under a grammar do not speculate (engine/spec_config.py)"
         },
     )
+    enable_lora: bool = field(
+        default=False,
+        metadata={
+            "help": "serve LoRA adapters (PEFT folders) on the base model, as vLLM's flag: a "
+            "request names one by its model field; one batch mixes adapters and the base "
+            "model (engine/lora.py)"
+        },
+    )
+    max_loras: int = field(
+        default=1,
+        metadata={
+            "help": "most adapters in one batch; a request whose adapter finds no slot waits "
+            "(its wait reason: lora_slots)"
+        },
+    )
+    max_lora_rank: int = field(
+        default=16, metadata={"help": "the largest LoRA rank served (an adapter over it: refused)"}
+    )
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata={
+            "help": "adapters kept read in memory, least recently used out (read from disk again "
+            "when next named); default: --max-loras"
+        },
+    )
     max_num_batched_tokens: int = field(
         default=2048, metadata={"help": "token budget of one engine step"}
     )
@@ -213,6 +239,14 @@ class EngineConfig:
         check_quantization(self.quantization)
         kv_events_config.parse(self.kv_events_config)  # raises, in one line, on bad JSON
         spec_config.parse(self.speculative_config)  # likewise
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError("max_loras and max_lora_rank must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras})")  # fmt: skip
+        if self.enable_lora and self.speculative_config:
+            raise ValueError("--enable-lora with --speculative-config is not built: a draft "
+                             "must run with each request's adapter")  # fmt: skip
         if self.prefix_caching_hash_algo != "sha256_cbor":
             raise ValueError(
                 "prefix_caching_hash_algo must be sha256_cbor (vLLM's sha256, xxhash and "
@@ -228,6 +262,12 @@ class EngineConfig:
                 "generation_config must be auto, none or a folder holding a "
                 f"generation_config.json, not {self.generation_config!r}"
             )
+
+    def lora_settings(self) -> LoraSettings | None:
+        """What the workers need of the LoRA options; None when LoRA is off."""
+        if not self.enable_lora:
+            return None
+        return LoraSettings(self.max_cpu_loras or self.max_loras, self.max_lora_rank)
 
     def sampling_defaults(self, model_path: str | Path) -> dict[str, Any]:
         """SamplingParams fields a request leaves out take these (generation_config)."""

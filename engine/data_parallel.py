@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from engine.async_llm import AsyncLLM
 from engine.errors import CLIENT, EngineHandOverError, EngineRestartingError
 from engine.frontend import FrontendObserver
+from engine.lora import LoRARequest
 from engine.messages import EngineInfo
 from engine.outputs import RequestOutput
 from engine.processor import PreparedPrompt, PromptType
@@ -151,8 +152,10 @@ class EngineGroup:
     def apply_chat_template(self, messages: list[dict], **options: Any) -> list[int]:
         return self.engines[0].apply_chat_template(messages, **options)
 
-    def prepare(self, prompt: PromptType, params: SamplingParams) -> PreparedPrompt:
-        return self.engines[0].prepare(prompt, params)
+    def prepare(
+        self, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None = None
+    ) -> PreparedPrompt:
+        return self.engines[0].prepare(prompt, params, lora_request)
 
     def observe(self, observer: FrontendObserver) -> None:
         for engine in self.engines:

@@ -19,6 +19,7 @@ from typing import Protocol
 from engine import faults
 from engine.client import ClientState
 from engine.errors import CLIENT, REQUEST_ERROR
+from engine.lora import LoRARequest
 from engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from engine.output_processor import OutputProcessor, child_params
 from engine.outputs import RequestOutput
@@ -123,6 +124,7 @@ class Frontend:
         stream_deltas: bool,
         attempt: int = 0,
         routed: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a request; returns the core requests to send (one per sequence).
 
@@ -161,6 +163,7 @@ class Frontend:
                 child_params(params, index),
                 priority=priority,
                 arrival_ns=arrival_ns,
+                lora_request=lora_request,
             )
             for index, child_id in enumerate(child_ids)
         ]

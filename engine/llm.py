@@ -16,6 +16,7 @@ from engine.client import EngineCoreClient, InprocClient
 from engine.config import EngineConfig
 from engine.errors import RequestError
 from engine.frontend import Frontend
+from engine.lora import LoRARequest
 from engine.messages import EngineStats, StepRecord, UtilityMethod
 from engine.model_files import resolve_config
 from engine.outputs import RequestOutput
@@ -92,13 +93,16 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in the order given."""
+        """Run every prompt to completion; results come back in the order given.
+        ``lora_request``: the LoRA adapter every prompt runs with, or one per prompt (None:
+        the base model), as vLLM's (engine/lora.py; the engine needs enable_lora)."""
         arrival_ns = time.time_ns()  # frontend.enqueue starts before tokenization
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         tokenized = [self.processor.tokenize(p) for p in prompts]
-        return self._run(tokenized, sampling_params, priority, use_tqdm, arrival_ns)
+        return self._run(tokenized, sampling_params, priority, use_tqdm, arrival_ns, lora_request)
 
     def chat(
         self,
@@ -139,8 +143,13 @@ class LLM:
         priority: Sequence[int] | None,
         use_tqdm: bool,
         arrival_ns: int,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(tokenized), self.processor.sampling_defaults)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(tokenized)
+        elif len(loras := list(lora_request)) != len(tokenized):
+            raise ValueError("lora_request must be one LoRARequest or one entry per prompt")
         priorities = list(priority) if priority is not None else [0] * len(tokenized)
         if len(priorities) != len(tokenized):
             raise ValueError("priority must have one entry per prompt")
@@ -149,12 +158,12 @@ class LLM:
             self.processor.validate(ids, p)
         frontend = self.frontend
         order: dict[str, int] = {}
-        for i, ((text, ids), p, prio) in enumerate(zip(tokenized, params, priorities)):
+        for i, ((text, ids), p, prio, lora) in enumerate(zip(tokenized, params, priorities, loras)):
             request_id = new_request_id()
             order[request_id] = i
             requests = frontend.add(
                 request_id, text, ids, p, priority=prio, arrival_ns=arrival_ns, stream=False,
-                stream_deltas=False,
+                stream_deltas=False, lora_request=lora,
             )  # fmt: skip
             for request in requests:
                 self.client.add_request(request)

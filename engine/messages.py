@@ -13,6 +13,7 @@ import enum
 
 import msgspec
 
+from engine.lora import LoRARequest
 from engine.sampling_params import SamplingParams
 
 
@@ -73,6 +74,9 @@ class EngineStats(msgspec.Struct, array_like=True):
     sleeping: bool
     # Times the core's bounded output queue was full and its loop had to wait.
     num_output_backpressure: int = 0
+    # LoRA (--enable-lora): the adapters of the running requests, and of the waiting ones.
+    running_loras: list[str] = []
+    waiting_loras: list[str] = []
 
 
 class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -91,6 +95,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_ns: int
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -134,7 +139,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 # What held waiting requests back in a step (StepRecord.wait_reason; "" when none waited).
-WAIT_REASONS = ("max_num_seqs", "kv_blocks", "token_budget", "preemption")
+WAIT_REASONS = ("max_num_seqs", "kv_blocks", "token_budget", "preemption", "lora_slots")
 
 
 class StepRecord(msgspec.Struct, array_like=True, gc=False):

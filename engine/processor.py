@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 
 from engine import cache_files, chat_templates, envs, structured_outputs
 from engine.background import in_background
+from engine.lora import LoRARequest
 from engine.messages import EngineCoreRequest, EngineInfo
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
@@ -40,6 +41,7 @@ class PreparedPrompt:
     text: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora_request: LoRARequest | None = None  # its LoRA adapter; None: the base model
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -341,6 +343,7 @@ class InputProcessor:
         *,
         priority: int = 0,
         arrival_ns: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """The wire request; call ``validate`` first (once per prompt, not per sample)."""
         if (
@@ -356,13 +359,16 @@ class InputProcessor:
             eos_token_ids=self.eos_token_ids,
             arrival_ns=arrival_ns if arrival_ns is not None else time.time_ns(),
             priority=priority,
+            lora_request=lora_request,
         )
 
-    def prepare(self, prompt: PromptType, params: SamplingParams) -> PreparedPrompt:
+    def prepare(
+        self, prompt: PromptType, params: SamplingParams, lora_request: LoRARequest | None = None
+    ) -> PreparedPrompt:
         """Tokenize (token ids pass through) and validate: a ValueError says what is wrong."""
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
-        return PreparedPrompt(text, ids, params)
+        return PreparedPrompt(text, ids, params, lora_request)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):

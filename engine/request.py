@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from engine.lora import LoRARequest
 from engine.messages import EngineCoreRequest, FinishReason
 from engine.sampling_params import SamplingParams
 
@@ -47,6 +48,7 @@ class Request:
         "cache_salt",
         "eos_token_ids",
         "grammar",
+        "lora_request",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -74,6 +76,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         max_model_len: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.all_token_ids = list(prompt_token_ids)
@@ -84,6 +87,7 @@ class Request:
         self.received_ns = 0  # set by the core when it dequeues the request
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # its LoRA adapter, or None: the base model
         limit = (max_model_len or 1 << 62) - self.num_prompt_tokens
         self.max_tokens = min(sampling_params.max_tokens or limit, limit)
         self.status = RequestStatus.WAITING
@@ -113,6 +117,7 @@ class Request:
             priority=req.priority,
             cache_salt=req.cache_salt,
             max_model_len=max_model_len,
+            lora_request=req.lora_request,
         )
 
     @property

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from engine import __version__, chat_templates, faults
 from engine.async_llm import AsyncLLM
@@ -31,9 +31,15 @@ from service.context import context_of
 from service.errors import APIError
 from service.front_door import FrontDoor
 from service.lifecycle import READY, Door, Lifecycle, LifecycleOptions, hang_timeout
+from service.lora_adapters import LoraAdapters, runtime_updating
 from service.metrics import ServerMetrics
 from service.monitor import watch_api_process
-from service.protocol import ChatCompletionRequest, CompletionRequest
+from service.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from service.serving import Serving
 from tracing.config import TracingConfig
 from tracing.recorder import Tracer
@@ -45,7 +51,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def build_app(serving: Serving) -> FastAPI:
+def build_app(serving: Serving, runtime_lora_updating: bool = False) -> FastAPI:
     app = FastAPI(title="Lumen", version=__version__, description="OpenAI-compatible LLM server")
 
     @app.exception_handler(APIError)
@@ -79,12 +85,31 @@ def build_app(serving: Serving) -> FastAPI:
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(serving)]}
+        return {"object": "list", "data": [_model_card(serving), *serving.adapters.cards()]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
-        serving.check_model(model)
-        return _model_card(serving)
+        if serving.check_model(model) is None:
+            return _model_card(serving)
+        return next(c for c in serving.adapters.cards() if c["id"] == model)
+
+    if runtime_lora_updating:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            """vLLM's route: check the folder against the model, then serve it by its name."""
+            serving.adapters.load(body.lora_name, body.lora_path, body.base_model_name)
+            return PlainTextResponse(
+                f"Success: LoRA adapter '{body.lora_name}' added successfully."
+            )
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            """vLLM's route: requests naming it get a 404 from now; those running finish."""
+            serving.adapters.unload(body.lora_name or "")
+            return PlainTextResponse(
+                f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+            )
 
     @app.get("/health")
     async def health() -> Response:
@@ -102,12 +127,15 @@ def build_app(serving: Serving) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         engine, m = serving.engine, serving.metrics
+        every = []
         for member in engine.members:
             if member.is_alive:
                 with contextlib.suppress(Exception):
                     async with asyncio.timeout(2.0):
                         stats = await member.get_stats()
                     m.set_engine_stats(stats, member.rank)
+                    every.append(stats)
+        m.set_lora_info(every)
         m.set_backpressure(engine.num_backpressure)
         if (tracer := serving.tracer) is not None:
             m.set_tracer_stats(tracer.stats())
@@ -142,11 +170,14 @@ async def serve(
     config: ServerConfig,
     tracing: TracingConfig | None = None,
     cores: list[CoreProcess] | None = None,
+    adapters: LoraAdapters | None = None,
 ) -> int:
     """Run until a stop signal's drain ends (exit 0) or a crash loop (exit 1): see
     service/lifecycle.py. ``cores``: the core processes, one per data-parallel engine, already
-    launched for ``engine_config`` (``launch_cores``). The port is bound at once: while the
-    cores load and warm up, /health answers 503 naming the phase and /livez 200."""
+    launched for ``engine_config`` (``launch_cores``). ``adapters``: the LoRA adapters served
+    (service/lora_adapters.py ``start``; None: none, and none may be loaded). The port is
+    bound at once: while the cores load and warm up, /health answers 503 naming the phase and
+    /livez 200."""
     from hypercorn.asyncio import serve as hypercorn_serve
     from hypercorn.config import Config
 
@@ -175,7 +206,7 @@ async def serve(
         return 0  # stopped by a signal before the engine was ready
     try:
         return await _serve_ready(
-            engine_config, config, tracing, cores, tokenizer, model_name, door, stopped
+            engine_config, config, tracing, cores, tokenizer, model_name, door, stopped, adapters
         )
     finally:
         stopped.set()
@@ -244,6 +275,7 @@ async def _serve_ready(
     model_name: str,
     door: Door,
     stopped: asyncio.Event,
+    adapters: LoraAdapters | None = None,
 ) -> int:
     # The cores are READY: this takes their config and info, and the tokenizer loaded meanwhile.
     engine: AsyncLLM | EngineGroup
@@ -260,6 +292,8 @@ async def _serve_ready(
         )  # fmt: skip
     _chat_template(engine, config)
     metrics = ServerMetrics(model_name, engine.max_model_len)
+    if engine_config.enable_lora:
+        metrics.enable_lora(engine_config.max_loras)
     metrics.describe_cache(
         engine.info.block_size, engine.info.num_kv_blocks, engine.max_model_len,
         engine_config.kv_cache_dtype, engine_config.enable_prefix_caching,
@@ -300,12 +334,14 @@ async def _serve_ready(
         per_request_metrics=config.enable_per_request_metrics,
         spec_metrics=config.per_request_spec_decode_metrics,
         trust_request_chat_template=config.trust_request_chat_template,
+        adapters=adapters,
     )
     http_timing.install()
     monitor = asyncio.create_task(watch_api_process(metrics, tracer), name="api-monitor")
     settle_heap()  # the engine is up and the app built: what lives now lives for good
     faults.arm_gc_pause("api")
-    door.app = FrontDoor(build_app(serving), serving, config)
+    runtime_lora = runtime_updating(config.allow_runtime_lora_updating)
+    door.app = FrontDoor(build_app(serving, runtime_lora), serving, config)
     lifecycle.start()
     logger.info(
         "serving %s on http://%s:%d (%s; engine hang timeout %.0f s)",

@@ -7,11 +7,15 @@ import logging
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from engine.arg_utils import add_engine_options, add_options, engine_options, options
 from engine.config import EngineConfig
 from service.config import ServerConfig
 from tracing.config import TracingConfig
+
+if TYPE_CHECKING:
+    from service.lora_adapters import LoraAdapters
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -125,11 +129,25 @@ def _serve(args: argparse.Namespace) -> int:
     # as Ctrl-C does: no traceback, and the core is stopped with this process.
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, _interrupt)
+    adapters = _lora_adapters(engine_config, server_config)  # a bad one fails before the core
     # The cores import torch and load the model while this process imports the server.
     cores = launch_cores(engine_config, server_config.data_parallel_size)
     from service.api_server import serve
 
-    return asyncio.run(serve(engine_config, server_config, tracing, cores))
+    return asyncio.run(serve(engine_config, server_config, tracing, cores, adapters))
+
+
+def _lora_adapters(engine_config: EngineConfig, server_config: ServerConfig) -> LoraAdapters:
+    """--lora-modules checked against the model and served (ValueError: one line, exit 2)."""
+    from engine.model_files import resolve_model, served_name
+    from service import lora_adapters
+
+    name = server_config.served_model_name or served_name(engine_config.model)
+    path = None
+    if engine_config.enable_lora:
+        path = str(resolve_model(engine_config.model, log=lambda m: print(m, file=sys.stderr)))
+    return lora_adapters.start(name, path, server_config.lora_modules,
+                               engine_config.enable_lora, engine_config.max_lora_rank)  # fmt: skip
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine import chat_templates, envs
+from engine import chat_templates, envs, lora
 from service import reasoning
 
 
@@ -108,6 +108,22 @@ class ServerConfig:
             "never a file), as vLLM's flag; without it such a request gets a 400"
         },
     )
+    lora_modules: tuple[str, ...] | None = field(
+        default=None,
+        metadata={
+            "help": "LoRA adapters served at start (with --enable-lora), as vLLM's flag: "
+            "name=path or JSON with name, path and base_model_name, one or more; a request "
+            "names one by its model field, and /v1/models lists them with their parent"
+        },
+    )
+    allow_runtime_lora_updating: bool = field(
+        default=False,
+        metadata={
+            "help": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (bodies: "
+            "lora_name, lora_path), as vLLM does under VLLM_ALLOW_RUNTIME_LORA_UPDATING, "
+            "which is honoured too"
+        },
+    )
     data_parallel_size: int = field(
         default=1,
         metadata={
@@ -130,6 +146,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.chat_template is not None:  # a bad one fails here, before the core starts
             chat_templates.resolve(self.chat_template)
+        for module in self.lora_modules or ():
+            lora.parse_module(module)  # likewise, in one line
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         for name in ("max_concurrent_requests", "max_request_body_bytes", "data_parallel_size"):

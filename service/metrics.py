@@ -7,6 +7,7 @@ scrape.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +57,8 @@ class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int) -> None:
         self.registry = r = CollectorRegistry()
         self.model_name = model_name
+        self._lora_info: Twin | None = None  # enable_lora
+        self._max_loras = ""
         m = ["model_name"]
 
         # The plain metrics are kept as their one (model_name) child.
@@ -342,6 +345,33 @@ class ServerMetrics:
         engine.num_waiting.set(s.num_waiting)
         if s.num_kv_blocks_total:
             engine.kv_usage.set(s.num_kv_blocks_used / s.num_kv_blocks_total)
+
+    def enable_lora(self, max_loras: int) -> None:
+        """vLLM's lora_requests_info (its labels; its value the time of the last update, by
+        which the Gateway API Inference Extension's endpoint picker finds the newest series),
+        also under Lumen's prefix."""
+        labels = ["running_lora_adapters", "waiting_lora_adapters", "max_lora"]
+        doc = (
+            "LoRA adapters of the running and waiting requests (comma-separated) and the "
+            "most in one batch; the value is when it was last updated (Unix seconds)."
+        )
+        self._max_loras = str(max_loras)
+        self._lora_info = Twin(
+            Gauge("lumen:lora_requests_info", doc, labels, registry=self.registry),
+            Gauge("vllm:lora_requests_info", f"{doc} vLLM's name, for routers.", labels,
+                  registry=self.registry),
+        )  # fmt: skip
+
+    def set_lora_info(self, stats: Sequence[EngineStats]) -> None:
+        """The adapters of every engine's requests, at scrape time: one series, the newest."""
+        info = self._lora_info
+        if info is None:
+            return
+        running = sorted({n for s in stats for n in s.running_loras})
+        waiting = sorted({n for s in stats for n in s.waiting_loras})
+        for gauge in (info.lumen, info.vllm):
+            gauge.clear()
+        info.labels(",".join(running), ",".join(waiting), self._max_loras).set(time.time())
 
     def set_backpressure(self, num_ipc_backpressure: int) -> None:
         """The engines' pushed-back sends, a running total (read at scrape time)."""

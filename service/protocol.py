@@ -264,3 +264,18 @@ def _tool_call(i: int, call: Any) -> dict[str, Any]:
     if not isinstance(f, dict) or not isinstance(f.get("name"), str):
         raise ValueError(f"messages[{i}].tool_calls: each call needs a function with a name")
     return {"id": call.get("id"), "type": "function", "function": f}
+
+
+class LoadLoRAAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter, as vLLM's (--allow-runtime-lora-updating)."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+    base_model_name: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter, as vLLM's."""
+
+    lora_name: str | None = None
+    lora_int_id: int | None = None

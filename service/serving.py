@@ -20,12 +20,14 @@ from engine.async_llm import AsyncLLM, StreamStalledError
 from engine.data_parallel import EngineGroup
 from engine.errors import STALLED, EngineDeadError, EngineRestartingError, RequestAbortedError
 from engine.frontend import Finished
+from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, RequestOutput
 from service import tools
 from service.admission import Admission, AdmissionRefused
 from service.context import RequestContext
 from service.errors import APIError, error_body
 from service.lifecycle import Lifecycle
+from service.lora_adapters import LoraAdapters
 from service.metrics import ServerMetrics
 from service.prepared import Prepared, as_prompts, max_tokens_for, pinned_engine
 from service.protocol import ChatCompletionRequest, CompletionRequest
@@ -55,8 +57,10 @@ class Serving:
         per_request_metrics: bool = False,
         trust_request_chat_template: bool = False,
         spec_metrics: str | None = None,
+        adapters: LoraAdapters | None = None,
     ) -> None:
         self.engine = engine
+        self.adapters = adapters or LoraAdapters(model_name, None, 0, enabled=False)
         self.spec_metrics = spec_metrics
         self.trust_request_chat_template = trust_request_chat_template
         self.per_request_metrics = per_request_metrics
@@ -73,15 +77,13 @@ class Serving:
     ) -> dict[str, Any] | None:
         return _spec_figures_of(self.spec_metrics, prep, timings)
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); a 404 for an unknown name."""
+        return self.adapters.resolve(model)
 
     def prepare_chat(self, body: ChatCompletionRequest, ctx: RequestContext, path: str) -> Prepared:
         ctx.handler_ns = time.time_ns()
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         try:
             body.check_supported()
             plan = tools.plan_from_request(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -102,7 +104,7 @@ class Serving:
             )  # fmt: skip
             return self._prepare(
                 body, ctx, path, [(None, ids)], body.requested_max_tokens, body.num_logprobs,
-                True, plan,
+                True, plan, lora,
             )  # fmt: skip
         except _INPUT_ERRORS as e:
             raise APIError(400, str(e)) from None
@@ -111,11 +113,13 @@ class Serving:
         self, body: CompletionRequest, ctx: RequestContext, path: str
     ) -> Prepared:
         ctx.handler_ns = time.time_ns()
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         try:
             body.check_supported()
             prompts = [self.engine.tokenize(p) for p in as_prompts(body.prompts())]
-            return self._prepare(body, ctx, path, prompts, body.max_tokens, body.logprobs, False)
+            return self._prepare(
+                body, ctx, path, prompts, body.max_tokens, body.logprobs, False, None, lora
+            )
         except _INPUT_ERRORS as e:
             raise APIError(400, str(e)) from None
 
@@ -129,6 +133,7 @@ class Serving:
         num_logprobs: int | None,
         chat: bool,
         plan: tools.ToolPlan | None = None,
+        lora: LoRARequest | None = None,
     ) -> Prepared:
         longest = max(len(ids) for _, ids in prompts)
         engine_rank = pinned_engine(ctx.data_parallel_rank, len(self.engine.members))
@@ -141,13 +146,14 @@ class Serving:
             params = params.clone(structured_outputs=plan.structured_outputs())
         # The one validation a served prompt gets: the engine runs it as it is.
         checked = [
-            self.engine.prepare({"prompt": text, "prompt_token_ids": ids}, params)
+            self.engine.prepare({"prompt": text, "prompt_token_ids": ids}, params, lora)
             for text, ids in prompts
         ]
+        model = self.model_name if lora is None else lora.lora_name
         head = ResponseHead(
             id=ctx.request_id,
             created=int(time.time()),
-            model=self.model_name,
+            model=model,
             chat=chat,
             num_logprobs=num_logprobs or 0,
             include_usage=body.stream and body.include_usage,
@@ -163,7 +169,7 @@ class Serving:
         if (tracer := self.tracer) is not None:
             request_ids = prep.request_ids
             for rid in request_ids:
-                tracer.start(ctx.trace_start(rid, path, self.model_name, prep.stream))
+                tracer.start(ctx.trace_start(rid, path, model, prep.stream))
             ctx.traced_ids = request_ids  # the front door closes them once the response is written
         return prep
 

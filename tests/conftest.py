@@ -72,40 +72,41 @@ _share_the_cores()
 # The parallel pass hands whole files to its two workers in collection order (the Makefile's
 # --no-loadscope-reorder; xdist's own order puts the files of most tests first, which left the
 # few-test, long-running ones to the end, and one worker idle while the other ran them). The
-# files that take 4 s or more go first, longest first (worker seconds on 2 cores, the mean of
-# three runs on 2026-12-05, each with its session fixtures' share), so that the last minute is
-# files of a second or two; the rest keep pytest's order. A file's place is only its order.
+# files that take 4 s or more go first, longest first (worker seconds on 2 cores, one run on
+# 2026-12-07, each with its session fixtures' share), so that the last minute is files of a
+# second or two; the rest keep pytest's order. A file's place is only its order.
 LONGEST_FIRST = (
-    "tests/replay/test_replay_run.py",  # recordings, replays and capacity searches, 59 s
-    "tests/engine/test_correctness.py",  # SmolLM2 in four engines, 58 s
-    "tests/benchmarks/test_bench_servers.py",  # Lumen's and HF's servers under load, 59 s
-    "tests/service/test_lifecycle.py",  # a server per stop signal, 49 s
+    "tests/replay/test_replay_run.py",  # recordings, replays and capacity searches, 50 s
+    "tests/engine/test_correctness.py",  # 33 s
+    "tests/tracing/test_fleet_otlp.py",  # 31 s
+    "tests/engine/test_gguf.py",  # 29 s
+    "tests/service/test_lifecycle.py",  # 30 s
+    "tests/engine/executor/test_tensor_parallel.py",  # 28 s
+    "tests/engine/worker/test_decode_cache.py",  # 27 s
     "tests/tracing/test_server_traces.py",  # 26 s
-    "tests/engine/test_gguf.py",
-    "tests/engine/executor/test_tensor_parallel.py",
-    "tests/engine/test_engine_process.py",
-    "tests/engine/test_real_gemma.py",  # Gemma 3 270M and HF, 21 s (50 s without references)
-    "tests/tracing/test_fleet_otlp.py",
-    "tests/reliability/test_sinks_and_input.py",
+    "tests/engine/test_engine_process.py",  # 26 s
+    "tests/reliability/test_sinks_and_input.py",  # 23 s
+    "tests/engine/test_async_llm.py",  # 19 s
     "tests/benchmarks/test_bench.py",  # 19 s
-    "tests/tracing/test_store.py",
-    "tests/dashboards/test_dashboards.py",
-    "tests/engine/test_tokenizer_load.py",
-    "tests/engine/worker/test_decode_cache.py",
-    "tests/service/test_model_families.py",
-    "tests/service/test_backpressure.py",
-    "tests/service/test_schema_fuzz.py",
-    "tests/service/test_structured.py",  # 11 s
-    "tests/reliability/test_faults.py",
-    "tests/service/test_real_model.py",
-    "tests/engine/test_async_llm.py",
-    "tests/replay/test_replay_grammar.py",
-    "tests/engine/test_llm.py",
+    "tests/tracing/test_store.py",  # 18 s
+    "tests/service/test_data_parallel.py",  # 18 s
+    "tests/engine/test_chat_templates.py",  # 17 s
+    "tests/engine/test_spec_decode.py",  # 13 s
+    "tests/engine/worker/test_decode_layer.py",  # 12 s
     "tests/tracing/test_diagnose.py",
+    "tests/dashboards/test_dashboards.py",
+    "tests/replay/test_replay_grammar.py",
+    "tests/tracing/test_verdict_requests.py",
+    "tests/service/test_backpressure.py",
+    "tests/engine/test_tokenizer_load.py",
+    "tests/service/test_model_families.py",
+    "tests/service/test_schema_fuzz.py",
+    "tests/service/test_structured.py",
+    "tests/reliability/test_faults.py",
+    "tests/engine/test_llm.py",
     "tests/engine/test_clients.py",
     "tests/replay/test_html.py",
     "tests/service/test_openai_api.py",  # 6 s
-    "tests/engine/worker/test_decode_layer.py",
     "tests/tracing/test_step_prices.py",  # 4 s
 )
 

@@ -28,6 +28,11 @@ QUEUE_LIMITS: dict[str | None, tuple[str, str]] = {
         "more KV blocks (--num-kv-blocks or --kv-cache-memory-bytes; --kv-cache-dtype int8 "
         "stores a token in about a quarter of fp32's bytes) avoid preemption",
     ),
+    "lora_slots": (
+        "LoRA slots (--max-loras adapters were already in the batch; its adapter waited)",
+        "raise --max-loras, or send each adapter's requests to fewer replicas (a router that "
+        "reads lora_requests_info)",
+    ),
     None: (
         "no recorded limit (load above capacity?)",
         "add capacity, or check --max-num-seqs, --num-kv-blocks and --max-num-batched-tokens",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -18,6 +18,7 @@ from engine.core.warmup import warm_up
 from engine.executor import Executor, make_executor
 from engine.gc_pauses import GcPauses
 from engine.kv_layout import KVLayout, kv_capacity
+from engine.lora import LoraCheck
 from engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -99,6 +100,8 @@ class EngineCore:
         self.sleeping = False
         self.max_model_len = max_model_len
         self.vocab_size = model_config.vocab_size
+        # LoRA: each adapter a request names is checked once against the model (engine/lora.py)
+        self.loras = LoraCheck(model_config, config.max_lora_rank) if config.enable_lora else None
         self.scheduler = Scheduler.from_config(config, num_blocks, max_model_len, layout.windows)
         self.scheduler.grammars = self.grammars
         # KV events for routers (--kv-events-config): each step's stored and removed blocks.
@@ -167,6 +170,11 @@ class EngineCore:
                 )
             if min(ids) < 0 or max(ids) >= self.vocab_size:
                 raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+            if request.lora_request is not None:
+                if self.loras is None:
+                    raise ValueError("the request names a LoRA adapter; LoRA is not enabled "
+                                     "(--enable-lora)")  # fmt: skip
+                self.loras.check(request.lora_request)
             core_request = Request.from_wire(request, self.max_model_len)
             core_request.received_ns = time.time_ns()
             self.scheduler.add_request(core_request)
@@ -378,6 +386,8 @@ class EngineCore:
             num_kv_blocks_cached=kv.pool.num_cached_blocks,
             num_preemptions=sched.num_preemptions_total,
             sleeping=self.sleeping,
+            running_loras=_lora_names(sched.running),
+            waiting_loras=_lora_names(sched.waiting),
         )
 
     def sleep(self) -> None:
@@ -439,3 +449,8 @@ def _size_kv_cache(
         logger.warning("max_model_len lowered to %d, what the KV cache holds", fits)
         max_model_len = fits
     return num_blocks, max_model_len
+
+
+def _lora_names(requests: Iterable[Request]) -> list[str]:
+    """The adapters some of ``requests`` run with, by name, once each."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})

@@ -41,9 +41,15 @@ MEDIUM = "GPU"  # vLLM's name for the engine's own KV cache (its other media are
 
 
 def _extra(request: Request, index: int) -> tuple[object, ...] | None:
-    """A block's extra keys, as vLLM's: the cache salt on the first block, tagged with its
-    source, else none."""
-    return (("cache_salt", request.cache_salt),) if index == 0 and request.cache_salt else None
+    """A block's extra keys, as vLLM's, each tagged with its source: a LoRA adapter's name on
+    every block (and the id of its load: an adapter loaded again under its name shares no KV
+    with the old weights), the cache salt on the first; else none."""
+    keys: tuple[object, ...] = ()
+    if (lora := request.lora_request) is not None:
+        keys = (("lora", lora.lora_name, lora.lora_int_id),)
+    if index == 0 and request.cache_salt:
+        keys += (("cache_salt", request.cache_salt),)
+    return keys or None
 
 
 class KVCacheManager:
@@ -283,6 +289,7 @@ class KVCacheManager:
         parent hash None for a first block; its defaulted fields left out, as it leaves them)."""
         assert self.events is not None
         hashes, tokens, bs = request.block_hashes, request.all_token_ids, self.block_size
+        lora = request.lora_request
         runs: list[list[int]] = []
         for i in stored:
             if runs and runs[-1][-1] == i - 1:
@@ -297,7 +304,8 @@ class KVCacheManager:
                 "block_hashes": [block_hashes.external(hashes[i]) for i in run],
                 "parent_block_hash": parent,
                 "token_ids": list(tokens[first * bs : (last + 1) * bs]),
-                "block_size": bs, "lora_id": None, "medium": MEDIUM, "lora_name": None,
+                "block_size": bs, "lora_id": lora.lora_int_id if lora else None,
+                "medium": MEDIUM, "lora_name": lora.lora_name if lora else None,
             })  # fmt: skip
 
 

@@ -64,4 +64,5 @@ class PriorityQueue:
         return len(self._heap)
 
     def __iter__(self) -> Iterator[Request]:
-        return (e[3] for e in self._heap)
+        """In the order pop takes them."""
+        return (e[3] for e in sorted(self._heap))

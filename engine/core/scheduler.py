@@ -69,6 +69,8 @@ class Scheduler:
         # spec_max_rows requests run.
         self.speculative: SpeculativeConfig | None = None
         self.spec_max_rows = 0
+        # LoRA (--enable-lora): at most max_loras adapters in one batch; 0 = LoRA off.
+        self.max_loras = 0
 
     @classmethod
     def from_config(
@@ -87,6 +89,8 @@ class Scheduler:
         scheduler.speculative = spec_config.parse(config.speculative_config)
         if scheduler.speculative is not None:
             scheduler.spec_max_rows = scheduler.speculative.disable_by_batch_size
+        if config.enable_lora:
+            scheduler.max_loras = config.max_loras
         return scheduler
 
     # -- requests in and out -------------------------------------------------
@@ -224,14 +228,21 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs:
                 out.wait_reason = "max_num_seqs"
                 break
-            request = self.waiting.peek()
+            head = self.waiting.peek()
+            fits = self._lora_fits(out) if self.max_loras else head
+            if fits is None:
+                break
+            request = fits
             # A waiting request has nothing computed (preemption resets it).
             hits, num_hit = self.kv_cache.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit, budget)
             if not self.kv_cache.allocate_slots(request, num_new + ahead, hits, ahead):
                 out.wait_reason = "kv_blocks"
                 break
-            self.waiting.pop()
+            if request is head:
+                self.waiting.pop()
+            else:  # passed over a request waiting for a LoRA slot
+                self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit
             if request.num_cached_tokens < 0:
@@ -323,6 +334,18 @@ class Scheduler:
 
     # -- helpers ---------------------------------------------------------------
 
+    def _lora_fits(self, out: SchedulerOutput) -> Request | None:
+        """The first waiting request, in the queue's order, whose adapter is in the batch or
+        finds a free slot (--max-loras), as vLLM's scheduler skips the others; None when none
+        does. A request passed over records the step's wait reason, lora_slots."""
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        for request in self.waiting:
+            lora = request.lora_request
+            if lora is None or lora.lora_int_id in running or len(running) < self.max_loras:
+                return request
+            out.wait_reason = "lora_slots"
+        return None
+
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_ns))
@@ -349,6 +372,7 @@ class Scheduler:
                         request.prompt_token_ids,
                         request.sampling_params,
                         request.eos_token_ids,
+                        request.lora_request,
                     )
                 )
             out.req_ids.append(req_id)

@@ -103,6 +103,7 @@ class MultiprocExecutor:
                 config.quantization,
                 KVLayout.of(model_config, not config.disable_hybrid_kv_cache_manager),
                 spec_config.parse(config.speculative_config),
+                config.lora_settings(),
             )
             proc = ctx.Process(
                 target=_run_worker, args=(args, child_end), name=f"lumen-tp{rank}", daemon=False

@@ -28,6 +28,7 @@ class UniProcExecutor:
             kv_dtype=config.resolve_kv_cache_dtype(dtype), quantization=config.quantization,
             kv_layout=KVLayout.of(model_config, not config.disable_hybrid_kv_cache_manager),
             speculative=spec_config.parse(config.speculative_config),
+            lora=config.lora_settings(),
         )  # fmt: skip
         self.runner.owns_process = owns_process
         self.runner.load_model()

@@ -21,6 +21,7 @@ from engine.worker import cpu_gguf, cpu_int8, cpu_matmul
 from engine.worker.attention import AttentionMetadata, paged_attention
 from engine.worker.cpu_kernels import CpuKernels
 from engine.worker.layers import Grid, Linear, RMSNorm, Shard, check_tensor_parallel
+from engine.worker.lora import LoraBatch
 from engine.worker.rotary import Rotary, RotaryTables, apply_rotary
 from engine.worker.sampler import argmax
 
@@ -65,6 +66,9 @@ class DecoderLayer(nn.Module):
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.local = index in cfg.local_layers  # its own RoPE base and window, where set
         self.gelu = gemma  # GeGLU (tanh GELU) for Gemma, else SwiGLU
+        # LoRA (--enable-lora): the step's rows by adapter, shared by every layer; each
+        # product adds its groups' deltas (engine/worker/lora.py).
+        self.lora: LoraBatch | None = None
 
     def forward(
         self,
@@ -76,6 +80,9 @@ class DecoderLayer(nn.Module):
         num_tokens = h.shape[0]
         x = self.input_layernorm(h)
         qkv = self.qkv_proj(x)
+        lora = self.lora if self.lora is not None and self.lora.groups else None
+        if lora is not None:
+            qkv = lora.add(self.index, "qkv", x, qkv)
         # q and k heads side by side, rotated in one pass.
         num_qk = self.num_heads + self.num_kv_heads
         qk = qkv[:, : num_qk * self.head_dim].view(num_tokens, num_qk, -1)
@@ -86,14 +93,17 @@ class DecoderLayer(nn.Module):
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         v = qkv[:, num_qk * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.index)
-        out = self.o_proj(attn.reshape(num_tokens, -1))
+        attn = attn.reshape(num_tokens, -1)
+        out = self.o_proj(attn)
+        if lora is not None:  # a row-parallel delta is a partial sum too
+            out = lora.add(self.index, "o", attn, out)
         if self.sharded:
             dist.all_reduce(out)  # each rank holds a partial sum over its heads
         if self.pre_feedforward_layernorm is not None:  # Gemma: a norm on each branch's output
             out = self.post_attention_layernorm(out)
         h = h + out
-        if num_tokens <= MLP_TILE_ROWS:
-            out = self._mlp(h)
+        if num_tokens <= MLP_TILE_ROWS or lora is not None:  # LoRA's groups index all rows
+            out = self._mlp(h, lora)
         else:
             out = torch.cat([self._mlp(t) for t in h.split(MLP_TILE_ROWS)])
         if self.sharded:
@@ -102,11 +112,18 @@ class DecoderLayer(nn.Module):
             out = self.post_feedforward_layernorm(out)
         return h + out
 
-    def _mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, h: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         norm = self.pre_feedforward_layernorm or self.post_attention_layernorm
-        gate, up = self.gate_up_proj(norm(h)).chunk(2, dim=-1)
+        x = norm(h)
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            gate_up = lora.add(self.index, "gate_up", x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
         act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+        if lora is None:
+            return self.down_proj(act * up)
+        x = act * up
+        return lora.add(self.index, "down", x, self.down_proj(x))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -128,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.shard, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.gemma)
+        self.lora: LoraBatch | None = None  # set by use_lora
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -151,6 +169,8 @@ class LlamaForCausalLM(nn.Module):
             h = h * torch.tensor(self.cfg.hidden_size**0.5).to(h.dtype)
         tables = rotary.lookup(positions, h.dtype)
         fused = self.kernels.decode_layers
+        if self.lora is not None and self.lora.groups:
+            fused = None  # the fused decode layers have no place for LoRA's products
         if fused is not None and (out := fused.forward(h, tables, kv_caches, meta)) is not None:
             return self.final(out[logits_indices], head)
         # The local layers' RoPE (Gemma 3) and sliding window, where the model has them.
@@ -165,6 +185,12 @@ class LlamaForCausalLM(nn.Module):
             else:
                 h = layer(h, tables, kv_cache, meta)
         return self.final(h[logits_indices], head)
+
+    def use_lora(self, batch: LoraBatch) -> None:
+        """Every layer adds the deltas of ``batch``'s groups (set each step by the runner)."""
+        self.lora = batch
+        for layer in self.decoder_layers:
+            layer.lora = batch
 
     def final(self, h: torch.Tensor, logits: bool = True) -> torch.Tensor:
         """The final norm over ``h``, then the logits (or, with ``logits=False``, the normed

@@ -16,6 +16,7 @@ import msgspec
 import torch
 
 from engine.kv_layout import KVLayout
+from engine.lora import LoRARequest, LoraSettings
 from engine.messages import Logprobs
 from engine.model_config import ModelConfig
 from engine.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -179,3 +181,4 @@ class WorkerArgs:
     quantization: str | None = None
     kv_layout: KVLayout | None = None  # None: every layer in one group
     speculative: SpeculativeConfig | None = None  # --speculative-config (the driver proposes)
+    lora: LoraSettings | None = None  # --enable-lora

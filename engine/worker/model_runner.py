@@ -9,6 +9,7 @@ import torch
 
 from engine import envs
 from engine.kv_layout import KVLayout
+from engine.lora import LoraSettings
 from engine.messages import Logprobs
 from engine.model_config import ModelConfig
 from engine.spec_config import SpeculativeConfig
@@ -26,10 +27,12 @@ from engine.worker.decode_cache import DecodeCache
 from engine.worker.draft import DraftProposer
 from engine.worker.layers import Shard
 from engine.worker.llama import LlamaForCausalLM
+from engine.worker.lora import LoraAdapters
 from engine.worker.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from engine.worker.ngram import NgramProposer
 from engine.worker.rotary import Rotary
 from engine.worker.sampler import Sampler, SamplingRow, plain_greedy
+from engine.worker.step_inputs import Rows, StepInputs
 
 # The decode mirror's least budget (decode_cache.py), whatever the KV pool's size.
 MIRROR_FLOOR_BYTES = 256 * 2**20
@@ -51,8 +54,11 @@ class ModelRunner:
         quantization: str | None = None,
         kv_layout: KVLayout | None = None,
         speculative: SpeculativeConfig | None = None,
+        lora: LoraSettings | None = None,
     ) -> None:
         self.cfg = model_config
+        self.lora_settings = lora
+        self.lora: LoraAdapters | None = None  # --enable-lora: the adapters, on every rank
         # Which layers share KV blocks (engine/kv_layout.py): the core's own layout.
         self.layout = kv_layout or KVLayout.single(model_config.num_layers)
         self.shard = shard or Shard()
@@ -102,6 +108,10 @@ class ModelRunner:
             draft.load_model()
             shared = DraftProposer.shares_pool(spec, self.cfg, self.shard.size)
             self.proposer = DraftProposer(draft, shared)
+        if (lora := self.lora_settings) is not None:
+            self.lora = LoraAdapters(self.cfg, self.shard, self.dtype, self.device,
+                                     lora.max_cpu_loras, lora.max_rank)  # fmt: skip
+            model.use_lora(self.lora.batch)
         if self.device.type == "cpu":
             model.pack_weights()
             if self.is_driver:  # only the driver samples: no copy or timing on other ranks
@@ -219,12 +229,19 @@ class ModelRunner:
             self.proposer.drop(sched.finished_req_ids, sched.preempted_req_ids)
         for cache in self.decode_caches:
             cache.drop(sched.finished_req_ids + sched.preempted_req_ids)
+        if self.lora is not None:
+            self.lora.drop(sched.finished_req_ids)
+            self.lora.add(sched.new_requests)
         if self.is_driver:
             for new in sched.new_requests:
                 self._add_request(new)
         if not sched.req_ids:
             return ModelRunnerOutput([], [])
         inputs = self._prepare_inputs(sched)
+        if self.lora is not None:
+            order = inputs.order
+            self.lora.set_batch([sched.req_ids[i] for i in order],
+                                [len(sched.token_ids[i]) for i in order])  # fmt: skip
         assert self.model is not None
         hidden = self.model(
             inputs.input_ids,
@@ -316,7 +333,7 @@ class ModelRunner:
         if self.proposer is not None:
             self.proposer.add(new.request_id, new.prompt_token_ids)
 
-    def _prepare_inputs(self, sched: SchedulerOutput) -> _StepInputs:
+    def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         # Decode rows (a single token after a full prefix) go first, batched. A row verifying
         # drafts runs as a decode row a token where the mirror's native attention allows it
         # (rows of one slot at consecutive positions), else as a prefill chunk.
@@ -372,21 +389,22 @@ class ModelRunner:
         positions.insert(0, np.array(decode_starts, dtype=np.int64))
         # (Its masks: the groups' prefill masks are the same for the same chunk, built once a
         # step: a 2,048-token chunk over an 8K context is a 64 MB mask.)
-        rows = _Rows(decode_rows, decode_starts, decode_req_ids, prefill_rows)
+        rows = Rows(decode_rows, decode_starts, decode_req_ids, prefill_rows)
         layout = self.layout
         metas = [self._group_meta(sched, g, rows) for g in range(layout.num_groups)]
         meta = metas[0]
         if len(metas) > 1:  # each layer reads its own group's blocks
             meta.by_layer = [metas[g] for g in layout.layer_group]
-        return _StepInputs(
+        return StepInputs(
             input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
             positions=torch.from_numpy(np.concatenate(positions)).to(dev),
             meta=meta,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
             sample_req_ids=sample_req_ids,
+            order=order,
         )
 
-    def _group_meta(self, sched: SchedulerOutput, group: int, rows: _Rows) -> AttentionMetadata:
+    def _group_meta(self, sched: SchedulerOutput, group: int, rows: Rows) -> AttentionMetadata:
         """The step's attention metadata for the layers of one KV group: its slots, its
         block tables, and (a group with a window) masks that hide keys behind it."""
         if group and sched.group_block_tables:
@@ -461,40 +479,3 @@ def _grammar(
     if not sched.grammar_req_ids:
         return None
     return sample_req_ids, sched.grammar_req_ids, sched.grammar_bitmask
-
-
-class _Rows:
-    """A step's rows by kind, in the flat batch's order (what every KV group shares)."""
-
-    __slots__ = ("decode", "decode_req_ids", "decode_starts", "masks", "prefill")
-
-    def __init__(
-        self,
-        decode: list[int],
-        decode_starts: list[int],
-        decode_req_ids: list[str],
-        prefill: list[tuple[int, int, int, int]],
-    ) -> None:
-        self.decode = decode
-        self.decode_starts = decode_starts
-        self.decode_req_ids = decode_req_ids
-        self.prefill = prefill
-        self.masks: dict[tuple[int, ...], torch.Tensor] = {}
-
-
-class _StepInputs:
-    __slots__ = ("input_ids", "logits_indices", "meta", "positions", "sample_req_ids")
-
-    def __init__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-        sample_req_ids: list[str],
-    ) -> None:
-        self.input_ids = input_ids
-        self.positions = positions
-        self.meta = meta
-        self.logits_indices = logits_indices
-        self.sample_req_ids = sample_req_ids

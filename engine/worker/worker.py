@@ -113,6 +113,7 @@ class Worker:
             quantization=args.quantization,
             kv_layout=args.kv_layout,
             speculative=args.speculative,
+            lora=args.lora,
         )
         self.runner.owns_process = True  # a worker process of the engine's own
         self.runner.load_model()

@@ -13,6 +13,9 @@ import pytest
 
 from tests.helpers.bench import bench_json, lumen_bench, ratio_keys
 
+# Each starts one or two servers and loads them: about a minute in all, in make test-e2e.
+pytestmark = pytest.mark.e2e
+
 
 def test_serve_bench_against_transformers_serve(tmp_path: Path, tiny_model_path: Path) -> None:
     out = tmp_path / "serve.json"

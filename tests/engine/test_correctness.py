@@ -162,7 +162,10 @@ SMOL_RUNS: dict[str, dict[str, str]] = {
 
 
 @pytest.mark.real_model
-@pytest.mark.parametrize("setting", list(SMOL_RUNS))
+@pytest.mark.parametrize(
+    "setting",
+    [pytest.param(s, marks=[] if s == "default" else [pytest.mark.e2e]) for s in SMOL_RUNS],
+)
 def test_smollm2_matches_hf(
     setting: str,
     default_model_path: Path,

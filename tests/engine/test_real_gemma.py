@@ -29,6 +29,7 @@ GEMMA_PROMPTS = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.real_model
 def test_gemma3_270m_matches_hf(gemma_model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real Gemma 3 270M (from its GGUF file): 32 greedy tokens of each prompt, batched,
@@ -80,6 +81,7 @@ def test_gemma3_270m_matches_hf(gemma_model_path: Path, monkeypatch: pytest.Monk
     assert again.outputs[0].token_ids == expected[3]
 
 
+@pytest.mark.e2e
 @pytest.mark.real_model
 def test_the_processor_encodes_gemma_as_transformers_does(gemma_model_path: Path) -> None:
     """tests/engine/test_tokenizer_load.py's check on Gemma's tokenizer (its <bos> and turn

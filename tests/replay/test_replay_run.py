@@ -160,6 +160,7 @@ def _check_html_report(db: Path, tmp_path: Path) -> None:
         assert caption in dom
 
 
+@pytest.mark.e2e  # two real replays over HTTP and a virtual one: 23 s
 def test_replay_over_http(tmp_path: Path, tiny_model_path: Path, recording: Path, capsys) -> None:
     db = tmp_path / "server.db"
     with LumenServer(
@@ -227,6 +228,7 @@ def test_validate_sets_virtual_against_real_against_recorded(
     assert data["steps_from"] == "the 2 real replays"
 
 
+@pytest.mark.e2e  # a search of several replays: 18 s
 def test_capacity_finds_the_rate_that_meets_a_target(
     tmp_path: Path, recording: Path, capsys
 ) -> None:

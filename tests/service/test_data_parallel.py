@@ -59,6 +59,7 @@ def _complete(server: LumenServer, prompt: str | list[int], **extra: object) -> 
 
 
 @needs_two_cpus
+@pytest.mark.e2e  # two engines, loaded: 18 s
 def test_two_engines_serve_as_one(
     tmp_path: Path, tiny_model_path: Path, tiny_server: LumenServer
 ) -> None:
@@ -177,6 +178,7 @@ def test_two_engines_serve_as_one(
 
 
 @needs_two_cpus
+@pytest.mark.e2e  # two engines, one killed: 19 s
 @pytest.mark.serial  # deadlines: the dead engine's streams fail within 1 s
 def test_a_dead_engine_leaves_the_other_serving(tmp_path: Path, tiny_model_path: Path) -> None:
     server = _start(tmp_path, tiny_model_path, "--max-queue-wait", "30", env=SLOW_STEPS)

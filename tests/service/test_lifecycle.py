@@ -58,6 +58,8 @@ def _health(server: LumenServer) -> tuple[int, str]:
 # may come first: "core_then_group" makes that order sure, and it must not count as a second
 # signal.
 STOPS = ("term", "int", "group_term", "group_int_twice", "core_term", "core_then_group")
+# make test drains on a signal to the server and one to its core; the other ways, in make test-e2e.
+SUITE_STOPS = ("term", "core_term")
 CAUSES = {
     "term": ("SIGTERM",), "int": ("SIGINT",), "group_int_twice": ("SIGINT",),
     "core_term": ("SIGTERM to the engine core",),
@@ -79,7 +81,9 @@ def stop_servers(tmp_path_factory: pytest.TempPathFactory, tiny_model_path: Path
     pool.close()
 
 
-@pytest.mark.parametrize("how", STOPS)
+@pytest.mark.parametrize(
+    "how", [pytest.param(h, marks=[] if h in SUITE_STOPS else [pytest.mark.e2e]) for h in STOPS]
+)
 def test_every_stop_signal_drains(stop_servers: ServerPool, how: str) -> None:
     server = stop_servers.take()
     family = _family(server)

@@ -8,7 +8,7 @@ import pytest
 
 from tests.helpers.server import LumenServer
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.e2e]
 
 
 def test_smollm2_answers_over_http(tmp_path: Path, default_model_path: Path) -> None:

@@ -1,0 +1,238 @@
+"""LoRA adapters (engine/lora.py, engine/worker/lora.py): one batch of the base model and two
+adapters gives each prompt the tokens Hugging Face gives it alone on the weights with its
+adapter merged in; slots, the prefix cache, the adapters kept read, and what is refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from engine import LLM, SamplingParams
+from engine.lora import LoraError, LoRARequest, parse_module, read_spec
+from engine.model_config import ModelConfig
+from tests.engine.test_correctness import SETTINGS, _random_prompts
+from tests.helpers.factories import make_request, make_scheduler
+from tests.helpers.lora import build_adapter, merged
+from tests.helpers.models import hf_greedy
+
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two adapters of the tiny model: every module at rank 8, and q, v and down at rank 4
+    with rsLoRA scaling; and each merged into a copy of the model (the reference)."""
+    root = tmp_path_factory.mktemp("lora")
+    a1 = build_adapter(tiny_model_path, root / "a1", rank=8, alpha=16, seed=1)
+    a2 = build_adapter(tiny_model_path, root / "a2", rank=4, alpha=8, seed=2, rslora=True,
+                       targets=("q_proj", "v_proj", "down_proj"))  # fmt: skip
+    return {"a1": a1, "a2": a2}
+
+
+def _plan(prompts: list[list[int]], adapters: dict[str, Path]) -> list[LoRARequest | None]:
+    """Base, a1, a2, base, a1, ... over the prompts."""
+    cycle = [None, LoRARequest("a1", 1, str(adapters["a1"])),
+             LoRARequest("a2", 2, str(adapters["a2"]))]  # fmt: skip
+    return [cycle[i % 3] for i in range(len(prompts))]
+
+
+def _references(
+    base: Path, adapters: dict[str, Path], prompts: list[list[int]],
+    plan: list[LoRARequest | None], tmp: Path,
+) -> list[list[int]]:  # fmt: skip
+    """Hugging Face's greedy tokens of each prompt alone, on the base model or its adapter
+    merged in."""
+    expected: list[list[int]] = [[] for _ in prompts]
+    for name in (None, "a1", "a2"):
+        idx = [i for i, lora in enumerate(plan) if (lora and lora.lora_name) == name]
+        model = base if name is None else merged(base, adapters[name], tmp / f"merged-{name}")
+        for i, tokens in zip(idx, hf_greedy(model, [prompts[i] for i in idx], MAX_TOKENS)):
+            expected[i] = tokens
+    return expected
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_a_batch_of_adapters_matches_transformers_on_merged_weights(
+    setting: str, tiny_model_path: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """16 prompts, a third each on the base model and two adapters, in one engine, under
+    chunked prefill, a shared prefix (each adapter's blocks apart: a hit across adapters would
+    change the tokens) and preemption."""
+    options, shared = SETTINGS[setting]
+    prompts = _random_prompts(seed=shared, shared_prefix=shared)
+    plan = _plan(prompts, adapters)
+    expected = _references(tiny_model_path, adapters, prompts, plan, tmp_path)
+    llm = LLM(str(tiny_model_path), warmup=False, enable_lora=True, max_loras=2, **options)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            lora_request=plan, use_tqdm=False)  # fmt: skip
+        metrics = llm.get_metrics()
+    finally:
+        llm.shutdown()
+    print(setting, metrics)
+    for i, (out, ref) in enumerate(zip(outs, expected)):
+        name = plan[i].lora_name if plan[i] else "base"
+        assert list(out.outputs[0].token_ids) == ref, f"prompt {i} ({name}) differs"
+    assert len({tuple(e[:4]) for e in expected[:3]}) == 3  # the adapters change the tokens
+    if setting == "preemption":
+        assert metrics["num_preemptions"] > 0
+    if setting == "prefix_cache":
+        assert metrics["num_prefix_hit_tokens"] > 0
+
+
+def test_fused_checkpoints_and_tensor_parallel_ranks_take_their_part(
+    tiny_family_path: Any, tiny_model_path: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj adapted as PEFT targets them; and the tiny
+    Llama's adapters over two tensor-parallel ranks (each rank its shard of A or B)."""
+    phi3 = tiny_family_path("phi3")
+    fused = build_adapter(phi3, tmp_path / "phi3-lora", rank=6, seed=3,
+                          targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))  # fmt: skip
+    prompts = _random_prompts(seed=4)[4:10]
+    want = hf_greedy(merged(phi3, fused, tmp_path / "phi3-merged"), prompts, MAX_TOKENS)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm = LLM(str(phi3), warmup=False, enable_lora=True)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            lora_request=LoRARequest("phi", 1, str(fused)), use_tqdm=False)  # fmt: skip
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+    plan = _plan(prompts, adapters)
+    expected = _references(tiny_model_path, adapters, prompts, plan, tmp_path)
+    llm = LLM(str(tiny_model_path), warmup=False, enable_lora=True, max_loras=2,
+              tensor_parallel_size=2)  # fmt: skip
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            lora_request=plan, use_tqdm=False)  # fmt: skip
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+
+
+def test_one_slot_serves_adapters_in_turn_and_says_why_they_waited(
+    tiny_model_path: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """--max-loras 1 and --max-cpu-loras 1: the two adapters never share a batch (the base
+    model's requests run beside either), the waits are recorded as lora_slots, each adapter
+    is read from disk again after the other pushed it out, and every token is still right."""
+    prompts = _random_prompts(seed=7)[:9]
+    plan = _plan(prompts, adapters)
+    expected = _references(tiny_model_path, adapters, prompts, plan, tmp_path)
+    llm = LLM(str(tiny_model_path), warmup=False, enable_lora=True, max_loras=1,
+              max_cpu_loras=1)  # fmt: skip
+    llm.step_log = []
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                            lora_request=plan, use_tqdm=False)  # fmt: skip
+        runner = llm.client.core.executor.runner
+        reads = runner.lora.num_reads
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected
+    reasons = [s.wait_reason for s, _ in llm.step_log]
+    print(f"{len(reasons)} steps, waits: {sorted(set(reasons))}, adapters read {reads} times")
+    assert "lora_slots" in reasons
+    assert reads >= 2
+
+
+def test_the_scheduler_passes_over_a_request_whose_adapter_finds_no_slot() -> None:
+    """A third adapter waits while two hold the slots; the base model's request behind it and
+    another of a running adapter go first; it runs once a slot frees."""
+    sched = make_scheduler()
+    sched.max_loras = 2
+    loras = [LoRARequest(n, i, "/x") for i, n in enumerate(["a", "b", "c"], 1)]
+    reqs = [make_request(8, max_tokens=2, request_id=r) for r in ("a1", "b1", "c1", "base", "a2")]
+    for r, lora in zip(reqs, [loras[0], loras[1], loras[2], None, loras[0]]):
+        r.lora_request = lora
+        sched.add_request(r)
+    out = sched.schedule()
+    assert out.req_ids == ["a1", "b1", "base", "a2"] and out.wait_reason == "lora_slots"
+    assert [n.lora_request for n in out.new_requests] == [loras[0], loras[1], None, loras[0]]
+    seen = set(out.req_ids)
+    from engine.worker.messages import ModelRunnerOutput
+
+    for _ in range(6):
+        ids = [rid for rid, s in zip(out.req_ids, out.sample) if s]
+        sched.update_from_output(out, ModelRunnerOutput(ids, [5] * len(ids)))
+        out = sched.schedule()
+        seen |= set(out.req_ids)
+    assert "c1" in seen
+
+
+def test_prefix_blocks_are_kept_apart_per_adapter_and_per_load() -> None:
+    """The same prompt hits its own adapter's cached blocks, never the base model's or another
+    adapter's, nor those of an earlier load of the same name (another id)."""
+    sched = make_scheduler(block_size=4)
+    prompt = list(range(100, 117))
+
+    def hits(lora: LoRARequest | None) -> int:
+        r = make_request(list(prompt), max_tokens=1)
+        r.lora_request = lora
+        sched.add_request(r)
+        out = sched.schedule()
+        sched.update_from_output(out, __import__("engine.worker.messages", fromlist=["x"])
+                                 .ModelRunnerOutput([r.request_id], [3]))  # fmt: skip
+        return out.num_prefix_hit_tokens
+
+    a, a_again, b = LoRARequest("a", 1, "/x"), LoRARequest("a", 3, "/x"), LoRARequest("b", 2, "/y")
+    assert [hits(None), hits(a), hits(b), hits(a), hits(None), hits(a_again)] == [
+        0, 0, 0, 16, 16, 0,
+    ]  # fmt: skip
+
+
+def _write_adapter(folder: Path, conf: dict[str, Any], tensors: dict[str, Any]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps(conf))
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+def test_adapters_that_cannot_be_served_are_refused_in_one_line(
+    tiny_model_path: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    cfg = ModelConfig.from_path(tiny_model_path)
+    good = load_file(str(adapters["a1"] / "adapter_model.safetensors"))
+    conf = json.loads((adapters["a1"] / "adapter_config.json").read_text())
+    spec = read_spec(adapters["a1"], cfg, 16)
+    assert spec.rank == 8 and len(spec.modules) == 7 * cfg.num_layers
+    assert spec.modules[0].scale == 2.0
+    cases = {
+        "not a folder": (tmp_path / "missing", "No adapter found"),
+        "rank": (adapters["a1"], "over --max-lora-rank 4"),
+        "dora": (_write_adapter(tmp_path / "dora", conf | {"use_dora": True}, good), "DoRA"),
+        "embed": (_write_adapter(tmp_path / "embed", conf, good | {
+            "base_model.model.model.embed_tokens.lora_A.weight": good[next(iter(good))].clone()}),
+            "not a LoRA weight of a layer"),
+        "shape": (_write_adapter(tmp_path / "shape", conf, {
+            k: v[:, :10].contiguous() if ".lora_A." in k else v for k, v in good.items()}),
+            "the adapter is for another base model"),
+        "half": (_write_adapter(tmp_path / "half", conf, {
+            k: v for k, v in good.items() if ".lora_B." not in k}), "lora_A alone"),
+    }  # fmt: skip
+    for name, (folder, said) in cases.items():
+        with pytest.raises(LoraError, match=said) as e:
+            read_spec(folder, cfg, 4 if name == "rank" else 16)
+        assert "\n" not in str(e.value), name
+    assert parse_module('{"name": "x", "path": "/p", "base_model_name": "m"}') == ("x", "/p", "m")
+    assert parse_module("x=/p") == ("x", "/p", None)
+    for bad in ("x", "=p", '{"name": "x"}', '{"name": "x", "path": "p", "r": 1}'):
+        with pytest.raises(LoraError):
+            parse_module(bad)
+
+
+def test_a_request_for_an_adapter_fails_alone(tiny_llm: LLM, tmp_path: Path) -> None:
+    """An engine without --enable-lora, or an adapter folder gone: the request fails with why,
+    and the engine serves the next."""
+    params = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(Exception, match="--enable-lora"):
+        tiny_llm.generate(["hi"], params, lora_request=LoRARequest("x", 1, str(tmp_path)),
+                          use_tqdm=False)  # fmt: skip
+    assert tiny_llm.generate(["hi"], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -239,8 +239,9 @@ class EngineConfig:
         check_quantization(self.quantization)
         kv_events_config.parse(self.kv_events_config)  # raises, in one line, on bad JSON
         spec_config.parse(self.speculative_config)  # likewise
-        if self.max_loras < 1 or self.max_lora_rank < 1:
-            raise ValueError("max_loras and max_lora_rank must be at least 1")
+        if self.max_loras < 1 or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError("max_loras must be at least 1, and max_lora_rank from 1 to 512 "
+                             "(vLLM's largest)")  # fmt: skip
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
                              f"({self.max_loras})")  # fmt: skip

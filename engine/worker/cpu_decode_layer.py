@@ -51,6 +51,7 @@ from engine import envs
 from engine.worker import autotune, cpu_gguf, cpu_int4
 from engine.worker.attention import AttentionMetadata
 from engine.worker.decode_cache import DecodePlan
+from engine.worker.lora import LoraBatch
 from engine.worker.rotary import RotaryTables
 
 # The decoder layers are engine.worker.llama's DecoderLayer (not imported: llama imports this).
@@ -339,9 +340,11 @@ class NativeLayers:
         tables: RotaryTables,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor | None:
         """The layers over ``h`` [rows, hidden] (updated in place and returned), or None where
-        this step must run op by op."""
+        this step must run op by op. ``lora``: the step's LoRA groups, whose deltas each
+        product adds (the products then run from Python, between the native calls)."""
         rows = h.shape[0]
         plan = meta.decode_plan
         if (meta.num_decodes != rows or meta.prefills or meta.local is not None
@@ -361,7 +364,7 @@ class NativeLayers:
         threads = torch.get_num_threads()
         step = _Step(cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr())
         step.slots, step.positions = plan.slot_idx.data_ptr(), plan.positions.data_ptr()
-        whole = rows <= self._whole_rows
+        whole = rows <= self._whole_rows and lora is None
         if not whole:  # the step's scratch, and the first layer's norm
             xn, attn = torch.empty_like(h), h.new_empty(rows, self._attn_width)
             act = h.new_empty(rows, self.layers[0].intermediate)
@@ -373,7 +376,7 @@ class NativeLayers:
             step.kb, step.vb = kb.table.data_ptr(), vb.table.data_ptr()
             step.slot_stride, step.head_stride = kb.parts[0].stride(0), kb.parts[0].stride(1)
             if not whole:
-                self._glue(index, described[index], step, h, xn, attn, act, threads)
+                self._glue(index, described[index], step, h, xn, attn, act, threads, lora)
             elif self._layer(ctypes.byref(described[index]), ctypes.byref(step), h.data_ptr(),
                              rows, threads):  # fmt: skip
                 raise MemoryError("decode_layer: no memory for its buffers")
@@ -381,7 +384,7 @@ class NativeLayers:
 
     def _glue(
         self, index: int, described: _Layer, step: _Step, h: torch.Tensor, xn: torch.Tensor,
-        attn: torch.Tensor, act: torch.Tensor, threads: int,
+        attn: torch.Tensor, act: torch.Tensor, threads: int, lora: LoraBatch | None = None,
     ) -> None:  # fmt: skip
         """Layer ``index`` with its products from Python (Linear: whichever kernel, biases
         added) and the rest in three native calls; ``xn`` holds its input norm, and leaves
@@ -389,15 +392,23 @@ class NativeLayers:
         (rows, hidden), x = h.shape, xn.data_ptr()
         qkv_proj, o_proj, gate_up_proj, down_proj = self._products[index]
         qkv = qkv_proj(xn).contiguous()
+        if lora is not None:
+            lora.add(index, "qkv", xn, qkv)
         if self._attend(ctypes.byref(described.attn), ctypes.byref(step), qkv.data_ptr(),
                         attn.data_ptr(), rows, threads):  # fmt: skip
             raise MemoryError("rope_attend: no memory for its buffers")
         o = o_proj(attn).contiguous()
+        if lora is not None:
+            lora.add(index, "o", attn, o)
         self._norm(h.data_ptr(), o.data_ptr(), described.norm_mlp, self._eps, rows, hidden, x,
                    threads)  # fmt: skip
         gu = gate_up_proj(xn).contiguous()
+        if lora is not None:
+            lora.add(index, "gate_up", xn, gu)
         self._swiglu(gu.data_ptr(), act.data_ptr(), rows, act.shape[1], threads)
         down = down_proj(act).contiguous()
+        if lora is not None:
+            lora.add(index, "down", act, down)
         following = self._weights[index + 1][0] if index + 1 < len(self._weights) else None
         self._norm(h.data_ptr(), down.data_ptr(),
                    None if following is None else following.data_ptr(), self._eps, rows,

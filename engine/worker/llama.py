@@ -80,7 +80,7 @@ class DecoderLayer(nn.Module):
         num_tokens = h.shape[0]
         x = self.input_layernorm(h)
         qkv = self.qkv_proj(x)
-        lora = self.lora if self.lora is not None and self.lora.groups else None
+        lora = self.lora if self.lora is not None and self.lora.runs else None
         if lora is not None:
             qkv = lora.add(self.index, "qkv", x, qkv)
         # q and k heads side by side, rotated in one pass.
@@ -169,9 +169,11 @@ class LlamaForCausalLM(nn.Module):
             h = h * torch.tensor(self.cfg.hidden_size**0.5).to(h.dtype)
         tables = rotary.lookup(positions, h.dtype)
         fused = self.kernels.decode_layers
-        if self.lora is not None and self.lora.groups:
-            fused = None  # the fused decode layers have no place for LoRA's products
-        if fused is not None and (out := fused.forward(h, tables, kv_caches, meta)) is not None:
+        lora = self.lora if self.lora is not None and self.lora.runs else None
+        if (
+            fused is not None
+            and (out := fused.forward(h, tables, kv_caches, meta, lora)) is not None
+        ):
             return self.final(out[logits_indices], head)
         # The local layers' RoPE (Gemma 3) and sliding window, where the model has them.
         local = rotary.local.lookup(positions, h.dtype) if rotary.local is not None else tables

@@ -338,11 +338,15 @@ class ModelRunner:
         # drafts runs as a decode row a token where the mirror's native attention allows it
         # (rows of one slot at consecutive positions), else as a prefill chunk.
         spec = sched.spec_token_ids if self.verify_as_decode else {}
-        order = sorted(
-            range(len(sched.req_ids)),
-            key=lambda i: not ((len(sched.token_ids[i]) == 1 and sched.num_computed_tokens[i] > 0)
-                               or sched.req_ids[i] in spec),
-        )  # fmt: skip
+
+        def prefill(i: int) -> bool:
+            return not ((len(sched.token_ids[i]) == 1 and sched.num_computed_tokens[i] > 0)
+                        or sched.req_ids[i] in spec)  # fmt: skip
+
+        order = sorted(range(len(sched.req_ids)), key=prefill)
+        if self.lora is not None and self.lora.of:  # an adapter's rows side by side: a slice
+            adapter = self.lora.key
+            order.sort(key=lambda i: (prefill(i), adapter(sched.req_ids[i])))
         token_ids: list[int] = []
         positions: list[np.ndarray] = []
         logits_indices: list[int] = []

@@ -1,6 +1,6 @@
 """LoRA adapters (engine/lora.py, engine/worker/lora.py): one batch of the base model and two
-adapters gives each prompt the tokens Hugging Face gives it alone on the weights with its
-adapter merged in; slots, the prefix cache, the adapters kept read, and what is refused."""
+adapters gives each prompt the tokens PEFT's PeftModel gives it alone; slots, the prefix
+cache, the adapters kept read, and what is refused."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from engine.lora import LoraError, LoRARequest, parse_module, read_spec
 from engine.model_config import ModelConfig
 from tests.engine.test_correctness import SETTINGS, _random_prompts
 from tests.helpers.factories import make_request, make_scheduler
-from tests.helpers.lora import build_adapter, merged
+from tests.helpers.lora import build_adapter
 from tests.helpers.models import hf_greedy
 
 MAX_TOKENS = 16
@@ -24,8 +24,8 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two adapters of the tiny model: every module at rank 8, and q, v and down at rank 4
-    with rsLoRA scaling; and each merged into a copy of the model (the reference)."""
+    """Two adapters of the tiny model, made by PEFT: every module at rank 8, and q, v and down
+    at rank 4 with rsLoRA scaling."""
     root = tmp_path_factory.mktemp("lora")
     a1 = build_adapter(tiny_model_path, root / "a1", rank=8, alpha=16, seed=1)
     a2 = build_adapter(tiny_model_path, root / "a2", rank=4, alpha=8, seed=2, rslora=True,
@@ -42,22 +42,23 @@ def _plan(prompts: list[list[int]], adapters: dict[str, Path]) -> list[LoRAReque
 
 def _references(
     base: Path, adapters: dict[str, Path], prompts: list[list[int]],
-    plan: list[LoRARequest | None], tmp: Path,
+    plan: list[LoRARequest | None],
 ) -> list[list[int]]:  # fmt: skip
-    """Hugging Face's greedy tokens of each prompt alone, on the base model or its adapter
-    merged in."""
+    """Greedy tokens of each prompt alone: transformers on the base model, or PEFT's
+    PeftModel with its adapter."""
     expected: list[list[int]] = [[] for _ in prompts]
     for name in (None, "a1", "a2"):
         idx = [i for i, lora in enumerate(plan) if (lora and lora.lora_name) == name]
-        model = base if name is None else merged(base, adapters[name], tmp / f"merged-{name}")
-        for i, tokens in zip(idx, hf_greedy(model, [prompts[i] for i in idx], MAX_TOKENS)):
+        adapter = None if name is None else adapters[name]
+        got = hf_greedy(base, [prompts[i] for i in idx], MAX_TOKENS, adapter)
+        for i, tokens in zip(idx, got):
             expected[i] = tokens
     return expected
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-def test_a_batch_of_adapters_matches_transformers_on_merged_weights(
-    setting: str, tiny_model_path: Path, adapters: dict[str, Path], tmp_path: Path
+def test_a_batch_of_adapters_matches_peft(
+    setting: str, tiny_model_path: Path, adapters: dict[str, Path]
 ) -> None:
     """16 prompts, a third each on the base model and two adapters, in one engine, under
     chunked prefill, a shared prefix (each adapter's blocks apart: a hit across adapters would
@@ -65,7 +66,7 @@ def test_a_batch_of_adapters_matches_transformers_on_merged_weights(
     options, shared = SETTINGS[setting]
     prompts = _random_prompts(seed=shared, shared_prefix=shared)
     plan = _plan(prompts, adapters)
-    expected = _references(tiny_model_path, adapters, prompts, plan, tmp_path)
+    expected = _references(tiny_model_path, adapters, prompts, plan)
     llm = LLM(str(tiny_model_path), warmup=False, enable_lora=True, max_loras=2, **options)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     try:
@@ -94,18 +95,19 @@ def test_fused_checkpoints_and_tensor_parallel_ranks_take_their_part(
     fused = build_adapter(phi3, tmp_path / "phi3-lora", rank=6, seed=3,
                           targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))  # fmt: skip
     prompts = _random_prompts(seed=4)[4:10]
-    want = hf_greedy(merged(phi3, fused, tmp_path / "phi3-merged"), prompts, MAX_TOKENS)
+    want = hf_greedy(phi3, prompts, MAX_TOKENS, fused)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     llm = LLM(str(phi3), warmup=False, enable_lora=True)
     try:
+        lora = LoRARequest("phi", 1, str(fused))
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                            lora_request=LoRARequest("phi", 1, str(fused)), use_tqdm=False)  # fmt: skip
+                            lora_request=lora, use_tqdm=False)  # fmt: skip
     finally:
         llm.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == want
 
     plan = _plan(prompts, adapters)
-    expected = _references(tiny_model_path, adapters, prompts, plan, tmp_path)
+    expected = _references(tiny_model_path, adapters, prompts, plan)
     llm = LLM(str(tiny_model_path), warmup=False, enable_lora=True, max_loras=2,
               tensor_parallel_size=2)  # fmt: skip
     try:
@@ -117,14 +119,14 @@ def test_fused_checkpoints_and_tensor_parallel_ranks_take_their_part(
 
 
 def test_one_slot_serves_adapters_in_turn_and_says_why_they_waited(
-    tiny_model_path: Path, adapters: dict[str, Path], tmp_path: Path
+    tiny_model_path: Path, adapters: dict[str, Path]
 ) -> None:
     """--max-loras 1 and --max-cpu-loras 1: the two adapters never share a batch (the base
     model's requests run beside either), the waits are recorded as lora_slots, each adapter
     is read from disk again after the other pushed it out, and every token is still right."""
     prompts = _random_prompts(seed=7)[:9]
     plan = _plan(prompts, adapters)
-    expected = _references(tiny_model_path, adapters, prompts, plan, tmp_path)
+    expected = _references(tiny_model_path, adapters, prompts, plan)
     llm = LLM(str(tiny_model_path), warmup=False, enable_lora=True, max_loras=1,
               max_cpu_loras=1)  # fmt: skip
     llm.step_log = []
@@ -217,6 +219,11 @@ def test_adapters_that_cannot_be_served_are_refused_in_one_line(
         "half": (_write_adapter(tmp_path / "half", conf, {
             k: v for k, v in good.items() if ".lora_B." not in k}), "lora_A alone"),
     }  # fmt: skip
+    corrupt = _write_adapter(tmp_path / "corrupt", conf, good)
+    (corrupt / "adapter_model.safetensors").write_bytes(
+        b"\x10\x00\x00\x00\x00\x00\x00\x00{not json"
+    )
+    cases["corrupt"] = (corrupt, "not a safetensors file")
     for name, (folder, said) in cases.items():
         with pytest.raises(LoraError, match=said) as e:
             read_spec(folder, cfg, 4 if name == "rank" else 16)

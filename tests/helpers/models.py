@@ -168,12 +168,15 @@ def lumen_greedy(
     return list(out[0].outputs[0].token_ids)
 
 
-def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(
+    model_path: Path, prompts: list[list[int]], max_new_tokens: int, adapter: Path | None = None
+) -> list[list[int]]:
     """Hugging Face generate, greedy, fp32, each prompt alone and unpadded.
 
     HF's tokens are a function of the weights, the prompts and the library versions, so they
     are kept in LUMEN_HOME/hf-references under a hash of all of these, and generated again when
-    any of them changes: SmolLM2's two prompt sets took HF 33 s of a 2-core machine's run."""
+    any of them changes: SmolLM2's two prompt sets took HF 33 s of a 2-core machine's run.
+    ``adapter``: a PEFT LoRA folder, run by PEFT's PeftModel over the model."""
     from transformers import __version__ as transformers_version
 
     from engine.envs import lumen_home
@@ -185,6 +188,10 @@ def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -
         "torch": torch.__version__,
         "transformers": transformers_version,
     }
+    if adapter is not None:
+        import peft
+
+        identity |= {"adapter": _file_digests(Path(adapter)), "peft": peft.__version__}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
     path = lumen_home() / "hf-references" / f"{key}.json"
     try:
@@ -193,7 +200,7 @@ def hf_greedy(model_path: Path, prompts: list[list[int]], max_new_tokens: int) -
         return tokens
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    tokens = _hf_generate(model_path, prompts, max_new_tokens)
+    tokens = _hf_generate(model_path, prompts, max_new_tokens, adapter)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         part = path.with_suffix(f".{os.getpid()}.part")
@@ -215,12 +222,16 @@ def _file_digests(folder: Path) -> dict[str, str]:
 
 
 def _hf_generate(
-    model_path: Path, prompts: list[list[int]], max_new_tokens: int
+    model_path: Path, prompts: list[list[int]], max_new_tokens: int, adapter: Path | None = None
 ) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     eos = model.generation_config.eos_token_id
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter)).eval()
     outs = []
     with torch.inference_mode():
         for ids in prompts:

@@ -47,6 +47,7 @@ class Enqueued:
     attempt: int = 0
     engine: int = 0  # the data-parallel engine it was sent to
     routed: str | None = None  # why it went there (engine.data_parallel's Routed; None: alone)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
 
 @dataclass(slots=True)
@@ -154,6 +155,7 @@ class Frontend:
                     attempt,
                     self.engine,
                     routed,
+                    None if lora_request is None else lora_request.lora_name,
                 )
             )
         return [

@@ -199,6 +199,8 @@ class StepRecord(msgspec.Struct, array_like=True, gc=False):
     num_accepted: list[int] = msgspec.field(default_factory=list)
     propose_ns: int = 0
     num_spec_tokens: int = -1
+    # LoRA (--enable-lora): the adapters of the step's rows, by name, once each ([]: none).
+    loras: list[str] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

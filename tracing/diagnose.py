@@ -281,6 +281,7 @@ def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> Requ
         weight=row.sample_weight or 1.0,
         engine=row.engine,
         routed=row.routed,
+        lora_name=row.lora_name,
     )
     if row.body_read_ns and row.handler_ns and row.handler_ns >= row.body_read_ns:
         req.parse_span = (row.body_read_ns, row.handler_ns)

@@ -61,6 +61,7 @@ class RequestFacts:
     params: str | None  # its sampling parameters (JSON)
     engine: int | None = None  # the data-parallel engine that served it (migration 10)
     routed: str | None = None  # why it went to that engine (migration 11)
+    lora_name: str | None = None  # its LoRA adapter (migration 13)
 
 
 @dataclass
@@ -150,6 +151,7 @@ NEW_REQUEST_COLUMNS = [
     "grammar",
     "engine",
     "routed",
+    "lora_name",
 ]
 STEP_COLUMNS = [
     "step_id",

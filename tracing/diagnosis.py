@@ -80,6 +80,7 @@ class RequestDiagnosis:
     settings: tuple[str, ...] = ()  # what of its sampling is not plain greedy (grammar, ...)
     engine: int | None = None  # the data-parallel engine that served it
     routed: str | None = None  # why it went there: load, prefix, pinned, handed (None: alone)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
     # Set by explain_request: the run's median per part (phase -> part -> ns; decode per token).
     run_medians: dict[str, dict[str, float]] = field(default_factory=dict)
     dominant: Dominant | None = None  # set once the run is judged

@@ -25,7 +25,7 @@ def step_row(run_id: str, s: Any) -> tuple[Any, ...]:
         s.idle, s.gc_pause_ns, s.grammar_mask_ns or None, s.num_grammar_rows or None,
         s.sample_ns, s.logprobs_ns, s.num_logprobs_rows, s.max_logprobs,
         list(s.num_drafted) or None, list(s.num_accepted) or None, s.propose_ns or None,
-        s.num_spec_tokens if s.num_spec_tokens >= 0 else None,
+        s.num_spec_tokens if s.num_spec_tokens >= 0 else None, list(s.loras) or None,
     )  # fmt: skip
 
 

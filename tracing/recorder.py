@@ -320,7 +320,7 @@ class Tracer:
             req.sent_ns = e.sent_ns
         req.child_ids, req.prompt_token_ids, req.params = e.child_ids, e.prompt_token_ids, e.params
         req.priority, req.stream, req.engine = e.priority, e.stream, e.engine
-        req.routed = e.routed
+        req.routed, req.lora_name = e.routed, e.lora_name
         for seq, child_id in enumerate(e.child_ids):
             self._by_child[child_id] = (req, seq)
 

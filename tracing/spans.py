@@ -121,6 +121,7 @@ class RequestTrace:
     resent_ns: int = 0  # sent again to a new core (Enqueued.attempt > 0): the last such send
     engine: int | None = None  # the data-parallel engine it was last sent to (None: never)
     routed: str | None = None  # why it went there (engine.data_parallel's Routed)
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
     def resubmitted(self, sent_ns: int) -> None:
         """Sent again to a new core, having sent its caller nothing: what the failed core did
@@ -422,6 +423,7 @@ def build_request_row(
         req.resent_ns or None,
         req.engine,
         req.routed,
+        req.lora_name,
     )
 
 

@@ -125,6 +125,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
     (10, "data-parallel engines: each request's and restart's", lambda c: _add_columns(c, 10)),
     (11, "why the balancing sent a request to its engine", lambda c: _add_columns(c, 11)),
     (12, "speculative decoding: drafts verified and kept per step", lambda c: _add_columns(c, 12)),
+    (13, "LoRA: each request's adapter, each step's", lambda c: _add_columns(c, 13)),
 ]
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

@@ -138,6 +138,13 @@ REQUEST_ROWS: list[Row] = [
             "NULL: one engine"
         ),
     ),
+    # Migration 13.
+    (
+        "lora_name",
+        "VARCHAR",
+        "the LoRA adapter it ran with (--enable-lora; NULL: the base model); model keeps the "
+        "name it asked for",
+    ),
 ]
 SPAN_ROWS: list[Row] = [
     ("run_id", "VARCHAR", "the run"),
@@ -234,6 +241,8 @@ STEP_ROWS: list[Row] = [
         "drafts a request could propose this step (0: the batch-size rule let none; null: no "
         "speculative decoding)",
     ),
+    # Migration 13: LoRA adapters (--enable-lora).
+    ("loras", "VARCHAR[]", "the LoRA adapters its rows ran with (null: the base model alone)"),
 ]
 RUN_ROWS: list[Row] = [
     ("run_id", "VARCHAR", "the run: one server (or LLM) start"),
@@ -356,7 +365,7 @@ TABLE_DOCS: dict[str, tuple[str, list[Row]]] = {
 }
 
 
-SCHEMA_VERSION = 12  # the last migration (tracing/store.py MIGRATIONS)
+SCHEMA_VERSION = 13  # the last migration (tracing/store.py MIGRATIONS)
 
 
 def _from(columns: dict[str, str], first: str, last: str) -> list[str]:
@@ -394,6 +403,10 @@ ADDED_IN = {
     },
     11: {"requests": _from(REQUEST_COLUMNS, "routed", "routed")},
     12: {"steps": _from(STEP_COLUMNS, "num_drafted", "spec_tokens")},
+    13: {
+        "requests": _from(REQUEST_COLUMNS, "lora_name", "lora_name"),
+        "steps": _from(STEP_COLUMNS, "loras", "loras"),
+    },
 }
 
 

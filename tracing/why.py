@@ -69,6 +69,8 @@ def _opening(req: RequestDiagnosis, run: RunDiagnosis) -> str:
         how = ROUTED_SHORT.get(req.routed or "")
         places.append(f"engine {req.engine}" + (f", {how}" if how else ""))
     where = f" on {', '.join(places)}" if places else ""
+    if req.lora_name is not None:
+        where += f" with LoRA adapter {req.lora_name}"
     failed = ""
     if req.failure is not None:
         sent = (

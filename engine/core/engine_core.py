@@ -232,6 +232,11 @@ class EngineCore:
             return EngineCoreOutputs()
         t_schedule = time.time_ns()
         sched = scheduler.schedule()
+        # The step's adapters, while its requests are all known (update_from_output forgets
+        # the finished).
+        loras = (
+            _lora_names(scheduler.requests[r] for r in sched.req_ids) if scheduler.max_loras else []
+        )
         t_scheduled = time.time_ns()
         num_grammar_rows = self._grammar_masks(sched) if scheduler.has_grammars() else 0
         t_execute = time.time_ns()
@@ -280,6 +285,7 @@ class EngineCore:
             propose_ns=runner_out.propose_ns,
             num_spec_tokens=sched.num_spec_tokens if scheduler.speculative is not None else -1,
         )
+        step.loras = loras
         if sched.spec_token_ids:
             spec, kept = sched.spec_token_ids, runner_out.spec_token_ids
             step.num_drafted = [len(spec.get(r, ())) for r in sched.req_ids]

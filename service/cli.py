@@ -66,6 +66,7 @@ def _add_bench_verbs(bench: argparse.ArgumentParser) -> None:
     bench_verbs = bench.add_subparsers(dest="verb", required=True)
     from bench import (
         cold_start,
+        lora,
         mfu,
         mp_overhead,
         one_stream,
@@ -94,6 +95,7 @@ def _add_bench_verbs(bench: argparse.ArgumentParser) -> None:
     one_stream.add_parser(bench_verbs)
     structured.add_parser(bench_verbs)
     spec.add_parser(bench_verbs)
+    lora.add_parser(bench_verbs)
     bench_diagnose.add_parser(bench_verbs)
 
 

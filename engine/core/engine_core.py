@@ -175,6 +175,7 @@ class EngineCore:
                     raise ValueError("the request names a LoRA adapter; LoRA is not enabled "
                                      "(--enable-lora)")  # fmt: skip
                 self.loras.check(request.lora_request)
+                self.executor.prefetch_lora(request.lora_request)
             core_request = Request.from_wire(request, self.max_model_len)
             core_request.received_ns = time.time_ns()
             self.scheduler.add_request(core_request)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from engine.lora import LoRARequest
 from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
 
 
@@ -26,6 +27,11 @@ class Executor(Protocol):
     def release_kv_cache(self) -> None: ...
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def prefetch_lora(self, lora: LoRARequest) -> None:
+        """Start reading a LoRA adapter a request just brought, off the step's path, where
+        the workers can (else the step that first schedules it reads it)."""
+        ...
 
     def start_profile(self, path: str) -> None: ...
 

@@ -20,6 +20,7 @@ from engine import spec_config
 from engine.config import EngineConfig
 from engine.executor.base import WorkerDeadError
 from engine.kv_layout import KVLayout
+from engine.lora import LoRARequest
 from engine.model_config import ModelConfig
 from engine.worker.layers import check_tensor_parallel
 from engine.worker.messages import (
@@ -132,6 +133,9 @@ class MultiprocExecutor:
 
     def release_kv_cache(self) -> None:
         self._call(ReleaseKVCache())
+
+    def prefetch_lora(self, lora: LoRARequest) -> None:
+        """Each rank reads it in the step that first schedules it (no message for it)."""
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         reply = self._call(ExecuteModel(sched))[0]

@@ -7,6 +7,7 @@ import torch
 from engine import spec_config
 from engine.config import EngineConfig
 from engine.kv_layout import KVLayout
+from engine.lora import LoRARequest
 from engine.model_config import ModelConfig
 from engine.worker.messages import ModelRunnerOutput, SchedulerOutput
 from engine.worker.model_runner import ModelRunner
@@ -45,6 +46,10 @@ class UniProcExecutor:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
+
+    def prefetch_lora(self, lora: LoRARequest) -> None:
+        if self.runner.lora is not None:
+            self.runner.lora.prefetch(lora)
 
     def start_profile(self, path: str) -> None:
         self.profiler.start(path)

@@ -243,3 +243,51 @@ def test_a_request_for_an_adapter_fails_alone(tiny_llm: LLM, tmp_path: Path) -> 
         tiny_llm.generate(["hi"], params, lora_request=LoRARequest("x", 1, str(tmp_path)),
                           use_tqdm=False)  # fmt: skip
     assert tiny_llm.generate(["hi"], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+@pytest.mark.e2e
+@pytest.mark.real_model
+def test_smollm2_adapters_of_three_ranks_match_peft(
+    default_model_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """SmolLM2 with three PEFT adapters (rank 8 on q and v, 16 on every product, 64 on o and
+    the MLP): each prompt's greedy tokens equal PeftModel's, each adapter alone and all mixed
+    in one batch with the base model."""
+    root = tmp_path_factory.mktemp("smol-lora")
+    made = {
+        "r8": build_adapter(default_model_path, root / "r8", rank=8, seed=21,
+                            targets=("q_proj", "v_proj")),
+        "r16": build_adapter(default_model_path, root / "r16", rank=16, alpha=32, seed=22),
+        "r64": build_adapter(default_model_path, root / "r64", rank=64, alpha=16, seed=23,
+                             targets=("o_proj", "gate_proj", "up_proj", "down_proj"),
+                             rslora=True),
+    }  # fmt: skip
+    from engine.processor import load_tokenizer
+
+    tok = load_tokenizer(str(default_model_path))
+    questions = ("What is the capital of France?", "Write a haiku about rain.",
+                 "List three prime numbers.")  # fmt: skip
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                  add_generation_prompt=True),
+                          add_special_tokens=False) for q in questions]  # fmt: skip
+    want = {None: hf_greedy(default_model_path, prompts, MAX_TOKENS)}
+    for name, folder in made.items():
+        want[name] = hf_greedy(default_model_path, prompts, MAX_TOKENS, folder)
+    loras = {name: LoRARequest(name, i + 1, str(f)) for i, (name, f) in enumerate(made.items())}
+    llm = LLM(str(default_model_path), enable_lora=True, max_loras=3, max_lora_rank=64)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)  # stops at EOS, as HF
+    ids = [{"prompt_token_ids": p} for p in prompts]
+    try:
+        alone = {name: [list(o.outputs[0].token_ids) for o in
+                        llm.generate(ids, params, lora_request=lora, use_tqdm=False)]
+                 for name, lora in loras.items()}  # fmt: skip
+        plan = [None, *loras.values()] * len(prompts)
+        mixed = llm.generate([ids[i // 4] for i in range(len(plan))], params, lora_request=plan,
+                             use_tqdm=False)  # fmt: skip
+    finally:
+        llm.shutdown()
+    for name in loras:
+        assert alone[name] == want[name], name
+        assert want[name] != want[None], name  # each adapter changes the answer
+    for i, (lora, out) in enumerate(zip(plan, mixed)):
+        assert list(out.outputs[0].token_ids) == want[lora and lora.lora_name][i // 4], i

@@ -24,7 +24,15 @@ from typing import Any
 import numpy as np
 
 from bench.common import check_json_path, machine, write_json
-from bench.diagnose.scenarios import CAUSES, PROFILES, RANDOM_DRAFT, Group, Run, make_group
+from bench.diagnose.scenarios import (
+    CAUSES,
+    LORA_ADAPTERS,
+    PROFILES,
+    RANDOM_DRAFT,
+    Group,
+    Run,
+    make_group,
+)
 
 DEFAULT_MODELS = "tiny:3,smollm2:1,gemma3:1"
 MODEL_NAMES = {"smollm2": None, "gemma3": "gemma-3-270m"}  # for resolve_model
@@ -144,6 +152,9 @@ def run(args: argparse.Namespace) -> int:
             group = make_group(seed, model, causes)
             for r in group.primitives:  # the speculation primitive's draft, where it is
                 r.flags = [f.replace(RANDOM_DRAFT, str(draft)) for f in r.flags]
+                if r.cause == "lora_slots":  # the adapters of the group's model
+                    folder = _lora_adapters(paths[model], tmp / f"lora-{model}")
+                    r.flags = [f.replace(LORA_ADAPTERS, str(folder)) for f in r.flags]
             where = f"seed={seed} model={model} causes={','.join(causes)}"
             print(f"[{n}/{len(groups)}] group {seed}:{model}:{','.join(causes)} "
                   f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
@@ -234,6 +245,16 @@ def _said(name: str, label: str, named: Any, seen: list[Any], run_: Run | None =
 def _print(name: str, magnitude: Any, named: Any) -> None:
     print(f"  {name}: {json.dumps(magnitude)} -> named {sorted(named.run) or 'nothing'}",
           flush=True)  # fmt: skip
+
+
+def _lora_adapters(model: Path, folder: Path) -> Path:
+    """Four random rank-8 adapters of ``model`` (lora0..lora3), written once per run."""
+    from bench.lora import write_adapter
+
+    for i in range(4):
+        if not (folder / f"lora{i}" / "adapter_config.json").is_file():
+            write_adapter(model, folder / f"lora{i}", 8, 100 + i)
+    return folder
 
 
 def _models(names: list[str], tmp: Path) -> dict[str, Path]:

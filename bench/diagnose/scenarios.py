@@ -25,10 +25,14 @@ from bench.diagnose.client import Ask
 CAUSES = (
     "prefill", "max_num_seqs", "kv_blocks", "token_budget", "api_cpu", "grammar", "logprobs",
     "penalties", "slow_reader", "cancel", "crash", "hang", "gc", "imbalance", "speculation",
+    "lora_slots",
 )  # fmt: skip
 # The speculation primitive's draft: a random model of SmolLM2's tokenizer (the tiny model's
 # shape, another seed), its folder put in place of this by the bench (diagnose._models).
 RANDOM_DRAFT = "@random-draft"
+# The lora_slots primitive's adapters: random LoRA folders for the group's model, written by
+# the bench (diagnose._lora_adapters) in a folder put in place of this.
+LORA_ADAPTERS = "@lora-adapters"
 
 
 @dataclass(frozen=True)
@@ -301,11 +305,23 @@ def _speculation(rng: np.random.Generator, p: Profile, asks: list[Ask], d: float
                magnitude={"method": spec["method"], "k": k})  # fmt: skip
 
 
+def _lora_slots(rng: np.random.Generator, p: Profile, asks: list[Ask], d: float) -> Run:
+    # The streams spread over 2 to 4 adapters with one slot (--max-loras 1): an adapter's
+    # requests wait while another's run.
+    n = int(rng.integers(2, min(4, len(asks)) + 1))
+    names = [f"lora{i}" for i in range(n)]
+    for i, a in enumerate(rng.permutation(len(asks))):
+        asks[int(a)].body["model"] = names[i % n]
+    modules = [f"{name}={LORA_ADAPTERS}/{name}" for name in names]
+    return Run("lora_slots", asks, ["--enable-lora", "--max-loras", "1", "--lora-modules",
+                                    *modules], magnitude={"adapters": n})  # fmt: skip
+
+
 PRIMITIVES: dict[str, Callable[[np.random.Generator, Profile, list[Ask], float], Run]] = {
     "prefill": _prefill, "max_num_seqs": _max_num_seqs, "kv_blocks": _kv_blocks,
     "token_budget": _token_budget, "api_cpu": _api_cpu, "grammar": _grammar,
     "logprobs": _logprobs, "penalties": _penalties, "slow_reader": _slow_reader,
     "cancel": _cancel, "crash": _crash, "hang": _hang, "gc": _gc, "imbalance": _imbalance,
-    "speculation": _speculation,
+    "speculation": _speculation, "lora_slots": _lora_slots,
 }  # fmt: skip
 assert tuple(PRIMITIVES) == CAUSES

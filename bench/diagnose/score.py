@@ -159,6 +159,7 @@ def _queue_reason(text: str) -> str | None:
     for key, reason in (
         ("max_num_seqs", "max_num_seqs"), ("KV blocks", "kv_blocks"),
         ("preemption", "preemption"), ("token_budget", "token_budget"),
+        ("LoRA slots", "lora_slots"),
     ):  # fmt: skip
         if key in text:
             return reason
@@ -170,7 +171,8 @@ def _part_causes(part: str | None, reason: str | None, restart: str | None, text
         return set()
     if part == "queue":
         by_reason = {"max_num_seqs": "max_num_seqs", "kv_blocks": "kv_blocks",
-                     "preemption": "kv_blocks", "token_budget": "token_budget"}  # fmt: skip
+                     "preemption": "kv_blocks", "token_budget": "token_budget",
+                     "lora_slots": "lora_slots"}  # fmt: skip
         return {by_reason.get(reason or "", "queue")}
     if part == "sampling":  # the setting the words say its rows paid for
         return {next((c for words, c in SAMPLER_PAID if words in text), "penalties")}

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--in-process", action="store_true",
                      help="a server recording through the engine in this process, not "
                           "through a `lumen serve` started for the replay")  # fmt: skip
+    run.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                     help="the folder of each LoRA adapter the recording's requests ran (its "
+                          "paths are not recorded), as lumen serve takes them")  # fmt: skip
     # Unset flags take the recorded run's configuration (or the defaults for an imported trace).
     add_engine_options(run, skip=("core_process",), only_given=True)
     run.set_defaults(func=_run)
@@ -211,7 +214,8 @@ def _run(args: argparse.Namespace) -> int:
     config, used = replay_config(args.db, args.run, given, core_process=True)
     print(used)
     options = dict(speed=args.speed, limit=args.limit, run_id=args.run,
-                   window=parse_window(args.window))  # fmt: skip
+                   window=parse_window(args.window),
+                   lora_modules=args.lora_modules or [])  # fmt: skip
     if is_server_recording(args.db, args.run) and not args.in_process:
         print("replaying through a `lumen serve` started with it, over HTTP, each request "
               "streamed or not as recorded (--in-process: the engine in this process)")  # fmt: skip

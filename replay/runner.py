@@ -5,6 +5,7 @@ into a fresh trace db."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import statistics
@@ -20,9 +21,10 @@ from tqdm import tqdm
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.data_parallel import EngineGroup, start_group
+from engine.lora import LoRARequest
 from engine.model_config import ModelConfig
 from engine.model_files import resolve_model
-from replay.workload import ReplayRequest, load_workload, recorded_engines
+from replay.workload import ReplayRequest, load_workload, lora_adapters, recorded_engines
 from tracing.config import TracingConfig
 from tracing.recorder import Tracer
 from tracing.store import latest_run, open_db
@@ -72,15 +74,22 @@ async def run_replay(
     window: tuple[float, float] = (0.0, float("inf")),
     progress: bool = True,
     engine: AsyncLLM | EngineGroup | None = None,
+    lora_modules: list[str] | None = None,
 ) -> RunResult:
     """One replay into ``out``, through a fresh engine, or through ``engine`` when given (left
-    running for the next replay: one start for several runs, as the regression gate does)."""
+    running for the next replay: one start for several runs, as the regression gate does).
+    ``lora_modules``: name=path of each LoRA adapter the recording's requests ran."""
     if speed <= 0:
         raise ValueError("--speed must be positive")
     path = str(resolve_model(engine_config.model))
     source_run, work = load_workload(
         db, vocab=vocabulary(path), run_id=run_id, limit=limit, window=window
     )
+    loras = {name: LoRARequest(name, i, folder) for i, (name, folder)
+             in enumerate(lora_adapters(work, lora_modules).items(), 1)}  # fmt: skip
+    if loras and not engine_config.enable_lora:
+        engine_config = dataclasses.replace(engine_config, enable_lora=True,
+                                            max_loras=len(loras))  # fmt: skip
     owned = engine is None
     # A recording of several engines replays on as many, each request on its recorded one.
     engines = recorded_engines(db, source_run)
@@ -113,12 +122,14 @@ async def run_replay(
         max_room = engine.max_model_len - len(req.prompt_token_ids)
         params = req.params.clone(max_tokens=min(req.params.max_tokens or max_room, max_room))
         prompt: Any = {"prompt_token_ids": req.prompt_token_ids}
+        lora = loras.get(req.lora_name) if req.lora_name else None
+        prepared = engine.prepare(prompt, params, lora)
         if isinstance(engine, EngineGroup) and pinned:  # on its recorded engine
-            stream = engine.generate(
-                prompt, params, priority=req.priority, data_parallel_rank=req.engine or 0
+            stream = engine.generate_prepared(
+                prepared, priority=req.priority, data_parallel_rank=req.engine or 0
             )
         else:
-            stream = engine.generate(prompt, params, priority=req.priority)
+            stream = engine.generate_prepared(prepared, priority=req.priority)
         got = 0
         try:
             async for o in stream:
@@ -165,12 +176,14 @@ async def run_replay_http(
     window: tuple[float, float] = (0.0, float("inf")),
     progress: bool = True,
     pin_engines: bool = False,
+    lora_modules: list[str] | None = None,
 ) -> tuple[RunResult, dict[str, list[float]]]:
     """The same open-loop replay against a running server (`/v1/completions`, the prompts as
     token ids), each client as recorded: streamed or not, hanging up after the tokens it read,
     reading slowly through a small receive buffer. The server records the trace; the client
     times TTFT and e2e. ``pin_engines``: each request to its recorded engine (vLLM's
-    X-data-parallel-rank header; the server has the recording's engines)."""
+    X-data-parallel-rank header; the server has the recording's engines). A request that ran a
+    LoRA adapter names it as its model (``lora_modules`` given: each must be among them)."""
     import socket
 
     import httpx
@@ -181,6 +194,8 @@ async def run_replay_http(
     source_run, work = load_workload(
         db, vocab=vocabulary(path), run_id=run_id, limit=limit, window=window
     )
+    if lora_modules is not None:
+        lora_adapters(work, lora_modules)  # each adapter the requests ran has its folder
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bar = tqdm(total=len(work), desc="replay", disable=not progress, unit="req")
     errors: list[float] = []
@@ -203,6 +218,8 @@ async def run_replay_http(
             "repetition_penalty": p.repetition_penalty, "priority": req.priority,
             "stream": req.stream,
         }  # fmt: skip
+        if req.lora_name is not None:
+            body["model"] = req.lora_name
         if (so := p.structured_outputs) is not None:  # its grammar, as vLLM's field sends it
             fields = {"json": so.json, "regex": so.regex, "choice": so.choice,
                       "grammar": so.grammar, "json_object": so.json_object or None}  # fmt: skip
@@ -264,6 +281,8 @@ def run_replay_served(
 
     model = str(resolve_model(config.model))
     flags = option_flags(config, skip=("model", "core_process"))
+    if modules := options.get("lora_modules"):  # the recording's adapters, where it ran any
+        flags += ["--lora-modules", *modules] + ([] if config.enable_lora else ["--enable-lora"])
     # A recording of several engines: as many, each request sent to its recorded one.
     engines = recorded_engines(db, options.get("run_id"))
     if engines > 1:

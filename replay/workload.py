@@ -32,6 +32,7 @@ class ReplayRequest:
     hang_up_after: int | None = None  # tokens read before the client disconnected
     read_interval_s: float = 0.0  # a slow reader: time between reads of the stream
     engine: int | None = None  # the data-parallel engine that served it (--data-parallel-size)
+    lora_name: str | None = None  # the LoRA adapter it ran with (None: the base model)
 
 
 # A recorded client was a slow reader when its writes waited at least this long, and this
@@ -60,10 +61,11 @@ def load_workload(
             "SELECT column_name FROM information_schema.columns WHERE table_name = 'requests'"
         ).fetchall()}  # fmt: skip
         engine = "engine" if "engine" in have else "NULL"  # stores before migration 10
+        lora = "lora_name" if "lora_name" in have else "NULL"  # before migration 13
         rows = con.execute(
             "SELECT request_id, arrival_ns, prompt_tokens, output_tokens, params, priority, "
             "prompt_block_size, prompt_block_hashes, prompt_token_ids, stream, status, "
-            f"send_wait_ns, first_delivered_ns, last_delivered_ns, {engine} FROM requests "
+            f"send_wait_ns, first_delivered_ns, last_delivered_ns, {engine}, {lora} FROM requests "
             "WHERE run_id = ? AND prompt_tokens > 0 AND params IS NOT NULL "
             "ORDER BY arrival_ns, request_id",
             [run_id],
@@ -80,7 +82,7 @@ def load_workload(
     out = []
     for i, row in enumerate(rows):
         rid, arrival, n_prompt, n_out, params, prio, block, hashes, ids, stream = row[:10]
-        status, send_wait, first_delivered, last_delivered, engine_rank = row[10:]
+        status, send_wait, first_delivered, last_delivered, engine_rank, lora_name = row[10:]
         if ids is None:
             ids = synthetic_prompt(n_prompt, block, hashes, vocab, seed=seed + i)
         recorded = json.loads(params)
@@ -101,6 +103,7 @@ def load_workload(
                 hang_up,
                 span / max(n_out - 1, 1) if slow and stream is not False else 0.0,
                 engine_rank,
+                lora_name,
             )
         )
     return run_id, out
@@ -161,7 +164,8 @@ def synthetic_prompt(
 REPLAYED_OPTIONS = ("dtype", "kv_cache_dtype", "quantization", "block_size",
                     "enable_prefix_caching", "max_num_batched_tokens", "max_num_seqs",
                     "scheduling_policy", "seed", "warmup", "stream_interval",
-                    "speculative_config")  # fmt: skip
+                    "speculative_config", "enable_lora", "max_loras", "max_lora_rank",
+                    "max_cpu_loras")  # fmt: skip
 
 
 def is_server_recording(db: str, run_id: str | None = None) -> bool:
@@ -234,3 +238,20 @@ def replay_config(
     # An import records the block size of its hashes, and no engine.
     where = "recorded" if "max_num_seqs" in recorded else "no engine recorded (an imported trace)"
     return config, f"engine configuration, {where}: " + ", ".join(cells)
+
+
+def lora_adapters(work: list[ReplayRequest], modules: list[str] | None) -> dict[str, str]:
+    """The folder of each LoRA adapter the recording's requests ran (``--lora-modules``
+    name=path entries): a ValueError naming those not given (their paths are not recorded)."""
+    from engine.lora import parse_module
+
+    given = dict(parse_module(m)[:2] for m in modules or ())
+    used = sorted({r.lora_name for r in work if r.lora_name is not None})
+    missing = [name for name in used if name not in given]
+    if missing:
+        runs = sum(r.lora_name in missing for r in work)
+        raise ValueError(
+            f"the recording's requests ran LoRA adapters the replay has no folder for: "
+            f"{', '.join(missing)} ({runs} requests); give each with --lora-modules NAME=PATH"
+        )
+    return {name: given[name] for name in used}

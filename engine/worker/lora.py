@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine.lora import MODULES, SITES, WEIGHTS_FILE, AdapterSpec, LoRARequest
+from engine.lora import MODULES, SITES, WEIGHTS_FILE, AdapterSpec, LoRARequest, read_tensors
 from engine.model_config import ModelConfig
 from engine.worker.layers import Shard
 from engine.worker.messages import NewRequestData
@@ -48,44 +48,47 @@ def _parts(cfg: ModelConfig, site: str) -> list[int]:
 def load_adapter(
     spec: AdapterSpec, cfg: ModelConfig, shard: Shard, dtype: torch.dtype, device: torch.device
 ) -> list[dict[str, Pair]]:
-    """An adapter's pairs, one dict (product -> pair) per layer, this rank's shard of each."""
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(Path(spec.path) / WEIGHTS_FILE))
-    by_module: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    """An adapter's pairs, one dict (product -> pair) per layer, this rank's shard of each.
+    Built in numpy (engine.lora.read_tensors says why); fp32 on CPU shares numpy's memory."""
+    tensors = read_tensors(Path(spec.path) / WEIGHTS_FILE)
+    by_module: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, t in tensors.items():
         name = key.split(".lora_")[0].rsplit(".", 1)[1]
         layer = int(key.split("layers.")[1].split(".")[0])
         by_module.setdefault((layer, name), {})["A" if ".lora_A" in key else "B"] = t
     layers: list[dict[str, Pair]] = [{} for _ in range(cfg.num_layers)]
-    pieces: dict[tuple[int, str], list[tuple[torch.Tensor, torch.Tensor, int | None]]] = {}
+    pieces: dict[tuple[int, str], list[tuple[np.ndarray, np.ndarray, int | None]]] = {}
     for m in spec.modules:
         pair = by_module[(m.layer, m.name)]
         site, part = MODULES[m.name]
-        a = pair["A"].to(torch.float32).t()  # [in, r]
-        b = pair["B"].to(torch.float32).t() * m.scale  # [r, out]
+        a = pair["A"].T  # [in, r]
+        b = pair["B"].T * np.float32(m.scale)  # [r, out]
         pieces.setdefault((m.layer, site), []).append((a, b, part))
     for (layer, site), found in pieces.items():
-        layers[layer][site] = _pair(cfg, shard, site, found, dtype, device)
+        a, b = _pair(cfg, shard, site, found)
+        layers[layer][site] = (_tensor(a, dtype, device), _tensor(b, dtype, device))
     return layers
+
+
+def _tensor(x: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    return t if (dtype, device.type) == (torch.float32, "cpu") else t.to(device, dtype)
 
 
 def _pair(
     cfg: ModelConfig, shard: Shard, site: str,
-    found: list[tuple[torch.Tensor, torch.Tensor, int | None]],
-    dtype: torch.dtype, device: torch.device,
-) -> Pair:  # fmt: skip
+    found: list[tuple[np.ndarray, np.ndarray, int | None]],
+) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
     sizes = _parts(cfg, site)
     if site in ("o", "down"):  # row-parallel: this rank's input rows of A, the whole B
         ((a, b, _),) = found
-        a = a[shard.part(a.shape[0])]
-        return a.to(device, dtype).contiguous(), b.to(device, dtype).contiguous()
+        return a[shard.part(a.shape[0])], b
     # Column-parallel: each part's columns of this rank, the parts side by side.
     local = [n // shard.size for n in sizes]
     offsets = [sum(local[:i]) for i in range(len(local))]
     rank = sum(a.shape[1] for a, _, _ in found)
-    a_all = torch.cat([a for a, _, _ in found], dim=1)
-    b_all = torch.zeros(rank, sum(local))
+    a_all = np.concatenate([a for a, _, _ in found], axis=1)
+    b_all = np.zeros((rank, sum(local)), dtype=np.float32)
     row = 0
     for a, b, part in found:
         r = a.shape[1]
@@ -98,7 +101,7 @@ def _pair(
             b_all[row : row + r, offsets[p] : offsets[p] + local[p]] = mine
             col += sizes[p]
         row += r
-    return a_all.to(device, dtype).contiguous(), b_all.to(device, dtype).contiguous()
+    return a_all, b_all
 
 
 class Adapter:

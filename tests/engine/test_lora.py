@@ -291,3 +291,21 @@ def test_smollm2_adapters_of_three_ranks_match_peft(
         assert want[name] != want[None], name  # each adapter changes the answer
     for i, (lora, out) in enumerate(zip(plan, mixed)):
         assert list(out.outputs[0].token_ids) == want[lora and lora.lora_name][i // 4], i
+
+
+def test_adapter_weights_are_read_as_torch_reads_them(
+    adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """engine.lora.read_tensors (numpy alone, for the background read) against safetensors'
+    torch reader, for an adapter saved in fp32, fp16 and bf16."""
+    import torch
+
+    from engine.lora import read_tensors
+
+    good = load_file(str(adapters["a2"] / "adapter_model.safetensors"))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        file = tmp_path / f"{dtype}.safetensors"
+        save_file({k: v.to(dtype) for k, v in good.items()}, str(file))
+        read = read_tensors(file)
+        for key, t in load_file(str(file)).items():
+            assert torch.equal(torch.from_numpy(read[key]), t.float()), (dtype, key)

@@ -119,7 +119,9 @@ def metric_families() -> list[tuple[str, str, str, list[str]]]:
     from service.metrics import ServerMetrics
     from tracing.genai_metrics import HISTOGRAMS
 
-    registry = ServerMetrics("model", 2048).registry
+    metrics = ServerMetrics("model", 2048)
+    metrics.enable_lora(1)  # the families only --enable-lora registers
+    registry = metrics.registry
     out = []
     for family in registry.collect():
         labels = sorted({k for s in family.samples for k in s.labels if k not in ("le",)})

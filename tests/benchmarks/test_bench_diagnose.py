@@ -248,6 +248,7 @@ def test_the_scorer_reads_a_built_trace_as_the_diagnosis_says_it(tmp_path: Path)
     assert "prefill" in named.run and "prefill" in named.requests["d0"]
 
 
+@pytest.mark.e2e  # five servers, 30-40 s alone: beside the sample of every cause below
 @pytest.mark.serial  # it provokes latency, and its labels compare timings
 def test_a_fixed_group_is_named_right_through_real_servers(tmp_path: Path) -> None:
     """Seed 10 on the tiny model: a queue held by --max-num-seqs 2, a reader that pauses 1.4 s

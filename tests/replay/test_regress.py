@@ -53,6 +53,7 @@ def test_the_virtual_layer_fails_on_a_policy_change(
     assert "REGRESSION" in table and "ttft_s.p" in table and "baseline" in table
 
 
+@pytest.mark.e2e  # three provoked sites through the gate: 15 s alone
 @pytest.mark.serial  # provokes latency and asserts what the gate measured of it
 def test_the_measured_layer_names_each_slower_path(
     folder: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch

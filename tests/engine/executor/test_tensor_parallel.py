@@ -69,6 +69,7 @@ def test_tp2_greedy_matches_tp1_and_hf(tiny_model_path: Path) -> None:
     assert tp1 == hf_greedy(tiny_model_path, prompts, MAX_TOKENS)
 
 
+@pytest.mark.e2e  # three pairs of ranks, 13 s (test_tp2_greedy_matches_tp1_and_hf stays)
 @pytest.mark.parametrize("family", ["gemma3", "phi3", "llama_bias"])
 def test_tp2_of_other_families_matches_hf(
     family: str, tiny_family_path: Callable[[str], Path]

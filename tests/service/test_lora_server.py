@@ -102,8 +102,16 @@ def test_adapters_are_served_loaded_and_unloaded_by_name(
         assert len(info) == 1 and 'max_lora="2"' in next(iter(info)), info
         assert next(iter(info.values())) > time.time() - 60  # its value: when it was updated
 
+        # Unloaded while a request on it streams: that request finishes, new ones get a 404.
+        stream = client.completions.create(model="a2", prompt=PROMPTS[0], max_tokens=300,
+                                           temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
         said = tok(server.url("/v1/unload_lora_adapter"), json={"lora_name": "a2"})
         assert said.status_code == 200 and "removed successfully" in said.text
+        rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length", rest[-1]
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="a2", prompt="hi", max_tokens=2)
         again = tok(server.url("/v1/unload_lora_adapter"), json={"lora_name": "a2"})

@@ -235,3 +235,26 @@ def test_a_model_with_windows_reports_its_full_group(windows: tuple[int, ...]) -
     full = {block_hashes.external(h[:32]) for h in mgr.pool._cached
             if len(h) == 32 + len(suffix) and h.endswith(suffix)}  # fmt: skip
     assert held == full and len(full) >= 10
+
+
+def test_an_adapters_blocks_are_stored_under_its_name() -> None:
+    """BlockStored carries the request's LoRA adapter (vLLM's lora_id and lora_name; None for
+    the base model), and the same tokens under another adapter are other blocks."""
+    from engine.core.kv_cache_manager import KVCacheManager
+    from engine.lora import LoRARequest
+    from tests.helpers.factories import make_request
+
+    mgr = KVCacheManager(64, 4)
+    mgr.enable_events()
+    stored = []
+    for lora in (None, LoRARequest("sql", 3, "/a")):
+        r = make_request(list(range(10, 22)), max_tokens=2)
+        r.lora_request = lora
+        hits, num_hit = mgr.get_computed_blocks(r)
+        assert num_hit == 0  # no block of the base model's serves the adapter
+        assert mgr.allocate_slots(r, r.num_tokens, hits)
+        r.num_computed_tokens = r.num_tokens
+        mgr.free(r)
+        stored += [e for e in mgr.take_events() if e["type"] == "BlockStored"]
+    assert [(e["lora_id"], e["lora_name"]) for e in stored] == [(None, None), (3, "sql")]
+    assert not set(stored[0]["block_hashes"]) & set(stored[1]["block_hashes"])

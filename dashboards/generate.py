@@ -150,6 +150,19 @@ KEPT = (
     "countIf(SpanName = 'lumen.step') AS steps FROM otel_traces WHERE "
     "$__timeFilter(Timestamp) AND ServiceName = 'lumen' GROUP BY time, replica ORDER BY time"
 )
+# Per model name asked for (the base model's, or a LoRA adapter's: gen_ai.request.model), over
+# the range: LoRA's latency per adapter without a Prometheus label per adapter.
+TPOT_OK = (f"{ATTR.format('lumen.status')} = 'ok' AND "
+           f"{NUM.format('gen_ai.usage.output_tokens')} >= 2")  # fmt: skip
+BY_MODEL = (
+    f"SELECT {ATTR.format('gen_ai.request.model')} AS model, "
+    f"intDiv(sum({WEIGHT}), $sample_percent) AS requests, "
+    f"round(quantileExactWeighted(0.5)({TTFT_S}, {WEIGHT}), 3) AS ttft_p50_s, "
+    f"round(quantileExactWeighted(0.9)({TTFT_S}, {WEIGHT}), 3) AS ttft_p90_s, "
+    f"round(quantileExactWeightedIf(0.5)({TPOT_S}, {WEIGHT}, {TPOT_OK}), 4) AS tpot_p50_s, "
+    f"round(quantileExactWeightedIf(0.9)({TPOT_S}, {WEIGHT}, {TPOT_OK}), 4) AS tpot_p90_s "
+    f"{ROOTS} GROUP BY model ORDER BY requests DESC"
+)
 EXPLAIN = """\
 **Why was it slow?** `slowest_phase` is where most of a request's time went, as its replica's
 trace writer measured it. For the whole diagnosis (the step, the neighbour, the knob), rebuild
@@ -195,6 +208,8 @@ def fleet_panels() -> list[dict]:
         {"id": 5, "type": "text", "title": "Explaining a request of the fleet",
          "gridPos": {"h": 8, "w": 12, "x": 12, "y": 18},
          "options": {"mode": "markdown", "content": EXPLAIN}},
+        panel(6, "table", "Per model and LoRA adapter: requests, TTFT and TPOT", "none",
+              BY_MODEL, {"h": 8, "w": 24, "x": 0, "y": 26}),
     ]  # fmt: skip
 
 

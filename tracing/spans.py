@@ -292,6 +292,7 @@ def root_attributes(req: RequestTrace) -> dict[str, Any]:
     p = req.params
     attrs: dict[str, Any] = {
         "gen_ai.request.id": req.request_id,
+        "gen_ai.request.model": req.model,  # the name asked for: a LoRA adapter's, or the base's
         "gen_ai.response.model": req.model,
         "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
         "gen_ai.usage.output_tokens": req.output_tokens,
@@ -326,6 +327,8 @@ def root_attributes(req: RequestTrace) -> dict[str, Any]:
         attrs["lumen.client_request_id"] = req.client_request_id
     if req.error:
         attrs["lumen.error"] = req.error
+    if req.lora_name is not None:
+        attrs["lumen.lora_name"] = req.lora_name
     return attrs
 
 

@@ -64,7 +64,7 @@ def _opening(req: RequestDiagnosis, run: RunDiagnosis) -> str:
     """Its replica, what ended it where it did not finish, and its TTFT against the run's
     percentiles (the numbers `replay report` prints)."""
     places = [f"replica {run.replica}"] if run.replica else []
-    if req.engine is not None and len({r.engine for r in run.requests}) > 1:
+    if req.engine is not None and len({r.engine for r in run.requests} - {None}) > 1:
         # One of several data-parallel engines, and the rule that sent it there.
         how = ROUTED_SHORT.get(req.routed or "")
         places.append(f"engine {req.engine}" + (f", {how}" if how else ""))

@@ -155,6 +155,7 @@ def read_spec(path: str | Path, cfg: ModelConfig, max_rank: int) -> AdapterSpec:
     patterns = conf.get("alpha_pattern") or {}
     rslora = bool(conf.get("use_rslora"))
     found: dict[tuple[int, str], dict[str, list[int]]] = {}
+    stems: dict[tuple[int, str], str] = {}  # PEFT's module name (model.layers.0.self_attn.q_proj)
     for key, entry in read_header(weights).items():
         m = _KEY.match(key)
         if m is None or m.group(2) not in MODULES:
@@ -175,6 +176,7 @@ def read_spec(path: str | Path, cfg: ModelConfig, max_rank: int) -> AdapterSpec:
         if not (isinstance(shape, list) and len(shape) == 2):
             raise LoraError(f"{weights}: {key} is not a matrix")
         found.setdefault((layer, name), {})[ab] = shape
+        stems[(layer, name)] = key.split(".lora_")[0].removeprefix("base_model.model.")
     if not found:
         raise LoraError(f"{weights} holds no LoRA weights")
     modules = []
@@ -192,7 +194,7 @@ def read_spec(path: str | Path, cfg: ModelConfig, max_rank: int) -> AdapterSpec:
         if r > max_rank:
             raise LoraError(f"{path}: rank {r} (layer {layer}'s {name}) is over --max-lora-rank "
                             f"{max_rank}")  # fmt: skip
-        a = _pattern(patterns, f"layers.{layer}.{name}", alpha)
+        a = _pattern(patterns, stems[(layer, name)], alpha)
         modules.append(Module(layer, name, r, a / (math.sqrt(r) if rslora else r)))
     return AdapterSpec(str(folder), max(m.rank for m in modules), tuple(modules))
 
@@ -213,7 +215,7 @@ def _check_config(conf: dict[str, object], file: Path) -> None:
 
 
 def _pattern(patterns: object, module: str, default: float) -> float:
-    """PEFT's alpha_pattern: a key matches a module whose name ends with it."""
+    """PEFT's alpha_pattern: a key (a regex) matches a module whose full name ends with it."""
     if isinstance(patterns, dict):
         for key, value in patterns.items():
             if re.fullmatch(rf"(.*\.)?{key}", module):

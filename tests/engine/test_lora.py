@@ -118,6 +118,29 @@ def test_fused_checkpoints_and_tensor_parallel_ranks_take_their_part(
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
 
 
+def test_an_alpha_pattern_and_one_layer_scale_as_peft_does(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """PEFT's alpha_pattern (a full module name, and a module's short name) and
+    layers_to_transform: the tokens PeftModel gives."""
+    pattern = {"model.layers.0.self_attn.q_proj": 64.0, "down_proj": 2.0}
+    folder = build_adapter(tiny_model_path, tmp_path / "pat", rank=4, alpha=8, seed=41,
+                           alpha_pattern=pattern)  # fmt: skip
+    one = build_adapter(tiny_model_path, tmp_path / "one", rank=4, seed=42, layers=[1])
+    prompts = _random_prompts(seed=9)[3:8]
+    llm = LLM(str(tiny_model_path), warmup=False, enable_lora=True, max_loras=2)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        for i, f in enumerate((folder, one), 1):
+            lora = LoRARequest(f.name, i, str(f))
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                lora_request=lora, use_tqdm=False)  # fmt: skip
+            want = hf_greedy(tiny_model_path, prompts, MAX_TOKENS, f)
+            assert [list(o.outputs[0].token_ids) for o in outs] == want, f.name
+    finally:
+        llm.shutdown()
+
+
 def test_one_slot_serves_adapters_in_turn_and_says_why_they_waited(
     tiny_model_path: Path, adapters: dict[str, Path]
 ) -> None:

@@ -156,3 +156,30 @@ def test_a_bad_lora_option_is_one_line_and_exit_2(
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert said in last, last
+
+
+def test_a_restarted_core_reads_the_adapters_again(
+    tiny_model_path: Path, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """kill -9 of the core: the new core knows no adapter, and reads each again when a request
+    names it (each request carries its adapter's folder); the answer is the same."""
+    import os
+    import signal
+
+    log = tmp_path / "restart.log"
+    with LumenServer(tiny_model_path, "--enable-lora", "--lora-modules", f"a1={adapters['a1']}",
+                     log_path=log) as server:  # fmt: skip
+        client = server.client(timeout=60)
+        before = _text(client, "a1", PROMPTS[1])
+        os.kill(server.core_pid(), signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:  # a request sent during the restart waits for the new core, or gets a 503
+            try:
+                after = _text(client, "a1", PROMPTS[1])
+                break
+            except openai.APIStatusError:
+                assert time.monotonic() < deadline, "the restarted core never served"
+                time.sleep(0.5)
+    said = log.read_text()
+    assert after == before
+    assert said.count("LoRA adapter a1 read in") == 2, said[-2000:]

@@ -365,7 +365,7 @@ TABLE_DOCS: dict[str, tuple[str, list[Row]]] = {
 }
 
 
-SCHEMA_VERSION = 13  # the last migration (tracing/store.py MIGRATIONS)
+SCHEMA_VERSION = 13  # the last migration (tracing/store_migrations.py MIGRATIONS)
 
 
 def _from(columns: dict[str, str], first: str, last: str) -> list[str]:

@@ -10,7 +10,8 @@ import pytest
 
 from tests.helpers.trace_builder import MS, T0, Trace, long_prefill_run, serial_run, serve_alone
 from tracing.diagnose import RunDiagnosis, diagnose_run, explain_request, render_run
-from tracing.store import MIGRATIONS, TABLES
+from tracing.store import TABLES
+from tracing.store_migrations import MIGRATIONS
 
 
 def kinds(run: RunDiagnosis, kind: str) -> list[str]:

@@ -20,13 +20,13 @@ from tracing.config import TracingConfig
 from tracing.events import Pause
 from tracing.store import (
     MERGE_EVERY,
-    MIGRATIONS,
     CorruptStore,
     TraceStore,
     compact,
     open_db,
     write_new,
 )
+from tracing.store_migrations import MIGRATIONS
 from tracing.store_schema import TABLES
 
 HOLD = """

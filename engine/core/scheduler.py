@@ -216,6 +216,10 @@ class Scheduler:
                 continue
             # The request itself was preempted; i now points at the next one.
 
+        # The adapters in the batch (--enable-lora), kept as requests are admitted.
+        loras: set[int] = set()
+        if self.max_loras:
+            loras = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         # Admit waiting requests only in a step that preempted nothing, so a
         # preempted request is not immediately overtaken.
         while len(self.waiting):
@@ -229,7 +233,7 @@ class Scheduler:
                 out.wait_reason = "max_num_seqs"
                 break
             head = self.waiting.peek()
-            fits = self._lora_fits(out) if self.max_loras else head
+            fits = self._lora_fits(out, loras) if self.max_loras else head
             if fits is None:
                 break
             request = fits
@@ -253,6 +257,8 @@ class Scheduler:
             self.running.append(request)
             scheduled[request.request_id] = num_new
             budget -= num_new
+            if request.lora_request is not None:
+                loras.add(request.lora_request.lora_int_id)
 
         self._fill_batch(out, scheduled)
         self.num_preemptions_total += out.num_preemptions
@@ -334,11 +340,11 @@ class Scheduler:
 
     # -- helpers ---------------------------------------------------------------
 
-    def _lora_fits(self, out: SchedulerOutput) -> Request | None:
-        """The first waiting request, in the queue's order, whose adapter is in the batch or
-        finds a free slot (--max-loras), as vLLM's scheduler skips the others; None when none
-        does. A request passed over records the step's wait reason, lora_slots."""
-        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+    def _lora_fits(self, out: SchedulerOutput, running: set[int]) -> Request | None:
+        """The first waiting request, in the queue's order, whose adapter is in the batch
+        (``running``: the batch's adapter ids) or finds a free slot (--max-loras), as vLLM's
+        scheduler skips the others; None when none does. A request passed over records the
+        step's wait reason, lora_slots."""
         for request in self.waiting:
             lora = request.lora_request
             if lora is None or lora.lora_int_id in running or len(running) < self.max_loras:

@@ -27,7 +27,7 @@ import torch
 from engine.lora import MODULES, SITES, WEIGHTS_FILE, AdapterSpec, LoRARequest, read_tensors
 from engine.model_config import ModelConfig
 from engine.worker.layers import Shard
-from engine.worker.messages import NewRequestData
+from engine.worker.messages import NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -237,21 +237,22 @@ class LoraAdapters:
                     spec.rank)  # fmt: skip
         return found
 
-    def set_batch(self, req_ids: Sequence[str], num_tokens: Sequence[int]) -> None:
-        """This step's runs of rows by adapter (``req_ids[i]`` has ``num_tokens[i]`` rows of
-        the flat batch, in order); a step without adapters has none."""
+    def set_batch(self, sched: SchedulerOutput, order: Sequence[int]) -> None:
+        """This step's runs of rows by adapter, over the flat batch's rows (``order``: the
+        scheduled rows in its order); a step without adapters has none."""
         runs: list[tuple[Adapter, int, int]] = []
         if self.of:
-            row, last = 0, 0
-            for rid, n in zip(req_ids, num_tokens):
-                lora = self.of.get(rid)
-                lora_id = 0 if lora is None else lora.lora_int_id
-                if lora is not None:
-                    if lora_id == last and runs and runs[-1][2] == row:
-                        runs[-1] = (runs[-1][0], runs[-1][1], row + n)
-                    else:
-                        runs.append((self.weights(lora), row, row + n))
-                last = lora_id
+            row, last = 0, 0  # last: the adapter id of the row before (0: the base model)
+            for i in order:
+                n = len(sched.token_ids[i])
+                lora = self.of.get(sched.req_ids[i])
+                if lora is None:
+                    last = 0
+                elif lora.lora_int_id == last:  # its run goes on
+                    runs[-1] = (runs[-1][0], runs[-1][1], row + n)
+                else:
+                    runs.append((self.weights(lora), row, row + n))
+                    last = lora.lora_int_id
                 row += n
         self.batch.plan(runs)
 

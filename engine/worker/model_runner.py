@@ -239,9 +239,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [])
         inputs = self._prepare_inputs(sched)
         if self.lora is not None:
-            order = inputs.order
-            self.lora.set_batch([sched.req_ids[i] for i in order],
-                                [len(sched.token_ids[i]) for i in order])  # fmt: skip
+            self.lora.set_batch(sched, inputs.order)
         assert self.model is not None
         hidden = self.model(
             inputs.input_ids,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.core.block_pool import BlockPool
@@ -330,10 +330,10 @@ class Model:
                 real = [i for i in ids if null is None or i != null.block_id]
                 assert len(set(real)) == len(real)
                 assert len(ids) == -(-r.num_computed_tokens // bs)
-                # Freed behind the window: at most what the next query cannot see.
-                first = (
-                    max(0, r.num_computed_tokens - self.windows[g]) // bs if self.windows[g] else 0
-                )
+                # Freed behind the window: at most what the next query cannot see. The query at
+                # position p reads the keys (p - window, p]: from p - window + 1.
+                w = self.windows[g]
+                first = max(0, r.num_computed_tokens - w + 1) // bs if w else 0
                 assert all(i != 0 or null is None for i in ids[first:])
                 holders.update(real)
         for blk in pool.blocks:
@@ -357,6 +357,8 @@ class Model:
     windows=st.sampled_from([(0,), (0,), (0, 3), (5,), (0, 6, 6)]),
     ops=st.lists(OPS, max_size=60),
 )
+# A failed growth has already freed the window's first block: the next query (4) reads 2-4.
+@example(5, 2, (0, 3), [("add", 0, 4, [], None), ("admit", 0, 4), ("grow", 0, 1)])
 def test_random_operations_keep_the_pool_consistent(
     num_blocks: int, block_size: int, windows: tuple[int, ...], ops: list[tuple[object, ...]]
 ) -> None:

@@ -392,18 +392,24 @@ def _ttft_parts(
         # A core GC pause holds new requests as a step does: named as GC.
         ipc = core.carve(parts, *window)
         # The step in flight, up to its expected time: expected (shares.InFlight), but for
-        # its prefill's share, other requests' prefill (a smaller token budget cuts it).
-        waited, prefill, step = run.in_flight.held(*window) if run.in_flight else (0, 0, None)
-        waited = min(waited, ipc)
-        prefill = min(prefill, waited)
-        parts["step_in_flight"], parts["ipc"] = waited - prefill, ipc - waited
+        # its prefill's share, other requests' prefill (a smaller token budget cuts it), and
+        # its sampler's, the sampler's parts (the settings of the rows it ran for).
+        held = run.in_flight.held(*window) if run.in_flight else shares.Held(0, 0, {}, None)
+        waited = min(held.waited, ipc)
+        prefill = min(held.prefill, waited)
+        left = waited - prefill
+        for part, ns in held.sampler.items():
+            took = min(ns, left)
+            parts[part] += took
+            left -= took
+        parts["step_in_flight"], parts["ipc"] = left, ipc - waited
         if parts["ipc"] >= MIN_CAUSE_NS:
             # A healthy core reads its input within a millisecond of a step's end: one that
             # took this long past the step in flight had stopped (or starved of CPU).
             parts["core_stall"], parts["ipc"] = parts["ipc"], 0
         parts["neighbour_prefill"] += prefill
         if prefill:
-            held_by = step
+            held_by = held.step
     if window := span(received, scheduled):
         # Structured outputs: until its grammar compiled it was not in the queue at all, and
         # a compile that ended during a step joins the queue when that step ends: had it

@@ -105,6 +105,7 @@ class Finding:
     request_ids: list[str] = field(default_factory=list)
     section: str = "causes"  # causes | paid | steps | cancellations | lifecycle | ...
     label: str | None = None  # what "Largest first" calls it, where not its part's words
+    phase: str | None = None  # ttft | decode: a part's finding, of the phase it was paid in
 
 
 @dataclass

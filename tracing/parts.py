@@ -105,8 +105,9 @@ PARTS: tuple[Part, ...] = (
         "waiting for the core's step in flight", "",
         "sent to received, while the core finished the step in flight, up to that step's "
         "expected time (its fitted execute time, its schedule and output): expected, as in "
-        "every step-based server, but for the share of it other requests' prefill took "
-        "(`neighbour_prefill`); the rest of the wait is `ipc`, or `core_stall` from 20 ms",
+        "every step-based server, but for the share of its forward other requests' prefill "
+        "took (`neighbour_prefill`) and the wait through its sampler (`sampling`, `logprobs`, "
+        "`speculation`); the rest of the wait is `ipc`, or `core_stall` from 20 ms",
         "core.receive",
     ),
     Part(
@@ -189,7 +190,8 @@ PARTS: tuple[Part, ...] = (
         "rows that are not plain greedy (temperature, top-k/p, penalties, a grammar, logprobs) "
         "take the full logits and the sampler, and every row of their step waits; plain greedy "
         "batches take the fused greedy head",
-        "the sampler's part of its steps' execute (`steps.sample_ns`): penalties, grammar "
+        "the sampler's part of its steps' execute (`steps.sample_ns`), and of the step in "
+        "flight when it reached the core, where it waited through it: penalties, grammar "
         "masks applied, temperature and top-k/p on the full logits; the LM head itself is "
         "the forward's",
         "worker.execute",

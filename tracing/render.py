@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+from collections import Counter
 
 from tracing.diagnosis import (
     DECODE_PARTS,
@@ -118,7 +119,15 @@ def _largest(run: RunDiagnosis, limit: int = 3) -> str:
             return f.label
         return WHAT[f.part][0] if f.part in WHAT else f.text.split(" (")[0].split(":")[0]
 
-    return "; ".join(f"{label(f)} ({ms(f.ms * 1e6)}, {who[f.kind]})" for f in named)
+    labels = Counter(label(f) for f in named)
+
+    def phase(f: Finding) -> str:  # one part in both phases: say which
+        return f", {PHASE_WORDS[f.phase]}" if labels[label(f)] > 1 and f.phase else ""
+
+    return "; ".join(f"{label(f)} ({ms(f.ms * 1e6)}, {who[f.kind]}{phase(f)})" for f in named)
+
+
+PHASE_WORDS = {"ttft": "before the first token", "decode": "after the first token"}
 
 
 def _part_tables(run: RunDiagnosis) -> list[str]:

@@ -153,9 +153,10 @@ class InFlight:
     a moment after the send holds it too (the core had read its input just before).
 
     The core takes new requests between steps, so a request sent while a step runs waits for
-    it: expected, in every step-based server, but for the share of the step's expected time
-    that its prefill tokens take (``held``: other requests' prefill, which a smaller token
-    budget cuts; a long step is also named for itself, as a prefill stall or by its shape). A
+    it: expected, in every step-based server, but for what its forward's prefill tokens take
+    (``held``: other requests' prefill, which a smaller token budget cuts; a long step is also
+    named for itself, as a prefill stall or by its shape), and for the sampler at the end of
+    its execute (the settings of its rows: named as the sampler, logprobs, speculation). A
     step's expected execute time is the fit's a + b * prefill tokens + c * rows, or without a
     fit the median busy step's. An outlier step (``outlier``) is expected to end at its start
     plus its own schedule and output time plus that expected execute time; the wait beyond stays
@@ -177,6 +178,14 @@ class InFlight:
         # that prefill, which a smaller token budget would have cut.
         prefill = weights.b * steps.prefill_tokens if weights.fitted else np.zeros_like(expected)
         self.prefill_share = np.clip(prefill / np.maximum(expected, 1), 0.0, 1.0)
+        # Inside execute, the forward comes first and the sampler's parts last.
+        self.forward_start = steps.execute_start_ns
+        self.sampler_start = steps.execute_end_ns - sampler
+        self.sampler_end = steps.execute_end_ns
+        self.sampler_parts = {
+            "sampling": steps.sample_ns, "logprobs": steps.logprobs_ns, "speculation": steps.spec_ns
+        }  # fmt: skip
+        self.sampler = sampler
         self.step_id = steps.step_id
         self.start = steps.schedule_start_ns
         self.end = out_end(steps) if len(steps.step_id) else steps.output_ns
@@ -189,17 +198,44 @@ class InFlight:
         i = int(np.searchsorted(self.start, at, side="left"))
         return int(self.start[i]) if i < len(self.start) else None
 
-    def held(self, sent: int, received: int) -> tuple[int, int, int | None]:
+    def held(self, sent: int, received: int) -> Held:
         """The wait inside [sent, received] for the last step that began before the core took
         the request (it began just after the send, too: the core had read its input already),
-        up to that step's expected end; the part of it the step's prefill took (its share of
-        the step's expected execute time); and the step's id (None: no step held it)."""
+        up to that step's expected end; the part of it the step's prefill took (the prefill's
+        share of the step's expected forward, over the wait inside the forward); what its
+        sampler took of the wait, by part; and the step's id (None: no step held it)."""
         i = int(np.searchsorted(self.start, received, side="left")) - 1
         if i < 0 or self.end[i] <= sent:
-            return 0, 0, None
+            return Held(0, 0, {}, None)
         lo = max(sent, int(self.start[i]))
-        waited = max(0, min(received, int(self.end[i]), int(self.expected_end[i])) - lo)
-        return waited, round(waited * float(self.prefill_share[i])), int(self.step_id[i])
+        hi = min(received, int(self.end[i]), int(self.expected_end[i]))
+        if hi <= lo:
+            return Held(0, 0, {}, int(self.step_id[i]))
+        forward = _overlap(lo, hi, int(self.forward_start[i]), int(self.sampler_start[i]))
+        prefill = round(forward * float(self.prefill_share[i]))
+        sampled = _overlap(lo, hi, int(self.sampler_start[i]), int(self.sampler_end[i]))
+        sampler: dict[str, int] = {}
+        if sampled:
+            whole = int(self.sampler[i])
+            for part, ns in self.sampler_parts.items():
+                if ns[i]:
+                    sampler[part] = sampled * int(ns[i]) // whole
+        return Held(hi - lo, prefill, sampler, int(self.step_id[i]))
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a request waited for the step in flight (``InFlight.held``): in all, what of it
+    the step's prefill and its sampler's parts took, and the step."""
+
+    waited: int
+    prefill: int
+    sampler: dict[str, int]
+    step: int | None
+
+
+def _overlap(a: int, b: int, c: int, d: int) -> int:
+    return max(0, min(b, d) - max(a, c))
 
 
 def place(members: Memberships, steps: StepTimes, windows: Windows) -> MemberPhases:

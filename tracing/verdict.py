@@ -172,6 +172,7 @@ def _part_findings(
                     ms=stat.tail_paid_ns / 1e6,
                     part=part,
                     request_ids=[r.request_id for r in tail],
+                    phase=phase,
                 )
             )
         else:
@@ -184,6 +185,7 @@ def _part_findings(
                     ms=stat.median_ns * scale / 1e6,
                     part=part,
                     section="paid",
+                    phase=phase,
                 )
             )
     return out
@@ -215,7 +217,7 @@ def _api_process(
     )
     kind, section = ("cause", "causes") if call.beyond else ("paid", "paid")
     return [Finding(kind, text, ms=paid / 1e6, part=order[0], section=section,
-                    label="the API process")]  # fmt: skip
+                    label="the API process", phase=phase)]  # fmt: skip
 
 
 def _amount(phase: str, v: float, paid: float) -> str:

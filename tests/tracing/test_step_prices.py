@@ -117,13 +117,15 @@ def test_a_step_of_prefills_alone_files_nothing_under_decode(
             assert r.ttft["own_prefill"] + r.ttft["neighbour_prefill"] >= 390e6, r.ttft
 
 
-def _sent_during(tr: Trace, rid: str, step_ms: float, rows: dict[str, int]) -> None:
+def _sent_during(
+    tr: Trace, rid: str, step_ms: float, rows: dict[str, int], sample_ms: float = 0.0
+) -> None:
     """Run a step of ``step_ms`` while ``rid`` is sent to the core 10 ms into it: the core
     receives it when the step's outputs are out."""
     start_ms = (max(tr.now, *(tr.reqs[r].received for r in rows)) + MS // 10 - T0) / MS
     tr.request(rid, start_ms + 10.0, prompt=16, output=4,
                ipc_ms=step_ms + 0.4 - 10.0 - 1.2)  # fmt: skip
-    tr.step(rows, step_ms)
+    tr.step(rows, step_ms, sample_ms=sample_ms)
 
 
 @pytest.mark.parametrize("outlier", [False, True], ids=["normal-step", "outlier-step"])
@@ -224,3 +226,37 @@ def test_short_prompts_are_priced_by_the_warm_up(tmp_path: Path, prior: bool) ->
     print(text)
     assert ("priced from the warm-up (290 us a token" in text) == prior, text
     assert "Nothing stands out" in text, text
+
+
+def test_the_sampler_of_the_step_in_flight_is_the_samplers_not_the_prefills(
+    tmp_path: Path,
+) -> None:
+    """Penalty rows join with their prompts (187 and 277 tokens) in a 39.5 ms step whose
+    sampler took 26.8 ms, and a request is sent 10 ms into it (seed 1200005 of the generated
+    matrix): its wait is the sampler's where the sampler ran, and other requests' prefill only
+    over the forward (it had read 28.8 ms of other requests' prefill, named as the cause)."""
+    tr = Trace()
+    for i in range(2):
+        tr.request(f"d{i}", 0.0, prompt=8, output=400)
+    tr.step({"d0": 8, "d1": 8}, 2.0)
+    for k in range(40):
+        tr.step({"d0": 1, "d1": 1}, 1.0 + 0.1 * (k % 3))  # greedy: the fused head, no sampler
+    tr.request("L0", (tr.now - T0) / MS, prompt=187, output=300)
+    tr.request("L1", (tr.now - T0) / MS, prompt=277, output=300)
+    _sent_during(tr, "s", 39.5, {"d0": 1, "d1": 1, "L0": 187, "L1": 277}, sample_ms=26.8)
+    k = 0
+    while any(r.status is None for r in tr.reqs.values()):
+        live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
+        live["s"] = 16 if k == 0 else live.get("s", 0)  # its prompt whole, then decode
+        tr.step({r: n for r, n in live.items() if n}, 28.0 + 0.5 * (k % 3),
+                sample_ms=25.0 + 0.5 * (k % 3))  # fmt: skip
+        k += 1
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    s = next(r for r in run.requests if r.request_id == "s")
+    assert s.ttft["neighbour_prefill"] <= 12.7 * MS and s.ttft["sampling"] >= 26 * MS, s.ttft
+    named = {f.part for f in run.findings if f.kind in ("cause", "paid")}
+    assert "neighbour_prefill" not in named, text
+    # The sampler is named in both phases: the headline says which is which.
+    assert "the slow tail, before the first token" in " ".join(text.split()), text

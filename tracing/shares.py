@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -63,10 +64,18 @@ from tracing.step_fit import (
     outlier,
 )
 
-# A step whose prefill at the fit's price passes MIN_CAUSE_NS: a long prompt's attention grows
-# past the linear price (a 962-token Gemma 3 step of 878 ms, priced at 272 ms by a run whose
-# other prompts were short), so it is a stall only past this many times the outlier factor.
+# A long prompt's attention grows past the linear price of a prefill token (a 962-token Gemma 3
+# step of 878 ms, priced at 272 ms by a run whose other prompts were short): a step's prefill is
+# priced at up to this many times the fit's price before the step is the core stalling.
 PREFILL_SLACK = 2.0
+
+
+def stall_limit(expected: Any, prefill: Any) -> Any:
+    """The forward time past which a step is the core stalling, not computing: OUTLIER_FACTOR
+    times its expected time with its prefill (``prefill``: its tokens at the fit's price) priced
+    at PREFILL_SLACK times. The slack is the prefill's alone: a 16-token chunk priced at 22 ms
+    in a 60 ms step does not excuse a 330 ms step (a stopped core read as that chunk's stall)."""
+    return OUTLIER_FACTOR * (expected + (PREFILL_SLACK - 1.0) * prefill)
 
 
 @dataclass(frozen=True)
@@ -282,8 +291,7 @@ def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> 
                - steps.logprobs_ns - steps.spec_ns - gc)  # fmt: skip
     prefill = weights.b * steps.prefill_tokens
     expected = weights.a + prefill + weights.c * steps.rows + weights.full_extra(full_rows(steps))
-    factor = np.where(prefill >= MIN_CAUSE_NS, OUTLIER_FACTOR * PREFILL_SLACK, OUTLIER_FACTOR)
-    slow = (forward >= factor * expected) & (forward - expected >= MIN_CAUSE_NS)
+    slow = (forward >= stall_limit(expected, prefill)) & (forward - expected >= MIN_CAUSE_NS)
     excess: FloatArray = np.where(slow, 1.0 - expected / np.maximum(forward, 1), 0.0)
     return excess
 

@@ -15,12 +15,11 @@ from tracing.diagnosis import (
     StepFacts,
 )
 from tracing.judge import passes
-from tracing.shares import PREFILL_SLACK
+from tracing.shares import stall_limit
 from tracing.slow_steps import PAUSE_WORDS, cold_and_outliers, expected_ns
 from tracing.slow_steps import step_finding as _step
 from tracing.step_fit import (
     MIN_PRICED_PREFILL,
-    OUTLIER_FACTOR,
     StepFit,
     fit_step_shape,
 )
@@ -100,7 +99,7 @@ def stall_steps(
             s.prefill_tokens >= MIN_PRICED_PREFILL
             if coef is None
             else coef[1] * s.prefill_tokens >= MIN_CAUSE_NS
-            and s.forward_ns < PREFILL_SLACK * OUTLIER_FACTOR * expected_ns(coef, s)
+            and s.forward_ns < stall_limit(expected_ns(coef, s), coef[1] * s.prefill_tokens)
         )
     ]
     return stalls, typical

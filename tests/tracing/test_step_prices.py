@@ -208,6 +208,29 @@ def test_one_long_prompt_among_decoders_is_the_stall_it_is(tmp_path: Path) -> No
     assert "3x the time expected" not in text, text
 
 
+def test_a_core_stopped_in_a_short_chunks_step_is_a_stall_of_the_core(tmp_path: Path) -> None:
+    """Decoders at 38 ms a step, a prefill token priced at 1.4 ms (a 200-token prompt), then a
+    16-token prompt's step of 330 ms: its prefill is priced at 22 ms, so at most about 250 ms is
+    the prefill's however its price errs; the rest is the core stopping (a 242 ms SIGSTOP of
+    Gemma 3's core in the generated matrix read as that chunk stalling 3 decoders)."""
+    tr = _four_decoders(output=60, prefill_ms=50.0, steps=25, step_ms=38.0)
+    tr.request("long", (tr.now - T0) / MS, prompt=200, output=4)
+    tr.step({**{f"d{i}": 1 for i in range(4)}, "long": 200}, 38.0 + 280.0)
+    for k in range(6):
+        tr.step({r: 1 for r, q in tr.reqs.items() if q.status is None}, 38.0 + (k % 3))
+    tr.request("short", (tr.now - T0) / MS, prompt=16, output=4)
+    tr.step({**{r: 1 for r, q in tr.reqs.items() if q.status is None}, "short": 16}, 330.0)
+    while any(r.status is None for r in tr.reqs.values()):
+        live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
+        tr.step(live, 38.0 + 2.0 * (len(tr.steps) % 3))
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    assert "chunk of short stalled" not in text, text
+    d0 = next(r for r in run.requests if r.request_id == "d0")
+    assert d0.decode["core_stall"] >= 200 * MS, d0.decode
+
+
 @pytest.mark.parametrize("prior", [False, True], ids=["no-prior", "warm-up-prior"])
 def test_short_prompts_are_priced_by_the_warm_up(tmp_path: Path, prior: bool) -> None:
     """Prompts of 40 tokens, too short for the run to price a prefill token: with the warm-up's

@@ -151,15 +151,17 @@ def priced_neighbours(reqs: list[RequestDiagnosis], phase: str) -> bool:
     )
 
 
-# A token gap this long is a stall its reader sees, however long the stream: named whatever
-# its share of the request's life (a 125 ms stop of the core in a 1.5 s stream was 8%).
-STALL_GAP_NS = 5 * MIN_CAUSE_NS
+# A token gap's part this long is a stall its reader sees, however long the stream: named
+# whatever its share of the request's life (a 46 ms stop of the core in a 630 ms stream was 7%).
+# 1.5 bars, the generator's "surely past the bar": in 204 healthy control runs of `lumen bench
+# diagnose` (three models), a long gap's largest part (event-loop lag, GC) was at most 22 ms.
+STALL_GAP_NS = int(1.5 * MIN_CAUSE_NS)
 
 
 def gap_calls(req: RequestDiagnosis) -> dict[str, int]:
     """The parts that named a request's long token gaps (each gap's largest, where that is not
     expected compute), each with its time in the gaps it named, where that time passes the bars
-    against the request's life, or is STALL_GAP_NS: one 20 ms lag in a 400 ms stream is the
+    against the request's life, or is STALL_GAP_NS: one 20 ms lag in a 1 s stream is the
     machine's jitter, as the pauses' rule has it (verdict_steps), and is listed by `lumen trace
     why`, not named."""
     got: dict[str, int] = {}

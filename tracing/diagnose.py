@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
@@ -35,6 +34,7 @@ from tracing import (
     settings,
     shares,
     speculation,
+    stalls,
     step_members,
     verdict,
     why,
@@ -57,8 +57,9 @@ from tracing.diagnosis import (
     summarize,
 )
 from tracing.emit_columns import closes_write
-from tracing.gaps import GapCutter, Write
+from tracing.gaps import GapCutter
 from tracing.pauses import Intervals, Pauses, pauses_of
+from tracing.request_windows import Window, delivered_ttft, window_of, writes_of
 from tracing.shares import StepShare
 from tracing.step_fit import step_weights
 from tracing.store import DbPath, latest_run, open_db
@@ -116,7 +117,9 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
         num_aborted=statuses.count("aborted"),
         num_error=statuses.count("error"),
         prefill_members=prefills,
-        pauses=list(facts.pauses),
+        pauses=[
+            (p.process, p.kind, p.start_ns, p.duration_ns) for p in facts.pauses if p.kind != "cpu"
+        ],  # the API process's busy stretches are not pauses
         step_prior=facts.step_prior,
         lifecycle=facts.lifecycle,
         stream_interval=facts.stream_interval,
@@ -131,7 +134,7 @@ def _decompose_all(
 ) -> tuple[list[RequestDiagnosis], dict[int, list[tuple[str, int]]]]:
     """Every request of ``facts`` (a run, or one engine's part of it) decomposed over its
     steps; and each step's prefilling requests."""
-    windows = [_window(r) for r in facts.requests]
+    windows = [window_of(r) for r in facts.requests]
     win = shares.Windows(
         request_id=[r.request_id for r in facts.requests],
         first_token=np.array([-1 if w.first_token is None else w.first_token for w in windows],
@@ -152,12 +155,13 @@ def _decompose_all(
     )
     placed = shares.place(facts.members, facts.step_times, win)
     pauses = pauses_of(facts.pauses)
-    excess = shares.stall_excess(facts.step_times, weights, pauses[1].gc)
-    phases = shares.phase_stalls(facts.step_times, pauses[1].gc)
-    taken = shares.api_taken(facts.step_times, excess, pauses[0])
-    parts = shares.step_shares(
-        facts.members, placed, facts.step_times, win, weights, pauses[1].gc, excess, phases, taken
-    )
+    excess = stalls.stall_excess(facts.step_times, weights, pauses[1].gc)
+    phases = stalls.phase_stalls(facts.step_times, pauses[1].gc)
+    taken = stalls.api_taken(facts.step_times, excess, pauses[0])
+    contended = stalls.api_contention(facts.step_times, weights, pauses[1].gc, pauses[0].busy,
+                                      excess)  # fmt: skip
+    parts = shares.step_shares(facts.members, placed, facts.step_times, win, weights,
+                               pauses[1].gc, excess, phases, taken, contended)  # fmt: skip
     preempted = step_members.preemptions(
         facts.preempted, facts.members, placed, facts.step_times, win
     )
@@ -232,30 +236,6 @@ def render_request(req: RequestDiagnosis, sentences: list[str]) -> str:
 # -- one request's decomposition -------------------------------------------------------------
 
 
-class Window(NamedTuple):
-    """A request's phases: TTFT [start, ttft_end], decode [ttft_end, end] (instants, ns)."""
-
-    start: int
-    first_token: int | None  # arrival + ttft: the first token reached the frontend
-    ttft_end: int
-    end: int
-
-
-def _window(row: RequestFacts) -> Window:
-    arrival, ttft = row.arrival_ns, row.ttft_ns
-    first_token = arrival + ttft if ttft is not None else None
-    start = row.http_start_ns or arrival
-    end = row.last_delivered_ns or arrival + (row.e2e_ns or 0)
-    if first_token is None:
-        ttft_end = end  # it never got a token: its whole life is the TTFT phase
-    elif row.stream is not False:
-        ttft_end = row.first_delivered_ns or first_token
-    else:
-        ttft_end = first_token  # the one write of the final response ends the decode phase
-    ttft_end = max(ttft_end, start)
-    return Window(start, first_token, ttft_end, max(end, ttft_end))
-
-
 def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> RequestDiagnosis:
     rid = row.request_id
     start, first_token, ttft_end, end = window
@@ -268,7 +248,7 @@ def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> Requ
         prompt_tokens=row.prompt_tokens or 0,
         output_tokens=row.output_tokens or 0,
         ttft_ns=row.ttft_ns,
-        delivered_ttft_ns=_delivered_ttft(row, start, stream),
+        delivered_ttft_ns=delivered_ttft(row, start, stream),
         e2e_ns=row.e2e_ns or 0,
         num_preemptions=row.num_preemptions or 0,
         stream=stream,
@@ -292,7 +272,7 @@ def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> Requ
     req.ttft, held_by = _ttft_parts(row, run, start, ttft_end, steps_t, steps_d)
     if first_token is not None and end > ttft_end:
         req.decode = _decode_parts(row, run, ttft_end, end, steps_d, req.ttft["delivery"])
-    writes = _writes(row)
+    writes = writes_of(row)
     req.gaps_ns = [int(b.end_ns - a.end_ns) for a, b in itertools.pairwise(writes)]
     req.gap_step_ids = [w.last_step for w in writes[1:]]
     if run.gaps is not None and stream:
@@ -313,35 +293,6 @@ def _decompose(index: int, row: RequestFacts, window: Window, run: _Run) -> Requ
     mine = [*(steps_t.step_ids if steps_t else []), *(steps_d.step_ids if steps_d else [])]
     req.step_ids = sorted(set(mine))
     return req
-
-
-def _writes(row: RequestFacts) -> list[Write]:
-    """The writes its client saw (emit_columns.closes_write: the emits one write delivered
-    share its end), each with its first and last emit's step and receipt."""
-    ends = row.emit_ends_ns or []
-    steps, starts = row.emit_step_ids or [], row.emit_starts_ns or []
-    emits = [(end, step, start) for end, step, start in
-             itertools.zip_longest(ends, steps[: len(ends)], starts[: len(ends)])
-             if end is not None]  # fmt: skip
-    out, first = [], 0
-    for i, last in enumerate(closes_write([end for end, _, _ in emits])):
-        if last:
-            end, step, start = emits[i]
-            _, step0, start0 = emits[first]
-            out.append(Write(int(end), step0, step, start0, start))
-            first = i + 1
-    return out
-
-
-def _delivered_ttft(row: RequestFacts, start: int, stream: bool) -> int | None:
-    """Streams only: a whole response's one write is not a first token its client saw."""
-    if not stream:
-        return None
-    if row.delivered_ttft_ns is not None:
-        return row.delivered_ttft_ns
-    if row.first_delivered_ns is not None and row.ttft_ns is not None:
-        return row.first_delivered_ns - start
-    return None
 
 
 def _ttft_parts(
@@ -455,11 +406,11 @@ def _ttft_parts(
 # A StepShare's parts, as each phase takes them.
 _STEP_KEYS_TTFT = (
     "own_prefill", "neighbour_prefill", "decode", "schedule", "output", "gc", "grammar_mask",
-    "sampling", "logprobs", "speculation", "core_stall", "loop_lag",
+    "sampling", "logprobs", "speculation", "core_stall", "loop_lag", "api_cpu",
 )  # fmt: skip
 _STEP_KEYS_DECODE = (
     "decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask", "sampling",
-    "logprobs", "speculation", "core_stall", "loop_lag",
+    "logprobs", "speculation", "core_stall", "loop_lag", "api_cpu",
 )  # fmt: skip
 
 

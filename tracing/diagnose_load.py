@@ -354,9 +354,10 @@ def load_pauses(con: duckdb.DuckDBPyConnection, run_id: str) -> list[PauseRow]:
     kind "restart": found dead or hung to the new core ready); none where the db predates
     the pauses table (or the lifecycle table)."""
     rows: list[PauseRow] = []
-    if _columns(con, "pauses"):
+    if have := _columns(con, "pauses"):
+        cpu = "cpu_ns" if "cpu_ns" in have else "NULL AS cpu_ns"  # migration 14
         cur = con.execute(
-            "SELECT process, kind, start_ns, duration_ns FROM pauses WHERE run_id = ? "
+            f"SELECT process, kind, start_ns, duration_ns, {cpu} FROM pauses WHERE run_id = ? "
             "AND duration_ns > 0 ORDER BY start_ns",
             [run_id],
         )

@@ -67,10 +67,11 @@ class Pause:
     """A stretch in which a process could not run its work: GC, or a blocked event loop."""
 
     process: str  # api | core
-    kind: str  # gc | loop_lag
+    kind: str  # gc | loop_lag | cpu (a busy stretch of the API process, not a pause)
     start_ns: int
     duration_ns: int
     detail: str = ""
+    cpu_ns: int | None = None  # cpu: the process's CPU time in it
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ gaps are cut (a run holds many thousands of gaps). The cut::
     [a, c]      the core: the request's own steps inside it, shared out as the phases share
                 them (tracing.shares.member_shares: its decode, other requests' prefill, the
                 scheduler, masks, sampler, logprobs, output, GC); the part of a step past
-                OUTLIER_FACTOR x its expected forward time (shares.stall_excess), and time no
+                OUTLIER_FACTOR x its expected forward time (stalls.stall_excess), and time no
                 step ran while it waited, is ``core_stall`` (the core stopped, starved of CPU,
                 or stuck in a long call); other steps running without it are ``between_steps``
                 (it sat out), of which the time after a preemption is ``preempted``; core GC between
@@ -41,20 +41,19 @@ from tracing.shares import (
     MemberPhases,
     Memberships,
     StepTimes,
-    api_taken,
     member_shares,
     out_end,
-    phase_stalls,
-    stall_excess,
     stall_spans,
 )
+from tracing.stalls import api_contention, api_taken, phase_stalls, stall_excess
 from tracing.step_fit import MIN_CAUSE_NS, IntArray, StepWeights
 
 GAP_FACTOR = 4.0  # a gap is long at this many times its request's median gap (and MIN_CAUSE_NS)
 MAX_GAPS = 20  # long gaps cut per request, longest first
 DECODE_PARTS = phase_labels("decode")  # a gap's parts are the decode phase's
 _STEP_PARTS = ("decode", "neighbour_prefill", "core_stall", "schedule", "output", "gc",
-               "grammar_mask", "sampling", "logprobs", "speculation", "loop_lag")  # fmt: skip
+               "grammar_mask", "sampling", "logprobs", "speculation", "loop_lag",
+               "api_cpu")  # fmt: skip
 
 
 @dataclass
@@ -116,12 +115,13 @@ class GapCutter:
         self.busy = Intervals([(int(a), int(b)) for a, b, k in
                                zip(steps.schedule_start_ns, self.ends, busy) if k])  # fmt: skip
         # The forward's share past its expected time, where a step is an outlier for its shape
-        # (shares.stall_excess); as instants, the core stalled (all its threads), but where the
+        # (stalls.stall_excess); as instants, the core stalled (all its threads), but where the
         # API process paused meanwhile: that is its pause (carved first).
         self.excess = stall_excess(steps, weights, self.core.gc)
-        # ... and its schedule or output phase far past the run's median (shares.phase_stalls).
+        # ... and its schedule or output phase far past the run's median (stalls.phase_stalls).
         self.phases = phase_stalls(steps, self.core.gc)
         self.taken = api_taken(steps, self.excess, self.api)
+        self.contended = api_contention(steps, weights, self.core.gc, self.api.busy, self.excess)
         stalls = stall_spans(steps, self.excess, self.phases)
         self.stalls = Intervals(minus(stalls, sorted(self.api.gc.spans() + self.api.lag.spans())))
         order = np.argsort(placed.request, kind="stable")
@@ -194,7 +194,8 @@ class GapCutter:
         lo, hi = np.full(n, a, dtype=np.int64), np.full(n, c, dtype=np.int64)
         shares, total = member_shares(self.members.tokens[rows], s, np.zeros(n, dtype=bool), lo, hi,
                                       self.steps, self.weights, self.core.gc,
-                                      self.excess, self.phases, self.taken)  # fmt: skip
+                                      self.excess, self.phases, self.taken,
+                                      self.contended)  # fmt: skip
         for key in _STEP_PARTS:
             parts[key] += round(float(shares[key].sum()))
         return int(total.sum())

@@ -116,7 +116,7 @@ def request_calls(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list[
 # The API process's parts: its one event loop receives and decodes bodies, templates and
 # tokenizes, and emits. A cost spread over them, each part under the bars and their sum over
 # them, is that process's CPU: called as a whole, by its largest part (call_group).
-API_PROCESS = ("http", "parse", "frontend", "loop_lag", "emit")
+API_PROCESS = ("http", "parse", "frontend", "loop_lag", "api_cpu", "emit")
 
 
 def call_group(

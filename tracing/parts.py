@@ -29,6 +29,7 @@ class Part:
 
 
 _API_LAG = "event-loop lag in the API process"
+_API_CPU = "the API process's CPU beside its steps"
 _GC = "garbage-collection pauses"
 _OTHERS_PREFILL = "other requests' prefill in the steps it shared"
 _SCHEDULER = "scheduler CPU"
@@ -89,6 +90,16 @@ PARTS: tuple[Part, ...] = (
         "process's GC pauses inside them; a lag that GC pauses fill at least half of is `gc` (a "
         "storm of collections, the loop's moments between them included); and a step's forward "
         "past its time where the API process's loop lagged in it, as `gc` takes such a step",
+    ),
+    Part(
+        "api_cpu", _API_CPU, _API_CPU, "the API process's CPU beside the core's steps",
+        "the API process and the engine core share the machine's cores: its CPU-heavy work "
+        "(large bodies, long chat templates and tokenization) slows the steps beside it; "
+        "send smaller bodies, or give the core cores of its own (fewer torch threads)",
+        "a step's forward past its fitted time (not a stall) while the API process was busy "
+        "(the `cpu` rows of `pauses`: at least half a core for 20 ms), pro rata to the time "
+        "it was busy in that forward",
+        "worker.execute",
     ),
     Part(
         "ipc", "IPC to the core and its input queue", None,
@@ -239,8 +250,8 @@ PARTS: tuple[Part, ...] = (
         "host (other processes, the CPU quota, swapping) and the server log",
         "the part of its steps' forward (the sampler, logprobs and core GC aside) past 3x their "
         "expected time and 20 ms over it, but where the API process paused in it for half that "
-        "(`gc`, `loop_lag`) (6x for a step whose prefill alone is priced at 20 ms: "
-        "a long prompt's attention outgrows a linear price); the part of a step's schedule "
+        "(`gc`, `loop_lag`) (its prefill priced at up to 2x the fit's price: a long prompt's "
+        "attention outgrows a linear price); the part of a step's schedule "
         "or output phase past 3x the run's median of it and 20 ms over it (the core stops in "
         "whichever phase it was in); 20 ms or more with no step running while it had one to "
         "run (between steps, in the queue, the core's GC aside); the wait to reach the core past "

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -14,9 +14,10 @@ class PauseRow(NamedTuple):
     """One row of the pauses table."""
 
     process: str  # api | core
-    kind: str  # gc | loop_lag
+    kind: str  # gc | loop_lag | cpu (the API process busy: not a pause)
     start_ns: int
     duration_ns: int
+    cpu_ns: int | None = None
 
 
 class Intervals:
@@ -56,10 +57,13 @@ class Intervals:
 
 @dataclass
 class Pauses:
-    """One process's pauses: GC, and event-loop lag (what GC does not already explain)."""
+    """One process's pauses: GC, and event-loop lag (what GC does not already explain); and,
+    recorded for the API process only, its busy stretches (not pauses: it ran, on CPU the
+    core's steps may have wanted)."""
 
     gc: Intervals
     lag: Intervals
+    busy: Intervals = field(default_factory=lambda: Intervals([]))
 
     def within(self, a: int, b: int) -> int:
         return self.gc.within(a, b)
@@ -99,7 +103,8 @@ def pauses_of(rows: list[PauseRow]) -> tuple[Pauses, Pauses]:
             theirs = gc.within(*span) >= GC_LAG_SHARE * r.duration_ns
             (gc_lags if theirs else lags).append(span)
     # Else the lag is what GC does not already explain: its time outside the collections.
-    api = Pauses(Intervals(api_gc + gc_lags), Intervals(minus(lags, sorted(api_gc))))
+    api = Pauses(Intervals(api_gc + gc_lags), Intervals(minus(lags, sorted(api_gc))),
+                 of("api", "cpu"))  # fmt: skip
     return api, Pauses(of("core", "gc"), Intervals([]))
 
 

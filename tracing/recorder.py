@@ -359,7 +359,7 @@ class Tracer:
             rows: dict[str, list[tuple[Any, ...]]] = {"steps": [step_row(self.run_id, step)]}
             if step.gc_pauses:
                 rows["pauses"] = [
-                    (self.run_id, "core", "gc", start, duration, f"gen{gen}")
+                    (self.run_id, "core", "gc", start, duration, f"gen{gen}", None)
                     for start, duration, gen in step.gc_pauses
                 ]
             request_of = None
@@ -415,7 +415,7 @@ class Tracer:
     def _on_pause(self, e: Pause) -> None:
         if self._keep_rows:
             self._add({"pauses": [
-                (self.run_id, e.process, e.kind, e.start_ns, e.duration_ns, e.detail)
+                (self.run_id, e.process, e.kind, e.start_ns, e.duration_ns, e.detail, e.cpu_ns)
             ]})  # fmt: skip
 
     def _on_lifecycle(self, e: Lifecycle) -> None:

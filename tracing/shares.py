@@ -49,33 +49,18 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from tracing.pauses import Intervals, Pauses
+from tracing.pauses import Intervals
 from tracing.step_fit import (
     MIN_CAUSE_NS,
-    OUTLIER_FACTOR,
     FloatArray,
     IntArray,
     StepWeights,
     outlier,
 )
-
-# A long prompt's attention grows past the linear price of a prefill token (a 962-token Gemma 3
-# step of 878 ms, priced at 272 ms by a run whose other prompts were short): a step's prefill is
-# priced at up to this many times the fit's price before the step is the core stalling.
-PREFILL_SLACK = 2.0
-
-
-def stall_limit(expected: Any, prefill: Any) -> Any:
-    """The forward time past which a step is the core stalling, not computing: OUTLIER_FACTOR
-    times its expected time with its prefill (``prefill``: its tokens at the fit's price) priced
-    at PREFILL_SLACK times. The slack is the prefill's alone: a 16-token chunk priced at 22 ms
-    in a 60 ms step does not excuse a 330 ms step (a stopped core read as that chunk's stall)."""
-    return OUTLIER_FACTOR * (expected + (PREFILL_SLACK - 1.0) * prefill)
 
 
 @dataclass(frozen=True)
@@ -139,6 +124,7 @@ class StepShare:
     speculation: float  # speculative decoding's proposer and refused drafts in its steps
     core_stall: float  # its share of its steps' forward past their time (stall_excess)
     loop_lag: float  # ... where the API process's event loop lagged meanwhile (api_taken)
+    api_cpu: float  # its share of its steps' forward past their time, the API process busy
     total: int  # the clipped schedule, execute and output intervals
     first_start: int  # the first of its steps began
     last_output: int  # the last of its steps' outputs left the core
@@ -279,62 +265,6 @@ def _gc_inside(steps: StepTimes, gc: Intervals) -> list[IntArray]:
     return [np.maximum(gc.before(b) - gc.before(a), 0) for a, b in itertools.pairwise(bounds)]
 
 
-def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> FloatArray:
-    """Per step, the share of its forward that was the core stalling, not computing (0 for
-    most): in a step whose forward (less the sampler, logprobs and the core's GC inside it) took
-    OUTLIER_FACTOR x its expected time and MIN_CAUSE_NS over it, the part past its expected time
-    (the core stopped, was starved of CPU, or was stuck in a long call)."""
-    if not len(steps.step_id) or not weights.fitted:
-        return np.zeros(len(steps.step_id))
-    gc = _gc_inside(steps, core_gc)[1]
-    forward = (steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns
-               - steps.logprobs_ns - steps.spec_ns - gc)  # fmt: skip
-    prefill = weights.b * steps.prefill_tokens
-    expected = weights.a + prefill + weights.c * steps.rows + weights.full_extra(full_rows(steps))
-    slow = (forward >= stall_limit(expected, prefill)) & (forward - expected >= MIN_CAUSE_NS)
-    excess: FloatArray = np.where(slow, 1.0 - expected / np.maximum(forward, 1), 0.0)
-    return excess
-
-
-def api_taken(steps: StepTimes, excess: FloatArray, api: Pauses) -> FloatArray:
-    """Per stalled step, the shares of its excess (stall_excess) that the API process's GC
-    (row 0) and event-loop lag (row 1) took: where it paused inside the step's forward for at
-    least half the excess, the core lost its CPU to that pause (a GC pause is CPU work; the
-    client, the API process and the core share the machine's cores), split between the two by
-    their time in it. The rule slow_steps names such a step's cause by."""
-    out: FloatArray = np.zeros((2, len(steps.step_id)))
-    forward = (steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns
-               - steps.logprobs_ns - steps.spec_ns)  # fmt: skip
-    for i in np.flatnonzero(excess > 0):
-        a, b = int(steps.execute_start_ns[i]), int(steps.execute_end_ns[i])
-        gc, lag = api.gc.within(a, b), api.lag.within(a, b)
-        if 2 * (gc + lag) >= excess[i] * forward[i]:
-            out[:, i] = (gc / (gc + lag), lag / (gc + lag))
-    return out
-
-
-def phase_stalls(steps: StepTimes, core_gc: Intervals) -> FloatArray:
-    """Per step, the share of its schedule phase (row 0: to the forward's start, less the core's
-    GC and the grammar masks in it) and of its output phase (row 1: to its outputs' send, less
-    GC) that was the core stalling (0 for most): a phase that took OUTLIER_FACTOR x the run's
-    median of it and MIN_CAUSE_NS over it, the part past the median. A stopped core stops in
-    whichever phase it was in; a slow scheduler or output path is slow in most steps, which the
-    median holds."""
-    out: FloatArray = np.zeros((2, len(steps.step_id)))
-    busy = (steps.prefill_tokens + steps.decode_tokens) > 0
-    if not busy.any():
-        return out
-    gs, _, go = _gc_inside(steps, core_gc)
-    masks = np.where(steps.grammar_mask_ns > 0, steps.execute_start_ns - steps.schedule_end_ns, 0)
-    sched = np.maximum(steps.execute_start_ns - steps.schedule_start_ns - gs - masks, 0)
-    output = np.maximum(out_end(steps) - steps.execute_end_ns - go, 0)
-    for row, phase in enumerate((sched, output)):
-        typical = float(np.median(phase[busy]))
-        slow = busy & (phase >= OUTLIER_FACTOR * typical) & (phase - typical >= MIN_CAUSE_NS)
-        out[row] = np.where(slow, 1.0 - typical / np.maximum(phase, 1), 0.0)
-    return out
-
-
 def stall_spans(
     steps: StepTimes, excess: FloatArray, phases: FloatArray | None = None
 ) -> list[tuple[int, int]]:
@@ -387,17 +317,18 @@ def step_shares(
     excess: FloatArray | None = None,
     phases: FloatArray | None = None,
     taken: FloatArray | None = None,
+    contended: FloatArray | None = None,
 ) -> dict[tuple[str, str], StepShare]:
     """(request id, phase) -> its StepShare, by the formulas of the module docstring
     (``excess``: each step's stall_excess; ``phases``: its phase_stalls; ``taken``: its
-    api_taken)."""
+    api_taken; ``contended``: its api_contention; tracing.stalls)."""
     if not len(placed.step):
         return {}
     r, ttft = placed.request, placed.ttft
     lo = np.where(ttft, windows.start[r], windows.ttft_end[r])
     hi = np.where(ttft, windows.ttft_end[r], windows.end[r])
     per_member, total = member_shares(members.tokens, placed.step, ttft, lo, hi, steps, weights,
-                                      core_gc, excess, phases, taken)  # fmt: skip
+                                      core_gc, excess, phases, taken, contended)  # fmt: skip
     s = placed.step
     return _by_request_phase(
         per_member, total, steps.schedule_start_ns[s], out_end(steps)[s], placed, steps, windows
@@ -416,6 +347,7 @@ def member_shares(
     excess: FloatArray | None = None,
     phases: FloatArray | None = None,
     taken: FloatArray | None = None,
+    contended: FloatArray | None = None,
 ) -> tuple[dict[str, FloatArray], IntArray]:
     """Per membership (its tokens, its step's index ``s``, whether its row is in its request's
     TTFT phase), its parts of the step inside its window [lo, hi] (the module docstring's
@@ -423,7 +355,8 @@ def member_shares(
     each step's stall_excess, the share of its forward that is ``core_stall``; ``phases``:
     phase_stalls, the shares of its schedule and output phases that are; ``taken``:
     api_taken, the shares of that forward's excess that are the API process's ``gc`` and
-    ``loop_lag`` instead."""
+    ``loop_lag`` instead; ``contended``: api_contention, the share of a step's forward that
+    the API process's CPU took (``api_cpu``)."""
     s0, s1 = steps.schedule_start_ns[s], steps.schedule_end_ns[s]
     e0, e1, o1 = steps.execute_start_ns[s], steps.execute_end_ns[s], out_end(steps)[s]
 
@@ -461,6 +394,9 @@ def member_shares(
     # A step far past its expected forward time: that excess is the core stalling.
     stall = net * excess[s] if excess is not None else np.zeros(len(s))
     net = net - stall
+    # A step past its time beside the API process's busy CPU: that excess is the API's.
+    api_cpu = net * contended[s] if contended is not None else np.zeros(len(s))
+    net = net - api_cpu
     api_gc, api_lag = stall * (taken[:, s] if taken is not None else np.zeros((2, len(s))))
     stall = stall - api_gc - api_lag
     sched_net, out_net = np.maximum(sched - gs - gram, 0), outp - go
@@ -491,6 +427,7 @@ def member_shares(
         "speculation": speculation,
         "core_stall": stall,
         "loop_lag": api_lag,
+        "api_cpu": api_cpu,
     }
     total: IntArray = sched + exe + outp
     return per_member, total

@@ -82,6 +82,7 @@ MIGRATIONS: list[tuple[int, str, Callable[[duckdb.DuckDBPyConnection], None]]] =
     (11, "why the balancing sent a request to its engine", lambda c: _add_columns(c, 11)),
     (12, "speculative decoding: drafts verified and kept per step", lambda c: _add_columns(c, 12)),
     (13, "LoRA: each request's adapter, each step's", lambda c: _add_columns(c, 13)),
+    (14, "the API process's busy stretches and their CPU time", lambda c: _add_columns(c, 14)),
 ]
 assert MIGRATIONS[-1][0] == SCHEMA_VERSION
 

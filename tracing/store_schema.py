@@ -310,10 +310,12 @@ CHILD_ROWS: list[Row] = [
 PAUSE_ROWS: list[Row] = [
     ("run_id", "VARCHAR", "the run"),
     ("process", "VARCHAR", "api or core"),
-    ("kind", "VARCHAR", "gc or loop_lag"),
+    ("kind", "VARCHAR", "gc, loop_lag, or cpu (the API process busy: not a pause)"),
     ("start_ns", "BIGINT", "it began"),
     ("duration_ns", "BIGINT", "how long"),
     ("detail", "VARCHAR", "gc: the generation collected"),
+    # Migration 14.
+    ("cpu_ns", "BIGINT", "cpu: the process's CPU time in it (all its threads)"),
 ]
 # Migration 6 (service/lifecycle.py).
 LIFECYCLE_ROWS: list[Row] = [
@@ -354,7 +356,8 @@ TABLE_DOCS: dict[str, tuple[str, list[Row]]] = {
         SPAN_ROWS,
     ),
     "pauses": (
-        "garbage-collection pauses and event-loop lags of the API process and the core",
+        "garbage-collection pauses and event-loop lags of the API process and the core, and "
+        "the API process's busy stretches (at least half a core for 20 ms)",
         PAUSE_ROWS,
     ),
     "request_children": (
@@ -365,7 +368,7 @@ TABLE_DOCS: dict[str, tuple[str, list[Row]]] = {
 }
 
 
-SCHEMA_VERSION = 13  # the last migration (tracing/store_migrations.py MIGRATIONS)
+SCHEMA_VERSION = 14  # the last migration (tracing/store_migrations.py MIGRATIONS)
 
 
 def _from(columns: dict[str, str], first: str, last: str) -> list[str]:
@@ -407,6 +410,7 @@ ADDED_IN = {
         "requests": _from(REQUEST_COLUMNS, "lora_name", "lora_name"),
         "steps": _from(STEP_COLUMNS, "loras", "loras"),
     },
+    14: {"pauses": _from(PAUSE_COLUMNS, "cpu_ns", "cpu_ns")},
 }
 
 

@@ -15,9 +15,9 @@ from tracing.diagnosis import (
     StepFacts,
 )
 from tracing.judge import passes
-from tracing.shares import stall_limit
 from tracing.slow_steps import PAUSE_WORDS, cold_and_outliers, expected_ns
 from tracing.slow_steps import step_finding as _step
+from tracing.stalls import stall_limit
 from tracing.step_fit import (
     MIN_PRICED_PREFILL,
     StepFit,
@@ -83,7 +83,7 @@ def stall_steps(
     an outlier, not a stall. Without one (too few steps), the prefill must at least be one a
     fit could price (MIN_PRICED_PREFILL tokens): a few prompt tokens in a step slowed by
     contention stall nothing. A step far past its expected time even for a long prompt
-    (tracing.shares.stall_excess) is the core stalling, not its prefill."""
+    (tracing.stalls.stall_excess) is the core stalling, not its prefill."""
     decode_only = [s.forward_ns for s in busy if s.prefill_tokens == 0 and s.decode_tokens > 0]
     if not decode_only:
         return [], 0.0

@@ -65,6 +65,7 @@ FIXED_DELAYS = {"gc", "hang", "crash", "cancel"}
 PART_CAUSE = {
     "neighbour_prefill": "prefill", "preempted": "kv_blocks", "chunk_wait": "token_budget",
     "parse": "api_cpu", "http": "api_cpu", "frontend": "api_cpu", "loop_lag": "api_cpu",
+    "api_cpu": "api_cpu",
     "grammar_mask": "grammar", "grammar_compile": "grammar", "logprobs": "logprobs",
     "delivery": "slow_reader", "gc": "gc", "crash": "crash", "hang": "hang",
     "client": "cancel", "core_stall": "hang", "imbalance": "imbalance",

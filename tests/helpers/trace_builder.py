@@ -160,10 +160,15 @@ class Trace:
             request_ids=[], num_scheduled=[], update_end_ns=at, idle=True,
         ))  # fmt: skip
 
-    def pause(self, process: str, kind: str, at_ms: float, duration_ms: float) -> None:
+    def pause(
+        self, process: str, kind: str, at_ms: float, duration_ms: float,
+        cpu_ms: float | None = None,
+    ) -> None:  # fmt: skip
+        """A pauses row (``kind`` cpu: a busy stretch, with ``cpu_ms`` of CPU)."""
         self.pauses.append(row(
             "pauses", run_id=RUN, process=process, kind=kind, start_ns=T0 + int(at_ms * MS),
             duration_ns=int(duration_ms * MS),
+            cpu_ns=None if cpu_ms is None else int(cpu_ms * MS),
         ))  # fmt: skip
 
     def request_rows(self) -> list[tuple[Any, ...]]:

@@ -283,3 +283,28 @@ def test_the_sampler_of_the_step_in_flight_is_the_samplers_not_the_prefills(
     assert "neighbour_prefill" not in named, text
     # The sampler is named in both phases: the headline says which is which.
     assert "the slow tail, before the first token" in " ".join(text.split()), text
+
+
+@pytest.mark.parametrize("busy", [True, False], ids=["api-busy", "no-record"])
+def test_steps_slowed_beside_the_busy_api_process_are_its_cpu(tmp_path: Path, busy: bool) -> None:
+    """Four decoders at 10 ms a step; for 400 ms the steps take 20 ms (2x: no outlier) while
+    the API process used a core (its pauses row of kind cpu, as service/monitor.py records
+    it): what the steps lost is the API process's CPU in each request, and the run names the
+    API process. Without the row, the same slow steps stay decode compute."""
+    tr = _four_decoders(output=120, prefill_ms=12.0, steps=40, step_ms=10.0)
+    at = (tr.now - T0) / MS
+    if busy:
+        tr.pause("api", "cpu", at, 400.0, cpu_ms=390.0)
+    while any(r.status is None for r in tr.reqs.values()):
+        slow = (tr.now - T0) / MS < at + 400.0
+        live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
+        tr.step(live, 20.0 if slow else 10.0 + 0.5 * (len(tr.steps) % 3))
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    d0 = next(r for r in run.requests if r.request_id == "d0")
+    if busy:
+        assert d0.decode["api_cpu"] >= 150 * MS, d0.decode
+        assert "the API process" in " ".join(text.split()), text
+    else:
+        assert d0.decode["api_cpu"] == 0, d0.decode

@@ -258,7 +258,7 @@ def place(members: Memberships, steps: StepTimes, windows: Windows) -> MemberPha
     return MemberPhases(req, step, ttft)
 
 
-def _gc_inside(steps: StepTimes, gc: Intervals) -> list[IntArray]:
+def gc_inside(steps: StepTimes, gc: Intervals) -> list[IntArray]:
     """The core's GC pauses inside each step's schedule, execute and output intervals."""
     bounds = [steps.schedule_start_ns, steps.execute_start_ns, steps.execute_end_ns]
     bounds.append(steps.output_ns)
@@ -366,7 +366,7 @@ def member_shares(
 
     sched, exe, outp = clipped(s0, e0), clipped(e0, e1), clipped(e1, o1)
     gram = np.where(steps.grammar_mask_ns[s] > 0, clipped(s1, e0), 0)
-    sg, eg, og = (g[s] for g in _gc_inside(steps, core_gc))
+    sg, eg, og = (g[s] for g in gc_inside(steps, core_gc))
     gs = sg * sched / np.maximum(e0 - s0, 1)
     ge = eg * exe / np.maximum(e1 - e0, 1)
     go = og * outp / np.maximum(o1 - e1, 1)

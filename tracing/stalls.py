@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from tracing.pauses import Intervals, Pauses
-from tracing.shares import StepTimes, _gc_inside, full_rows, out_end
+from tracing.shares import StepTimes, full_rows, gc_inside, out_end
 from tracing.step_fit import MIN_CAUSE_NS, OUTLIER_FACTOR, FloatArray, StepWeights
 
 # A long prompt's attention grows past the linear price of a prefill token (a 962-token Gemma 3
@@ -34,7 +34,7 @@ def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> 
     (the core stopped, was starved of CPU, or was stuck in a long call)."""
     if not len(steps.step_id) or not weights.fitted:
         return np.zeros(len(steps.step_id))
-    gc = _gc_inside(steps, core_gc)[1]
+    gc = gc_inside(steps, core_gc)[1]
     forward = (steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns
                - steps.logprobs_ns - steps.spec_ns - gc)  # fmt: skip
     prefill = weights.b * steps.prefill_tokens
@@ -72,7 +72,7 @@ def phase_stalls(steps: StepTimes, core_gc: Intervals) -> FloatArray:
     busy = (steps.prefill_tokens + steps.decode_tokens) > 0
     if not busy.any():
         return out
-    gs, _, go = _gc_inside(steps, core_gc)
+    gs, _, go = gc_inside(steps, core_gc)
     masks = np.where(steps.grammar_mask_ns > 0, steps.execute_start_ns - steps.schedule_end_ns, 0)
     sched = np.maximum(steps.execute_start_ns - steps.schedule_start_ns - gs - masks, 0)
     output = np.maximum(out_end(steps) - steps.execute_end_ns - go, 0)
@@ -96,15 +96,13 @@ def api_contention(
     out: FloatArray = np.zeros(len(steps.step_id))
     if not len(steps.step_id) or not weights.fitted or not len(busy.starts):
         return out
-    gc = _gc_inside(steps, core_gc)[1]
+    gc = gc_inside(steps, core_gc)[1]
     sampler = steps.sample_ns + steps.logprobs_ns + steps.spec_ns
     forward = np.maximum(steps.execute_end_ns - steps.execute_start_ns - sampler - gc, 1)
     expected = (weights.a + weights.b * steps.prefill_tokens + weights.c * steps.rows
                 + weights.full_extra(full_rows(steps)))  # fmt: skip
-    over = (forward > expected) & (excess == 0)
-    for i in np.flatnonzero(over):
-        a = int(steps.execute_start_ns[i])
-        inside = busy.within(a, int(steps.execute_end_ns[i] - sampler[i]))
-        if inside:
-            out[i] = (1.0 - expected[i] / forward[i]) * min(inside / forward[i], 1.0)
+    inside = busy.before(steps.execute_end_ns - sampler) - busy.before(steps.execute_start_ns)
+    over = (forward > expected) & (excess == 0) & (inside > 0)
+    share = (1.0 - expected / forward) * np.minimum(inside / forward, 1.0)
+    out[over] = share[over]
     return out

@@ -4,12 +4,14 @@ steps of prefills alone (tracing.shares, tracing.verdict_steps)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from tests.helpers.trace_builder import MS, T0, Trace, serve_alone
 from tracing.diagnose import diagnose_run, render_run
+from tracing.diagnosis import RunDiagnosis
 
 
 def _four_decoders(output: int, prefill_ms: float, steps: int, step_ms: float) -> Trace:
@@ -22,6 +24,21 @@ def _four_decoders(output: int, prefill_ms: float, steps: int, step_ms: float) -
     for k in range(steps):
         tr.step({f"d{i}": 1 for i in range(4)}, step_ms * (1.0 + 0.1 * (k % 3)))
     return tr
+
+
+def _to_end(tr: Trace, step_ms: Callable[[int], float]) -> None:
+    """Steps of one token for every live request until all are done (``step_ms``: a step's
+    time by its rows)."""
+    while any(r.status is None for r in tr.reqs.values()):
+        live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
+        tr.step(live, step_ms(len(live)))
+
+
+def _diagnosed(tr: Trace, tmp_path: Path) -> tuple[RunDiagnosis, str]:
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = render_run(run)
+    print(text)
+    return run, text
 
 
 def test_two_long_prefills_among_many_decodes_are_priced_not_dropped(tmp_path: Path) -> None:
@@ -156,12 +173,8 @@ def test_waiting_for_the_step_in_flight_is_expected_unless_the_step_is_not(
         for k in range(20):
             live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
             tr.step(live, cost(len(live), k))
-    while any(r.status is None for r in tr.reqs.values()):
-        live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
-        tr.step(live, cost(len(live)))
-    run = diagnose_run(tr.write(tmp_path / "t.db"))
-    text = render_run(run)
-    print(text)
+    _to_end(tr, cost)
+    run, text = _diagnosed(tr, tmp_path)
     s0 = next(r for r in run.requests if r.request_id == "s0")
     if outlier:
         assert s0.ttft["core_stall"] >= 250 * MS and s0.ttft["ipc"] < MS, s0.ttft
@@ -198,12 +211,8 @@ def test_one_long_prompt_among_decoders_is_the_stall_it_is(tmp_path: Path) -> No
     tr = _four_decoders(output=60, prefill_ms=12.0, steps=25, step_ms=11.0)
     tr.request("long", (tr.now - T0) / MS, prompt=1400, output=4)
     tr.step({**{f"d{i}": 1 for i in range(4)}, "long": 1400}, 420.0)
-    while any(r.status is None for r in tr.reqs.values()):
-        live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
-        tr.step(live, 11.0 + 2.0 * (len(tr.steps) % 3))
-    run = diagnose_run(tr.write(tmp_path / "t.db"))
-    text = render_run(run)
-    print(text)
+    _to_end(tr, lambda _: 11.0 + 2.0 * (len(tr.steps) % 3))
+    _, text = _diagnosed(tr, tmp_path)
     assert "-token prefill chunk of long stalled 4 decoding requests" in text, text
     assert "3x the time expected" not in text, text
 
@@ -220,12 +229,8 @@ def test_a_core_stopped_in_a_short_chunks_step_is_a_stall_of_the_core(tmp_path: 
         tr.step({r: 1 for r, q in tr.reqs.items() if q.status is None}, 38.0 + (k % 3))
     tr.request("short", (tr.now - T0) / MS, prompt=16, output=4)
     tr.step({**{r: 1 for r, q in tr.reqs.items() if q.status is None}, "short": 16}, 330.0)
-    while any(r.status is None for r in tr.reqs.values()):
-        live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
-        tr.step(live, 38.0 + 2.0 * (len(tr.steps) % 3))
-    run = diagnose_run(tr.write(tmp_path / "t.db"))
-    text = render_run(run)
-    print(text)
+    _to_end(tr, lambda _: 38.0 + 2.0 * (len(tr.steps) % 3))
+    run, text = _diagnosed(tr, tmp_path)
     assert "chunk of short stalled" not in text, text
     d0 = next(r for r in run.requests if r.request_id == "d0")
     assert d0.decode["core_stall"] >= 200 * MS, d0.decode
@@ -274,9 +279,7 @@ def test_the_sampler_of_the_step_in_flight_is_the_samplers_not_the_prefills(
         tr.step({r: n for r, n in live.items() if n}, 28.0 + 0.5 * (k % 3),
                 sample_ms=25.0 + 0.5 * (k % 3))  # fmt: skip
         k += 1
-    run = diagnose_run(tr.write(tmp_path / "t.db"))
-    text = render_run(run)
-    print(text)
+    run, text = _diagnosed(tr, tmp_path)
     s = next(r for r in run.requests if r.request_id == "s")
     assert s.ttft["neighbour_prefill"] <= 12.7 * MS and s.ttft["sampling"] >= 26 * MS, s.ttft
     named = {f.part for f in run.findings if f.kind in ("cause", "paid")}
@@ -295,13 +298,10 @@ def test_steps_slowed_beside_the_busy_api_process_are_its_cpu(tmp_path: Path, bu
     at = (tr.now - T0) / MS
     if busy:
         tr.pause("api", "cpu", at, 400.0, cpu_ms=390.0)
-    while any(r.status is None for r in tr.reqs.values()):
-        slow = (tr.now - T0) / MS < at + 400.0
-        live = {r: 1 for r, q in tr.reqs.items() if q.status is None}
-        tr.step(live, 20.0 if slow else 10.0 + 0.5 * (len(tr.steps) % 3))
-    run = diagnose_run(tr.write(tmp_path / "t.db"))
-    text = render_run(run)
-    print(text)
+    _to_end(
+        tr, lambda _: 20.0 if (tr.now - T0) / MS < at + 400.0 else 10.0 + 0.5 * (len(tr.steps) % 3)
+    )
+    run, text = _diagnosed(tr, tmp_path)
     d0 = next(r for r in run.requests if r.request_id == "d0")
     if busy:
         assert d0.decode["api_cpu"] >= 150 * MS, d0.decode

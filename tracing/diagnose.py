@@ -120,6 +120,9 @@ def diagnose_run(db_path: DbPath, run_id: str | None = None) -> RunDiagnosis:
         pauses=[
             (p.process, p.kind, p.start_ns, p.duration_ns) for p in facts.pauses if p.kind != "cpu"
         ],  # the API process's busy stretches are not pauses
+        api_busy=[
+            (p.start_ns, p.start_ns + p.duration_ns) for p in facts.pauses if p.kind == "cpu"
+        ],
         step_prior=facts.step_prior,
         lifecycle=facts.lifecycle,
         stream_interval=facts.stream_interval,

@@ -186,6 +186,7 @@ class RunDiagnosis:
     # step id -> the requests prefilling in it and their tokens there.
     prefill_members: dict[int, list[tuple[str, int]]] = field(default_factory=dict)
     pauses: list[tuple[str, str, int, int]] = field(default_factory=list)  # process, kind, ns
+    api_busy: list[tuple[int, int]] = field(default_factory=list)  # the API process on CPU
     step_prior: list[float] | None = None  # the warm-up's price of a step (tracing.shares)
     lifecycle: list[LifecycleRow] = field(default_factory=list)  # the server's drains, restarts
     stream_interval: int = 1  # tokens a write took (--stream-interval): ITL is between writes

@@ -98,7 +98,8 @@ PARTS: tuple[Part, ...] = (
         "send smaller bodies, or give the core cores of its own (fewer torch threads)",
         "a step's forward past its fitted time (not a stall) while the API process was busy "
         "(the `cpu` rows of `pauses`: at least half a core for 20 ms), pro rata to the time "
-        "it was busy in that forward",
+        "it was busy in that forward; and a stalled step's excess where it was busy for half "
+        "of it (and did not pause)",
         "worker.execute",
     ),
     Part(
@@ -249,9 +250,10 @@ PARTS: tuple[Part, ...] = (
         "the core process stopped, was starved of CPU or was stuck in a long call: look at the "
         "host (other processes, the CPU quota, swapping) and the server log",
         "the part of its steps' forward (the sampler, logprobs and core GC aside) past 3x their "
-        "expected time and 20 ms over it, but where the API process paused in it for half that "
-        "(`gc`, `loop_lag`) (its prefill priced at up to 2x the fit's price: a long prompt's "
-        "attention outgrows a linear price); the part of a step's schedule "
+        "expected time (its prefill priced at up to 2x the fit's price: a long prompt's "
+        "attention outgrows a linear price) and 20 ms over it, but where the API process "
+        "paused in it for half that (`gc`, `loop_lag`) or was busy on CPU for half that "
+        "(`api_cpu`); the part of a step's schedule "
         "or output phase past 3x the run's median of it and 20 ms over it (the core stops in "
         "whichever phase it was in); 20 ms or more with no step running while it had one to "
         "run (between steps, in the queue, the core's GC aside); the wait to reach the core past "

@@ -354,9 +354,9 @@ def member_shares(
     formulas), and the clipped schedule, execute and output time they share out. ``excess``:
     each step's stall_excess, the share of its forward that is ``core_stall``; ``phases``:
     phase_stalls, the shares of its schedule and output phases that are; ``taken``:
-    api_taken, the shares of that forward's excess that are the API process's ``gc`` and
-    ``loop_lag`` instead; ``contended``: api_contention, the share of a step's forward that
-    the API process's CPU took (``api_cpu``)."""
+    api_taken, the shares of that forward's excess that are the API process's ``gc``,
+    ``loop_lag`` and ``api_cpu`` instead; ``contended``: api_contention, the share of a step's
+    forward that the API process's CPU took (``api_cpu``)."""
     s0, s1 = steps.schedule_start_ns[s], steps.schedule_end_ns[s]
     e0, e1, o1 = steps.execute_start_ns[s], steps.execute_end_ns[s], out_end(steps)[s]
 
@@ -397,8 +397,11 @@ def member_shares(
     # A step past its time beside the API process's busy CPU: that excess is the API's.
     api_cpu = net * contended[s] if contended is not None else np.zeros(len(s))
     net = net - api_cpu
-    api_gc, api_lag = stall * (taken[:, s] if taken is not None else np.zeros((2, len(s))))
-    stall = stall - api_gc - api_lag
+    # ... and a stall's, where the API process paused or was busy in it (api_taken).
+    api_gc, api_lag, api_busy = stall * (
+        taken[:, s] if taken is not None else np.zeros((3, len(s)))
+    )
+    stall, api_cpu = stall - api_gc - api_lag - api_busy, api_cpu + api_busy
     sched_net, out_net = np.maximum(sched - gs - gram, 0), outp - go
     if phases is not None:
         sched_stall, out_stall = sched_net * phases[0][s], out_net * phases[1][s]

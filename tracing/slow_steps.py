@@ -124,9 +124,16 @@ def cold_and_outliers(
     # the pause is its cause, not the core.
     excess = {s.step_id: s.forward_ns - expected_ns(coef, s) for s in late}
     by_api = [s for s in late if 2 * api.within(s.start_ns, s.end_ns) >= excess[s.step_id]]
-    own = [s for s in late if s not in by_api]
+    # ... or was busy on CPU for half of it (tracing.stalls.api_taken).
+    cpu = Intervals(run.api_busy)
+    by_cpu = [s for s in late if s not in by_api
+              and 2 * cpu.within(s.start_ns, s.end_ns) >= excess[s.step_id]]  # fmt: skip
+    own = [s for s in late if s not in by_api and s not in by_cpu]
     if own:
         out.append(_slow_steps(run, own, excess, coef, None, 0))
+    if by_cpu:
+        on_cpu = sum(cpu.within(s.start_ns, s.end_ns) for s in by_cpu)
+        out.append(_slow_steps(run, by_cpu, excess, coef, "api_cpu", on_cpu))
     if by_api:
         paused = sum(api.within(s.start_ns, s.end_ns) for s in by_api)
         kind = _api_pause_kind(run, by_api)
@@ -139,7 +146,8 @@ def _slow_steps(
     api_pause: str | None, paused: int,
 ) -> Finding:  # fmt: skip
     """Steps slow for their shape: the core stalled in them, or (``api_pause``) the API
-    process's pause of that kind, ``paused`` ns in them, took their CPU."""
+    process's pause of that kind (or ``api_cpu``: its busy stretches), ``paused`` ns in them,
+    took their CPU."""
     worst = max(late, key=lambda s: excess[s.step_id])
     want = expected_ns(coef, worst)
     mine = {s.step_id for s in late}
@@ -154,6 +162,11 @@ def _slow_steps(
         text = head + (
             "the core stalled in them (CPU contention from other processes, a stopped "
             "process) or a kernel compiled for a new shape."
+        )
+    elif api_pause == "api_cpu":
+        text = head + (
+            f"the API process was busy on CPU in them ({ms(paused)}), taking the CPU the core "
+            f"needed: {WHAT[api_pause][1]}."
         )
     else:
         text = head + (

@@ -46,18 +46,21 @@ def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> 
 
 def api_taken(steps: StepTimes, excess: FloatArray, api: Pauses) -> FloatArray:
     """Per stalled step, the shares of its excess (stall_excess) that the API process's GC
-    (row 0) and event-loop lag (row 1) took: where it paused inside the step's forward for at
-    least half the excess, the core lost its CPU to that pause (a GC pause is CPU work; the
-    client, the API process and the core share the machine's cores), split between the two by
-    their time in it. The rule slow_steps names such a step's cause by."""
-    out: FloatArray = np.zeros((2, len(steps.step_id)))
+    (row 0), event-loop lag (row 1) and busy CPU (row 2) took: where it paused inside the
+    step's forward for at least half the excess, the core lost its CPU to that pause (a GC
+    pause is CPU work; the client, the API process and the core share the machine's cores),
+    split between the two by their time in it; else where it was busy (its ``cpu`` rows) for
+    half the excess, to its CPU. The rule slow_steps names such a step's cause by."""
+    out: FloatArray = np.zeros((3, len(steps.step_id)))
     forward = (steps.execute_end_ns - steps.execute_start_ns - steps.sample_ns
                - steps.logprobs_ns - steps.spec_ns)  # fmt: skip
     for i in np.flatnonzero(excess > 0):
         a, b = int(steps.execute_start_ns[i]), int(steps.execute_end_ns[i])
         gc, lag = api.gc.within(a, b), api.lag.within(a, b)
         if 2 * (gc + lag) >= excess[i] * forward[i]:
-            out[:, i] = (gc / (gc + lag), lag / (gc + lag))
+            out[:2, i] = (gc / (gc + lag), lag / (gc + lag))
+        elif 2 * api.busy.within(a, b) >= excess[i] * forward[i]:
+            out[2, i] = 1.0
     return out
 
 

@@ -290,21 +290,28 @@ def test_the_sampler_of_the_step_in_flight_is_the_samplers_not_the_prefills(
 
 @pytest.mark.parametrize("busy", [True, False], ids=["api-busy", "no-record"])
 def test_steps_slowed_beside_the_busy_api_process_are_its_cpu(tmp_path: Path, busy: bool) -> None:
-    """Four decoders at 10 ms a step; for 400 ms the steps take 20 ms (2x: no outlier) while
-    the API process used a core (its pauses row of kind cpu, as service/monitor.py records
-    it): what the steps lost is the API process's CPU in each request, and the run names the
-    API process. Without the row, the same slow steps stay decode compute."""
+    """Four decoders at 10 ms a step; for 400 ms the steps take 20 ms (2x: no outlier), one of
+    them 80 ms (8x: a stall), while the API process used a core (its pauses row of kind cpu, as
+    service/monitor.py records it): what the steps lost is the API process's CPU in each
+    request, and the run and its steps name the API process. Without the row, the same slow
+    steps stay decode compute, and the 80 ms one the core stalling."""
     tr = _four_decoders(output=120, prefill_ms=12.0, steps=40, step_ms=10.0)
     at = (tr.now - T0) / MS
     if busy:
         tr.pause("api", "cpu", at, 400.0, cpu_ms=390.0)
-    _to_end(
-        tr, lambda _: 20.0 if (tr.now - T0) / MS < at + 400.0 else 10.0 + 0.5 * (len(tr.steps) % 3)
-    )
+
+    def step_ms(_: int) -> float:
+        if (tr.now - T0) / MS >= at + 400.0:
+            return 10.0 + 0.5 * (len(tr.steps) % 3)
+        return 80.0 if len(tr.steps) == 50 else 20.0
+
+    _to_end(tr, step_ms)
     run, text = _diagnosed(tr, tmp_path)
+    said = " ".join(text.split())
     d0 = next(r for r in run.requests if r.request_id == "d0")
     if busy:
-        assert d0.decode["api_cpu"] >= 150 * MS, d0.decode
-        assert "the API process" in " ".join(text.split()), text
+        assert d0.decode["api_cpu"] >= 200 * MS and d0.decode["core_stall"] < MS, d0.decode
+        assert "the API process was busy on CPU in them" in said, text
     else:
-        assert d0.decode["api_cpu"] == 0, d0.decode
+        assert d0.decode["api_cpu"] == 0 and d0.decode["core_stall"] >= 50 * MS, d0.decode
+        assert "the core stalled in them" in said, text

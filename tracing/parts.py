@@ -94,8 +94,9 @@ PARTS: tuple[Part, ...] = (
     Part(
         "api_cpu", _API_CPU, _API_CPU, "the API process's CPU beside the core's steps",
         "the API process and the engine core share the machine's cores: its CPU-heavy work "
-        "(large bodies, long chat templates and tokenization) slows the steps beside it; "
-        "send smaller bodies, or give the core cores of its own (fewer torch threads)",
+        "(large bodies, long chat templates and tokenization, the trace store's writes) slows "
+        "the steps beside it; send smaller bodies, or give the core cores of its own (fewer "
+        "torch threads)",
         "a step's forward past its fitted time (not a stall) while the API process was busy "
         "(the `cpu` rows of `pauses`: at least half a core for 20 ms), pro rata to the time "
         "it was busy in that forward; and a stalled step's excess where it was busy for half "

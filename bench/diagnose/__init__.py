@@ -160,13 +160,28 @@ def run(args: argparse.Namespace) -> int:
                   f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
             details.append(_run_group(group, paths[model], out, matrix, where, record, labels,
                                       verdict_of))  # fmt: skip
+            if n < len(groups):  # a matrix cut short keeps the groups it ran (--rescore reads it)
+                _write(args.json, details, matrix, started, done=n, planned=len(groups),
+                       quiet=True)  # fmt: skip
     finally:
         if not args.out:
             shutil.rmtree(tmp, ignore_errors=True)
     print(matrix.render())
-    write_json(args.json, {"machine": machine(), "groups": details, **matrix.to_json(),
-                           "seconds": round(time.monotonic() - started, 1)})  # fmt: skip
+    _write(args.json, details, matrix, started, done=len(groups), planned=len(groups))
     return 0
+
+
+def _write(path: str | None, details: list[dict[str, Any]], matrix: Any, started: float,
+           done: int, planned: int, quiet: bool = False) -> None:  # fmt: skip
+    if path is None:
+        return
+    doc = {"machine": machine(), "groups": details, **matrix.to_json(),
+           "seconds": round(time.monotonic() - started, 1), "groups_run": done,
+           "groups_planned": planned}  # fmt: skip
+    if quiet:
+        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    else:
+        write_json(path, doc)
 
 
 def _run_group(group: Group, model: Path, out: Path, matrix: Any, where: str, record: Any,

@@ -294,18 +294,22 @@ class EngineCore:
         return EngineCoreOutputs(outputs, step)
 
     def _grammar_masks(self, sched: SchedulerOutput) -> int:
-        """The token masks of the rows that sample under a grammar this step."""
-        requests = self.scheduler.requests
-        ids, matchers = [], []
+        """The token masks of the rows that sample under a grammar this step: one a row, or,
+        for a row that verifies drafts, one at each of its positions (its id once a mask).
+        Returns the rows."""
+        requests, spec = self.scheduler.requests, sched.spec_token_ids
+        ids, matchers, drafts = [], [], []
         for rid, sample in zip(sched.req_ids, sched.sample):
             grammar = requests[rid].grammar if sample else None
             if grammar is not None:
-                ids.append(rid)
+                mine = spec.get(rid, [])
+                ids.extend([rid] * (len(mine) + 1))
                 matchers.append(grammar.matcher)
+                drafts.append(mine)
         if ids:
             sched.grammar_req_ids = ids
-            sched.grammar_bitmask = self.grammars.fill_masks(matchers)
-        return len(ids)
+            sched.grammar_bitmask = self.grammars.fill_masks(matchers, drafts)
+        return len(matchers)
 
     def _grammar_errors(self) -> list[EngineCoreOutput]:
         """ERROR outputs of requests whose grammar failed to compile."""

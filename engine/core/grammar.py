@@ -173,12 +173,23 @@ class GrammarManager:
 
     # -- each step -----------------------------------------------------------------
 
-    def fill_masks(self, matchers: list[Any]) -> bytes:
-        """One bitmask row per matcher (bit t of a row: token t is allowed), as bytes."""
-        rows = np.empty((len(matchers), self.words), dtype=np.int32)
+    def fill_masks(self, matchers: list[Any], drafts: list[list[int]] | None = None) -> bytes:
+        """One bitmask row per matcher (bit t of a row: token t is allowed), as bytes. With
+        ``drafts`` (one list a matcher): a row at each of a matcher's ``len(d) + 1`` positions,
+        the matcher advanced through the drafts before each and rolled back after (the drafts
+        were checked against it when they were proposed: Scheduler.update_from_output)."""
+        drafts = drafts or [[] for _ in matchers]
+        rows = np.empty((len(matchers) + sum(map(len, drafts)), self.words), dtype=np.int32)
         address, stride = rows.ctypes.data, rows.strides[0]
-        for i, matcher in enumerate(matchers):
-            matcher.unsafe_compute_mask_ptr(address + i * stride, stride)
+        at = 0
+        for matcher, mine in zip(matchers, drafts):
+            for j in range(len(mine) + 1):
+                matcher.unsafe_compute_mask_ptr(address + at * stride, stride)
+                at += 1
+                if j < len(mine):
+                    matcher.consume_token(mine[j])
+            if mine:
+                matcher.rollback(len(mine))
         self.mask_fault()
         return rows.tobytes()
 

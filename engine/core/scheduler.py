@@ -278,7 +278,7 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran: its output is dropped
-            new_ids = [token_id]
+            tokens = [token_id]
             if req_id in spec:
                 # Drafts the target refused leave the KV behind them unused: the next step
                 # writes over it.
@@ -287,32 +287,32 @@ class Scheduler:
                 request.spec_rate = (request.spec_rate + len(more) / len(spec[req_id])) / 2
                 if request.spec_rate < SPEC_MIN_RATE:
                     request.spec_pause, request.spec_rate = SPEC_PAUSE_STEPS, SPEC_RETRY_RATE
-                finished = request.check_stop(token_id)
-                for token in more:
-                    if finished:
-                        break
-                    new_ids.append(token)
-                    finished = request.check_stop(token)
-            else:
-                finished = request.check_stop(token_id)
-            if request.grammar is not None and not finished:
-                matcher = request.grammar.matcher
-                # A token the grammar refuses (its mask left nothing, e.g. min_tokens
-                # blocking the EOS it required) ends the request rather than the output.
-                if not matcher.consume_token(token_id) or matcher.is_stopped():
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    finished = True
+                tokens.extend(more)
+            new_ids: list[int] = []
+            finished = False
+            for token in tokens:  # a stop among the kept drafts drops the tokens after it
+                new_ids.append(token)
+                finished = request.check_stop(token)
+                if request.grammar is not None and not finished:
+                    # The grammar advances through each kept token (each was sampled under its
+                    # position's mask). A token it refuses (its mask left nothing, e.g.
+                    # min_tokens blocking the EOS it required) ends the request rather than
+                    # the output; so does the grammar's end.
+                    matcher = request.grammar.matcher
+                    if not matcher.consume_token(token) or matcher.is_stopped():
+                        request.status = RequestStatus.FINISHED_STOPPED
+                        finished = True
+                if finished:
+                    break
             if request.spec_pause and sched.num_spec_tokens:
                 request.spec_pause -= 1  # a step sat out
-            elif (
-                not finished
-                and request.grammar is None
-                and (drafts := runner.draft_token_ids.get(req_id))
-            ):
-                # The next step verifies at most what the request may still produce, less one.
-                # (A request under a grammar takes none: the grammar is not advanced through
-                # drafts.)
+            elif not finished and (drafts := runner.draft_token_ids.get(req_id)):
+                # The next step verifies at most what the request may still produce, less one;
+                # under a grammar, the drafts up to the first it refuses (the proposers do not
+                # know it), so that every position has a mask (EngineCore._grammar_masks).
                 room = request.max_tokens - request.num_output_tokens - 1
+                if request.grammar is not None:
+                    room = min(room, request.grammar.matcher.validate_tokens(drafts[:room]))
                 request.spec_token_ids = drafts[:room]
             logprobs = runner.logprobs.get(req_id)
             if logprobs is not None and len(logprobs.ranks) > len(new_ids):  # ended mid-way
@@ -382,7 +382,7 @@ class Scheduler:
                     )
                 )
             out.req_ids.append(req_id)
-            if out.num_spec_tokens and (request.spec_pause or request.grammar is not None):
+            if out.num_spec_tokens and request.spec_pause:
                 out.no_drafts.append(req_id)  # the driver proposes none for it
             drafts = out.spec_token_ids.get(req_id)
             if drafts:

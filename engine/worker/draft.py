@@ -1,5 +1,5 @@
 """The ``draft_model`` proposer: a second checkpoint of the target's tokenizer (or the target's
-own, quantized on load: the self-draft), run by the driver beside the target, greedy.
+own, quantized on load: the self-draft), run by the driver beside the target.
 
 The draft keeps KV of its own in a pool of as many blocks as the target's, addressed by the
 target's block tables: position p of a request lies in the same block id and place in both
@@ -9,17 +9,23 @@ scheduler gives a speculating step's rows k slots past their tokens for the draf
 
 - after the target sampled the request's token at position L, the draft runs the tokens it has
   not seen (the whole prompt on its first step; then 1, or 2 when every draft was kept) and
-  takes its argmax as d1, then k - 1 steps of one row (d1 at L + 1, ...) for d2 .. dk;
+  takes its token as d1, then k - 1 steps of one row (d1 at L + 1, ...) for d2 .. dk;
 - the target keeps a of the drafts: positions up to L + a hold tokens the draft fed itself, so
   ``known`` falls back to the new last position, whose token the next round feeds.
 
 The self-draft (the target's own checkpoint, quantized on load) shares the target's pool
 instead: it reads the target's exact KV before the last token and writes its own only past it.
 
-A greedy draft puts all its mass on its draft, so verification's rejection sampling
-(engine/worker/spec_decode.py) keeps the target's distribution exactly. Rows run the draft
-runner's own decode path (its decode mirror and fused layers on CPU), as a decode batch of its
-own.
+Its tokens: for a greedy request, or one with a seed (its output must not depend on the draft
+runner's shared generator), the draft's argmax, a proposal with all its mass on it; for a
+request that samples, a draw from the draft's own distribution q under the request's
+temperature, top-k, top-p and min-p (no penalties: q may be any distribution), kept with q for
+verification, which keeps a draft with probability min(1, p/q) and draws a refused one's
+replacement from max(p - q, 0) (engine/worker/spec_decode.py). Either way each token is the
+target's distribution exactly; drafts from q are kept more often at a temperature (a greedy
+draft is refused whenever the target's p of it is low, however likely q found it). Rows run
+the draft runner's own decode path (its decode mirror and fused layers on CPU), as a decode
+batch of its own.
 """
 
 from __future__ import annotations
@@ -41,6 +47,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
 CATCH_UP_ROWS = 4
 
 
+def draft_params(row: Any) -> SamplingParams:
+    """How the draft proposes for a request (the module docstring): its argmax, or a draw
+    under the request's temperature and truncation."""
+    p = row.params
+    if p.greedy or row.generator is not None:
+        return GREEDY
+    return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                          min_p=p.min_p, max_tokens=1)  # fmt: skip
+
+
 class DraftProposer:
     def __init__(self, runner: Any, shared: bool) -> None:
         """``runner``: the draft's ModelRunner, its weights loaded (``check`` gives its config);
@@ -49,6 +65,9 @@ class DraftProposer:
         self.shared = shared
         self.known: dict[str, int] = {}  # request -> positions whose draft KV is valid
         self._step = 0
+        # request -> q at each of its last drafts (a request that samples: draft_params)
+        self.q: dict[str, list[torch.Tensor]] = {}
+        runner.sampler.keep_probs = True
 
     @staticmethod
     def check(spec: SpeculativeConfig, layout: KVLayout) -> tuple[ModelConfig, KVLayout]:
@@ -95,6 +114,7 @@ class DraftProposer:
         """Finished requests leave; preempted ones lose their blocks (so their draft KV)."""
         for r in finished:
             self.known.pop(r, None)
+            self.q.pop(r, None)
         for r in preempted:
             if r in self.known:
                 self.known[r] = 0
@@ -120,8 +140,9 @@ class DraftProposer:
             if row is None or i is None:
                 continue
             if rid not in self.runner.rows:
-                first.new_requests.append(NewRequestData(rid, row.prompt_token_ids, GREEDY,
-                                                         frozenset()))  # fmt: skip
+                first.new_requests.append(
+                    NewRequestData(rid, row.prompt_token_ids, draft_params(row), frozenset())
+                )
             n_prompt = len(row.prompt_token_ids)
             end = n_prompt + len(row.output_token_ids)  # the tokens known; the last at end - 1
             if end >= self.runner.max_model_len:
@@ -135,6 +156,8 @@ class DraftProposer:
             last[rid] = end - 1
         if not first.req_ids:
             return out
+        for rid in first.req_ids:
+            self.q.pop(rid, None)
         drafts = self._run(first)
         for rid, token in drafts.items():
             out[rid] = [token]
@@ -171,10 +194,24 @@ class DraftProposer:
         else:
             step.num_decode_tokens += 1
 
+    def draft_probs(self, req_id: str, n: int) -> torch.Tensor | None:
+        """q at the request's first ``n`` drafts ([n, V]), where they were drawn from it; None
+        where they are the draft's argmaxes."""
+        q = self.q.get(req_id)
+        if not n or not q or len(q) < n:
+            return None
+        return torch.stack(q[:n])
+
     def _run(self, step: SchedulerOutput) -> dict[str, int]:
+        sampler = self.runner.sampler
+        sampler.probs = None  # the greedy head does not call the sampler
         result = self.runner.execute_model(step)
-        for rid in result.req_ids:  # a greedy row's tokens: nothing reads them (no penalties)
+        for rid in result.req_ids:  # the draft's rows read no tokens of theirs (no penalties)
             self.runner.rows[rid].output_token_ids.clear()
+        if sampler.probs is not None:
+            for i, rid in enumerate(result.req_ids):
+                if not self.runner.rows[rid].params.greedy:
+                    self.q.setdefault(rid, []).append(sampler.probs[i])
         return dict(zip(result.req_ids, result.sampled_token_ids))
 
     def _next(self) -> int:

@@ -66,7 +66,8 @@ class SchedulerOutput:
     wait_reason: str = ""
     group_block_tables: list[list[list[int]]] = field(default_factory=list)
     # Structured outputs: the rows sampling under a grammar this step, and their token masks
-    # (one row of ceil(vocab / 32) int32 words each, bit t = token t allowed), as bytes.
+    # (one row of ceil(vocab / 32) int32 words each, bit t = token t allowed), as bytes. A row
+    # that verifies drafts has a mask at each of its positions, its id repeated for each.
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: bytes = b""
     # Speculative decoding (engine/worker/spec_decode.py): the drafts each verifying row's
@@ -74,8 +75,8 @@ class SchedulerOutput:
     # driver proposes for the next step (0: none).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     num_spec_tokens: int = 0
-    # Requests the driver proposes no drafts for this step: under a grammar, or sitting out
-    # after their drafts kept too few (engine/core/scheduler.py).
+    # Requests the driver proposes no drafts for this step: sitting out after their drafts
+    # kept too few (engine/core/scheduler.py).
     no_drafts: list[str] = field(default_factory=list)
     # A draft model's own step (engine/worker/draft.py): rows with spec_token_ids end with
     # tokens already known, not drafts: they run as those rows do and sample after the last.

@@ -294,8 +294,11 @@ class ModelRunner:
         assert self.model is not None
         rows = [self.rows[r] for r in sample_req_ids]
         drafts = [sched.spec_token_ids.get(r, []) for r in sample_req_ids]
+        q = None  # where a draft model drew the drafts from its distribution: that
+        if isinstance(self.proposer, DraftProposer):
+            q = [self.proposer.draft_probs(r, len(d)) for r, d in zip(sample_req_ids, drafts)]
         tokens, logprobs = spec_decode.kept_tokens(
-            self.model, self.sampler, hidden, rows, drafts, _grammar(sched, sample_req_ids)
+            self.model, self.sampler, hidden, rows, drafts, _grammar(sched, sample_req_ids), q
         )
         for row, new in zip(rows, tokens):
             row.output_token_ids.extend(new)

@@ -71,6 +71,10 @@ class Sampler:
         # Requests without a seed share one generator, seeded per engine.
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._shifts: torch.Tensor | None = None
+        # A draft model's sampler keeps the distribution its last call drew from ([B, V], None
+        # when every row was greedy): verification needs q (engine/worker/draft.py).
+        self.keep_probs = False
+        self.probs: torch.Tensor | None = None
 
     @torch.no_grad()
     def __call__(
@@ -91,6 +95,7 @@ class Sampler:
             logits = self.apply_grammar(logits, *grammar)
         logits = self.apply_penalties(logits, rows)
         greedy = [r.params.greedy for r in rows]
+        self.probs = None
         # The common all-greedy batch skips the sampling machinery.
         sampled = argmax(logits) if all(greedy) else self._sample(logits, rows, greedy)
         if events is not None:
@@ -114,10 +119,19 @@ class Sampler:
         set when token t is allowed (engine/core/grammar.py)."""
         where = {rid: j for j, rid in enumerate(grammar_ids)}
         rows = [i for i, rid in enumerate(req_ids) if rid in where]
+        masks = [where[req_ids[i]] for i in rows]
+        return self.mask_rows(logits, rows, masks, bitmask, len(grammar_ids))
+
+    def mask_rows(
+        self, logits: torch.Tensor, rows: list[int], masks: list[int], bitmask: bytes,
+        num_masks: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """Logits with row ``rows[i]`` under mask ``masks[i]`` of the ``num_masks`` in
+        ``bitmask``."""
         if not rows:
             return logits
-        words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(len(grammar_ids), -1)
-        words = words[[where[req_ids[i]] for i in rows]].to(self.device)
+        words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32).view(num_masks, -1)
+        words = words[masks].to(self.device)
         bits = (words.unsqueeze(-1) >> self._bit_shifts(words.device)) & 1
         vocab = logits.shape[-1]
         allowed = bits.view(len(rows), -1)[:, :vocab].bool()
@@ -176,6 +190,8 @@ class Sampler:
         logits = logits / temps.unsqueeze(1)
         logits = top_k_top_p_min_p(logits, rows)
         probs = logits.softmax(dim=-1)
+        if self.keep_probs:
+            self.probs = probs
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and lets
         # each seeded request consume only its own generator. E = -log(U), U uniform: 5x
         # cheaper on CPU than exponential_ (0.38 against 1.9 ms for 2 x 49,152). U is kept

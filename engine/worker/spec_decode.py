@@ -7,11 +7,13 @@ d_{j-1}. Verification walks the positions in order:
 - greedy: d_j is kept while it is p_j's argmax; the first position whose argmax differs gives
   that argmax instead, and ends the row; all k kept, position k's argmax follows them. The
   tokens are those of decoding without drafts, always.
-- sampling (Leviathan et al. 2023, with a proposer that puts all its mass on its draft, as
-  prompt lookup does): d_j is kept with probability p_j(d_j); on a refusal the token is drawn
-  from p_j with d_j taken out (the normalised max(p_j - q_j, 0) for a one-hot q_j), and the row
-  ends; all k kept, a token is drawn from p_k. Each token is distributed exactly as the
-  target's, whatever the drafts.
+- sampling (Leviathan et al. 2023): d_j, drawn from the proposer's q_j, is kept with
+  probability min(1, p_j(d_j) / q_j(d_j)); on a refusal the token is drawn from the normalised
+  max(p_j - q_j, 0), and the row ends; all k kept, a token is drawn from p_k. A proposer that
+  puts all its mass on its draft (prompt lookup, a greedy draft model) has a one-hot q_j: d_j is
+  kept with probability p_j(d_j), and a refused one's replacement is drawn from p_j without it.
+  A draft model that samples gives its q (engine/worker/draft.py). Each token is distributed
+  exactly as the target's, whatever the drafts.
 
 p_j is the target's distribution after everything the sampler applies (penalties, counted over
 the output and the drafts before j; min_tokens; temperature, top-k, top-p, min-p). Logprobs are
@@ -56,6 +58,7 @@ def kept_tokens(
     rows: list[SamplingRow],
     drafts: list[list[int]],
     grammar: tuple[list[str], list[str], bytes] | None,
+    q: list[torch.Tensor | None] | None = None,
 ) -> tuple[list[list[int]], list[Logprobs | None]]:
     """Each row's kept tokens and logprobs, from the model's final hidden states at every
     position the rows sample (``len(d) + 1`` a row): plain greedy rows through the model's
@@ -63,7 +66,7 @@ def kept_tokens(
     if grammar is None and plain_greedy(rows):
         sampler.sample_ns = sampler.logprobs_ns = 0
         return greedy(model.greedy_tokens(hidden).tolist(), drafts), [None] * len(rows)
-    return verify(sampler, model.logits(hidden), rows, drafts, grammar)
+    return verify(sampler, model.logits(hidden), rows, drafts, grammar, q)
 
 
 def verify(
@@ -72,9 +75,12 @@ def verify(
     rows: list[SamplingRow],
     drafts: list[list[int]],
     grammar: tuple[list[str], list[str], bytes] | None = None,
+    q: list[torch.Tensor | None] | None = None,
 ) -> tuple[list[list[int]], list[Logprobs | None]]:
     """Kept tokens and logprobs per row. ``logits``: [sum(len(d) + 1), V], each row's
-    positions in order; ``grammar`` as the sampler's (rows with drafts hold no grammar)."""
+    positions in order; ``grammar`` as the sampler's, with a mask at each position of a row
+    under a grammar; ``q``: each row's proposal distributions at its drafts ([len(d), V]), or
+    None for drafts with all their mass on them."""
     start = time.perf_counter_ns()
     expanded: list[SamplingRow] = []
     for row, d in zip(rows, drafts):
@@ -91,10 +97,7 @@ def verify(
                 expanded.append(row)
     raw = logits
     if grammar is not None:
-        req_ids, grammar_ids, bitmask = grammar
-        # A row's positions in the logits: a grammar row has one (it has no drafts).
-        flat = [rid for rid, d in zip(req_ids, drafts) for _ in range(len(d) + 1)]
-        logits = sampler.apply_grammar(logits, flat, grammar_ids, bitmask)
+        logits = _masked(sampler, logits, drafts, *grammar)
     logits = sampler.apply_penalties(logits, expanded)
     best = argmax(logits).tolist()
     probs = None
@@ -104,13 +107,14 @@ def verify(
         probs = top_k_top_p_min_p(logits / temps.unsqueeze(1), expanded).softmax(dim=-1)
     out: list[list[int]] = []
     at = 0
-    for row, d in zip(rows, drafts):
+    for i, (row, d) in enumerate(zip(rows, drafts)):
         if row.params.greedy:
             out.extend(greedy(best[at : at + len(d) + 1], [d]))
         else:
             assert probs is not None
             generator = row.generator or sampler.generator
-            out.append(_rejection(probs[at : at + len(d) + 1], d, generator))
+            out.append(_rejection(probs[at : at + len(d) + 1], d, generator,
+                                  q[i] if q is not None else None))  # fmt: skip
         at += len(d) + 1
     sampled_at = time.perf_counter_ns()
     sampler.sample_ns = sampled_at - start
@@ -119,22 +123,63 @@ def verify(
     return out, logprobs
 
 
-def _rejection(probs: torch.Tensor, drafts: list[int], generator: torch.Generator) -> list[int]:
+def _masked(
+    sampler: Sampler, logits: torch.Tensor, drafts: list[list[int]], req_ids: list[str],
+    grammar_ids: list[str], bitmask: bytes,
+) -> torch.Tensor:  # fmt: skip
+    """The logits under the grammar masks: a grammar row's ``len(d) + 1`` masks, one a
+    position, in order (its id repeated in ``grammar_ids``: EngineCore._grammar_masks)."""
+    first: dict[str, int] = {}
+    for j, rid in enumerate(grammar_ids):
+        first.setdefault(rid, j)
+    positions: list[int] = []
+    masks: list[int] = []
+    at = 0
+    for rid, d in zip(req_ids, drafts):
+        if rid in first:
+            positions.extend(range(at, at + len(d) + 1))
+            masks.extend(range(first[rid], first[rid] + len(d) + 1))
+        at += len(d) + 1
+    return sampler.mask_rows(logits, positions, masks, bitmask, len(grammar_ids))
+
+
+def _rejection(
+    probs: torch.Tensor, drafts: list[int], generator: torch.Generator,
+    q: torch.Tensor | None = None,
+) -> list[int]:  # fmt: skip
     """Tokens of one sampling row: ``probs`` [len(drafts) + 1, V], the target's at each
-    position."""
+    position; ``q`` [len(drafts), V'], the proposal's at each draft (None: one-hot)."""
     kept: list[int] = []
+    if q is not None and q.shape[-1] != probs.shape[-1]:  # a draft of a padded vocabulary
+        q = _fit(q.to(probs.device), probs.shape[-1])
     for j, d in enumerate(drafts):
         p = probs[j]
         u = torch.rand((), generator=generator, device=p.device)
-        if u < p[d]:
-            kept.append(d)
-            continue
-        residual = p.clone()
-        residual[d] = 0.0
+        if q is None:
+            if u < p[d]:
+                kept.append(d)
+                continue
+            residual = p.clone()
+            residual[d] = 0.0
+        else:
+            qj = q[j].to(p.device)
+            if u * qj[d] < p[d]:  # u < p / q, without dividing by a q of 0
+                kept.append(d)
+                continue
+            residual = (p - qj).clamp_(min=0.0)
+            if not float(residual.sum()) > 0.0:  # p is q here: nothing to correct
+                residual = p
         kept.append(int(torch.multinomial(residual, 1, generator=generator)))
         return kept
     kept.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))
     return kept
+
+
+def _fit(q: torch.Tensor, vocab: int) -> torch.Tensor:
+    """q over the target's vocabulary: cut, or padded with zeros."""
+    if q.shape[-1] >= vocab:
+        return q[:, :vocab]
+    return torch.cat([q, q.new_zeros(q.shape[0], vocab - q.shape[-1])], dim=-1)
 
 
 def _logprobs(

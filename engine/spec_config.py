@@ -5,6 +5,7 @@ engine/core/scheduler.py)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -14,7 +15,8 @@ METHODS = ("ngram", "draft_model")
 NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 # vLLM's fields that Lumen reads; a known vLLM field that changes nothing here is refused by name.
 FIELDS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model",
-          "quantization", "disable_by_batch_size")  # fmt: skip
+          "quantization", "disable_by_batch_size",
+          "num_speculative_tokens_per_batch_size")  # fmt: skip
 DRAFT_QUANTIZATIONS = ("int8", "int4")
 # Lumen's default for disable_by_batch_size (vLLM has none). A verifying row runs k + 1 tokens
 # through the target: SmolLM2 fp32 on 2 CPU cores, k = 4, gave 2.02x / 1.91x / 1.20x / 1.17x
@@ -37,9 +39,21 @@ class SpeculativeConfig:
     # load (None: as it is): the target's own folder with int4 is the self-draft.
     model: str | None = None
     quantization: str | None = None
+    # vLLM's dynamic speculation (num_speculative_tokens_per_batch_size): [start, end, k] rows,
+    # k drafts a request in steps that start with start to end requests running.
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
 
     def to_json(self) -> str:
         return json.dumps({k: v for k, v in asdict(self).items() if v is not None})
+
+    def k_for(self, running: int, max_rows: int) -> int:
+        """The drafts a request verifies in a step that starts with ``running`` requests: the
+        user's batch-size table where a row holds that size; else k while ``running`` is at most
+        ``max_rows`` (disable_by_batch_size), none past it."""
+        for start, end, k in self.num_speculative_tokens_per_batch_size or ():
+            if start <= running <= end:
+                return k
+        return self.num_speculative_tokens if running <= max_rows else 0
 
     @property
     def needs_kv(self) -> bool:
@@ -92,6 +106,7 @@ def parse(value: str | dict[str, object] | None) -> SpeculativeConfig | None:
         raise _err("num_speculative_tokens is required (vLLM requires it too), e.g. 3")
     if k > MAX_SPECULATIVE_TOKENS:
         raise _err(f"num_speculative_tokens {k} is over {MAX_SPECULATIVE_TOKENS}")
+    table = _batch_size_table(raw.get("num_speculative_tokens_per_batch_size"), k)
     quantization = raw.get("quantization")
     if method == "draft_model":
         if not isinstance(model, str) or not model:
@@ -105,7 +120,8 @@ def parse(value: str | dict[str, object] | None) -> SpeculativeConfig | None:
             raise _err(f"quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)} (the "
                        f"draft quantized on load) or unset, not {quantization!r}")  # fmt: skip
         return SpeculativeConfig(method, k, disable_by_batch_size=max_rows, model=model,
-                                 quantization=quantization)  # fmt: skip
+                                 quantization=quantization,
+                                 num_speculative_tokens_per_batch_size=table)  # fmt: skip
     if model not in (None, "[ngram]"):
         raise _err(f"ngram takes no model (it looks up the prompt and the output), not {model!r}")
     if quantization is not None:
@@ -118,7 +134,37 @@ def parse(value: str | dict[str, object] | None) -> SpeculativeConfig | None:
     assert lookup_min is not None and lookup_max is not None
     if lookup_min > lookup_max:
         raise _err(f"prompt_lookup_min {lookup_min} is over prompt_lookup_max {lookup_max}")
-    return SpeculativeConfig(method, k, lookup_max, lookup_min, max_rows)
+    return SpeculativeConfig(method, k, lookup_max, lookup_min, max_rows,
+                             num_speculative_tokens_per_batch_size=table)  # fmt: skip
+
+
+def _batch_size_table(value: object, k: int) -> tuple[tuple[int, int, int], ...] | None:
+    """num_speculative_tokens_per_batch_size: a list of [start, end, k] (vLLM's shape), sizes
+    from 1, each range start <= end, no two overlapping, each k from 0 (no drafts) to
+    num_speculative_tokens."""
+    if value is None:
+        return None
+    name = "num_speculative_tokens_per_batch_size"
+    shape = f"{name} must be a list of [start_batch_size, end_batch_size, k], e.g. [[1, 8, {k}]]"
+    if not isinstance(value, list) or not value:
+        raise _err(f"{shape}, not {value!r}")
+    rows = []
+    for row in value:
+        if (not isinstance(row, list) or len(row) != 3
+                or any(not isinstance(v, int) or isinstance(v, bool) for v in row)):  # fmt: skip
+            raise _err(f"{shape}; {row!r} is not")
+        start, end, drafts = row
+        if not 1 <= start <= end:
+            raise _err(f"{name}: {row!r} needs 1 <= start <= end")
+        if not 0 <= drafts <= k:
+            raise _err(f"{name}: {row!r} asks k = {drafts}, outside 0 to num_speculative_tokens "
+                       f"({k})")  # fmt: skip
+        rows.append((start, end, drafts))
+    rows.sort()
+    for (_, end, _), (start, _, _) in itertools.pairwise(rows):
+        if start <= end:
+            raise _err(f"{name}: the ranges overlap at batch size {start}")
+    return tuple(rows)
 
 
 def check_draft(config: SpeculativeConfig, draft: Path, target: Path) -> None:

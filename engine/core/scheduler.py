@@ -66,7 +66,8 @@ class Scheduler:
         self.num_grammars = 0  # requests holding a grammar, compiling or not
         self.grammar_errors: list[tuple[Request, str]] = []
         # Speculative decoding (--speculative-config): drafts are verified while at most
-        # spec_max_rows requests run.
+        # spec_max_rows requests run, or as the user's batch-size table says
+        # (SpeculativeConfig.k_for).
         self.speculative: SpeculativeConfig | None = None
         self.spec_max_rows = 0
         # LoRA (--enable-lora): at most max_loras adapters in one batch; 0 = LoRA off.
@@ -177,8 +178,8 @@ class Scheduler:
         # Speculative decoding: the rows that verify drafts this step, and how many drafts the
         # driver proposes for the next (none while the batch is over the rule's size).
         spec = out.spec_token_ids
-        if self.speculative is not None and len(self.running) <= self.spec_max_rows:
-            out.num_spec_tokens = self.speculative.num_speculative_tokens
+        if self.speculative is not None:
+            out.num_spec_tokens = self.speculative.k_for(len(self.running), self.spec_max_rows)
         # A draft model writes its KV at the k positions past a request's tokens: slots for them.
         ahead = out.num_spec_tokens if self.speculative and self.speculative.needs_kv else 0
         i = 0

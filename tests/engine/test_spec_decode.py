@@ -309,6 +309,11 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match() -> None:
     assert short.propose(5) == [9, 7, 8]  # as many as are known
 
 
+def _table(rows: list[list[int]]) -> dict[str, Any]:
+    return {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+            "num_speculative_tokens_per_batch_size": rows}  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "config, error",
     [
@@ -330,6 +335,10 @@ def test_prompt_lookup_proposes_what_followed_the_longest_match() -> None:
         ({"model": "x", "num_speculative_tokens": 3, "quantization": "int3"}, "quantization must"),
         ({"method": "ngram", "num_speculative_tokens": 3, "quantization": "int4"}, "no weights"),
         ({"model": "x", "num_speculative_tokens": 2, "prompt_lookup_min": 2}, "are ngram's"),
+        (_table([[1, 4]]), "must be a list of \\[start_batch_size"),
+        (_table([[0, 4, 2]]), "needs 1 <= start <= end"),
+        (_table([[1, 4, 5]]), "outside 0 to num_speculative_tokens"),
+        (_table([[1, 4, 2], [4, 8, 1]]), "overlap at batch size 4"),
     ],
 )
 def test_a_speculative_config_lumen_cannot_honour_is_refused_in_one_line(
@@ -363,6 +372,35 @@ def test_a_draft_that_is_not_there_or_speaks_another_tokenizer_is_refused_at_sta
         start(other)
     assert "\n" not in str(e.value)
     start(draft_copy)  # the same files elsewhere: taken
+
+
+def test_a_batch_size_table_sets_k_where_it_holds_the_batch_and_the_rule_elsewhere(
+    tiny_model_path: Path,
+) -> None:
+    """vLLM's num_speculative_tokens_per_batch_size: k = 0 for 2 to 8 running, 3 for 1; outside
+    the table, disable_by_batch_size's rule. In an engine, two requests verify no drafts while
+    both run, and the longer does once the shorter ends."""
+    c = parse(json.dumps(_table([[2, 8, 0], [1, 1, 3]])))
+    assert c is not None
+    assert [c.k_for(n, 16) for n in (1, 2, 8, 9, 17)] == [3, 0, 0, 4, 0]
+    llm = LLM(str(tiny_model_path), warmup=False, num_kv_blocks=256,
+              speculative_config=_table([[2, 8, 0], [1, 1, 3]]))  # fmt: skip
+    prompts = _random_prompts(seed=5)[:2]
+    llm.client.core.executor.runner.proposer = ScriptedProposer(
+        {tuple(p): list(range(200, 300)) for p in prompts}
+    )
+    llm.step_log = []
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                         for n in (4, MAX_TOKENS)], use_tqdm=False)  # fmt: skip
+    llm.shutdown()
+    steps = [(len(s.req_ids), s.num_spec_tokens, sum(s.num_drafted or [])) for s, _ in llm.step_log]
+    print(steps)
+    # The first step started with none running (both were admitted in it): the rule's k.
+    assert steps[0][:2] == (2, 4)
+    assert all(k == 0 and drafted == 0 for rows, k, drafted in steps[1:] if rows == 2)
+    assert any(k == 3 and drafted > 0 for rows, k, drafted in steps if rows == 1)
+    assert len(outs[1].outputs[0].token_ids) == MAX_TOKENS
 
 
 def test_vllms_ngram_defaults() -> None:

@@ -32,7 +32,6 @@ from tracing.diagnosis import (
     RunDiagnosis,
 )
 from tracing.parts import BY_KEY
-from tracing.settings import grammar_leads
 from tracing.step_fit import MIN_PRICED_PREFILL
 
 JUDGED_APART = {"delivery"}  # per request: a slow reader is one client
@@ -103,38 +102,30 @@ def request_calls(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list[
         )  # fmt: skip
         if found is not None:
             calls.append(found)
-    for parts in (API_PROCESS, GRAMMAR_COST):
-        group = [k for k in parts if k in stats]
-        if not group or any(c.part in group for c in calls):
-            continue
+    group = [k for k in API_PROCESS if k in stats]
+    if group and not any(c.part in group for c in calls):
         value = sum(mine.get(k, 0) for k in group)
         extra = value - sum(stats[k].median_ns for k in group) * n
         largest = max(group, key=lambda k: mine.get(k, 0))
         found = call_part(largest, extra, value, run.phase_median_ns[phase] * n, total)
-        if found is not None and (parts is API_PROCESS or grammar_leads(run, [req])):
+        if found is not None:
             calls.append(found)
     return calls
 
 
-# Parts that one cost spreads over, each under the bars and their sum over them: called as a
-# whole, by the largest part (call_group).
-# - The API process's: its one event loop receives and decodes bodies, templates and
-#   tokenizes, and emits: that process's CPU.
-# - A grammar's, where a grammar is the most common setting of the rows in the steps
-#   (settings.grammar_leads): its rows take their steps onto the full logits (the sampler,
-#   which masks them) and fill masks before the forward; every row of those steps waits for
-#   both.
+# The API process's parts: its one event loop receives and decodes bodies, templates and
+# tokenizes, and emits. A cost spread over them, each part under the bars and their sum over
+# them, is that process's CPU: called as a whole, by its largest part (call_group).
 API_PROCESS = ("http", "parse", "frontend", "loop_lag", "api_cpu", "emit")
-GRAMMAR_COST = ("sampling", "grammar_mask")
 
 
 def call_group(
     stats: dict[str, PartStat], called: set[str], phase_median_ns: float, scale: float,
-    has_reference: bool, parts: tuple[str, ...] = API_PROCESS,
+    has_reference: bool,
 ) -> tuple[Call, list[str]] | None:  # fmt: skip
-    """A group's parts (``parts``) judged together, where none was called alone: the call (by
+    """The API process's parts judged together, where none was called alone: the call (by
     the largest part) and the parts, largest first."""
-    group = [k for k in parts if k in stats]
+    group = [k for k in API_PROCESS if k in stats]
     if not group or called.intersection(group):
         return None
     extra = sum(stats[k].tail_extra_ns for k in group)

@@ -7,12 +7,6 @@ from __future__ import annotations
 import json
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tracing.diagnosis import RequestDiagnosis, RunDiagnosis
-
-GRAMMAR = "a grammar"
 
 
 def settings_of(params: str | None, grammar: str | None) -> tuple[str, ...]:
@@ -24,7 +18,7 @@ def settings_of(params: str | None, grammar: str | None) -> tuple[str, ...]:
         p = {}
     out = []
     if grammar:
-        out.append(f"{GRAMMAR} ({grammar})")
+        out.append(f"a grammar ({grammar})")
     if p.get("logprobs") is not None:
         out.append("logprobs")
     if (p.get("presence_penalty", 0.0) or p.get("frequency_penalty", 0.0)
@@ -44,26 +38,3 @@ def named(settings: Iterable[tuple[str, ...]]) -> str:
     if said:
         said[0] += " request" + ("s" if counts.most_common(1)[0][1] != 1 else "")
     return ", ".join(said)
-
-
-def sharing(run: RunDiagnosis, reqs: list[RequestDiagnosis]) -> list[tuple[str, ...]]:
-    """The settings of the requests that shared these requests' steps where the sampler ran
-    (their own included)."""
-    sampled = {s.step_id for s in run.steps if s.sample_ns}
-    steps = {i for r in reqs for i in r.step_ids if i in sampled}
-    return [r.settings for r in run.requests if steps.intersection(r.step_ids)]
-
-
-def grammar_leads(run: RunDiagnosis, reqs: list[RequestDiagnosis]) -> bool:
-    """Whether a grammar is the most common setting of the rows in these requests' sampled
-    steps: what took those steps onto the full logits, and filled their masks."""
-    counts: Counter[str] = Counter(s for mine in sharing(run, reqs) for s in mine)
-    top = counts.most_common(1)
-    return bool(top) and top[0][0].startswith(GRAMMAR)
-
-
-def paid_words(run: RunDiagnosis, reqs: list[RequestDiagnosis]) -> str:
-    """'for rows with a grammar (json_schema) in 24 requests': the settings of the requests
-    that shared these requests' steps where the sampler ran (their own included)."""
-    words = named(sharing(run, reqs))
-    return f"for rows with {words}" if words else ""

@@ -12,8 +12,6 @@ In the decode phase the values are per output token, and the absolute bar applie
 paid over whole decodes: what every request pays, times the median request's number of decode
 tokens; what the tail pays extra, each tail request's extra times its own decode tokens (their
 mean: PartStat.tail_paid_ns).
-One cost spread over several parts, each under the bars and their sum over them (the API
-process's, a grammar's), is named as one (``tracing.verdict_groups``).
 Parts in EXPECTED_PARTS (the model doing the request's own work) are reported as expected
 compute, never as a cause. Delivery is judged per request (a slow reader is one client): named
 when a request's delivery passes both bars against its own time.
@@ -56,6 +54,7 @@ from tracing.gaps import GAP_FACTOR
 from tracing.judge import (
     JUDGED_APART,
     STALL_GAP_NS,
+    call_group,
     call_part,
     dominant_part,
     passes,
@@ -63,7 +62,6 @@ from tracing.judge import (
     slow_delivery_ns,
 )
 from tracing.pauses import Intervals
-from tracing.verdict_groups import group_findings
 from tracing.words import QUEUE_LIMITS, WHAT, count, ms, step_name, tokens_of
 
 __all__ = ["JUDGED_APART", "describe", "headline", "judge", "neighbour_names", "passes"]
@@ -126,7 +124,7 @@ def judge(run: RunDiagnosis) -> None:
         scale = float(np.median([r.output_tokens - 1 for r in reqs])) if phase == "decode" else 1.0
         tail_reqs = [r for r, t in zip(reqs, tail) if t]
         found = _part_findings(run, phase, reqs, tail_reqs, scale)
-        findings += found + group_findings(run, phase, reqs, tail_reqs, scale, found)
+        findings += found + _api_process(run, phase, reqs, tail_reqs, scale, found)
     findings.sort(key=lambda f: (f.kind != "cause", -f.ms))  # the largest cause first
     if not any(f.part == "unattributed" for f in findings):
         findings += verdict_requests.remainder_findings(run)
@@ -193,6 +191,35 @@ def _part_findings(
     return out
 
 
+def _api_process(
+    run: RunDiagnosis, phase: str, reqs: list[RequestDiagnosis], tail: list[RequestDiagnosis],
+    scale: float, found: list[Finding],
+) -> list[Finding]:  # fmt: skip
+    """The API process's parts together, where each is under the bars (judge.call_group)."""
+    stats = run.parts[phase]
+    got = call_group(stats, {f.part for f in found if f.part}, run.phase_median_ns[phase],
+                     scale, len(tail) < len(reqs))  # fmt: skip
+    if got is None:
+        return []
+    call, order = got
+    values = {k: (stats[k].tail_extra_ns, stats[k].tail_paid_ns) if call.beyond
+              else (stats[k].median_ns, stats[k].median_ns * scale) for k in order}  # fmt: skip
+    listed = ", ".join(f"{WHAT[k][0]} {_amount(phase, *v)}" for k, v in values.items()
+                       if abs(v[1]) >= 50_000)  # fmt: skip
+    paid = sum(v[1] for v in values.values())
+    who = (f"The slowest {100 - TAIL_PERCENTILE}% of requests spent" if call.beyond
+           else "Every request spent")  # fmt: skip
+    more = "more than the median request " if call.beyond else ""
+    text = (
+        f"{who} {_amount(phase, call.ns, paid)} {more}in the API process, each part under "
+        f"the bars and together over them ({listed}): its one event loop receives and decodes "
+        f"the bodies, templates, tokenizes and emits: {WHAT[order[0]][1]}."
+    )
+    kind, section = ("cause", "causes") if call.beyond else ("paid", "paid")
+    return [Finding(kind, text, ms=paid / 1e6, part=order[0], section=section,
+                    label="the API process", phase=phase)]  # fmt: skip
+
+
 def _amount(phase: str, v: float, paid: float) -> str:
     """``v`` a request (TTFT) or per output token, which came to ``paid`` over the decode."""
     return ms(v) if phase == "ttft" else f"{ms(v)} per token ({ms(paid)})"
@@ -249,7 +276,7 @@ def describe(
         return _lag_work(run, action)
     if part in ("logprobs", "sampling"):
         said = verdict_steps.sampler_words(verdict_steps.busy_steps(run), part)
-        paid = settings.paid_words(run, reqs) if part == "sampling" else ""
+        paid = _settings_paid(run, reqs) if part == "sampling" else ""
         return (f" ({'; '.join(x for x in (paid, said) if x)})" if paid or said else ""), action
     if part == "neighbour_prefill":
         names = neighbour_names(reqs, phase)
@@ -269,6 +296,16 @@ ROUTED_WORDS = {
     None: "where the balancing sent it: the lowest 4 x waiting + running, or an "
     "X-data-parallel-rank header",
 }
+
+
+def _settings_paid(run: RunDiagnosis, reqs: list[RequestDiagnosis]) -> str:
+    """'for rows with a grammar (json_schema) in 24 requests': the settings of the requests
+    that shared these requests' steps where the sampler ran (their own included)."""
+    sampled = {s.step_id for s in run.steps if s.sample_ns}
+    steps = {i for r in reqs for i in r.step_ids if i in sampled}
+    sharing = [r.settings for r in run.requests if steps.intersection(r.step_ids)]
+    words = settings.named(sharing)
+    return f"for rows with {words}" if words else ""
 
 
 def lifecycle_findings(run: RunDiagnosis) -> list[Finding]:

@@ -75,16 +75,14 @@ class Trace:
         self, rows: dict[str, int], exec_ms: float, *, at_ms: float = 0.0,
         schedule_ms: float = 0.2, output_ms: float = 0.2, wait_reason: str = "", waiting: int = 0,
         preempted: tuple[str, ...] = (), logprobs_ms: float = 0.0, sample_ms: float = 0.0,
-        gc_ms: float = 0.0, held_ms: float = 0.0, mask_ms: float = 0.0,
+        gc_ms: float = 0.0, held_ms: float = 0.0,
     ) -> None:  # fmt: skip
         """A step of ``exec_ms`` (of which ``logprobs_ms`` computed top-20 logprobs for every
-        row, ``sample_ms`` ran the sampler on the full logits and ``gc_ms`` the core's GC),
-        after ``mask_ms`` of grammar masks for its rows under a grammar; its tokens reach the
-        frontend ``held_ms`` late (the core stopped before they left)."""
+        row, ``sample_ms`` ran the sampler on the full logits and ``gc_ms`` the core's GC);
+        its tokens reach the frontend ``held_ms`` late (the core stopped before they left)."""
         arrived = max(self.reqs[rid].received for rid in rows)
         start = max(self.now, arrived, T0 + int(at_ms * MS)) + MS // 10
-        scheduled = start + int(schedule_ms * MS)
-        execute = scheduled + int(mask_ms * MS)
+        execute = start + int(schedule_ms * MS)
         executed = execute + int(exec_ms * MS)
         out = executed + int(output_ms * MS)
         step_id, prefill = len(self.steps), 0
@@ -98,8 +96,7 @@ class Trace:
                 self._token(r, step_id, out + int(held_ms * MS))
         live = [r for r in self.reqs.values() if r.status is None and r.computed]
         self.steps.append(row(
-            "steps", run_id=RUN, step_id=step_id, schedule_start_ns=start,
-            schedule_end_ns=scheduled,
+            "steps", run_id=RUN, step_id=step_id, schedule_start_ns=start, schedule_end_ns=execute,
             execute_start_ns=execute, execute_end_ns=executed, output_ns=out,
             num_running=len(live), num_waiting=waiting, num_scheduled_tokens=sum(rows.values()),
             num_prefill_tokens=prefill, num_decode_tokens=sum(rows.values()) - prefill,
@@ -109,8 +106,7 @@ class Trace:
             wait_reason=wait_reason, idle=False, gc_pause_ns=int(gc_ms * MS),
             sample_ns=int(sample_ms * MS),
             logprobs_ns=int(logprobs_ms * MS), logprobs_rows=len(rows) if logprobs_ms else 0,
-            max_logprobs=20 if logprobs_ms else 0, grammar_mask_ns=int(mask_ms * MS),
-            grammar_rows=sum(1 for rid in rows if self.reqs[rid].grammar) if mask_ms else 0,
+            max_logprobs=20 if logprobs_ms else 0,
         ))  # fmt: skip
         if gc_ms:  # the core's GC in the step, as its pause rows record it
             self.pause("core", "gc", (execute - T0) / MS, gc_ms)

@@ -129,37 +129,3 @@ def test_a_grammar_compiled_during_a_step_waits_for_it_as_the_grammar_s_cost(
     g = next(r for r in run.requests if r.request_id == "g")
     print(g.ttft)
     assert g.ttft["grammar_compile"] > 28 * MS and g.ttft["queue"] < 2 * MS, g.ttft
-
-
-@pytest.mark.parametrize("setting", ["grammar", "logprobs"])
-def test_a_grammars_cost_split_under_the_bars_is_named_as_one(tmp_path: Path, setting: str) -> None:
-    """Two of six streams under a grammar: their steps' sampler (2.4 ms) and masks (0.9 ms),
-    each under the bars of a 29 ms token and together over them, are the grammar's, named in the
-    run and for every request (each row waits for both). The same split between the sampler and
-    logprobs, where logprobs lead, is no one cost: nothing is summed, nothing named."""
-    from tracing.judge import GRAMMAR_COST, request_calls
-
-    tr = Trace()
-    for i in range(6):
-        extra = {"logprobs": 1} if setting == "logprobs" and i < 2 else {}
-        tr.request(f"r{i}", 0.0, prompt=16, output=60, params={"temperature": 0, **extra},
-                   grammar="json_schema" if setting == "grammar" and i < 2 else None)  # fmt: skip
-    costs = ({"sample_ms": 2.4, "mask_ms": 0.9} if setting == "grammar"
-             else {"sample_ms": 2.4, "logprobs_ms": 0.9})  # fmt: skip
-    tr.step({f"r{i}": 16 for i in range(6)}, 30.0, **costs)
-    while any(r.status is None for r in tr.reqs.values()):
-        tr.step({r.rid: 1 for r in tr.reqs.values() if r.status is None}, 26.0, **costs)
-    run = diagnose_run(tr.write(tmp_path / "t.db"))
-    text = " ".join(render_run(run).split())
-    print(text)
-    parts = {"sampling", "grammar_mask", "logprobs"}
-    named = [f for f in run.findings if f.part in parts and f.kind in ("cause", "paid")]
-    calls = {r.request_id: [c.part for c in request_calls(r, run, "decode") if c.part in parts]
-             for r in run.requests}  # fmt: skip
-    print(calls)
-    if setting == "grammar":
-        assert len(named) == 1 and named[0].label == "a grammar", text
-        assert "for rows with a grammar (json_schema) in 2 requests" in named[0].text
-        assert all(len(c) == 1 and c[0] in GRAMMAR_COST for c in calls.values()), calls
-    else:
-        assert not named and not any(calls.values()), text

@@ -141,6 +141,9 @@ class StepFacts:
     drafted: int = 0  # drafts its rows verified, and of them kept
     kept: int = 0
     spec_tokens: int = -1  # drafts a request could propose in it (0: the rule let none; -1: off)
+    # The context of its rows that decode for the first time since their prompt was computed
+    # (tracing.stalls.join_tokens): on CPU, copied into the decode mirror in this step.
+    join_tokens: int = 0
 
     @property
     def full_rows(self) -> int:

@@ -24,7 +24,9 @@ def expected_ns(coef: np.ndarray, s: StepFacts) -> float:
 
 
 def _slow_for_shape(s: StepFacts, coef: np.ndarray) -> bool:
-    return bool(outlier(s.forward_ns, expected_ns(coef, s)))
+    """OUTLIER_FACTOR x its expected time, the context its rows copy into the decode mirror
+    (``join_tokens``) priced as prefill: the cost of their prompt's, not the core stalling."""
+    return bool(outlier(s.forward_ns, expected_ns(coef, s) + coef[1] * s.join_tokens))
 
 
 def _comparable(s: StepFacts, other: StepFacts) -> bool:

@@ -9,14 +9,18 @@ from typing import Any
 
 import numpy as np
 
+from engine.spec_config import MAX_SPECULATIVE_TOKENS
 from tracing.pauses import Intervals, Pauses
-from tracing.shares import StepTimes, full_rows, gc_inside, out_end
-from tracing.step_fit import MIN_CAUSE_NS, OUTLIER_FACTOR, FloatArray, StepWeights
+from tracing.shares import Memberships, StepTimes, full_rows, gc_inside, out_end
+from tracing.step_fit import MIN_CAUSE_NS, OUTLIER_FACTOR, FloatArray, IntArray, StepWeights
 
 # A long prompt's attention grows past the linear price of a prefill token (a 962-token Gemma 3
 # step of 878 ms, priced at 272 ms by a run whose other prompts were short): a step's prefill is
 # priced at up to this many times the fit's price before the step is the core stalling.
 PREFILL_SLACK = 2.0
+# A row of more tokens than a verifying row's (1 + the most drafts) after a request's first
+# decode is a recompute after a preemption: its next decode joins the mirror again.
+RECOMPUTE_TOKENS = MAX_SPECULATIVE_TOKENS + 1
 
 
 def stall_limit(expected: Any, prefill: Any) -> Any:
@@ -27,11 +31,39 @@ def stall_limit(expected: Any, prefill: Any) -> Any:
     return OUTLIER_FACTOR * (expected + (PREFILL_SLACK - 1.0) * prefill)
 
 
-def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> FloatArray:
+def join_tokens(steps: StepTimes, members: Memberships) -> IntArray:
+    """Per step, the context of the rows that decode in it for the first time since their
+    prompt (or their recompute after a preemption) was computed: on CPU a row's context is
+    copied into the decode mirror then (engine/worker/decode_cache.py), a cost of its
+    prefill's that no fit of a step's shape prices (1,027 tokens joining cost a SmolLM2 step
+    60 ms, 3x its time, after the 1.4 s step that prefilled them)."""
+    out: IntArray = np.zeros(len(steps.step_id), dtype=np.int64)
+    if not len(members.step_id):
+        return out
+    index = {int(sid): i for i, sid in enumerate(steps.step_id)}
+    done: dict[str, int] = {}  # request -> its tokens so far
+    joining: set[str] = set()  # requests whose context is computed and not yet mirrored
+    for sid, rid, n in zip(members.step_id.tolist(), members.request_id, members.tokens.tolist()):
+        before = done.get(rid, 0)
+        if n == 1 and rid in joining:
+            joining.discard(rid)
+            if (i := index.get(sid)) is not None:
+                out[i] += before
+        elif n > RECOMPUTE_TOKENS or not before:
+            joining.add(rid)  # a prompt's chunk, or a recompute's (past a verifying row's)
+        done[rid] = before + n
+    return out
+
+
+def stall_excess(
+    steps: StepTimes, weights: StepWeights, core_gc: Intervals, joins: IntArray | None = None
+) -> FloatArray:
     """Per step, the share of its forward that was the core stalling, not computing (0 for
     most): in a step whose forward (less the sampler, logprobs and the core's GC inside it) took
     OUTLIER_FACTOR x its expected time and MIN_CAUSE_NS over it, the part past its expected time
-    (the core stopped, was starved of CPU, or was stuck in a long call)."""
+    (the core stopped, was starved of CPU, or was stuck in a long call). A step whose rows join
+    the decode mirror (``joins``: join_tokens) has their context priced as prefill in the limit
+    alone: its excess is their prefill's, not a stall."""
     if not len(steps.step_id) or not weights.fitted:
         return np.zeros(len(steps.step_id))
     gc = gc_inside(steps, core_gc)[1]
@@ -39,7 +71,8 @@ def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> 
                - steps.logprobs_ns - steps.spec_ns - gc)  # fmt: skip
     prefill = weights.b * steps.prefill_tokens
     expected = weights.a + prefill + weights.c * steps.rows + weights.full_extra(full_rows(steps))
-    slow = (forward >= stall_limit(expected, prefill)) & (forward - expected >= MIN_CAUSE_NS)
+    joined = prefill + weights.b * joins if joins is not None else prefill
+    slow = (forward >= stall_limit(expected, joined)) & (forward - expected >= MIN_CAUSE_NS)
     excess: FloatArray = np.where(slow, 1.0 - expected / np.maximum(forward, 1), 0.0)
     return excess
 

@@ -315,3 +315,28 @@ def test_steps_slowed_beside_the_busy_api_process_are_its_cpu(tmp_path: Path, bu
     else:
         assert d0.decode["api_cpu"] == 0 and d0.decode["core_stall"] >= 50 * MS, d0.decode
         assert "the core stalled in them" in said, text
+
+
+@pytest.mark.parametrize("slow", ["joining", "later"])
+def test_rows_joining_the_decode_mirror_after_a_long_prefill_are_the_prefills_cost(
+    tmp_path: Path, slow: str
+) -> None:
+    """Four decoders; two prompts of 716 and 949 tokens prefilled in one 2.9 s step (1.7 ms a
+    token, as SmolLM2's on 2 cores), then a step of 100 ms (recorded: 87 ms against 22, seed
+    1400133). Where it is the two new rows' first decode, their 1,665 tokens of context copied
+    into the decode mirror, it is their prefill's cost, not the core stalling. The same step
+    two steps later, with no row joining, is a stall."""
+    tr = _four_decoders(output=60, prefill_ms=30.0, steps=12, step_ms=20.0)
+    tr.step_prior = [18.0 * MS, 1.7 * MS, 0.5 * MS]
+    tr.request("p0", 290.0, prompt=716, output=2)
+    tr.request("p1", 290.0, prompt=949, output=2)
+    live = {f"d{i}": 1 for i in range(4)}
+    tr.step({**live, "p0": 716, "p1": 949}, 2900.0)
+    first = 100.0 if slow == "joining" else 22.0
+    tr.step({**live, "p0": 1, "p1": 1}, first)
+    tr.step(live, 20.0)
+    tr.step(live, 20.0 if slow == "joining" else 100.0)
+    _to_end(tr, lambda rows: 20.0)
+    _, text = _diagnosed(tr, tmp_path)
+    stalled = "took at least 3x" in text and "the core stalled" in text
+    assert stalled == (slow == "later"), text

@@ -252,7 +252,9 @@ PARTS: tuple[Part, ...] = (
         "host (other processes, the CPU quota, swapping) and the server log",
         "the part of its steps' forward (the sampler, logprobs and core GC aside) past 3x their "
         "expected time (its prefill priced at up to 2x the fit's price: a long prompt's "
-        "attention outgrows a linear price) and 20 ms over it, but where the API process "
+        "attention outgrows a linear price; the context of rows decoding for the first time "
+        "after their prompt priced as prefill: it is copied into the decode mirror then) and "
+        "20 ms over it, but where the API process "
         "paused in it for half that (`gc`, `loop_lag`) or was busy on CPU for half that "
         "(`api_cpu`); the part of a step's schedule "
         "or output phase past 3x the run's median of it and 20 ms over it (the core stops in "

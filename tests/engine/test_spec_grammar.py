@@ -29,20 +29,7 @@ class GrammarProposer(ScriptedProposer):
         super().__init__(references)
         self.tokenizer = tokenizer
 
-    def propose(
-        self, req_ids: list[str], rows: dict[str, Any], k: int, sched: object = None
-    ) -> dict[str, list[int]]:
-        out = {}
-        for r in req_ids:
-            done = len(rows[r].output_token_ids)
-            drafts = list(self.references[self.prompts[r]][done : done + k])
-            drafts = [t if self.rng.random() > 1 / 3 else self._another(t) for t in drafts]
-            if drafts:
-                out[r] = drafts
-                self.num_proposed += len(drafts)
-        return out
-
-    def _another(self, token: int) -> int:
+    def wrong(self, token: int) -> int:
         text = self.tokenizer.decode([token])
         swap = "7" if text.strip().isdigit() else "q"
         return int(self.tokenizer.encode(swap, add_special_tokens=False)[0])

@@ -265,6 +265,21 @@ class Scheduler:
         self.num_preemptions_total += out.num_preemptions
         return out
 
+    @staticmethod
+    def _take(request: Request, token: int) -> bool:
+        """Append a sampled token; whether the request is done. Its grammar advances through
+        each kept token (each was sampled under its position's mask); a token it refuses (its
+        mask left nothing, e.g. min_tokens blocking the EOS it required) ends the request rather
+        than the output, and so does the grammar's end."""
+        if request.check_stop(token):
+            return True
+        if request.grammar is not None:
+            matcher = request.grammar.matcher
+            if not matcher.consume_token(token) or matcher.is_stopped():
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+        return False
+
     def update_from_output(
         self, sched: SchedulerOutput, runner: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
@@ -279,7 +294,8 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted while the step ran: its output is dropped
-            tokens = [token_id]
+            new_ids = [token_id]
+            finished = self._take(request, token_id)
             if req_id in spec:
                 # Drafts the target refused leave the KV behind them unused: the next step
                 # writes over it.
@@ -288,23 +304,11 @@ class Scheduler:
                 request.spec_rate = (request.spec_rate + len(more) / len(spec[req_id])) / 2
                 if request.spec_rate < SPEC_MIN_RATE:
                     request.spec_pause, request.spec_rate = SPEC_PAUSE_STEPS, SPEC_RETRY_RATE
-                tokens.extend(more)
-            new_ids: list[int] = []
-            finished = False
-            for token in tokens:  # a stop among the kept drafts drops the tokens after it
-                new_ids.append(token)
-                finished = request.check_stop(token)
-                if request.grammar is not None and not finished:
-                    # The grammar advances through each kept token (each was sampled under its
-                    # position's mask). A token it refuses (its mask left nothing, e.g.
-                    # min_tokens blocking the EOS it required) ends the request rather than
-                    # the output; so does the grammar's end.
-                    matcher = request.grammar.matcher
-                    if not matcher.consume_token(token) or matcher.is_stopped():
-                        request.status = RequestStatus.FINISHED_STOPPED
-                        finished = True
-                if finished:
-                    break
+                for token in more:  # a stop among the kept drafts drops the tokens after it
+                    if finished:
+                        break
+                    new_ids.append(token)
+                    finished = self._take(request, token)
             if request.spec_pause and sched.num_spec_tokens:
                 request.spec_pause -= 1  # a step sat out
             elif not finished and (drafts := runner.draft_token_ids.get(req_id)):

@@ -16,8 +16,9 @@ scheduler gives a speculating step's rows k slots past their tokens for the draf
 The self-draft (the target's own checkpoint, quantized on load) shares the target's pool
 instead: it reads the target's exact KV before the last token and writes its own only past it.
 
-Its tokens: for a greedy request, or one with a seed (its output must not depend on the draft
-runner's shared generator), the draft's argmax, a proposal with all its mass on it; for a
+Its tokens: for a greedy request, one with a seed (its output must not depend on the draft
+runner's shared generator) or one under a grammar (draft_params), the draft's argmax, a
+proposal with all its mass on it; for a
 request that samples, a draw from the draft's own distribution q under the request's
 temperature, top-k, top-p and min-p (no penalties: q may be any distribution), kept with q for
 verification, which keeps a draft with probability min(1, p/q) and draws a refused one's
@@ -49,9 +50,12 @@ CATCH_UP_ROWS = 4
 
 def draft_params(row: Any) -> SamplingParams:
     """How the draft proposes for a request (the module docstring): its argmax, or a draw
-    under the request's temperature and truncation."""
+    under the request's temperature and truncation. A request under a grammar drafts argmaxes:
+    the core cuts its drafts at the first the grammar refuses and samples that position from
+    the target's p, which keeps p only for a proposal whose draft is certain (one drawn from q
+    and cut would need the refusal judged by min(1, p/q) instead)."""
     p = row.params
-    if p.greedy or row.generator is not None:
+    if p.greedy or row.generator is not None or p.structured_outputs is not None:
         return GREEDY
     return SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                           min_p=p.min_p, max_tokens=1)  # fmt: skip

@@ -109,3 +109,19 @@ def test_drafts_that_break_the_grammar_are_cut_before_verification(tiny_model_pa
     print(drafted, [o.outputs[0].text for o in outs])
     assert drafted[outs[0].request_id] > 0 and drafted[outs[1].request_id] == 0
     assert drafted[outs[2].request_id] > 0
+
+
+def test_a_draft_model_drafts_argmaxes_under_a_grammar() -> None:
+    """A draft cut where the grammar refuses it keeps the target's distribution only where the
+    draft was certain: a request under a grammar drafts argmaxes, at any temperature; one
+    without a grammar draws from q."""
+    from engine.sampling_params import StructuredOutputsParams
+    from engine.worker.draft import GREEDY, draft_params
+    from engine.worker.sampler import SamplingRow
+
+    regex = StructuredOutputsParams(regex="[0-9]+")
+    under = SamplingParams(temperature=1.0, max_tokens=8, structured_outputs=regex)
+    free = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=8)
+    assert draft_params(SamplingRow(under, None, [1], [], frozenset())) is GREEDY
+    drawn = draft_params(SamplingRow(free, None, [1], [], frozenset()))
+    assert (drawn.temperature, drawn.top_p) == (0.7, 0.9)

@@ -124,11 +124,15 @@ class EngineConfig:
         default=None,
         metadata={
             "help": "speculative decoding, as vLLM's flag: JSON with method (ngram: prompt "
-            "lookup over the prompt and the output), num_speculative_tokens (k, required), "
-            "prompt_lookup_min and prompt_lookup_max (default 5 both; one given, the other "
-            "equal). The target verifies the k drafts in one pass: greedy output is exactly "
-            "that of decoding without them, sampled output is distributed as it (rejection "
-            "sampling). Requests under a grammar do not speculate (engine/spec_config.py)"
+            "lookup over the prompt and the output; draft_model: a second checkpoint in "
+            "model, or the target's own with quantization int8 or int4), "
+            "num_speculative_tokens (k, required), prompt_lookup_min and prompt_lookup_max "
+            "(default 5 both; one given, the other equal), disable_by_batch_size and "
+            "num_speculative_tokens_per_batch_size ([[start, end, k], ...]). The target "
+            "verifies the k drafts in one pass: greedy output is exactly that of decoding "
+            "without them, sampled output is distributed as it (rejection sampling). Requests "
+            "under a grammar speculate, their drafts cut where the grammar refuses them "
+            "(docs/speculative-decoding.md)"
         },
     )
     enable_lora: bool = field(

@@ -158,10 +158,7 @@ def _decompose_all(
     )
     placed = shares.place(facts.members, facts.step_times, win)
     pauses = pauses_of(facts.pauses)
-    joins = stalls.join_tokens(facts.step_times, facts.members)
-    for step, joined in zip(facts.steps, joins.tolist()):
-        step.join_tokens = joined
-    excess = stalls.stall_excess(facts.step_times, weights, pauses[1].gc, joins)
+    excess = stalls.stall_excess(facts.step_times, weights, pauses[1].gc)
     phases = stalls.phase_stalls(facts.step_times, pauses[1].gc)
     taken = stalls.api_taken(facts.step_times, excess, pauses[0])
     contended = stalls.api_contention(facts.step_times, weights, pauses[1].gc, pauses[0].busy,

@@ -18,6 +18,7 @@ from engine.request_ids import CHILD_SUFFIX, OLD_SAMPLE_PREFIX
 from tracing.diagnosis import LifecycleRow, StepFacts
 from tracing.pauses import PauseRow
 from tracing.shares import Memberships, StepTimes
+from tracing.stalls import join_tokens
 
 
 @dataclass
@@ -252,7 +253,7 @@ def _step_rows(con: duckdb.DuckDBPyConnection, run_id: str) -> list[dict[str, An
     return _records(cur)
 
 
-def _step_facts(s: dict[str, Any]) -> StepFacts:
+def _step_facts(s: dict[str, Any], join_tokens: int) -> StepFacts:
     return StepFacts(
         step_id=s["step_id"],
         start_ns=s["schedule_start_ns"],
@@ -281,15 +282,17 @@ def _step_facts(s: dict[str, Any]) -> StepFacts:
         spec_tokens=-1 if s["spec_tokens"] is None else s["spec_tokens"],
         logprobs_rows=s["logprobs_rows"] or 0,
         max_logprobs=s["max_logprobs"] or 0,
+        join_tokens=join_tokens,
     )
 
 
-def _step_times(rows: list[dict[str, Any]]) -> StepTimes:
+def _step_times(rows: list[dict[str, Any]], members: Memberships) -> StepTimes:
     def col(name: str) -> np.ndarray:
         return np.array([r[name] or 0 for r in rows], dtype=np.int64)
 
+    step_id = col("step_id")
     return StepTimes(
-        step_id=col("step_id"),
+        step_id=step_id,
         schedule_start_ns=col("schedule_start_ns"),
         schedule_end_ns=col("schedule_end_ns"),
         execute_start_ns=col("execute_start_ns"),
@@ -302,6 +305,7 @@ def _step_times(rows: list[dict[str, Any]]) -> StepTimes:
         sample_ns=col("sample_ns"),
         logprobs_ns=col("logprobs_ns"),
         spec_ns=col("spec_ns"),
+        join_tokens=join_tokens(step_id, members),
     )
 
 
@@ -417,11 +421,13 @@ def load_run(con: duckdb.DuckDBPyConnection, run_id: str) -> RunFacts:
         else Memberships(np.zeros(0, np.int64), [], np.zeros(0, np.int64))
     )
     requests = load_requests(con, run_id)
+    members = _after_resend(_memberships(con, run_id, "request_ids"), requests, steps)
+    times = _step_times(steps, members)
     return RunFacts(
         requests=requests,
-        steps=[_step_facts(s) for s in steps],
-        step_times=_step_times(steps),
-        members=_after_resend(_memberships(con, run_id, "request_ids"), requests, steps),
+        steps=[_step_facts(s, j) for s, j in zip(steps, times.join_tokens.tolist())],
+        step_times=times,
+        members=members,
         preempted=preempted,
         pauses=load_pauses(con, run_id),
         step_prior=load_step_prior(con, run_id),

@@ -45,13 +45,7 @@ from tracing.shares import (
     out_end,
     stall_spans,
 )
-from tracing.stalls import (
-    api_contention,
-    api_taken,
-    join_tokens,
-    phase_stalls,
-    stall_excess,
-)
+from tracing.stalls import api_contention, api_taken, phase_stalls, stall_excess
 from tracing.step_fit import MIN_CAUSE_NS, IntArray, StepWeights
 
 GAP_FACTOR = 4.0  # a gap is long at this many times its request's median gap (and MIN_CAUSE_NS)
@@ -123,7 +117,7 @@ class GapCutter:
         # The forward's share past its expected time, where a step is an outlier for its shape
         # (stalls.stall_excess); as instants, the core stalled (all its threads), but where the
         # API process paused meanwhile: that is its pause (carved first).
-        self.excess = stall_excess(steps, weights, self.core.gc, join_tokens(steps, members))
+        self.excess = stall_excess(steps, weights, self.core.gc)
         # ... and its schedule or output phase far past the run's median (stalls.phase_stalls).
         self.phases = phase_stalls(steps, self.core.gc)
         self.taken = api_taken(steps, self.excess, self.api)

@@ -81,6 +81,9 @@ class StepTimes:
     logprobs_ns: IntArray
     # Inside execute too: speculative decoding's proposer and refused drafts (diagnose_load).
     spec_ns: IntArray
+    # The context of its rows that decode for the first time since their prompt was computed
+    # (tracing.stalls.join_tokens): on CPU, copied into the decode mirror in this step.
+    join_tokens: IntArray
 
 
 @dataclass(frozen=True)

@@ -31,16 +31,16 @@ def stall_limit(expected: Any, prefill: Any) -> Any:
     return OUTLIER_FACTOR * (expected + (PREFILL_SLACK - 1.0) * prefill)
 
 
-def join_tokens(steps: StepTimes, members: Memberships) -> IntArray:
+def join_tokens(step_ids: IntArray, members: Memberships) -> IntArray:
     """Per step, the context of the rows that decode in it for the first time since their
     prompt (or their recompute after a preemption) was computed: on CPU a row's context is
     copied into the decode mirror then (engine/worker/decode_cache.py), a cost of its
     prefill's that no fit of a step's shape prices (1,027 tokens joining cost a SmolLM2 step
     60 ms, 3x its time, after the 1.4 s step that prefilled them)."""
-    out: IntArray = np.zeros(len(steps.step_id), dtype=np.int64)
+    out: IntArray = np.zeros(len(step_ids), dtype=np.int64)
     if not len(members.step_id):
         return out
-    index = {int(sid): i for i, sid in enumerate(steps.step_id)}
+    index = {int(sid): i for i, sid in enumerate(step_ids)}
     done: dict[str, int] = {}  # request -> its tokens so far
     joining: set[str] = set()  # requests whose context is computed and not yet mirrored
     for sid, rid, n in zip(members.step_id.tolist(), members.request_id, members.tokens.tolist()):
@@ -55,14 +55,12 @@ def join_tokens(steps: StepTimes, members: Memberships) -> IntArray:
     return out
 
 
-def stall_excess(
-    steps: StepTimes, weights: StepWeights, core_gc: Intervals, joins: IntArray | None = None
-) -> FloatArray:
+def stall_excess(steps: StepTimes, weights: StepWeights, core_gc: Intervals) -> FloatArray:
     """Per step, the share of its forward that was the core stalling, not computing (0 for
     most): in a step whose forward (less the sampler, logprobs and the core's GC inside it) took
     OUTLIER_FACTOR x its expected time and MIN_CAUSE_NS over it, the part past its expected time
     (the core stopped, was starved of CPU, or was stuck in a long call). A step whose rows join
-    the decode mirror (``joins``: join_tokens) has their context priced as prefill in the limit
+    the decode mirror (``steps.join_tokens``) has their context priced as prefill in the limit
     alone: its excess is their prefill's, not a stall."""
     if not len(steps.step_id) or not weights.fitted:
         return np.zeros(len(steps.step_id))
@@ -71,7 +69,7 @@ def stall_excess(
                - steps.logprobs_ns - steps.spec_ns - gc)  # fmt: skip
     prefill = weights.b * steps.prefill_tokens
     expected = weights.a + prefill + weights.c * steps.rows + weights.full_extra(full_rows(steps))
-    joined = prefill + weights.b * joins if joins is not None else prefill
+    joined = prefill + weights.b * steps.join_tokens
     slow = (forward >= stall_limit(expected, joined)) & (forward - expected >= MIN_CAUSE_NS)
     excess: FloatArray = np.where(slow, 1.0 - expected / np.maximum(forward, 1), 0.0)
     return excess

@@ -202,8 +202,10 @@ class DraftProposer:
         """q at the request's first ``n`` drafts ([n, V]), where they were drawn from it; None
         where they are the draft's argmaxes."""
         q = self.q.get(req_id)
-        if not n or not q or len(q) < n:
+        if not n or not q:
             return None
+        # One q a draft it drew (_run); the scheduler only cuts the drafts short.
+        assert len(q) >= n, (req_id, len(q), n)
         return torch.stack(q[:n])
 
     def _run(self, step: SchedulerOutput) -> dict[str, int]:

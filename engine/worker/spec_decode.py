@@ -148,10 +148,8 @@ def _rejection(
     q: torch.Tensor | None = None,
 ) -> list[int]:  # fmt: skip
     """Tokens of one sampling row: ``probs`` [len(drafts) + 1, V], the target's at each
-    position; ``q`` [len(drafts), V'], the proposal's at each draft (None: one-hot)."""
-    kept: list[int] = []
-    if q is not None and q.shape[-1] != probs.shape[-1]:  # a draft of a padded vocabulary
-        q = _fit(q.to(probs.device), probs.shape[-1])
+    position; ``q`` [len(drafts), V], the proposal's at each draft (None: one-hot)."""
+    kept: list[int] = []  # (a draft shares the target's vocabulary: spec_config.check_draft)
     for j, d in enumerate(drafts):
         p = probs[j]
         u = torch.rand((), generator=generator, device=p.device)
@@ -173,13 +171,6 @@ def _rejection(
         return kept
     kept.append(int(torch.multinomial(probs[len(drafts)], 1, generator=generator)))
     return kept
-
-
-def _fit(q: torch.Tensor, vocab: int) -> torch.Tensor:
-    """q over the target's vocabulary: cut, or padded with zeros."""
-    if q.shape[-1] >= vocab:
-        return q[:, :vocab]
-    return torch.cat([q, q.new_zeros(q.shape[0], vocab - q.shape[-1])], dim=-1)
 
 
 def _logprobs(

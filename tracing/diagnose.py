@@ -161,8 +161,7 @@ def _decompose_all(
     excess = stalls.stall_excess(facts.step_times, weights, pauses[1].gc)
     phases = stalls.phase_stalls(facts.step_times, pauses[1].gc)
     taken = stalls.api_taken(facts.step_times, excess, pauses[0])
-    contended = stalls.api_contention(facts.step_times, weights, pauses[1].gc, pauses[0].busy,
-                                      excess)  # fmt: skip
+    contended = stalls.api_contention(facts.step_times, weights, pauses[1].gc, pauses[0], excess)
     parts = shares.step_shares(facts.members, placed, facts.step_times, win, weights,
                                pauses[1].gc, excess, phases, taken, contended)  # fmt: skip
     preempted = step_members.preemptions(
@@ -324,16 +323,28 @@ def _ttft_parts(
     def span(a: int | None, b: int | None) -> tuple[int, int] | None:
         return None if a is None or b is None else (max(a, lo), max(min(b, hi), a, lo))
 
+    # Its way in while a step ran that it then waited for at the core is that step's wait: had
+    # it been sent any time after the step began, it would have waited for the same end (the
+    # critical path; a large body parsed meanwhile cost it nothing). Counted from ``way_in``.
+    began = None
+    if run.in_flight and sent and received and not row.resent_ns:
+        began = run.in_flight.began_under(sent, received)
+    way_in = sent if began is None else max(began, lo)
+
+    def upto(t: int | None) -> int | None:
+        return None if t is None or way_in is None else min(t, way_in)
+
     # The body read whole: receiving it before, decoding and validating its JSON after.
     read = min(max(row.body_read_ns, lo), handler) if row.body_read_ns and handler else handler
     for part, window in (
-        ("http", span(lo, read)), ("parse", span(read, handler)), ("frontend", span(handler, sent)),
+        ("http", span(lo, upto(read))), ("parse", span(read, upto(handler))),
+        ("frontend", span(handler, way_in)),
     ):  # fmt: skip
         if window:
             parts[part] = api.carve(parts, *window)
     admission = min(row.admission_wait_ns or 0, parts["frontend"])
     parts["admission"], parts["frontend"] = admission, parts["frontend"] - admission
-    if (window := span(handler, sent)) and parts["frontend"]:
+    if (window := span(handler, way_in)) and parts["frontend"]:
         # Waiting for a new engine core (Serving._gate): the restart rows over the window.
         waited = min(run.restarts.within(*window), parts["frontend"])
         parts["engine_restart"], parts["frontend"] = waited, parts["frontend"] - waited
@@ -342,7 +353,7 @@ def _ttft_parts(
         # the failed core and the wait for the next one are what the failure cost it.
         parts["engine_restart"] += window[1] - window[0]
         sent = window[1]
-    if window := span(sent, received):
+    if window := span(way_in, received):
         # A core GC pause holds new requests as a step does: named as GC.
         ipc = core.carve(parts, *window)
         # The step in flight, up to its expected time: expected (shares.InFlight), but for

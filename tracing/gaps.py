@@ -121,7 +121,7 @@ class GapCutter:
         # ... and its schedule or output phase far past the run's median (stalls.phase_stalls).
         self.phases = phase_stalls(steps, self.core.gc)
         self.taken = api_taken(steps, self.excess, self.api)
-        self.contended = api_contention(steps, weights, self.core.gc, self.api.busy, self.excess)
+        self.contended = api_contention(steps, weights, self.core.gc, self.api, self.excess)
         # (A step whose excess the API process's busy CPU took is no stall of the core.)
         stalls = stall_spans(steps, np.where(self.taken[2] > 0, 0.0, self.excess), self.phases)
         self.stalls = Intervals(minus(stalls, sorted(self.api.gc.spans() + self.api.lag.spans())))

@@ -20,6 +20,7 @@ the most time beyond the reference; where none is called, the largest part of it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tracing.diagnosis import (
@@ -91,14 +92,14 @@ def request_calls(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list[
     if not stats or not mine:
         return []
     n = max(req.output_tokens - 1, 1) if phase == "decode" else 1
-    total = sum(mine.values())
+    total = seen_ns(req, phase, sum(mine.values()))
+    reference = seen_ns(req, phase, run.phase_median_ns[phase] * n)
     calls = []
     for part, stat in stats.items():
         value = mine.get(part, 0)
         extra = value - stat.median_ns * n
         found = call_part(
-            part, extra, value, run.phase_median_ns[phase] * n, total,
-            priced=priced_neighbours([req], phase),
+            part, extra, value, reference, total, priced=priced_neighbours([req], phase),
         )  # fmt: skip
         if found is not None:
             calls.append(found)
@@ -107,10 +108,35 @@ def request_calls(req: RequestDiagnosis, run: RunDiagnosis, phase: str) -> list[
         value = sum(mine.get(k, 0) for k in group)
         extra = value - sum(stats[k].median_ns for k in group) * n
         largest = max(group, key=lambda k: mine.get(k, 0))
-        found = call_part(largest, extra, value, run.phase_median_ns[phase] * n, total)
+        found = call_part(largest, extra, value, reference, total)
         if found is not None:
             calls.append(found)
     return calls
+
+
+def seen_ns(req: RequestDiagnosis, phase: str, phase_ns: float) -> float:
+    """The phase time a part of ``req`` is judged against: ``phase_ns``, but for a request
+    that was not streamed, whose client sees no first token, only the whole response: its
+    TTFT parts against its life (a 26 ms parse in a 1.3 s response is 2% of what its client
+    waited, however large against the time to its first token)."""
+    if phase != "ttft" or req.stream:
+        return phase_ns
+    return max(phase_ns, req.ttft_phase_ns + req.decode_phase_ns)
+
+
+def witnessed(reqs: Sequence[RequestDiagnosis], medians: dict[str, float], phase_ns: float,
+              phase: str) -> bool:  # fmt: skip
+    """Whether a request of ``reqs`` (a phase's slow tail) paid the parts of ``medians`` (each
+    part's median) beyond them past the bars of what its client saw (``phase_ns``, the median
+    phase time, as seen_ns judges it): a tail of responses that were not streamed, slow to
+    their first token but not to their end, names nothing."""
+    if phase != "ttft":
+        return True
+    return any(
+        r.stream or passes(sum(r.ttft.get(k, 0) - m for k, m in medians.items()),
+                           seen_ns(r, phase, phase_ns))
+        for r in reqs
+    )  # fmt: skip
 
 
 # The API process's parts: its one event loop receives and decodes bodies, templates and

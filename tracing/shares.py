@@ -196,6 +196,17 @@ class InFlight:
         i = int(np.searchsorted(self.start, at, side="left"))
         return int(self.start[i]) if i < len(self.start) else None
 
+    def began_under(self, sent: int, received: int) -> int | None:
+        """When the step in flight at ``sent`` began, where the request then waited for it at
+        the core (it was the last step to begin before ``received``, and ran to its expected
+        end past ``sent``); else None. Had the request been sent any time after that start,
+        it would have waited for the same step's end: its time on the way in since then cost
+        it nothing, and is that step's wait."""
+        i = int(np.searchsorted(self.start, received, side="left")) - 1
+        if i < 0 or not self.start[i] < sent < min(self.end[i], self.expected_end[i]):
+            return None
+        return int(self.start[i])
+
     def held(self, sent: int, received: int) -> Held:
         """The wait inside [sent, received] for the last step that began before the core took
         the request (it began just after the send, too: the core had read its input already),
@@ -358,8 +369,8 @@ def member_shares(
     each step's stall_excess, the share of its forward that is ``core_stall``; ``phases``:
     phase_stalls, the shares of its schedule and output phases that are; ``taken``:
     api_taken, the shares of that forward's excess that are the API process's ``gc``,
-    ``loop_lag`` and ``api_cpu`` instead; ``contended``: api_contention, the share of a step's
-    forward that the API process's CPU took (``api_cpu``)."""
+    ``loop_lag`` and ``api_cpu`` instead; ``contended``: api_contention, the shares of a step's
+    forward that the API process's CPU (``api_cpu``) and its GC (``gc``) took."""
     s0, s1 = steps.schedule_start_ns[s], steps.schedule_end_ns[s]
     e0, e1, o1 = steps.execute_start_ns[s], steps.execute_end_ns[s], out_end(steps)[s]
 
@@ -398,8 +409,9 @@ def member_shares(
     stall = net * excess[s] if excess is not None else np.zeros(len(s))
     net = net - stall
     # A step past its time beside the API process's busy CPU: that excess is the API's.
-    api_cpu = net * contended[s] if contended is not None else np.zeros(len(s))
-    net = net - api_cpu
+    api_cpu, api_gc_cpu = (net * contended[:, s] if contended is not None
+                           else np.zeros((2, len(s))))  # fmt: skip
+    net = net - api_cpu - api_gc_cpu
     # ... and a stall's, where the API process paused or was busy in it (api_taken).
     api_gc, api_lag, api_busy = stall * (
         taken[:, s] if taken is not None else np.zeros((3, len(s)))
@@ -426,7 +438,7 @@ def member_shares(
         "decode": net - own - nb,
         "schedule": sched_net,
         "output": out_net,
-        "gc": gs + ge + go + api_gc,
+        "gc": gs + ge + go + api_gc + api_gc_cpu,
         "grammar_mask": np.minimum(gram, sched - gs),
         "sampling": sampling,
         "logprobs": logprobs,

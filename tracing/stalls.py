@@ -118,25 +118,29 @@ def phase_stalls(steps: StepTimes, core_gc: Intervals) -> FloatArray:
 
 
 def api_contention(
-    steps: StepTimes, weights: StepWeights, core_gc: Intervals, busy: Intervals,
-    excess: FloatArray,
+    steps: StepTimes, weights: StepWeights, core_gc: Intervals, api: Pauses, excess: FloatArray,
 ) -> FloatArray:  # fmt: skip
-    """Per step, the share of its forward that was the API process's CPU (0 for most): a step
-    that is no stall (``excess`` 0) but ran past its expected forward while the API process was
-    busy (``busy``: its stretches of at least half a core, the pauses table's ``cpu`` rows)
-    lost that excess to it, pro rata to the time the API process was busy in its forward. The
-    API process and the core share the machine's cores: parsing a 7 MB body slows the steps
-    beside it, and every request in them."""
-    out: FloatArray = np.zeros(len(steps.step_id))
-    if not len(steps.step_id) or not weights.fitted or not len(busy.starts):
+    """Per step, the shares of its forward that were the API process's CPU (row 0) and its GC
+    (row 1; 0 for most): a step that is no stall (``excess`` 0) but ran past its expected
+    forward while the API process was busy (its stretches of at least half a core, the pauses
+    table's ``cpu`` rows) lost that excess to it, pro rata to the time the API process was busy
+    in its forward. The API process and the core share the machine's cores: parsing a 7 MB body
+    slows the steps beside it, and every request in them. Where the API process was collecting
+    garbage in that time, that part is its GC's (a collection is CPU work, and is named as GC)."""
+    out: FloatArray = np.zeros((2, len(steps.step_id)))
+    if not len(steps.step_id) or not weights.fitted or not len(api.busy.starts):
         return out
     gc = gc_inside(steps, core_gc)[1]
     sampler = steps.sample_ns + steps.logprobs_ns + steps.spec_ns
     forward = np.maximum(steps.execute_end_ns - steps.execute_start_ns - sampler - gc, 1)
     expected = (weights.a + weights.b * steps.prefill_tokens + weights.c * steps.rows
                 + weights.full_extra(full_rows(steps)))  # fmt: skip
-    inside = busy.before(steps.execute_end_ns - sampler) - busy.before(steps.execute_start_ns)
+    a, b = steps.execute_start_ns, steps.execute_end_ns - sampler
+    inside = api.busy.before(b) - api.busy.before(a)
+    collecting = np.minimum(api.gc.before(b) - api.gc.before(a), inside)
     over = (forward > expected) & (excess == 0) & (inside > 0)
     share = (1.0 - expected / forward) * np.minimum(inside / forward, 1.0)
-    out[over] = share[over]
+    of_gc = collecting / np.maximum(inside, 1)
+    out[0, over] = (share * (1.0 - of_gc))[over]
+    out[1, over] = (share * of_gc)[over]
     return out

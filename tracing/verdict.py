@@ -52,6 +52,7 @@ from tracing.diagnosis import (
 from tracing.failures import SERVER_KINDS, count_words
 from tracing.gaps import GAP_FACTOR
 from tracing.judge import (
+    API_PROCESS,
     JUDGED_APART,
     STALL_GAP_NS,
     call_group,
@@ -60,6 +61,7 @@ from tracing.judge import (
     passes,
     priced_neighbours,
     slow_delivery_ns,
+    witnessed,
 )
 from tracing.pauses import Intervals
 from tracing.words import QUEUE_LIMITS, WHAT, count, ms, step_name, tokens_of
@@ -151,9 +153,12 @@ def _part_findings(
     out = []
     stats, median = run.parts[phase], run.phase_median_ns[phase]
     for part, stat in stats.items():
+        # A slow tail names a part only where a request of it paid it past what its client saw.
+        reference = len(tail) < len(reqs) and witnessed(tail, {part: stat.median_ns}, median,
+                                                        phase)  # fmt: skip
         called = call_part(
             part, stat.tail_extra_ns, stat.median_ns, median, median, scale,
-            len(tail) < len(reqs), priced_neighbours(reqs, phase), stat.tail_paid_ns,
+            reference, priced_neighbours(reqs, phase), stat.tail_paid_ns,
         )  # fmt: skip
         if called is None:
             continue
@@ -197,8 +202,11 @@ def _api_process(
 ) -> list[Finding]:  # fmt: skip
     """The API process's parts together, where each is under the bars (judge.call_group)."""
     stats = run.parts[phase]
+    group = {k: stats[k].median_ns for k in API_PROCESS if k in stats}
+    reference = len(tail) < len(reqs) and witnessed(tail, group, run.phase_median_ns[phase],
+                                                    phase)  # fmt: skip
     got = call_group(stats, {f.part for f in found if f.part}, run.phase_median_ns[phase],
-                     scale, len(tail) < len(reqs))  # fmt: skip
+                     scale, reference)  # fmt: skip
     if got is None:
         return []
     call, order = got

@@ -353,7 +353,7 @@ def _ttft_parts(
         # the failed core and the wait for the next one are what the failure cost it.
         parts["engine_restart"] += window[1] - window[0]
         sent = window[1]
-    if window := span(way_in, received):
+    if window := span(sent if began is None else way_in, received):
         # A core GC pause holds new requests as a step does: named as GC.
         ipc = core.carve(parts, *window)
         # The step in flight, up to its expected time: expected (shares.InFlight), but for

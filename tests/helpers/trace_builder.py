@@ -44,6 +44,7 @@ class Req:
     grammar_ready: int = 0  # when its grammar compiled (ns; 0: none recorded)
     params: dict[str, Any] | None = None  # its sampling parameters (requests.params)
     end_code: str | None = None
+    resent: int = 0  # when it was sent again to a new core (ns; 0: it was not)
 
     @property
     def handler(self) -> int:
@@ -187,7 +188,7 @@ class Trace:
                 send_wait_ns=r.reader_ns * len({d for _, _, d in r.emits}) + r.pause_ns,
                 bytes_sent=6 * len(r.emits),
                 kv_freed_ns=r.kv_freed, grammar=r.grammar, end_code=r.end_code,
-                grammar_ready_ns=r.grammar_ready or None,
+                grammar_ready_ns=r.grammar_ready or None, resent_ns=r.resent or None,
                 params=json.dumps(r.params) if r.params is not None else None,
             ))  # fmt: skip
         return rows

@@ -12,6 +12,7 @@ import pytest
 from tests.helpers.trace_builder import MS, T0, Trace, serve_alone
 from tracing.diagnose import diagnose_run, render_run
 from tracing.diagnosis import RunDiagnosis
+from tracing.why import explain
 
 
 def _four_decoders(output: int, prefill_ms: float, steps: int, step_ms: float) -> Trace:
@@ -349,3 +350,40 @@ def test_rows_joining_the_decode_mirror_after_a_long_prefill_are_the_prefills_co
     _, text = _diagnosed(tr, tmp_path)
     stalled = "took at least 3x" in text and "the core stalled" in text
     assert stalled == (slow == "later"), text
+
+
+@pytest.mark.parametrize(
+    ("lag_ms", "stream", "named"),
+    [(25.0, True, False), (70.0, True, True), (70.0, False, False)],
+    ids=["within-the-step", "past-it", "past-it-not-streamed"],
+)
+def test_a_requests_way_in_is_its_cost_only_where_it_delayed_what_its_client_saw(
+    tmp_path: Path, lag_ms: float, stream: bool, named: bool
+) -> None:
+    """Four decoders at 40 ms a step; a request arrives 5 ms into a step and the API process's
+    event loop lags for ``lag_ms`` before it is sent (a large body parsed beside it). Within the
+    step, it would have waited for that step's end however fast its way in (seed 1400039: a
+    17 ms lag named although the client's TTFT moved 4 ms): that is the step's wait. Past the
+    step, it missed the next one's start by 35 ms: named. Not streamed, its client sees only
+    its 2.5 s response, of which 35 ms is not 10% (seed 1400026: a 26 ms parse named in a
+    1.3 s response): not named."""
+    tr = _four_decoders(output=70, prefill_ms=30.0, steps=4, step_ms=40.0)
+    live = {f"d{i}": 1 for i in range(4)}
+    at = (tr.now - T0) / MS + 0.1  # the next step's start (the builder's 0.1 ms between)
+    tr.request("s", at + 5.0, prompt=16, output=60, frontend_ms=lag_ms, stream=stream)
+    tr.pause("api", "loop_lag", at + 5.2, lag_ms)
+    for _ in range(1 if lag_ms < 40.0 else 2):
+        tr.step(live, 40.0)
+    tr.reqs["s"].received = tr.now + MS // 10  # read by the core when the step's outputs are out
+    tr.step({**live, "s": 16}, 40.0)
+    _to_end(tr, lambda rows: 40.0)
+    run, text = _diagnosed(tr, tmp_path)
+    s = next(r for r in run.requests if r.request_id == "s")
+    why = " ".join(" ".join(explain(s, run)).split())
+    print(why)
+    ttft = s.ttft
+    assert (ttft["loop_lag"] >= 30 * MS) == (lag_ms > 40.0), ttft
+    if lag_ms < 40.0:
+        assert ttft["step_in_flight"] >= 30 * MS, ttft
+    said = {f.part for f in run.findings if f.kind in ("cause", "paid")}
+    assert ("loop_lag" in said or "event-loop lag" in why) == named, (text, why)

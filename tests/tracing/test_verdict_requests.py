@@ -64,6 +64,29 @@ def test_a_crash_is_counted_first_and_said_in_each_failed_requests_why(tmp_path:
     assert all(r.failure is None for r in run.requests if r.request_id in ids)
 
 
+def test_a_request_sent_again_after_a_crash_waited_for_the_restart_not_a_stalled_core(
+    tmp_path: Path,
+) -> None:
+    """A request sent to a core that dies before reading it is sent again to the new core
+    1.5 s later (service/lifecycle.py): that wait is the restart's, counted once; it is not
+    also the core stalling (the time from its first send to the new core's read)."""
+    tr = Trace()
+    _streams(tr, 2, 4)
+    tr.request("again", 30.0, prompt=16, output=8, ipc_ms=1512.0)
+    tr.lifecycle("restart", "engine core process died (exit code -9)", 40.0, 1500.0,
+                 num_failed=0)
+    tr.reqs["again"].resent = tr.reqs["again"].received - MS
+    tr.step({"again": 16}, 5.0)
+    while tr.reqs["again"].status is None:
+        tr.step({"again": 1}, 5.0)
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = " ".join(render_run(run).split())
+    print(text)
+    again = next(r for r in run.requests if r.request_id == "again")
+    assert again.ttft["engine_restart"] >= 1400 * MS and again.ttft["core_stall"] < MS, again.ttft
+    assert "the core stalling" not in text, text
+
+
 def _one_second_requests(
     tr: Trace, slow: int | None, gc: int | None, gc_ms: float = 140.0, step_ms: float = 10.0
 ) -> None:

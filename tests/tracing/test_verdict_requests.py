@@ -73,8 +73,7 @@ def test_a_request_sent_again_after_a_crash_waited_for_the_restart_not_a_stalled
     tr = Trace()
     _streams(tr, 2, 4)
     tr.request("again", 30.0, prompt=16, output=8, ipc_ms=1512.0)
-    tr.lifecycle("restart", "engine core process died (exit code -9)", 40.0, 1500.0,
-                 num_failed=0)
+    tr.lifecycle("restart", "engine core process died (exit code -9)", 40.0, 1500.0, num_failed=0)
     tr.reqs["again"].resent = tr.reqs["again"].received - MS
     tr.step({"again": 16}, 5.0)
     while tr.reqs["again"].status is None:

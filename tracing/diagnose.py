@@ -173,7 +173,7 @@ def _decompose_all(
         pauses=pauses,
         restarts=Intervals([(p.start_ns, p.start_ns + p.duration_ns) for p in facts.pauses
                             if p.process == "server" and p.kind == "restart"]),
-        in_flight=shares.InFlight(facts.step_times, weights),
+        in_flight=shares.InFlight(facts.step_times, weights, contended),
         preemptions=preempted,
         neighbours=step_members.neighbours(facts.members, placed),
         prefills=prefills,
@@ -357,13 +357,14 @@ def _ttft_parts(
         # A core GC pause holds new requests as a step does: named as GC.
         ipc = core.carve(parts, *window)
         # The step in flight, up to its expected time: expected (shares.InFlight), but for
-        # its prefill's share, other requests' prefill (a smaller token budget cuts it), and
-        # its sampler's, the sampler's parts (the settings of the rows it ran for).
+        # its prefill's share, other requests' prefill (a smaller token budget cuts it), its
+        # sampler's, the sampler's parts (the settings of the rows it ran for), and what the
+        # API process's CPU or GC beside its forward slowed it by, theirs.
         held = run.in_flight.held(*window) if run.in_flight else shares.Held(0, 0, {}, None)
         waited = min(held.waited, ipc)
         prefill = min(held.prefill, waited)
         left = waited - prefill
-        for part, ns in held.sampler.items():
+        for part, ns in held.parts.items():
             took = min(ns, left)
             parts[part] += took
             left -= took

@@ -160,8 +160,11 @@ class InFlight:
     plus its own schedule and output time plus that expected execute time; the wait beyond stays
     IPC, and the verdict names the step in flight."""
 
-    def __init__(self, steps: StepTimes, weights: StepWeights) -> None:
+    def __init__(
+        self, steps: StepTimes, weights: StepWeights, contended: FloatArray | None = None
+    ) -> None:
         busy = (steps.prefill_tokens + steps.decode_tokens) > 0
+        self.contended = contended
         # Named on their own, not an outlier: the sampler, logprobs, speculation.
         sampler = steps.sample_ns + steps.logprobs_ns + steps.spec_ns
         executed = np.maximum(steps.execute_end_ns - steps.execute_start_ns - sampler, 0)
@@ -212,7 +215,9 @@ class InFlight:
         the request (it began just after the send, too: the core had read its input already),
         up to that step's expected end; the part of it the step's prefill took (the prefill's
         share of the step's expected forward, over the wait inside the forward); what its
-        sampler took of the wait, by part; and the step's id (None: no step held it)."""
+        sampler took of the wait, and the API process's CPU or GC of the wait inside a forward
+        they slowed (``contended``: stalls.api_contention), by part; and the step's id (None:
+        no step held it)."""
         i = int(np.searchsorted(self.start, received, side="left")) - 1
         if i < 0 or self.end[i] <= sent:
             return Held(0, 0, {}, None)
@@ -223,23 +228,28 @@ class InFlight:
         forward = _overlap(lo, hi, int(self.forward_start[i]), int(self.sampler_start[i]))
         prefill = round(forward * float(self.prefill_share[i]))
         sampled = _overlap(lo, hi, int(self.sampler_start[i]), int(self.sampler_end[i]))
-        sampler: dict[str, int] = {}
+        parts: dict[str, int] = {}
         if sampled:
             whole = int(self.sampler[i])
             for part, ns in self.sampler_parts.items():
                 if ns[i]:
-                    sampler[part] = sampled * int(ns[i]) // whole
-        return Held(hi - lo, prefill, sampler, int(self.step_id[i]))
+                    parts[part] = sampled * int(ns[i]) // whole
+        if self.contended is not None and forward:
+            for row, part in enumerate(("api_cpu", "gc")):
+                if share := float(self.contended[row, i]):
+                    parts[part] = parts.get(part, 0) + round(forward * share)
+        return Held(hi - lo, prefill, parts, int(self.step_id[i]))
 
 
 @dataclass(frozen=True)
 class Held:
     """What a request waited for the step in flight (``InFlight.held``): in all, what of it
-    the step's prefill and its sampler's parts took, and the step."""
+    the step's prefill took, what its sampler's parts and the API process's CPU or GC beside
+    its forward took (by part), and the step."""
 
     waited: int
     prefill: int
-    sampler: dict[str, int]
+    parts: dict[str, int]
     step: int | None
 
 

@@ -387,3 +387,25 @@ def test_a_requests_way_in_is_its_cost_only_where_it_delayed_what_its_client_saw
         assert ttft["step_in_flight"] >= 30 * MS, ttft
     said = {f.part for f in run.findings if f.kind in ("cause", "paid")}
     assert ("loop_lag" in said or "event-loop lag" in why) == named, (text, why)
+
+
+def test_a_wait_for_a_step_slowed_beside_the_busy_api_process_is_its_cpu(tmp_path: Path) -> None:
+    """Four decoders at 10 ms a step, then steps of 20 ms while the API process used a core
+    (seed 3100002: a 1 MB body parsed beside a 62 ms step of four decode rows); a request sent
+    1 ms into one of them waits for it at the core: the half of that wait past the step's
+    expected time is the API process's CPU, not the step in flight's."""
+    tr = _four_decoders(output=60, prefill_ms=12.0, steps=30, step_ms=10.0)
+    live = {f"d{i}": 1 for i in range(4)}
+    at = (tr.now - T0) / MS
+    tr.pause("api", "cpu", at, 200.0, cpu_ms=190.0)
+    for _ in range(4):
+        tr.step(live, 20.0)
+    tr.request("s", (tr.now - T0) / MS + 1.0, prompt=16, output=20)
+    tr.step(live, 20.0)
+    tr.reqs["s"].received = tr.now + MS // 10
+    tr.step({**live, "s": 16}, 20.0)
+    _to_end(tr, lambda rows: 10.0)
+    run, _ = _diagnosed(tr, tmp_path)
+    s = next(r for r in run.requests if r.request_id == "s")
+    # (its own 20 ms step, beside the busy process too, lost 10 ms to it)
+    assert s.ttft["api_cpu"] >= 16 * MS and s.ttft["step_in_flight"] <= 13 * MS, s.ttft

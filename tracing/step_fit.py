@@ -10,8 +10,12 @@ The fit (fit_step_shape, on the run's busy steps after the first COLD_STEPS)::
 least squares, refitted without the steps more than 3 robust deviations from its median residual
 (except steps with MIN_PRICED_PREFILL prefill tokens: they alone price a token); no coefficient
 below 0; b never above c (a prefill token is the same matmul work as a row, batched); where no step
-carried MIN_PRICED_PREFILL prefill tokens or b is within 3 standard errors of 0, b is the prior's
-(as measured, not capped by c) or else 0, and a, c are fitted the same robust way to the rest.
+carried MIN_PRICED_PREFILL prefill tokens and the warm-up priced one, or b is within 3 standard
+errors of 0, b is the prior's (as measured, not capped by c) or else 0, and a, c are fitted the
+same robust way to the rest. Without a prior (a run whose KV cache was too small to warm up), the
+run's short prefills price a token where that price is beyond the noise: SmolLM2's prompts of 9 to
+17 tokens at 1.7 ms a token (seeds 1400043 and 1400098), left unpriced, made recomputes of 34 and
+50 tokens read as the core stalling.
 
 The prior: the warm-up's own fit over a few timed shapes (engine.core.warmup, the runs row's
 step_prior). Where the run cannot price a prefill token (no step carried MIN_PRICED_PREFILL,
@@ -138,7 +142,7 @@ def fit_step_shape(
             coef = _robust_fit(x, y, price)[0]
         return StepFit(with_f(coef), "prior" if price > 0 else "run")
 
-    if x[:, 1].max() < MIN_PRICED_PREFILL:
+    if x[:, 1].max() < MIN_PRICED_PREFILL and prior is not None:
         return unpriced()
     coef, kept = _robust_fit(x, y)
     if not _beyond_noise(x[kept], y[kept], coef, 1):

@@ -29,3 +29,21 @@ def test_slow_steps_do_not_set_the_price_when_prompts_are_short(prior: list[floa
     expected = coef @ np.vstack([np.ones(n), prefill, rows, np.zeros(n), np.zeros(n)])  # greedy
     assert outlier(execute, expected)[slow].all(), (coef, expected[slow])
     assert not outlier(execute, expected)[~slow].any()
+
+
+def test_short_prompts_price_a_prefill_token_where_the_warm_up_did_not() -> None:
+    """A run without the warm-up's prior (its KV cache too small to warm up) whose prompts are
+    short (9 to 17 tokens) but cost 1.7 ms a token over 17 ms decode steps (SmolLM2 on 2
+    cores, seed 1400043): the run's own short prefills price a token, so a recompute of 50
+    tokens in 103 ms is a prefill's time, not an outlier (unpriced, it read as the core
+    stalling at 5.6x a decode step)."""
+    rng = np.random.default_rng(1)
+    n = COLD_STEPS + 60
+    rows = rng.integers(1, 3, n)
+    prefill = np.where(np.arange(n) % 10 == 3, rng.integers(9, 18, n), 0)
+    execute = 16.7 * MS + 0.6 * MS * rows + 1.7 * MS * prefill + rng.normal(0, 0.3 * MS, n)
+    prefill[-1], rows[-1], execute[-1] = 50, 2, 102.7 * MS
+    fit = fit_step_shape(prefill, rows, execute, None)
+    assert fit is not None and fit.source == "run" and fit.coef[1] >= 0.3 * MS, fit
+    expected = fit.coef @ np.vstack([np.ones(n), prefill, rows, np.zeros(n), np.zeros(n)])
+    assert not outlier(execute, expected)[-1], (fit.coef, expected[-1])

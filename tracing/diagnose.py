@@ -21,7 +21,7 @@ registered in ``tracing.parts``.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -157,23 +157,25 @@ def _decompose_all(
         np.array([s.full_rows for s in busy], dtype=np.int64),
     )
     placed = shares.place(facts.members, facts.step_times, win)
+    # From here on, each step knows its recompute tokens (rows a preemption sent back).
+    steps = replace(facts.step_times,
+                    recompute_tokens=shares.recompute_tokens(facts.members.tokens, placed,
+                                                             facts.step_times))  # fmt: skip
     pauses = pauses_of(facts.pauses)
-    excess = stalls.stall_excess(facts.step_times, weights, pauses[1].gc)
-    phases = stalls.phase_stalls(facts.step_times, pauses[1].gc)
-    taken = stalls.api_taken(facts.step_times, excess, pauses[0])
-    contended = stalls.api_contention(facts.step_times, weights, pauses[1].gc, pauses[0], excess)
-    parts = shares.step_shares(facts.members, placed, facts.step_times, win, weights,
+    excess = stalls.stall_excess(steps, weights, pauses[1].gc)
+    phases = stalls.phase_stalls(steps, pauses[1].gc)
+    taken = stalls.api_taken(steps, excess, pauses[0])
+    contended = stalls.api_contention(steps, weights, pauses[1].gc, pauses[0], excess)
+    parts = shares.step_shares(facts.members, placed, steps, win, weights,
                                pauses[1].gc, excess, phases, taken, contended)  # fmt: skip
-    preempted = step_members.preemptions(
-        facts.preempted, facts.members, placed, facts.step_times, win
-    )
+    preempted = step_members.preemptions(facts.preempted, facts.members, placed, steps, win)
     prefills = step_members.prefill_members(facts.members, placed)
     ctx = _Run(
         step_parts=parts,
         pauses=pauses,
         restarts=Intervals([(p.start_ns, p.start_ns + p.duration_ns) for p in facts.pauses
                             if p.process == "server" and p.kind == "restart"]),
-        in_flight=shares.InFlight(facts.step_times, weights, contended),
+        in_flight=shares.InFlight(steps, weights, contended),
         preemptions=preempted,
         neighbours=step_members.neighbours(facts.members, placed),
         prefills=prefills,
@@ -182,13 +184,13 @@ def _decompose_all(
             [r.first_scheduled_ns for r in facts.requests],
             win, parts, facts.steps,
         ),
-        gaps=GapCutter(facts.step_times, facts.members, placed, weights, pauses, preempted,
+        gaps=GapCutter(steps, facts.members, placed, weights, pauses, preempted,
                        facts.stream_interval),
         lifecycle=facts.lifecycle,
         others_room=Intervals([(a, b) for a, b, _ in facts.others_room]),
         # No step ran, less the core's GC pauses, which the pauses table names as GC.
-        core_idle=Intervals(shares.idle_spans(facts.step_times, shares.out_end(facts.step_times))
-                            if len(facts.step_times.step_id) else []).minus(pauses[1].gc),
+        core_idle=Intervals(shares.idle_spans(steps, shares.out_end(steps))
+                            if len(steps.step_id) else []).minus(pauses[1].gc),
     )  # fmt: skip
     requests = [_decompose(i, row, w, ctx) for i, (row, w) in
                 enumerate(zip(facts.requests, windows))]  # fmt: skip
@@ -420,12 +422,12 @@ def _ttft_parts(
 
 # A StepShare's parts, as each phase takes them.
 _STEP_KEYS_TTFT = (
-    "own_prefill", "neighbour_prefill", "decode", "schedule", "output", "gc", "grammar_mask",
-    "sampling", "logprobs", "speculation", "core_stall", "loop_lag", "api_cpu",
+    "own_prefill", "neighbour_prefill", "recompute", "decode", "schedule", "output", "gc",
+    "grammar_mask", "sampling", "logprobs", "speculation", "core_stall", "loop_lag", "api_cpu",
 )  # fmt: skip
 _STEP_KEYS_DECODE = (
-    "decode", "neighbour_prefill", "schedule", "output", "gc", "grammar_mask", "sampling",
-    "logprobs", "speculation", "core_stall", "loop_lag", "api_cpu",
+    "decode", "neighbour_prefill", "recompute", "preempted", "schedule", "output", "gc",
+    "grammar_mask", "sampling", "logprobs", "speculation", "core_stall", "loop_lag", "api_cpu",
 )  # fmt: skip
 
 
@@ -448,13 +450,14 @@ def _decode_parts(
             max(0, min(b, tail_start) - max(a, lo))
             for a, b in run.preemptions.get(row.request_id, [])
         )
-        parts["preempted"] = min(max(gap, 0), preempted)
+        parts["preempted"] += min(max(gap, 0), preempted)
+        waited = parts["preempted"] - round(steps.preempted)
         gap_gc = min(
-            max(gap - parts["preempted"], 0),
+            max(gap - waited, 0),
             max(core.within(lo, tail_start) - round(steps.gc), 0),
         )
         parts["gc"] += gap_gc
-        parts["between_steps"] = gap - parts["preempted"] - gap_gc
+        parts["between_steps"] = gap - waited - gap_gc
         # Its turn came with every step, so a long stretch with none was the core stalling.
         stalled = min(run.core_idle.within(lo, tail_start), max(parts["between_steps"], 0))
         parts["core_stall"] += stalled

@@ -6,8 +6,14 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
+import numpy as np
+import numpy.typing as npt
+
 from tracing.diagnose_load import RunFacts
 from tracing.shares import Memberships, StepTimes
+from tracing.step_fit import IntArray
+
+BoolArray = npt.NDArray[np.bool_]
 
 STEP_RANK_SHIFT = 56  # engine r numbers its steps from r << 56 (engine/core/engine_core_proc.py)
 
@@ -24,7 +30,7 @@ def by_engine(facts: RunFacts) -> list[RunFacts]:
     out = []
     for engine in engines:
         keep = step_engine == engine
-        times = StepTimes(**{f.name: getattr(facts.step_times, f.name)[keep]
+        times = StepTimes(**{f.name: _kept(getattr(facts.step_times, f.name), keep)
                              for f in fields(StepTimes)})  # fmt: skip
         mine = f"engine {engine}"
         pauses = [
@@ -44,6 +50,12 @@ def by_engine(facts: RunFacts) -> list[RunFacts]:
             others_room=[span for e, spans in room.items() if e != engine for span in spans],
         ))  # fmt: skip
     return out
+
+
+def _kept(column: IntArray, keep: BoolArray) -> IntArray:
+    """A step column's entries for one engine's steps (a column not filled in yet, empty,
+    stays so)."""
+    return column[keep] if len(column) else column
 
 
 def _room(facts: RunFacts, engine: int) -> list[tuple[int, int, int]]:

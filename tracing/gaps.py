@@ -51,8 +51,8 @@ from tracing.step_fit import MIN_CAUSE_NS, IntArray, StepWeights
 GAP_FACTOR = 4.0  # a gap is long at this many times its request's median gap (and MIN_CAUSE_NS)
 MAX_GAPS = 20  # long gaps cut per request, longest first
 DECODE_PARTS = phase_labels("decode")  # a gap's parts are the decode phase's
-_STEP_PARTS = ("decode", "neighbour_prefill", "core_stall", "schedule", "output", "gc",
-               "grammar_mask", "sampling", "logprobs", "speculation", "loop_lag",
+_STEP_PARTS = ("decode", "neighbour_prefill", "recompute", "preempted", "core_stall", "schedule",
+               "output", "gc", "grammar_mask", "sampling", "logprobs", "speculation", "loop_lag",
                "api_cpu")  # fmt: skip
 
 
@@ -162,8 +162,8 @@ class GapCutter:
         covered = self.busy.within(a, c)
         sat_out = max(covered - mine, 0)
         held = sum(max(0, min(y, c) - max(x, a)) for x, y in self.preemptions.get(rid, []))
-        parts["preempted"] = min(sat_out, held)
-        parts["between_steps"] = sat_out - parts["preempted"]
+        parts["preempted"] += min(sat_out, held)
+        parts["between_steps"] = sat_out - min(sat_out, held)
         idle = max((c - a) - max(covered, mine), 0)
         gc_between = min(idle, max(self.core.within(a, c) - parts["gc"], 0))
         parts["gc"] += gc_between

@@ -32,6 +32,7 @@ _API_LAG = "event-loop lag in the API process"
 _API_CPU = "the API process's CPU beside its steps"
 _GC = "garbage-collection pauses"
 _OTHERS_PREFILL = "other requests' prefill in the steps it shared"
+_RECOMPUTE = "other requests' recompute after a preemption in the steps it shared"
 _SCHEDULER = "scheduler CPU"
 _MASKS = "structured outputs' token masks in the steps it shared"
 _OUTPUT = "output building and sending in the core"
@@ -99,8 +100,9 @@ PARTS: tuple[Part, ...] = (
         "torch threads)",
         "a step's forward past its fitted time (not a stall) while the API process was busy "
         "(the `cpu` rows of `pauses`: at least half a core for 20 ms), pro rata to the time "
-        "it was busy in that forward; and a stalled step's excess where it was busy for half "
-        "of it (and did not pause)",
+        "it was busy in that forward (less the part of that time it spent in GC: `gc`), in its "
+        "steps and in the step in flight it waited for; and a stalled step's excess where it "
+        "was busy for half of it (and did not pause)",
         "worker.execute",
     ),
     Part(
@@ -116,11 +118,14 @@ PARTS: tuple[Part, ...] = (
     Part(
         "step_in_flight", "waiting for the step in flight (its expected time)", None,
         "waiting for the core's step in flight", "",
-        "sent to received, while the core finished the step in flight, up to that step's "
-        "expected time (its fitted execute time, its schedule and output): expected, as in "
-        "every step-based server, but for the share of its forward other requests' prefill "
-        "took (`neighbour_prefill`) and the wait through its sampler (`sampling`, `logprobs`, "
-        "`speculation`); the rest of the wait is `ipc`, or `core_stall` from 20 ms",
+        "sent (or, where it was on its way in while the step in flight ran, that step's start: "
+        "its way in since cost it nothing) to received, while the core finished the step in "
+        "flight, up to that step's expected time (its fitted execute time, its schedule and "
+        "output): expected, as in every step-based server, but for the share of its forward "
+        "other requests' prefill "
+        "took (`neighbour_prefill`, `recompute`), the wait through its sampler (`sampling`, "
+        "`logprobs`, `speculation`) and the share the API process's CPU or GC slowed its forward "
+        "by (`api_cpu`, `gc`); the rest of the wait is `ipc`, or `core_stall` from 20 ms",
         "core.receive",
     ),
     Part(
@@ -163,6 +168,15 @@ PARTS: tuple[Part, ...] = (
         "other requests' prefill in the steps it shared, and the prefill's share (at the fit's "
         "price) of the step in flight when it reached the core; each of those requests is "
         "named, with its tokens",
+        "worker.execute",
+    ),
+    Part(
+        "recompute", _RECOMPUTE, _RECOMPUTE, _RECOMPUTE,
+        "more KV blocks (--num-kv-blocks or --kv-cache-memory-bytes) or a lower "
+        "--max-num-seqs avoid preemption",
+        "of `neighbour_prefill` as priced, the share of rows recomputing their tokens after a "
+        "preemption (a row past its request's first token with several prefill tokens): the "
+        "preemption's cost to the requests beside it, in its steps and in the step in flight",
         "worker.execute",
     ),
     Part(
@@ -269,7 +283,8 @@ PARTS: tuple[Part, ...] = (
         "waiting after a preemption (recompute)",
         "more KV blocks (--num-kv-blocks or --kv-cache-memory-bytes) or a lower "
         "--max-num-seqs avoid preemption",
-        "from a preemption until it ran again",
+        "from a preemption until it ran again, and its share of the steps that recomputed its "
+        "tokens then (at the fit's price of a prefill token)",
     ),
     Part(
         "gc", _GC, _GC, _GC,
@@ -278,7 +293,9 @@ PARTS: tuple[Part, ...] = (
         "garbage-collection pauses (api and core) that overlap the request's windows, and the "
         "API process's event-loop lags that its GC pauses fill at least half of; and a step's "
         "forward past its time (as `core_stall` has it) where the API process paused for GC "
-        "in it for at least half that excess: the pause took the core's CPU",
+        "in it for at least half that excess: the pause took the core's CPU; and of a step's "
+        "forward slowed beside the API process's busy CPU (as `api_cpu` has it), the share of "
+        "that time it spent collecting",
     ),
     Part(
         "emit", _EMIT, _EMIT, "getting outputs back to the frontend, detokenizing and emitting",

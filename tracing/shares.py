@@ -84,6 +84,9 @@ class StepTimes:
     # The context of its rows that decode for the first time since their prompt was computed
     # (tracing.stalls.join_tokens): on CPU, copied into the decode mirror in this step.
     join_tokens: IntArray
+    # Of its prefill tokens, those of rows recomputing after a preemption (recompute_tokens:
+    # known once rows are placed in their phases; empty until then).
+    recompute_tokens: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,8 @@ class StepShare:
     own_prefill: float
     own_row: float  # of own_prefill: its row's share of each step's fixed cost
     neighbour_prefill: float
+    recompute: float  # other requests' recompute after a preemption in its steps
+    preempted: float  # its own recompute after a preemption
     decode: float
     schedule: float
     output: float
@@ -179,6 +184,11 @@ class InFlight:
         # that prefill, which a smaller token budget would have cut.
         prefill = weights.b * steps.prefill_tokens if weights.fitted else np.zeros_like(expected)
         self.prefill_share = np.clip(prefill / np.maximum(expected, 1), 0.0, 1.0)
+        # ... of which the recompute of rows a preemption sent back (recompute_tokens).
+        self.recompute_share = (
+            steps.recompute_tokens / np.maximum(steps.prefill_tokens, 1)
+            if len(steps.recompute_tokens) else np.zeros(len(steps.step_id))
+        )  # fmt: skip
         # Inside execute, the forward comes first and the sampler's parts last.
         self.forward_start = steps.execute_start_ns
         self.sampler_start = steps.execute_end_ns - sampler
@@ -227,8 +237,10 @@ class InFlight:
             return Held(0, 0, {}, int(self.step_id[i]))
         forward = _overlap(lo, hi, int(self.forward_start[i]), int(self.sampler_start[i]))
         prefill = round(forward * float(self.prefill_share[i]))
+        again = round(prefill * float(self.recompute_share[i]))
+        prefill -= again
         sampled = _overlap(lo, hi, int(self.sampler_start[i]), int(self.sampler_end[i]))
-        parts: dict[str, int] = {}
+        parts: dict[str, int] = {"recompute": again} if again else {}
         if sampled:
             whole = int(self.sampler[i])
             for part, ns in self.sampler_parts.items():
@@ -280,6 +292,20 @@ def place(members: Memberships, steps: StepTimes, windows: Windows) -> MemberPha
         prefill[order] = before < need
         ttft = np.where(windows.need[req] > 0, prefill, ttft)
     return MemberPhases(req, step, ttft)
+
+
+def recompute_tokens(tokens: IntArray, placed: MemberPhases, steps: StepTimes) -> IntArray:
+    """Per step, the prefill tokens of rows recomputing after a preemption: a row past its
+    request's TTFT phase with more than one token, up to the step's prefill tokens that no
+    TTFT row took (a row verifying drafts has several tokens too, but they are decode tokens)."""
+    n = len(steps.step_id)
+    again = ~placed.ttft & (tokens > 1)
+    fresh = np.bincount(placed.step[placed.ttft], weights=tokens[placed.ttft], minlength=n)
+    rows = np.bincount(placed.step[again], weights=tokens[again], minlength=n)
+    out: IntArray = np.clip(np.minimum(rows, steps.prefill_tokens - fresh), 0, None).astype(
+        np.int64
+    )
+    return out
 
 
 def gc_inside(steps: StepTimes, gc: Intervals) -> list[IntArray]:
@@ -437,15 +463,33 @@ def member_shares(
     # A row is a prefill row in its TTFT phase, or with more than one token (a recompute after
     # a preemption): the scheduler's own split of prefill and decode tokens.
     prefill_row = ttft | (tokens > 1)
-    others = np.maximum(prefill - np.where(ttft, tokens, 0), 0)
+    # A row past its TTFT phase with several prefill tokens recomputes after a preemption: its
+    # own time there is the preemption's (``preempted``), not its neighbours' prefill.
+    own_again = np.where(~ttft & (tokens > 1), tokens, 0)
+    if len(steps.recompute_tokens):
+        own_again = np.minimum(own_again, steps.recompute_tokens[s])
+    else:
+        own_again = np.zeros_like(own_again)
+    others = np.maximum(prefill - np.where(ttft, tokens, own_again), 0)
     other_rows = np.maximum(rows - steps.decode_tokens[s] - prefill_row, 0)
     nb_cost = weights.b * others + per_row * other_rows
     nb = np.minimum(net * np.minimum(nb_cost / cost, 1), net - own)
+    # Of the neighbours' prefill, the recompute of rows a preemption sent back: KV blocks' cost.
+    if len(steps.recompute_tokens):
+        again = np.maximum(steps.recompute_tokens[s] - own_again, 0)
+        recompute = nb * np.minimum(weights.b * again / np.maximum(nb_cost, 1e-9), 1.0)
+    else:
+        recompute = np.zeros(len(s))
+    nb = nb - recompute
+    redo = np.where(own_again > 0, weights.b * own_again + per_row, 0.0)
+    preempted = np.minimum(net * np.minimum(redo / cost, 1), net - own - nb - recompute)
     per_member = {
         "own_prefill": own,
         "own_row": own_row,
         "neighbour_prefill": nb,
-        "decode": net - own - nb,
+        "recompute": recompute,
+        "preempted": preempted,
+        "decode": net - own - nb - recompute - preempted,
         "schedule": sched_net,
         "output": out_net,
         "gc": gs + ge + go + api_gc + api_gc_cpu,

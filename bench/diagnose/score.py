@@ -63,7 +63,8 @@ FIXED_DELAYS = {"gc", "hang", "crash", "cancel"}
 # A finding's part (or the failure it names) -> the cause it names; parts not here name a cause
 # outside the primitives' (reported as "other"), expected compute names none.
 PART_CAUSE = {
-    "neighbour_prefill": "prefill", "preempted": "kv_blocks", "chunk_wait": "token_budget",
+    "neighbour_prefill": "prefill", "preempted": "kv_blocks", "recompute": "kv_blocks",
+    "chunk_wait": "token_budget",
     "parse": "api_cpu", "http": "api_cpu", "frontend": "api_cpu", "loop_lag": "api_cpu",
     "api_cpu": "api_cpu",
     "grammar_mask": "grammar", "grammar_compile": "grammar", "logprobs": "logprobs",

@@ -357,3 +357,41 @@ def test_two_steps_written_at_once_are_one_gap(tmp_path: Path) -> None:
     assert req.gap_step_ids == [s for _, s in writes[1:]] and s3 not in req.gap_step_ids
     assert req.gaps_ns == [b - a for (a, _), (b, _) in itertools.pairwise(writes)]
     assert all(g > 0 for g in req.gaps_ns)
+
+
+def test_a_recompute_after_a_preemption_is_the_preemptions_cost_to_the_rows_beside_it(
+    tmp_path: Path,
+) -> None:
+    """Three decoders beside a request preempted mid-decode, which recomputes its 40-token
+    prompt and 10 tokens in one step beside them (63 ms against 12.5; seed 1400043: a kv_blocks
+    run whose recomputes read as other requests' prefill). Its cost to the decoders is the
+    preemption's (`recompute`, named with the KV cache's knob), not a prefill a smaller token
+    budget would cut; to the preempted request itself it is its own wait (`preempted`)."""
+    tr = Trace()
+    tr.step_prior = [10.0 * MS, 1.0 * MS, 0.5 * MS]
+    live = [f"d{i}" for i in range(3)]
+    for rid in live:
+        tr.request(rid, 0.0, prompt=8, output=40)
+    tr.request("p", 0.0, prompt=40, output=30)
+    tr.step({**dict.fromkeys(live, 8), "p": 40}, 50.0)
+    for _ in range(10):
+        tr.step({**dict.fromkeys(live, 1), "p": 1}, 12.0)
+    tr.step(dict.fromkeys(live, 1), 11.5, preempted=("p",))
+    for _ in range(5):
+        tr.step(dict.fromkeys(live, 1), 11.5)
+    tr.reqs["p"].computed = 0  # recomputed: its prompt and the tokens it had
+    tr.step({**dict.fromkeys(live, 1), "p": 51}, 11.5 + 51.0)
+    while any(tr.reqs[r].status is None for r in tr.reqs):
+        rows = {r: 1 for r in tr.reqs if tr.reqs[r].status is None}
+        tr.step(rows, 10.0 + 0.5 * len(rows))
+    run = diagnose_run(tr.write(tmp_path / "t.db"))
+    text = " ".join(render_run(run).split())
+    print(text)
+    got = {r.request_id: r for r in run.requests}
+    d0, p = got["d0"], got["p"]
+    assert d0.decode["recompute"] >= 30 * MS and d0.decode["neighbour_prefill"] < 5 * MS, d0.decode
+    assert p.decode["preempted"] >= 5 * 11.5 * MS + 30 * MS, p.decode
+    gap = d0.long_gaps[0]
+    assert gap.named == "recompute", gap
+    assert "other requests' recompute after a preemption" in text, text
+    assert "--max-num-batched-tokens" not in text, text

@@ -20,7 +20,12 @@ full rows are the step's rows where it took the full logits, 0 where it took the
                   rows in its steps, as the split's: chunk_wait)
     neighbours  = min(net * min((b * other prefill tokens
                                  + per_row * other prefill rows) / cost, 1), net - own)
-    decode      = net - own - neighbours     (the batch's decode rows; its own decode)
+    recompute   = neighbours * min(b * others' recompute tokens / neighbours' cost, 1)
+                  (of neighbours: rows recomputing after a preemption, recompute_tokens;
+                  neighbour_prefill is the rest)
+    preempted   = min(net * min((b * its recompute tokens + per_row) / cost, 1),
+                      net - own - neighbours)      (its own recompute: not its neighbours')
+    decode      = net - own - neighbours - preempted  (the batch's decode rows; its own decode)
 
 A step's prefill rows are its rows less its decode rows (one decode token each); the row itself
 is a prefill row in its TTFT phase or with more than one token (a recompute). So the per-row

@@ -58,6 +58,7 @@ from tracing.diagnosis import (
 )
 from tracing.emit_columns import closes_write
 from tracing.gaps import GapCutter
+from tracing.in_flight import Held, InFlight
 from tracing.pauses import Intervals, Pauses, pauses_of
 from tracing.request_windows import Window, delivered_ttft, window_of, writes_of
 from tracing.shares import StepShare
@@ -81,7 +82,7 @@ class _Run:
     preemptions: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     neighbours: step_members.Neighbours = field(default_factory=dict)
     wait_reasons: dict[str, str] = field(default_factory=dict)
-    in_flight: shares.InFlight | None = None
+    in_flight: InFlight | None = None
     prefills: dict[int, list[tuple[str, int]]] = field(default_factory=dict)  # step -> prefills
     restarts: Intervals = field(default_factory=lambda: Intervals([]))  # the engine's
     gaps: GapCutter | None = None
@@ -175,7 +176,7 @@ def _decompose_all(
         pauses=pauses,
         restarts=Intervals([(p.start_ns, p.start_ns + p.duration_ns) for p in facts.pauses
                             if p.process == "server" and p.kind == "restart"]),
-        in_flight=shares.InFlight(steps, weights, contended),
+        in_flight=InFlight(steps, weights, contended),
         preemptions=preempted,
         neighbours=step_members.neighbours(facts.members, placed),
         prefills=prefills,
@@ -358,11 +359,11 @@ def _ttft_parts(
     if window := span(sent if began is None else way_in, received):
         # A core GC pause holds new requests as a step does: named as GC.
         ipc = core.carve(parts, *window)
-        # The step in flight, up to its expected time: expected (shares.InFlight), but for
+        # The step in flight, up to its expected time: expected (InFlight), but for
         # its prefill's share, other requests' prefill (a smaller token budget cuts it), its
         # sampler's, the sampler's parts (the settings of the rows it ran for), and what the
         # API process's CPU or GC beside its forward slowed it by, theirs.
-        held = run.in_flight.held(*window) if run.in_flight else shares.Held(0, 0, {}, None)
+        held = run.in_flight.held(*window) if run.in_flight else Held(0, 0, {}, None)
         waited = min(held.waited, ipc)
         prefill = min(held.prefill, waited)
         left = waited - prefill
